@@ -54,6 +54,7 @@ class Tensor:
         "quantized",
         "_source",
         "_path",
+        "_in_buffer",
     )
 
     def __init__(
@@ -70,6 +71,7 @@ class Tensor:
         quantized: bool = False,
         source: Any = None,
         path: str | None = None,
+        in_buffer: bool | None = None,
     ) -> None:
         self.name = name
         self.dtype = np.dtype(dtype)
@@ -82,6 +84,17 @@ class Tensor:
         self.quantized = quantized
         self._source = source
         self._path = path
+        # True: ``source`` is the whole file's uint8 map and the tensor is bytes
+        # [offset, offset + nbytes) of it. False: ``source`` is the tensor's own array.
+        if in_buffer is None:
+            in_buffer = (
+                offset is not None
+                and isinstance(source, np.ndarray)
+                and source.dtype == np.uint8
+                and source.ndim == 1
+                and source.shape != self.shape
+            )
+        self._in_buffer = in_buffer
 
     @property
     def numel(self) -> int:
@@ -98,7 +111,7 @@ class Tensor:
             raise DmlibError(f"tensor {self.name!r} has no data source (file closed?)", path=self._path)
         if callable(src):
             arr = src()
-        elif isinstance(src, np.ndarray) and src.dtype == np.uint8 and self.offset is not None:
+        elif self._in_buffer:
             arr = src[self.offset : self.offset + self.nbytes]
         else:
             arr = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
@@ -170,6 +183,7 @@ class TensorSet(Mapping[str, Tensor]):
         self.records = tuple(records)
         self.layout: dict[str, Any] = dict(layout or {})
         self._closer = closer
+        self._buf: np.ndarray | None = None
 
     # Mapping protocol
     def __getitem__(self, name: str) -> Tensor:
@@ -200,17 +214,39 @@ class TensorSet(Mapping[str, Tensor]):
         self.close()
 
     def close(self) -> None:
-        """Release the memory map. Arrays already returned by ``load()`` stay valid."""
+        """Drop this set's reference to the file's memory map.
+
+        Arrays already returned by ``load()`` stay valid (they keep the map alive); the
+        tensors of a closed set refuse to load.
+        """
         if self._closer is not None:
             closer, self._closer = self._closer, None
             closer()
+        if getattr(self, "_buf", None) is not None:
+            self._buf = None
+            for t in self._tensors.values():
+                if t.path is not None:
+                    t._source = None
+            for r in self.records:
+                if r is not self:
+                    r.close()
+
+    def read_range(self, start: int, end: int) -> np.ndarray:
+        """Read-only ``uint8`` view of the file's bytes ``[start, end)`` (for padding analyses)."""
+        buf = getattr(self, "_buf", None)
+        if buf is None:
+            raise DmlibError("no file bytes to read (in-memory set, or closed)", path=self.path)
+        if not 0 <= start <= end <= len(buf):
+            raise DmlibError(f"byte range [{start}, {end}) is outside the file (0..{len(buf)})", path=self.path)
+        view = buf[start:end]
+        return view
 
     # derived facts
     def disk_order(self) -> list[Tensor]:
         """Tensors in the order their bytes lie in the file (name order for in-memory sets)."""
         ts = list(self._tensors.values())
         if all(t.offset is not None for t in ts):
-            ts.sort(key=lambda t: (t.offset, t.nbytes, t.name))
+            ts.sort(key=lambda t: (t.path or "", t.offset, t.nbytes, t.name))
         return ts
 
     @property

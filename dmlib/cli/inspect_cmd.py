@@ -1,0 +1,131 @@
+"""``dmlib inspect PATH``: format, layout, tensor table and padding census of one file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from dmlib.cli import add_common_epilog
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show a checkpoint's format, layout, tensors and padding",
+        description="Show a checkpoint's format, layout (data base, records), a table of its "
+        "tensors (name, dtype, shape, numel, offset, param_id, data hash) and, for burnpack "
+        "files, the padding census.",
+    )
+    p.add_argument("path", help="checkpoint file (burnpack, safetensors, .npy/.npz, torch)")
+    p.add_argument("--format", choices=["burnpack", "safetensors", "npy", "npz", "torch"], help="skip detection")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--no-hash", action="store_true", help="skip per-tensor data hashes (faster on big files)")
+    add_common_epilog(p)
+    p.set_defaults(func=run)
+
+
+def inspect(path: str, *, format: str | None = None, hashes: bool = True) -> dict[str, Any]:
+    """Everything ``dmlib inspect`` shows, as one JSON-ready dict (keys as in the Python API)."""
+    from dmlib.census import padding_census
+    from dmlib.io import open_tensors
+
+    with open_tensors(path, format=format) as ts:
+        tensors = []
+        for t in ts.disk_order():
+            name = t.name
+            tensors.append(
+                {
+                    "name": name,
+                    "dtype": t.dtype_name,
+                    "shape": list(t.shape),
+                    "numel": t.numel,
+                    "offset": t.offset,
+                    "nbytes": t.nbytes,
+                    "param_id": t.param_id,
+                    "record": t.record,
+                    "data_hash": t.data_hash() if hashes else None,
+                }
+            )
+        doc: dict[str, Any] = {
+            "path": ts.path,
+            "format": ts.format,
+            "layout": ts.layout,
+            "metadata": ts.metadata,
+            "scalars": ts.scalars,
+            "n_tensors": len(ts),
+            "numel": ts.numel,
+            "file_hash": ts.file_hash() if hashes else None,
+            "data_hash": ts.data_hash() if hashes else None,
+            "records": [
+                {
+                    "record": r.index,
+                    "start": r.start,
+                    "end": r.end,
+                    "data_base": r.data_base,
+                    "layout": r.layout["layout"],
+                    "n_tensors": len(r),
+                    "data_hash": r.data_hash() if hashes else None,
+                }
+                for r in ts.records
+            ],
+            "tensors": tensors,
+        }
+        if ts.format == "burnpack":
+            c = padding_census(ts)
+            doc["padding"] = {"gaps": c.gaps.to_dict(orient="records"), "slots": c.slots.to_dict(orient="records")}
+    return doc
+
+
+def _print_table(rows: list[dict], cols: list[str], out) -> None:
+    cells = [[("" if r[c] is None else str(r[c])) for c in cols] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)), file=out)
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)), file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = inspect(args.path, format=args.format, hashes=not args.no_hash)
+    out = sys.stdout
+    if args.json:
+        json.dump(doc, out, indent=1, default=str)
+        out.write("\n")
+        return 0
+    print(f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements", file=out)
+    lay = doc["layout"]
+    if doc["records"]:
+        for r in doc["records"]:
+            print(
+                f"record {r['record']}: bytes [{r['start']}, {r['end']}), data base {r['data_base']}, "
+                f"{r['layout']} layout, {r['n_tensors']} tensors",
+                file=out,
+            )
+    elif lay:
+        print("layout: " + ", ".join(f"{k}={v}" for k, v in lay.items()), file=out)
+    if doc["metadata"]:
+        print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["metadata"].items()), file=out)
+    if doc["scalars"]:
+        print("scalars: " + ", ".join(f"{k}={v}" for k, v in doc["scalars"].items()), file=out)
+    if doc["file_hash"]:
+        print(f"file_hash {doc['file_hash']}\ndata_hash {doc['data_hash']}", file=out)
+    print(file=out)
+    rows = [dict(t, shape="x".join(map(str, t["shape"])) or "scalar", data_hash=(t["data_hash"] or "")[:16]) for t in doc["tensors"]]
+    cols = ["name", "dtype", "shape", "numel", "offset", "param_id", "data_hash"]
+    if any(t["record"] for t in doc["tensors"]):
+        cols.insert(0, "record")
+    _print_table(rows, cols, out)
+    if "padding" in doc:
+        print(file=out)
+        for s in doc["padding"]["slots"]:
+            print(
+                f"record {s['record']} slots: flat {s['flat_slots']} = named {s['named_slots']} + padding "
+                f"{s['padding_slots']} ({s['padding_nonzero_slots']} non-zero, {s['nan']} NaN, {s['huge']} |v|>=1e30)",
+                file=out,
+            )
+        dirty = [g for g in doc["padding"]["gaps"] if not g["zero"]]
+        print(f"padding: {len(doc['padding']['gaps'])} gaps, {len(dirty)} not zero", file=out)
+        if dirty:
+            _print_table(dirty, ["record", "kind", "start", "end", "nbytes", "nonzero_bytes", "nan", "huge"], out)
+    return 0

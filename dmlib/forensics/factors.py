@@ -1,0 +1,257 @@
+"""Judge factorised layers by the weight they compute, not by their factors.
+
+A layer stored as ``U diag(s) V^T`` (or ``A @ B`` for a low-rank adapter) can change its
+factors without changing what it computes: negate a column of ``U`` and the matching
+column of ``V`` and the product is the same. Comparing factors then reports a
+difference that does not exist, and a small difference in factors says nothing
+directly about the layer. The effective weight, formed in float64, is what counts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dmlib.errors import DmlibError, TensorNotFoundError
+from dmlib.forensics.columns import Source, as_tensor_set
+from dmlib.tensor import ArrayTensorSet, TensorSet
+
+__all__ = ["FactorGroup", "compare_factors", "effective_weights"]
+
+_PLACEHOLDER = "{prefix}"
+
+
+@dataclass(frozen=True)
+class FactorGroup:
+    """A family of factorised layers, declared by name patterns holding ``{prefix}``.
+
+    Build one with :meth:`svd` or :meth:`lowrank`; every prefix for which all the
+    patterns name a tensor is one layer.
+
+    Attributes
+    ----------
+    kind
+        ``"svd"`` (``U @ diag(s) @ V.T``) or ``"lowrank"`` (``A @ B``).
+    patterns
+        One name pattern per factor, in the order of the formula.
+    transpose
+        Per factor: transpose the stored matrix before use.
+    """
+
+    kind: str
+    patterns: tuple[str, ...]
+    transpose: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        arity = {"svd": 3, "lowrank": 2}
+        if self.kind not in arity:
+            raise DmlibError(f"unknown factor group kind {self.kind!r}; valid: 'svd', 'lowrank'")
+        if len(self.patterns) != arity[self.kind] or len(self.transpose) != arity[self.kind]:
+            raise DmlibError(
+                f"a {self.kind} group takes {arity[self.kind]} patterns, got {list(self.patterns)}"
+            )
+        for p in self.patterns:
+            if p.count(_PLACEHOLDER) != 1:
+                raise DmlibError(f"factor pattern {p!r} must contain '{_PLACEHOLDER}' exactly once")
+
+    @classmethod
+    def svd(
+        cls, u: str, s: str, v: str, *, transpose_u: bool = False, transpose_v: bool = False
+    ) -> FactorGroup:
+        """``W = U @ diag(s) @ V.T`` with U [m, k], s [k], V [n, k] (transposes configurable)."""
+        return cls("svd", (u, s, v), (transpose_u, False, transpose_v))
+
+    @classmethod
+    def lowrank(
+        cls, a: str, b: str, *, transpose_a: bool = False, transpose_b: bool = False
+    ) -> FactorGroup:
+        """``W = A @ B`` with A [m, r], B [r, n] (transposes configurable)."""
+        return cls("lowrank", (a, b), (transpose_a, transpose_b))
+
+    def _regex(self, i: int) -> re.Pattern[str]:
+        head, tail = self.patterns[i].split(_PLACEHOLDER)
+        return re.compile(re.escape(head) + "(?P<prefix>.+)" + re.escape(tail))
+
+    def names(self, prefix: str) -> tuple[str, ...]:
+        """The factor tensor names of one layer."""
+        return tuple(p.replace(_PLACEHOLDER, prefix) for p in self.patterns)
+
+    def prefixes(self, names: Iterable[str]) -> list[str]:
+        """Prefixes (sorted) for which every factor is among ``names``."""
+        have = set(names)
+        rx = self._regex(0)
+        found = {m["prefix"] for n in have if (m := rx.fullmatch(n))}
+        return sorted(p for p in found if all(n in have for n in self.names(p)))
+
+    def effective(self, factors: Iterable[np.ndarray], *, where: str = "") -> np.ndarray:
+        """The effective weight of one layer, computed in float64."""
+        mats = []
+        for arr, t in zip(factors, self.transpose, strict=True):
+            x = np.asarray(arr).astype(np.float64)
+            mats.append(x.T if t and x.ndim == 2 else x)
+        shapes = [list(m.shape) for m in mats]
+        if self.kind == "svd":
+            u, s, v = mats
+            ok = u.ndim == 2 and s.ndim == 1 and v.ndim == 2 and u.shape[1] == s.shape[0] == v.shape[1]
+            if not ok:
+                raise DmlibError(
+                    f"svd group {where}: factor shapes {shapes} do not fit U[m,k] s[k] V[n,k] "
+                    "(set transpose_u/transpose_v for stored transposes)"
+                )
+            return (u * s) @ v.T
+        a, b = mats
+        if not (a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0]):
+            raise DmlibError(
+                f"lowrank group {where}: factor shapes {shapes} do not fit A[m,r] B[r,n] "
+                "(set transpose_a/transpose_b for stored transposes)"
+            )
+        return a @ b
+
+
+def _groups(groups: FactorGroup | Iterable[FactorGroup]) -> list[FactorGroup]:
+    gs = [groups] if isinstance(groups, FactorGroup) else list(groups)
+    if not gs:
+        raise DmlibError("no factor groups given; declare them with FactorGroup.svd/.lowrank")
+    return gs
+
+
+def _layers(ts: TensorSet, groups: list[FactorGroup]) -> dict[str, tuple[FactorGroup, tuple[str, ...]]]:
+    """prefix -> (group, factor names); the first group that claims a prefix wins."""
+    out: dict[str, tuple[FactorGroup, tuple[str, ...]]] = {}
+    for g in groups:
+        for p in g.prefixes(ts):
+            out.setdefault(p, (g, g.names(p)))
+    return out
+
+
+def effective_weights(
+    ts: Source, groups: FactorGroup | Iterable[FactorGroup]
+) -> ArrayTensorSet:
+    """The effective weight (float64) of every factorised layer, named by its prefix.
+
+    The result is an ordinary tensor set, so it goes through ``dmlib.compare`` like
+    any checkpoint.
+    """
+    tset = as_tensor_set(ts)
+    arrays = {}
+    for prefix, (g, names) in _layers(tset, _groups(groups)).items():
+        arrays[prefix] = g.effective((tset[n].load() for n in names), where=f"{prefix!r}")
+    return ArrayTensorSet(arrays, path=tset.path)
+
+
+def _n_diff(x: np.ndarray, y: np.ndarray) -> int:
+    """Elements whose bit patterns differ (same-bits NaNs are equal, -0 differs from +0)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return int(max(x.size, y.size))
+    size = x.dtype.itemsize
+    xb = np.ascontiguousarray(x).view(np.uint8).reshape(x.size, size)
+    yb = np.ascontiguousarray(y).view(np.uint8).reshape(y.size, size)
+    return int((xb != yb).any(axis=1).sum())
+
+
+def _delta(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    d = x - y
+    norm = float(np.linalg.norm(x))
+    dn = float(np.linalg.norm(d))
+    if norm == 0.0:
+        rel = 0.0 if dn == 0.0 else float("inf")
+    else:
+        rel = dn / norm
+    return {
+        "norm": norm,
+        "rel_fro": rel,
+        "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
+        "n_diff": int(np.count_nonzero(x != y)),
+    }
+
+
+_COLUMNS = [
+    "group",
+    "kind",
+    "shape",
+    "numel",
+    "norm",
+    "rel_fro",
+    "max_abs",
+    "n_diff",
+    "factor_n_diff",
+    "factor_numel",
+    "status",
+]
+
+
+def compare_factors(
+    a: Source, b: Source, groups: FactorGroup | Iterable[FactorGroup]
+) -> pd.DataFrame:
+    """Compare two checkpoints' factorised layers by their effective weights.
+
+    Parameters
+    ----------
+    a, b
+        Paths, TensorSets or mappings of arrays.
+    groups
+        One or more :class:`FactorGroup`.
+
+    Returns
+    -------
+    DataFrame
+        One row per layer (``group`` = prefix): ``kind``, ``shape`` and ``numel`` of the
+        effective weight, ``norm`` (||W_a||_F), ``rel_fro`` (||W_a - W_b||_F / ||W_a||_F),
+        ``max_abs`` (max |W_a - W_b|), ``n_diff`` (effective-weight elements that differ
+        in float64), ``factor_n_diff`` / ``factor_numel`` (the factors' own differing
+        elements, bitwise), ``status`` ("ok", or "only in a"/"only in b").
+        ``attrs["worst_group"]`` and ``attrs["worst_rel_fro"]`` name the largest rel_fro.
+    """
+    gs = _groups(groups)
+    sa, sb = as_tensor_set(a), as_tensor_set(b)
+    la, lb = _layers(sa, gs), _layers(sb, gs)
+    rows = []
+    for prefix in sorted(set(la) | set(lb)):
+        g, names = la.get(prefix) or lb[prefix]
+        row: dict[str, Any] = dict.fromkeys(_COLUMNS)
+        row.update(group=prefix, kind=g.kind)
+        if prefix not in la or prefix not in lb:
+            row["status"] = "only in b" if prefix not in la else "only in a"
+            rows.append(row)
+            continue
+        fa = [sa[n].load() for n in names]
+        fb = [sb[n].load() for n in names]
+        wa = g.effective(fa, where=f"{prefix!r} in {sa.path or 'a'}")
+        wb = g.effective(fb, where=f"{prefix!r} in {sb.path or 'b'}")
+        if wa.shape != wb.shape:
+            raise DmlibError(
+                f"layer {prefix!r}: effective weight is {list(wa.shape)} in a and "
+                f"{list(wb.shape)} in b; the two checkpoints must hold the same model",
+                path=sb.path,
+            )
+        row.update(
+            shape=list(wa.shape),
+            numel=int(wa.size),
+            **_delta(wa, wb),
+            factor_n_diff=sum(_n_diff(x, y) for x, y in zip(fa, fb, strict=True)),
+            factor_numel=sum(int(x.size) for x in fa),
+            status="ok",
+        )
+        rows.append(row)
+    if not rows:
+        pats = [list(g.patterns) for g in gs]
+        raise TensorNotFoundError(
+            f"no factorised layer matches the patterns {pats} "
+            f"({len(sa)} tensors, e.g. {next(iter(sa), None)!r})",
+            path=sa.path,
+        )
+    df = pd.DataFrame(rows, columns=_COLUMNS)
+    ok = df[df["status"] == "ok"]
+    if len(ok):
+        worst = ok.loc[ok["rel_fro"].astype(float).idxmax()]
+        df.attrs["worst_group"] = worst["group"]
+        df.attrs["worst_rel_fro"] = float(worst["rel_fro"])
+    else:
+        df.attrs["worst_group"] = None
+        df.attrs["worst_rel_fro"] = None
+    return df

@@ -1,0 +1,387 @@
+"""Step ladders: how two same-seed runs drift apart as training proceeds.
+
+Input is a ladder ``{run_label: {step: path_or_TensorSet}}``: checkpoints of two or more
+runs at the same claimed steps. Before anything is compared, every checkpoint's own
+record of its step is checked against the claim, because a run that died before its
+final save leaves a step-0 file where the step-50 one should be, and a ladder built on
+it reports "no divergence at step 50" for a step that never ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dmlib.errors import DmlibError
+from dmlib.forensics.columns import Source, as_tensor_set, name_filter
+from dmlib.forensics.factors import FactorGroup, _groups, _layers
+from dmlib.tensor import TensorSet
+
+__all__ = ["check_steps", "growth_rates", "step_ladder"]
+
+Ladder = Mapping[str, Mapping[Any, Source]]
+StepKey = str | Callable[[TensorSet], Any] | None
+
+# statuses a ladder keeps; every other one is excluded and reported
+USABLE = ("ok", "unverified")
+
+CHECK_COLUMNS = ["run", "step", "path", "recorded_step", "status", "detail", "flagged"]
+LADDER_COLUMNS = [
+    "step",
+    "pair",
+    "a",
+    "b",
+    "name",
+    "kind",
+    "numel",
+    "norm",
+    "n_diff",
+    "max_abs",
+    "rel_fro",
+    "rank",
+]
+
+
+# ---------------------------------------------------------------------------
+# integrity of the claimed steps
+
+
+def _claimed(step: Any, run: str) -> int:
+    try:
+        return int(step)
+    except (TypeError, ValueError):
+        raise DmlibError(f"run {run!r}: step {step!r} is not an integer") from None
+
+
+def _recorded(ts: TensorSet, step_key: StepKey) -> tuple[Any, str]:
+    """(value the checkpoint records as its step or None, where it was looked for)."""
+    if callable(step_key):
+        return step_key(ts), "step_key callable"
+    if step_key is None or step_key == "auto":
+        for where, table in (("scalars", ts.scalars), ("metadata", ts.metadata)):
+            if "step" in table:
+                return table["step"], f"{where}['step']"
+        return None, "scalars['step'] or metadata['step']"
+    source, sep, key = str(step_key).partition(":")
+    if not sep or source not in ("scalars", "metadata", "name", "path") or not key:
+        raise DmlibError(
+            f"invalid step key {step_key!r}; valid: 'auto', 'scalars:KEY', 'metadata:KEY', "
+            "'name:REGEX', 'path:REGEX' (REGEX with one group capturing the step) or a callable"
+        )
+    if source in ("scalars", "metadata"):
+        table = ts.scalars if source == "scalars" else ts.metadata
+        return table.get(key), f"{source}[{key!r}]"
+    try:
+        rx = re.compile(key)
+    except re.error as err:
+        raise DmlibError(f"invalid step key regex {key!r}: {err}") from None
+    texts = [ts.path or ""] if source == "path" else list(ts)
+    for text in texts:
+        m = rx.search(text)
+        if m:
+            return (m.group(1) if rx.groups else m.group(0)), f"{source} ~ {key!r}"
+    return None, f"{source} ~ {key!r}"
+
+
+def _check_one(run: str, step: int, src: Source, step_key: StepKey) -> tuple[dict[str, Any], TensorSet | None]:
+    row: dict[str, Any] = {"run": run, "step": step, "path": None, "recorded_step": None}
+    if isinstance(src, (str, os.PathLike)):
+        row["path"] = os.fspath(src)
+        if not os.path.exists(src):
+            row.update(status="missing", detail=f"no such file: {row['path']}", flagged=True)
+            return row, None
+    try:
+        ts = as_tensor_set(src)
+    except (DmlibError, OSError) as err:
+        row.update(status="unreadable", detail=str(err), flagged=True)
+        return row, None
+    row["path"] = row["path"] or ts.path
+    value, where = _recorded(ts, step_key)
+    if value is None:
+        row.update(status="unverified", detail=f"no recorded step ({where} absent)", flagged=False)
+        return row, ts
+    try:
+        recorded = int(value)
+    except (TypeError, ValueError):
+        row.update(
+            status="unverified", detail=f"{where} = {value!r} is not an integer step", flagged=False
+        )
+        return row, ts
+    row["recorded_step"] = recorded
+    if recorded == step:
+        row.update(status="ok", detail=f"{where} = {recorded}", flagged=False)
+    else:
+        detail = f"artifact: recorded step {recorded}, claimed {step}"
+        if recorded == 0:
+            detail += " — run died before its final save?"
+        row.update(status="artifact", detail=detail, flagged=True)
+    return row, ts
+
+
+def _check_all(ladder: Ladder, step_key: StepKey) -> tuple[pd.DataFrame, dict[tuple[str, int], TensorSet]]:
+    if not isinstance(ladder, Mapping) or not ladder:
+        raise DmlibError("a ladder is a non-empty mapping {run_label: {step: path_or_TensorSet}}")
+    rows, sets = [], {}
+    for run, steps in ladder.items():
+        if not isinstance(steps, Mapping):
+            raise DmlibError(f"run {run!r}: expected a mapping step -> checkpoint, got {type(steps).__name__}")
+        for step, src in steps.items():
+            claimed = _claimed(step, run)
+            row, ts = _check_one(str(run), claimed, src, step_key)
+            rows.append(row)
+            if ts is not None:
+                sets[(str(run), claimed)] = ts
+    df = pd.DataFrame(rows, columns=CHECK_COLUMNS)
+    df["recorded_step"] = df["recorded_step"].astype("Int64")
+    return df, sets
+
+
+def check_steps(ladder: Ladder, *, step_key: StepKey = "auto") -> pd.DataFrame:
+    """Check the step each checkpoint records about itself against the step claimed.
+
+    Parameters
+    ----------
+    ladder
+        ``{run_label: {claimed_step: path_or_TensorSet}}``.
+    step_key
+        Where a checkpoint records its step: ``"auto"`` (``scalars['step']``, else
+        ``metadata['step']``), ``"scalars:KEY"``, ``"metadata:KEY"``, ``"name:REGEX"``
+        (a tensor name; group 1 captures the step), ``"path:REGEX"``, or a callable
+        ``TensorSet -> step or None``.
+
+    Returns
+    -------
+    DataFrame
+        One row per checkpoint: ``run``, ``step`` (claimed), ``path``, ``recorded_step``,
+        ``status`` ("ok", "unverified" [no recorded step found], "artifact" [recorded
+        differs from claimed], "missing", "unreadable"), ``detail`` (the reason, or the
+        reader's error text) and ``flagged`` (True for artifact/missing/unreadable).
+        Never raises for a bad checkpoint: each is a row.
+    """
+    return _check_all(ladder, step_key)[0]
+
+
+# ---------------------------------------------------------------------------
+# the ladder itself
+
+
+def _tensor_stats(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    xf, yf = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    d = xf - yf
+    norm = float(np.linalg.norm(xf))
+    dn = float(np.linalg.norm(d))
+    rel = dn / norm if norm else (0.0 if dn == 0 else float("inf"))
+    if x.dtype == y.dtype:
+        size = x.dtype.itemsize
+        xb = np.ascontiguousarray(x).view(np.uint8).reshape(x.size, size)
+        yb = np.ascontiguousarray(y).view(np.uint8).reshape(y.size, size)
+        n_diff = int((xb != yb).any(axis=1).sum())
+    else:
+        n_diff = int(np.count_nonzero(xf != yf))
+    return {
+        "numel": int(x.size),
+        "norm": norm,
+        "n_diff": n_diff,
+        "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
+        "rel_fro": rel,
+    }
+
+
+def _pair_rows(
+    sa: TensorSet, sb: TensorSet, keep: Callable[[str], bool], groups: list[FactorGroup] | None
+) -> list[dict[str, Any]]:
+    rows = []
+    factor_names: set[str] = set()
+    if groups:
+        la, lb = _layers(sa, groups), _layers(sb, groups)
+        for prefix in sorted(set(la) & set(lb)):
+            g, names = la[prefix]
+            factor_names.update(names)
+            if not keep(prefix):
+                continue
+            wa = g.effective((sa[n].load() for n in names), where=repr(prefix))
+            wb = g.effective((sb[n].load() for n in names), where=repr(prefix))
+            rows.append({"name": prefix, "kind": "effective", **_tensor_stats(wa, wb)})
+    for name in sa:
+        if name in factor_names or name not in sb or not keep(name):
+            continue
+        ta, tb = sa[name], sb[name]
+        if ta.quantized or ta.shape != tb.shape:
+            continue
+        rows.append({"name": name, "kind": "tensor", **_tensor_stats(ta.load(), tb.load())})
+    return rows
+
+
+def step_ladder(
+    ladder: Ladder,
+    *,
+    reference: str | None = None,
+    include: Any = None,
+    exclude: Any = None,
+    groups: FactorGroup | list[FactorGroup] | None = None,
+    step_key: StepKey = "auto",
+    keep_flagged: bool = False,
+) -> pd.DataFrame:
+    """Divergence of every tensor between runs, at every step of a ladder.
+
+    Parameters
+    ----------
+    ladder
+        ``{run_label: {claimed_step: path_or_TensorSet}}``, two runs or more.
+    reference
+        Compare every other run against this one; default: all pairs of runs.
+    include, exclude
+        Regular expression(s) on tensor (or layer) names.
+    groups
+        Factor groups: their layers are compared by effective weight (``kind``
+        "effective", named by prefix) instead of factor by factor.
+    step_key
+        See :func:`check_steps`.
+    keep_flagged
+        Compare flagged checkpoints too (artifacts). Default False: they are excluded,
+        so no step is reported that was not really reached.
+
+    Returns
+    -------
+    DataFrame
+        Long form, one row per (step, pair, name): ``step``, ``pair`` ("a/b"), ``a``,
+        ``b``, ``name``, ``kind``, ``numel``, ``norm`` (||a||_F of the tensor itself),
+        ``n_diff``, ``max_abs``, ``rel_fro``, ``rank`` (1 = fastest mover by rel_fro
+        within its step and pair). ``attrs["checks"]`` is :func:`check_steps` as records;
+        ``attrs["excluded"]`` the checkpoints left out and why.
+    """
+    checks, sets = _check_all(ladder, step_key)
+    runs = list(dict.fromkeys(str(r) for r in ladder))
+    if len(runs) < 2:
+        raise DmlibError(f"a ladder needs two runs or more, got {runs}")
+    if reference is not None and reference not in runs:
+        raise DmlibError(f"reference run {reference!r} is not in the ladder; runs: {runs}")
+    usable = checks["status"].isin(USABLE) | (keep_flagged & checks["status"].eq("artifact"))
+    good = {(r, s) for r, s, u in zip(checks["run"], checks["step"], usable, strict=True) if u}
+    pairs = (
+        [(reference, r) for r in runs if r != reference]
+        if reference is not None
+        else list(itertools.combinations(runs, 2))
+    )
+    keep = name_filter(include, exclude)
+    gs = _groups(groups) if groups is not None else None
+    steps = sorted({s for _, s in good})
+    rows = []
+    for step in steps:
+        for ra, rb in pairs:
+            if (ra, step) not in good or (rb, step) not in good:
+                continue
+            for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs):
+                rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
+    df = pd.DataFrame(rows, columns=LADDER_COLUMNS)
+    if len(df):
+        df["rank"] = (
+            df.groupby(["step", "pair"])["rel_fro"].rank(ascending=False, method="min").astype("Int64")
+        )
+    else:
+        df["rank"] = df["rank"].astype("Int64")
+    df.attrs["checks"] = checks.astype(object).where(checks.notna(), None).to_dict("records")
+    df.attrs["excluded"] = [c for c, u in zip(df.attrs["checks"], usable, strict=True) if not u]
+    return df
+
+
+# ---------------------------------------------------------------------------
+# growth per step
+
+
+def _keys(df: pd.DataFrame, by: Any) -> tuple[str, pd.Series]:
+    if isinstance(by, str):
+        if by not in df.columns:
+            raise DmlibError(
+                f"growth_rates: by={by!r} is not a column of the ladder ({list(df.columns)}); "
+                "pass a column name, a mapping name -> group, a compiled regex or a callable"
+            )
+        return by, df[by]
+    names = df["name"]
+    if isinstance(by, Mapping):
+        return "group", names.map(lambda n: by.get(n))
+    if isinstance(by, re.Pattern):
+
+        def key(n: str) -> str | None:
+            m = by.search(n)
+            if m is None:
+                return None
+            return m.group(1) if by.groups else m.group(0)
+
+        return "group", names.map(key)
+    if callable(by):
+        return "group", names.map(by)
+    raise DmlibError(f"growth_rates: cannot group by a {type(by).__name__}")
+
+
+def _fit(steps: np.ndarray, rel: np.ndarray) -> dict[str, Any]:
+    ok = np.isfinite(rel) & (rel > 0)
+    x, y = steps[ok].astype(np.float64), np.log10(rel[ok])
+    out: dict[str, Any] = {"n_steps": int(ok.sum())}
+    if ok.sum() >= 2 and np.ptp(x) > 0:
+        xm, ym = x.mean(), y.mean()
+        slope = float(((x - xm) * (y - ym)).sum() / ((x - xm) ** 2).sum())
+        out.update(slope=slope, intercept=float(ym - slope * xm))
+    else:
+        out.update(slope=float("nan"), intercept=float("nan"))
+    out.update(
+        step_min=int(x.min()) if x.size else None,
+        step_max=int(x.max()) if x.size else None,
+    )
+    return out
+
+
+def growth_rates(df: pd.DataFrame, *, by: Any = "name") -> pd.DataFrame:
+    """Growth of divergence per step: slope of log10(rel_fro) against step.
+
+    Parameters
+    ----------
+    df
+        A :func:`step_ladder` frame.
+    by
+        ``"name"`` (per tensor), another column name (e.g. ``"kind"``), a mapping
+        name -> group, a compiled regex (group 1, else the whole match, is the group),
+        or a callable name -> group; names mapped to None are left out. A group's
+        rel_fro at a step is ``sqrt(sum (rel_fro*norm)^2) / sqrt(sum norm^2)`` over its
+        members, i.e. the rel_fro of the members concatenated.
+
+    Returns
+    -------
+    DataFrame
+        One row per (pair, key): ``pair``, the key column, ``slope`` (decades per step;
+        least squares over the steps where rel_fro > 0), ``intercept``, ``n_steps``,
+        ``step_min``, ``step_max``. ``slope`` is NaN with fewer than two such steps.
+    """
+    key_col, keys = _keys(df, by)
+    work = pd.DataFrame(
+        {
+            "pair": df["pair"],
+            "step": df["step"],
+            "key": keys,
+            "d2": (df["rel_fro"].astype(float) * df["norm"].astype(float)) ** 2,
+            "n2": df["norm"].astype(float) ** 2,
+            "rel_fro": df["rel_fro"].astype(float),
+        }
+    ).dropna(subset=["key"])
+    if key_col == "name":
+        per_step = work[["pair", "key", "step", "rel_fro"]]
+    else:
+        agg = work.groupby(["pair", "key", "step"], sort=True)[["d2", "n2"]].sum().reset_index()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            agg["rel_fro"] = np.sqrt(agg["d2"]) / np.sqrt(agg["n2"])
+        per_step = agg[["pair", "key", "step", "rel_fro"]]
+    rows = []
+    for (pair, key), g in per_step.groupby(["pair", "key"], sort=True):
+        fit = _fit(g["step"].to_numpy(), g["rel_fro"].to_numpy(dtype=np.float64))
+        rows.append({"pair": pair, key_col: key, **fit})
+    cols = ["pair", key_col, "slope", "intercept", "n_steps", "step_min", "step_max"]
+    out = pd.DataFrame(rows, columns=cols)
+    out["step_min"] = out["step_min"].astype("Int64")
+    out["step_max"] = out["step_max"].astype("Int64")
+    return out

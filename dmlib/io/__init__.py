@@ -1,0 +1,107 @@
+"""Readers: one module per format, and a registry that opens a file by its magic bytes
+first, then its suffix. ``format=`` overrides detection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from dmlib.errors import DmlibError, FormatError, TruncatedError, UnknownFormatError
+from dmlib.io import burnpack, numpy_, safetensors, torch_
+from dmlib.tensor import TensorSet
+
+FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch")
+
+# (format, magic check) in detection order; suffixes are the fallback
+_MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
+    ("burnpack", burnpack.can_open),
+    ("npy", numpy_.can_open_npy),
+    ("npz", numpy_.can_open_npz),
+    ("torch", torch_.can_open),
+    ("safetensors", safetensors.can_open),
+]
+_SUFFIX = {
+    ".bpk": "burnpack",
+    ".burnpack": "burnpack",
+    ".safetensors": "safetensors",
+    ".npy": "npy",
+    ".npz": "npz",
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",
+    ".ckpt": "torch",
+}
+
+
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise DmlibError("no such file", path=path)
+    if os.path.isdir(path):
+        raise DmlibError("is a directory, not a checkpoint file (for a capture use dmlib.open_capture)", path=path)
+    if os.path.getsize(path) == 0:
+        raise TruncatedError("empty file (0 bytes)", path=path)
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """The format of a file: by magic bytes, then by suffix."""
+    path = os.fspath(path)
+    if path.endswith(".index.json"):
+        return "safetensors"
+    _check_file(path)
+    with open(path, "rb") as f:
+        head = f.read(64)
+    for name, check in _MAGIC:
+        if check(head, path):
+            return name
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in _SUFFIX:
+        return _SUFFIX[suffix]
+    raise UnknownFormatError(
+        f"unrecognised file (first bytes {head[:8]!r}); pass format= one of {', '.join(FORMATS)}", path=path
+    )
+
+
+def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, record: int | None = None) -> TensorSet:
+    """Open a checkpoint as a lazy, read-only mapping name -> Tensor.
+
+    Parameters
+    ----------
+    path
+        A burnpack, safetensors (or sharded ``*.safetensors.index.json``), ``.npy``,
+        ``.npz`` or PyTorch (``.pt``/``.pth``/``.bin``) file.
+    format
+        Skip detection and read as this format.
+    record
+        For burnpack files holding several records: open record ``record`` alone.
+    """
+    path = os.fspath(path)
+    fmt = format or detect_format(path)
+    if fmt not in FORMATS:
+        raise UnknownFormatError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path)
+    if record is not None and fmt != "burnpack":
+        raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
+    if fmt == "safetensors" and path.endswith(".index.json"):
+        return safetensors.open_sharded(path)
+    _check_file(path)
+    if fmt == "burnpack":
+        return burnpack.open_burnpack(path, record=record)
+    if fmt == "safetensors":
+        return safetensors.open_safetensors(path)
+    if fmt == "npy":
+        return numpy_.open_npy(path)
+    if fmt == "npz":
+        return numpy_.open_npz(path)
+    return torch_.open_torch(path)
+
+
+def load(path: str | os.PathLike[str], names: Iterable[str] | None = None, *, format: str | None = None) -> dict[str, np.ndarray]:
+    """Read tensors eagerly into (writable, in-memory) numpy arrays."""
+    with open_tensors(path, format=format) as ts:
+        wanted = list(ts) if names is None else list(names)
+        return {n: np.array(ts[n].load()) for n in wanted}
+
+
+__all__ = ["FORMATS", "detect_format", "load", "open_tensors"]

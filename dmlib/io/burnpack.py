@@ -1,0 +1,493 @@
+"""Burn's burnpack format (``.bpk``): reader with a solved and validated data base, and a
+writer that reproduces Burn's files byte for byte.
+
+Layout (see FORMATS.md): ``b"NRUB"`` magic, u16 version (1), u32 ``metadata_size``, CBOR
+metadata, zero padding up to ``D = ceil((10 + metadata_size) / 256) * 256``, then the data
+section; every tensor's ``data_offsets`` are relative to ``D``, which is never stored.
+Legacy files (Burn v0.19 to v0.20-pre.4) put ``D = 10 + metadata_size`` and pack tensors back
+to back. A reader that guesses the base wrong gets a shifted window of plausible bytes, so
+this one derives the base from the layout, checks every offset against it and refuses a
+file that fits neither layout (or both).
+
+A file may hold several records back to back (model + optimizer + EMA); each is a complete
+burnpack image starting at the next 256-byte boundary after the previous one ends.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from dmlib import _atomic
+from dmlib.dtypes import BFLOAT16
+from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
+from dmlib.io import cbor
+from dmlib.tensor import Scalar, Tensor, TensorSet
+
+MAGIC = b"NRUB"  # u32 0x4255524E little-endian
+VERSION = 1
+HEADER = 10
+ALIGN = 256
+
+# CBOR dtype text -> numpy dtype
+_SIMPLE_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "Flex32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": BFLOAT16,
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "Bool": np.dtype("?"),  # files written by Burn up to v0.20
+}
+_BOOL_STORES: dict[str, np.dtype] = {"Native": np.dtype("?"), "U8": np.dtype("u1"), "U32": np.dtype("<u4")}
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def _parse_dtype(value: Any, path: str, name: str) -> tuple[np.dtype, str, bool]:
+    """(numpy dtype, readable dtype name, quantized) of a CBOR dtype value."""
+    if isinstance(value, str) and value in _SIMPLE_DTYPES:
+        return _SIMPLE_DTYPES[value], value, False
+    if isinstance(value, dict) and len(value) == 1:
+        (key, inner), = value.items()
+        if key == "Bool" and isinstance(inner, str) and inner in _BOOL_STORES:
+            return _BOOL_STORES[inner], f"Bool({inner})", False
+        if key == "QFloat":
+            return np.dtype("u1"), "QFloat", True
+    raise UnsupportedError(
+        f"tensor {name!r}: unknown dtype {value!r} (expected one of "
+        f"{', '.join(_SIMPLE_DTYPES)}, {{'Bool': Native|U8|U32}} or {{'QFloat': ...}})",
+        path=path,
+    )
+
+
+def dtype_value_for(dtype: np.dtype) -> Any:
+    """The CBOR dtype value Burn writes for a numpy dtype."""
+    dtype = np.dtype(dtype)
+    if dtype == np.dtype("?"):
+        return {"Bool": "Native"}
+    for name, dt in _SIMPLE_DTYPES.items():
+        if dt == dtype and name not in ("Flex32", "Bool"):
+            return name
+    raise UnsupportedError(f"burnpack has no dtype for numpy {dtype}")
+
+
+@dataclass
+class BurnTensor:
+    """A tensor to write: data plus what Burn stores beside it.
+
+    ``dtype_value`` is the CBOR dtype (e.g. ``"Flex32"``, ``{"Bool": "U32"}``); by default it
+    follows ``data.dtype``. ``raw`` writes ``data``'s bytes as they are (QFloat).
+    """
+
+    data: np.ndarray
+    dtype_value: Any = None
+    param_id: int | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass
+class _Record:
+    index: int
+    start: int
+    metadata_size: int
+    data_base: int
+    end: int
+    layout: str
+    descriptors: dict[str, dict[str, Any]]
+    metadata: dict[str, str]
+    scalars: dict[str, Scalar]
+    scalar_kinds: dict[str, str]
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+class Record(TensorSet):
+    """One record image of a burnpack file: a TensorSet with its byte range and data base.
+
+    Attributes: ``index``, ``start`` and ``end`` (absolute byte range of the image),
+    ``data_base`` (absolute ``D``), ``metadata_size``, ``layout`` (``"aligned"`` or
+    ``"legacy-unaligned"``), ``scalar_kinds`` (scalar name -> Int/UInt/Float/Bool) and
+    ``descriptors`` (the raw CBOR descriptor of each tensor, for faithful rewriting).
+    """
+
+    index: int
+    start: int
+    end: int
+    data_base: int
+    metadata_size: int
+    scalar_kinds: dict[str, str]
+    descriptors: dict[str, dict[str, Any]]
+
+
+def _mk_record(rec: _Record, path: str, buf: np.ndarray) -> Record:
+    r = Record(
+        rec.tensors,
+        path=path,
+        format="burnpack",
+        metadata=rec.metadata,
+        scalars=rec.scalars,
+        layout={
+            "layout": rec.layout,
+            "data_base": rec.data_base,
+            "metadata_size": rec.metadata_size,
+            "start": rec.start,
+            "end": rec.end,
+        },
+    )
+    r.index, r.start, r.end = rec.index, rec.start, rec.end
+    r.data_base, r.metadata_size = rec.data_base, rec.metadata_size
+    r.scalar_kinds, r.descriptors = rec.scalar_kinds, rec.descriptors
+    r._buf = buf
+    r.records = (r,)
+    return r
+
+
+def _decode_scalars(raw: Any, path: str) -> tuple[dict[str, Scalar], dict[str, str]]:
+    if raw is None:
+        return {}, {}
+    if not isinstance(raw, dict):
+        raise FormatError(f"'scalars' is a {type(raw).__name__}, expected a map", path=path)
+    values: dict[str, Scalar] = {}
+    kinds: dict[str, str] = {}
+    for k, v in raw.items():
+        if not (isinstance(k, str) and isinstance(v, dict) and len(v) == 1):
+            raise FormatError(f"scalar {k!r}: expected a one-key map like {{'UInt': 42}}, got {v!r}", path=path)
+        (kind, val), = v.items()
+        ok = {
+            "Int": isinstance(val, int) and not isinstance(val, bool),
+            "UInt": isinstance(val, int) and not isinstance(val, bool) and val >= 0,
+            "Float": isinstance(val, float),
+            "Bool": isinstance(val, bool),
+        }.get(kind, False)
+        if not ok:
+            raise FormatError(f"scalar {k!r}: invalid value {v!r} (Int/UInt/Float/Bool)", path=path)
+        values[k], kinds[k] = val, kind
+    return values, kinds
+
+
+def _parse_header(buf: np.ndarray, start: int, size: int, path: str, index: int) -> tuple[int, dict]:
+    where = f"record {index} at byte {start}: " if index else ""
+    if size - start < HEADER:
+        raise TruncatedError(f"{where}{size - start} bytes, shorter than the 10-byte burnpack header", path=path)
+    head = bytes(buf[start : start + HEADER])
+    if head[:4] != MAGIC:
+        raise FormatError(f"{where}bad magic {head[:4]!r} (a burnpack file starts with b'NRUB')", path=path)
+    version, msize = struct.unpack("<HI", head[4:])
+    if version > VERSION or version == 0:
+        raise UnsupportedError(f"{where}burnpack version {version}; this reader supports version 1", path=path)
+    if start + HEADER + msize > size:
+        raise TruncatedError(
+            f"{where}metadata_size {msize} runs past the end of the file ({size} bytes)", path=path
+        )
+    try:
+        meta = cbor2.loads(bytes(buf[start + HEADER : start + HEADER + msize]))
+    except Exception as err:  # cbor2 raises several types for corrupt input
+        raise FormatError(f"{where}corrupt CBOR metadata ({type(err).__name__}: {err})", path=path) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
+        raise FormatError(f"{where}CBOR metadata is not a map with a 'tensors' map", path=path)
+    return msize, meta
+
+
+def _descriptors(meta: dict, path: str) -> list[tuple[str, np.dtype, str, bool, tuple[int, ...], int, int, Any, dict]]:
+    out = []
+    for name, d in meta["tensors"].items():
+        if not isinstance(name, str) or not isinstance(d, dict):
+            raise FormatError(f"tensor entry {name!r} is not a name -> map descriptor", path=path)
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in d:
+                raise FormatError(f"tensor {name!r}: descriptor lacks {key!r}", path=path)
+        dtype, dname, quantized = _parse_dtype(d["dtype"], path, name)
+        shape, offs = d["shape"], d["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise FormatError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers", path=path)
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            and 0 <= offs[0] <= offs[1]
+        ):
+            raise FormatError(f"tensor {name!r}: data_offsets {offs!r} is not [start, end] with 0 <= start <= end", path=path)
+        pid = d.get("param_id")
+        if pid is not None and not (isinstance(pid, int) and 0 <= pid < 1 << 64):
+            raise FormatError(f"tensor {name!r}: param_id {pid!r} is not a u64", path=path)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not quantized and offs[1] - offs[0] != numel * dtype.itemsize:
+            raise LayoutError(
+                f"tensor {name!r}: {offs[1] - offs[0]} bytes at data_offsets {offs} but {dname} x {shape} "
+                f"needs {numel * dtype.itemsize}",
+                path=path,
+            )
+        out.append((name, dtype, dname, quantized, tuple(shape), offs[0], offs[1], pid, d))
+    return out
+
+
+def _fits(base: int, descs: list, size: int, buf: np.ndarray, aligned: bool) -> tuple[bool, int, str]:
+    """Does the record fit with data base ``base``? Returns (ok, record end, reason)."""
+    spans = sorted((d[5], d[6]) for d in descs)
+    last = max((e for _, e in spans), default=0)
+    end = base + last
+    if end > size:
+        return False, end, f"tensors would end at byte {end}, past the end of the file ({size})"
+    prev = 0
+    for s, e in spans:
+        if s < prev:
+            return False, end, f"tensors overlap (a tensor starts at data offset {s} before {prev})"
+        if aligned and s % ALIGN:
+            return False, end, f"data offset {s} is not a multiple of {ALIGN}"
+        if not aligned and s != prev:
+            return False, end, f"data offset {s} leaves a gap after {prev} (legacy files pack tensors back to back)"
+        prev = max(prev, e)
+    if end == size:
+        return True, end, ""
+    for nxt in {align_up(end), end}:
+        if nxt + 4 <= size and bytes(buf[nxt : nxt + 4]) == MAGIC:
+            return True, end, ""
+    return False, end, f"the record would end at byte {end} but the file has {size - end} more bytes that are not another record"
+
+
+def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) -> _Record:
+    msize, meta = _parse_header(buf, start, size, path, index)
+    descs = _descriptors(meta, path)
+    d_aligned = start + align_up(HEADER + msize)
+    d_legacy = start + HEADER + msize
+    ok_a, end_a, why_a = _fits(d_aligned, descs, size, buf, aligned=True)
+    if d_legacy == d_aligned:
+        ok_l, end_l, why_l = False, end_a, "same base as the aligned layout"
+    else:
+        ok_l, end_l, why_l = _fits(d_legacy, descs, size, buf, aligned=False)
+        if ok_l and descs and all(d[5] % ALIGN == 0 for d in descs) and ok_a:
+            ok_l = False  # aligned starts that also pack back to back: the aligned reading wins
+    if ok_a and ok_l:
+        raise LayoutError(
+            f"record {index}: ambiguous data base (both {d_aligned} and {d_legacy} fit); refusing to guess",
+            path=path,
+        )
+    if not ok_a and not ok_l:
+        raise LayoutError(
+            f"record {index}: no valid data base. Aligned layout (D={d_aligned}): {why_a}. "
+            f"Legacy unaligned layout (D={d_legacy}): {why_l}",
+            path=path,
+        )
+    base, end, layout = (d_aligned, end_a, "aligned") if ok_a else (d_legacy, end_l, "legacy-unaligned")
+    md = meta.get("metadata") or {}
+    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+        raise FormatError("'metadata' is not a str -> str map", path=path)
+    scalars, kinds = _decode_scalars(meta.get("scalars"), path)
+    rec = _Record(index, start, msize, base, end, layout, {}, dict(md), scalars, kinds)
+    for name, dtype, dname, quantized, shape, s, e, pid, raw in descs:
+        rec.descriptors[name] = raw
+        rec.tensors[name] = Tensor(
+            name,
+            dtype,
+            shape,
+            nbytes=e - s,
+            offset=base + s,
+            param_id=pid,
+            dtype_name=dname,
+            record=index,
+            quantized=quantized,
+            source=buf,
+            in_buffer=True,
+            path=path,
+        )
+    return rec
+
+
+def can_open(head: bytes, path: str) -> bool:
+    return head[:4] == MAGIC
+
+
+def open_burnpack(path: str | os.PathLike[str], *, record: int | None = None) -> TensorSet:
+    """Open a burnpack file (every record in it) as a TensorSet.
+
+    Names of record ``i > 0`` are prefixed ``"record{i}/"``; ``ts.records[i]`` holds each
+    record with its plain names, and ``record=i`` returns that record alone.
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    if size == 0:
+        raise TruncatedError("empty file (0 bytes); a burnpack file has at least a 10-byte header", path=path)
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    records: list[Record] = []
+    start = 0
+    while True:
+        rec = _read_record(buf, start, size, path, len(records))
+        records.append(_mk_record(rec, path, buf))
+        if rec.end >= size:
+            break
+        nxt = align_up(rec.end) if bytes(buf[align_up(rec.end) : align_up(rec.end) + 4]) == MAGIC else rec.end
+        start = nxt
+    if record is not None:
+        if not 0 <= record < len(records):
+            raise FormatError(f"record {record} requested but the file holds {len(records)} record(s)", path=path)
+        return records[record]
+    if len(records) == 1:
+        return records[0]
+    tensors: dict[str, Tensor] = {}
+    for r in records:
+        for name, t in r.items():
+            tensors[name if r.index == 0 else f"record{r.index}/{name}"] = t
+    ts = Record(
+        tensors,
+        path=path,
+        format="burnpack",
+        metadata=records[0].metadata,
+        scalars=records[0].scalars,
+        records=tuple(records),
+        layout={
+            "layout": records[0].layout["layout"],
+            "records": [dict(r.layout) for r in records],
+        },
+    )
+    ts._buf = buf
+    ts.index, ts.start, ts.end = 0, 0, records[-1].end
+    ts.data_base, ts.metadata_size = records[0].data_base, records[0].metadata_size
+    ts.scalar_kinds, ts.descriptors = records[0].scalar_kinds, records[0].descriptors
+    return ts
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+def _as_entries(tensors: Mapping[str, Any] | TensorSet) -> list[tuple[str, Any, tuple[int, ...], bytes, int | None]]:
+    """(name, CBOR dtype, shape, bytes, param_id) in disk order."""
+    out = []
+    if isinstance(tensors, TensorSet):
+        descs = getattr(tensors, "descriptors", {}) if len(tensors.records) <= 1 else {}
+        for t in tensors.disk_order():
+            raw = descs.get(t.name, {}).get("dtype")
+            if raw is None:
+                raw = {"QFloat": {}} if t.quantized else dtype_value_for(t.dtype)
+            out.append((t.name, raw, t.shape, t.raw().tobytes(), t.param_id))
+        return out
+    for name, v in tensors.items():
+        if isinstance(v, BurnTensor):
+            arr = np.ascontiguousarray(v.data)
+            dval = v.dtype_value if v.dtype_value is not None else dtype_value_for(arr.dtype)
+            shape = tuple(v.shape) if v.shape is not None else arr.shape
+            out.append((name, dval, shape, arr.tobytes(), v.param_id))
+        else:
+            arr = np.ascontiguousarray(np.asarray(v))
+            out.append((name, dtype_value_for(arr.dtype), arr.shape, arr.tobytes(), None))
+    return out
+
+
+def _scalar_value(name: str, value: Scalar, kind: str | None) -> dict[str, Any]:
+    if kind is None:
+        if isinstance(value, bool):
+            kind = "Bool"
+        elif isinstance(value, (int, np.integer)):
+            kind = "UInt" if value >= 0 else "Int"
+        elif isinstance(value, (float, np.floating)):
+            kind = "Float"
+        else:
+            raise UnsupportedError(f"scalar {name!r}: {type(value).__name__} is not int/float/bool")
+    conv = {"Int": int, "UInt": int, "Float": float, "Bool": bool}[kind]
+    return {kind: conv(value)}
+
+
+def encode_burnpack(
+    tensors: Mapping[str, Any] | TensorSet,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Scalar] | None = None,
+    scalar_kinds: Mapping[str, str] | None = None,
+    layout: str = "aligned",
+    pad_fill: Callable[[int, int], bytes] | None = None,
+) -> bytes:
+    """The bytes of a burnpack file, as Burn's writer lays them out.
+
+    Parameters
+    ----------
+    tensors
+        Ordered mapping name -> array or :class:`BurnTensor` (disk order = mapping order),
+        or a burnpack TensorSet/Record to rewrite (its dtypes, param_ids, metadata and
+        scalars are kept unless given here).
+    layout
+        ``"aligned"`` (current Burn) or ``"legacy-unaligned"`` (Burn v0.19-v0.20).
+    pad_fill
+        ``pad_fill(absolute_offset, nbytes) -> bytes`` fills the gaps between tensors
+        (Burn writes zeros; other writers leave stale memory there).
+    """
+    if layout not in ("aligned", "legacy-unaligned"):
+        raise ValueError(f"layout must be 'aligned' or 'legacy-unaligned', not {layout!r}")
+    if isinstance(tensors, TensorSet):
+        metadata = tensors.metadata if metadata is None else metadata
+        scalars = tensors.scalars if scalars is None else scalars
+        scalar_kinds = getattr(tensors, "scalar_kinds", None) if scalar_kinds is None else scalar_kinds
+    entries = _as_entries(tensors)
+    aligned = layout == "aligned"
+    offsets = []
+    cur = 0
+    for _, _, _, data, _ in entries:
+        start = align_up(cur) if aligned else cur
+        offsets.append((start, start + len(data)))
+        cur = start + len(data)
+    descs = {}
+    for (name, dval, shape, _, pid), (s, e) in zip(entries, offsets):
+        d: dict[str, Any] = {"dtype": dval, "shape": [int(x) for x in shape], "data_offsets": [s, e]}
+        if pid is not None:
+            d["param_id"] = int(pid)
+        descs[name] = d
+    meta: dict[str, Any] = {"tensors": {k: descs[k] for k in sorted(descs, key=lambda n: n.encode("utf-8"))}}
+    if metadata:
+        meta["metadata"] = {str(k): str(v) for k, v in metadata.items()}
+    if scalars:
+        kinds = scalar_kinds or {}
+        meta["scalars"] = {k: _scalar_value(k, v, kinds.get(k)) for k, v in scalars.items()}
+    blob = cbor.encode(meta)
+    base = align_up(HEADER + len(blob)) if aligned else HEADER + len(blob)
+    out = bytearray(MAGIC + struct.pack("<HI", VERSION, len(blob)) + blob)
+    out += bytes(base - len(out))
+    for (_, _, _, data, _), (s, _) in zip(entries, offsets):
+        gap = base + s - len(out)
+        if gap:
+            fill = bytes(gap) if pad_fill is None else bytes(pad_fill(len(out), gap))
+            if len(fill) != gap:
+                raise ValueError(f"pad_fill returned {len(fill)} bytes for a {gap}-byte gap")
+            out += fill
+        out += data
+    return bytes(out)
+
+
+def write_burnpack(path: str | os.PathLike[str], tensors: Mapping[str, Any] | TensorSet, **kwargs: Any) -> None:
+    """Write a burnpack file atomically (see :func:`encode_burnpack` for the arguments)."""
+    _atomic.atomic_write_bytes(path, encode_burnpack(tensors, **kwargs))
+
+
+def write_records(
+    path: str | os.PathLike[str],
+    records: list[bytes],
+    *,
+    gap_fill: Callable[[int, int], bytes] | None = None,
+) -> None:
+    """Write several burnpack images back to back, each at the next 256-byte boundary."""
+    out = bytearray()
+    for i, rec in enumerate(records):
+        if rec[:4] != MAGIC:
+            raise ValueError(f"record {i} does not start with the burnpack magic")
+        if out:
+            gap = align_up(len(out)) - len(out)
+            fill = bytes(gap) if gap_fill is None else bytes(gap_fill(len(out), gap))
+            if len(fill) != gap:
+                raise ValueError(f"gap_fill returned {len(fill)} bytes for a {gap}-byte gap")
+            out += fill
+        out += rec
+    _atomic.atomic_write_bytes(path, bytes(out))

@@ -1,0 +1,152 @@
+"""safetensors, parsed by dmlib itself: 8-byte LE header length, JSON header, data.
+
+Offsets are relative to the byte after the header. Every tensor is checked against its
+dtype x shape, the file length and its neighbours before anything is returned. Sharded
+checkpoints (``*.safetensors.index.json``) open as one TensorSet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from dmlib import _atomic
+from dmlib.dtypes import SAFETENSORS_DTYPES, safetensors_name
+from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
+from dmlib.tensor import Tensor, TensorSet
+
+MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
+
+
+def can_open(head: bytes, path: str) -> bool:
+    if len(head) < 10:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 2 <= n <= MAX_HEADER and head[8:9] == b"{"
+
+
+def _header(path: str, size: int, f) -> tuple[int, dict[str, Any]]:
+    if size < 8:
+        raise TruncatedError(f"{size} bytes, shorter than the 8-byte safetensors header length", path=path)
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > MAX_HEADER:
+        raise FormatError(f"header length {n} exceeds the {MAX_HEADER}-byte limit", path=path)
+    if 8 + n > size:
+        raise TruncatedError(f"header length {n} runs past the end of the file ({size} bytes)", path=path)
+    try:
+        header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"corrupt JSON header ({err})", path=path) from None
+    if not isinstance(header, dict):
+        raise FormatError("JSON header is not an object", path=path)
+    return 8 + n, header
+
+
+def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        base, header = _header(path, size, f)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FormatError("__metadata__ is not a str -> str map", path=path)
+    buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    tensors: dict[str, Tensor] = {}
+    spans = []
+    for name, d in header.items():
+        if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
+            raise FormatError(f"tensor {name!r}: descriptor must have dtype, shape, data_offsets", path=path)
+        dt = SAFETENSORS_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        if dt is None:
+            raise UnsupportedError(
+                f"tensor {name!r}: unknown dtype {d['dtype']!r} (known: {', '.join(SAFETENSORS_DTYPES)})", path=path
+            )
+        shape, offs = d["shape"], d["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise FormatError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers", path=path)
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs) and 0 <= offs[0] <= offs[1]):
+            raise FormatError(f"tensor {name!r}: data_offsets {offs!r} is not [begin, end] with 0 <= begin <= end", path=path)
+        need = math.prod(shape) * dt.itemsize
+        if offs[1] - offs[0] != need:
+            raise LayoutError(
+                f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {d['dtype']} x {shape} needs {need}", path=path
+            )
+        if base + offs[1] > size:
+            raise TruncatedError(
+                f"tensor {name!r} ends at byte {base + offs[1]}, past the end of the file ({size} bytes)", path=path
+            )
+        spans.append((offs[0], offs[1], name))
+        tensors[name] = Tensor(
+            name, dt, tuple(shape), nbytes=need, offset=base + offs[0], dtype_name=d["dtype"], source=buf, path=path, in_buffer=True
+        )
+    prev_end, prev_name = 0, None
+    for s, e, name in sorted(spans):
+        if s < prev_end:
+            raise LayoutError(f"tensors {prev_name!r} and {name!r} overlap at data offset {s}", path=path)
+        if e > s or prev_name is None:
+            prev_end, prev_name = max(prev_end, e), name
+    ts = TensorSet(tensors, path=path, format="safetensors", metadata=meta, layout={"data_base": base, "header_size": base - 8})
+    ts._buf = buf
+    return ts
+
+
+def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:
+    """Open ``model.safetensors.index.json`` and its shards as one TensorSet."""
+    index_path = os.fspath(index_path)
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"corrupt shard index ({err})", path=index_path) from None
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict):
+        raise FormatError("shard index has no 'weight_map' object", path=index_path)
+    folder = os.path.dirname(index_path)
+    shards: dict[str, TensorSet] = {}
+    tensors: dict[str, Tensor] = {}
+    for name, shard in wmap.items():
+        if not isinstance(shard, str) or os.path.basename(shard) != shard:
+            raise FormatError(f"tensor {name!r}: shard {shard!r} is not a file name in the index's folder", path=index_path)
+        if shard not in shards:
+            spath = os.path.join(folder, shard)
+            if not os.path.isfile(spath):
+                raise FormatError(f"shard {shard!r} listed for {name!r} does not exist", path=index_path)
+            shards[shard] = open_safetensors(spath)
+        if name not in shards[shard]:
+            raise FormatError(f"tensor {name!r} is listed in shard {shard!r}, which does not hold it", path=index_path)
+        tensors[name] = shards[shard][name]
+    meta = {k: str(v) for k, v in (index.get("metadata") or {}).items()}
+    ts = TensorSet(tensors, path=index_path, format="safetensors", metadata=meta, layout={"shards": sorted(shards)})
+    ts._order = {s: i for i, s in enumerate(sorted(shards))}
+    return ts
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    chunks, off = [], 0
+    for name, arr in tensors.items():
+        a = np.ascontiguousarray(np.asarray(arr))
+        try:
+            dname = safetensors_name(a.dtype)
+        except KeyError:
+            raise UnsupportedError(f"tensor {name!r}: safetensors has no dtype for numpy {a.dtype}") from None
+        b = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": dname, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        chunks.append(b)
+        off += len(b)
+    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hb += b" " * (-len(hb) % 8)  # keep the data section 8-byte aligned
+    return struct.pack("<Q", len(hb)) + hb + b"".join(chunks)
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> None:
+    """Write a safetensors file atomically."""
+    _atomic.atomic_write_bytes(path, encode_safetensors(tensors, metadata=metadata))
