@@ -274,6 +274,22 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         ok_l, end_l, why_l = _fits(d_legacy, descs, size, buf, aligned=False)
         if ok_l and descs and all(d[5] % ALIGN == 0 for d in descs) and ok_a:
             ok_l = False  # aligned starts that also pack back to back: the aligned reading wins
+    if ok_a and not ok_l and d_legacy != d_aligned and any(buf[d_legacy:d_aligned]):
+        # The aligned base fits, but the bytes Burn zeroes before it are not zero. If the
+        # tensors also pack back to back from the legacy base, this is most likely a legacy
+        # file with trailing bytes, and the aligned reading would be a shifted window.
+        legacy_spans = sorted((d[5], d[6]) for d in descs)
+        packed, prev = True, 0
+        for s_, e_ in legacy_spans:
+            packed, prev = packed and s_ == prev, max(prev, e_)
+        if packed and d_legacy + prev <= size:
+            raise LayoutError(
+                f"record {index}: ambiguous data base: the aligned layout (D={d_aligned}) fits the file "
+                f"length, but the {d_aligned - d_legacy} header-padding bytes are not zero and the "
+                f"tensors also pack back to back from the legacy base (D={d_legacy}), leaving "
+                f"{size - d_legacy - prev} trailing bytes; refusing to guess",
+                path=path,
+            )
     if ok_a and ok_l:
         raise LayoutError(
             f"record {index}: ambiguous data base (both {d_aligned} and {d_legacy} fit); refusing to guess",
