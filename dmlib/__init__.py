@@ -52,6 +52,11 @@ _LAZY: dict[str, str] = {
     "step_ladder": "dmlib.forensics.ladder",
     "check_steps": "dmlib.forensics.ladder",
     "padding_across_runs": "dmlib.forensics.gaps",
+    "padding_summary": "dmlib.forensics.gaps",
+    "effective_weights": "dmlib.forensics.factors",
+    "first_divergent_columns": "dmlib.forensics.columns",
+    "sign_flip_table": "dmlib.forensics.columns",
+    "growth_rates": "dmlib.forensics.ladder",
     # localisation
     "capture": "dmlib.localize.capture",
     "open_capture": "dmlib.localize.manifest",

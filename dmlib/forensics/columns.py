@@ -8,9 +8,9 @@ cosine near -1) from a sign-preserving scatter of rounding differences (cosine n
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,32 +52,24 @@ def as_tensor_set(source: Source) -> TensorSet:
     )
 
 
+def open_source(source: Source, stack: contextlib.ExitStack) -> TensorSet:
+    """:func:`as_tensor_set`, closing on ``stack`` exit what was opened here from a path."""
+    ts = as_tensor_set(source)
+    if isinstance(source, (str, os.PathLike)):
+        stack.callback(ts.close)
+    return ts
+
+
 def name_filter(include: Any = None, exclude: Any = None):
-    """A predicate on tensor names: kept if it matches ``include`` and not ``exclude``.
+    """A predicate on tensor names, with ``dmlib.compare``'s pattern rules.
 
-    Each of ``include``/``exclude`` is None, a regular expression (``re.search``), or
-    a list of them (any one matching counts).
+    Each of ``include``/``exclude`` is None, a pattern or a list of them: a glob
+    (``"*.u"``) or, prefixed ``"re:"``, a regular expression searched in the name.
     """
-
-    def compile_all(pats: Any) -> list[re.Pattern[str]]:
-        if pats is None:
-            return []
-        if isinstance(pats, (str, re.Pattern)):
-            pats = [pats]
-        out = []
-        for p in pats:
-            try:
-                out.append(re.compile(p) if isinstance(p, str) else p)
-            except re.error as err:
-                raise DmlibError(f"invalid name pattern {p!r}: {err}") from None
-        return out
-
-    inc, exc = compile_all(include), compile_all(exclude)
+    from dmlib.stats.compare import select
 
     def keep(name: str) -> bool:
-        if inc and not any(p.search(name) for p in inc):
-            return False
-        return not any(p.search(name) for p in exc)
+        return bool(select([name], include, exclude))
 
     return keep
 
@@ -100,7 +92,9 @@ def _column_axis(arr: np.ndarray, axis: int, what: str) -> int:
     if arr.ndim == 0:
         raise DmlibError(f"{what}: a scalar has no columns; pass arrays of at least 1 dimension")
     if not -arr.ndim <= axis < arr.ndim:
-        raise DmlibError(f"{what}: axis {axis} is out of range for an array of {arr.ndim} dimensions")
+        raise DmlibError(
+            f"{what}: axis {axis} is out of range for an array of {arr.ndim} dimensions"
+        )
     return axis % arr.ndim
 
 
@@ -187,9 +181,9 @@ def sign_flips(a: Any, b: Any, *, axis: int = 1, threshold: float = -0.9) -> dic
     n = a_arr.shape[ax]
     if a_arr.dtype == b_arr.dtype:
         diff = (_bits(a_arr) != _bits(b_arr)).any(axis=-1)
-        changed = np.moveaxis(diff, ax, 0).reshape(n, -1).any(axis=1)
-    else:
-        changed = ~np.isclose(cos, 1.0, rtol=0, atol=0)
+    else:  # no common bit pattern: compare values
+        diff = a_arr.astype(np.float64) != b_arr.astype(np.float64)
+    changed = np.moveaxis(diff, ax, 0).reshape(n, -1).any(axis=1)
     flipped = np.flatnonzero(cos < threshold)
     ch = cos[changed]
     ch = ch[~np.isnan(ch)]
@@ -214,8 +208,14 @@ def _tensor_pairs(
     """Yield (label_a, label_b, name, array_a, array_b) over all run pairs and shared names."""
     if len(runs) < 2:
         raise DmlibError(f"need at least two runs to compare, got {len(runs)}: {list(runs)}")
-    sets = {label: as_tensor_set(src) for label, src in runs.items()}
-    keep = name_filter(include, exclude)
+    with contextlib.ExitStack() as stack:
+        sets = {label: open_source(src, stack) for label, src in runs.items()}
+        yield from _shared_tensors(sets, name_filter(include, exclude), axis)
+
+
+def _shared_tensors(
+    sets: dict[str, TensorSet], keep: Any, axis: int
+) -> Iterator[tuple[str, str, str, np.ndarray, np.ndarray]]:
     for la, lb in itertools.combinations(sets, 2):
         sa, sb = sets[la], sets[lb]
         for name in sa:
@@ -247,7 +247,7 @@ def first_divergent_columns(
     runs
         Run label -> path, TensorSet or mapping of arrays (at least two runs).
     include, exclude
-        Regular expression(s) on tensor names (e.g. the factor tensors of a QR).
+        Name patterns (globs, or ``"re:<regex>"``), e.g. the factor tensors of a QR.
     axis
         The column axis; tensors with too few dimensions for it are skipped.
 
@@ -311,5 +311,7 @@ def sign_flip_table(
     rows = []
     for la, lb, name, x, y in _tensor_pairs(runs, include, exclude, axis):
         r = sign_flips(x, y, axis=axis, threshold=threshold)
-        rows.append({"pair": f"{la}/{lb}", "a": la, "b": lb, "name": name, **{k: r[k] for k in keys}})
+        rows.append(
+            {"pair": f"{la}/{lb}", "a": la, "b": lb, "name": name, **{k: r[k] for k in keys}}
+        )
     return pd.DataFrame(rows, columns=["pair", "a", "b", "name", *keys])

@@ -9,6 +9,7 @@ directly about the layer. The effective weight, formed in float64, is what count
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError, TensorNotFoundError
-from dmlib.forensics.columns import Source, as_tensor_set
+from dmlib.forensics.columns import Source, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["FactorGroup", "compare_factors", "effective_weights"]
@@ -97,7 +98,12 @@ class FactorGroup:
         shapes = [list(m.shape) for m in mats]
         if self.kind == "svd":
             u, s, v = mats
-            ok = u.ndim == 2 and s.ndim == 1 and v.ndim == 2 and u.shape[1] == s.shape[0] == v.shape[1]
+            ok = (
+                u.ndim == 2
+                and s.ndim == 1
+                and v.ndim == 2
+                and u.shape[1] == s.shape[0] == v.shape[1]
+            )
             if not ok:
                 raise DmlibError(
                     f"svd group {where}: factor shapes {shapes} do not fit U[m,k] s[k] V[n,k] "
@@ -120,7 +126,9 @@ def _groups(groups: FactorGroup | Iterable[FactorGroup]) -> list[FactorGroup]:
     return gs
 
 
-def _layers(ts: TensorSet, groups: list[FactorGroup]) -> dict[str, tuple[FactorGroup, tuple[str, ...]]]:
+def _layers(
+    ts: TensorSet, groups: list[FactorGroup]
+) -> dict[str, tuple[FactorGroup, tuple[str, ...]]]:
     """prefix -> (group, factor names); the first group that claims a prefix wins."""
     out: dict[str, tuple[FactorGroup, tuple[str, ...]]] = {}
     for g in groups:
@@ -129,45 +137,25 @@ def _layers(ts: TensorSet, groups: list[FactorGroup]) -> dict[str, tuple[FactorG
     return out
 
 
-def effective_weights(
-    ts: Source, groups: FactorGroup | Iterable[FactorGroup]
-) -> ArrayTensorSet:
+def effective_weights(ts: Source, groups: FactorGroup | Iterable[FactorGroup]) -> ArrayTensorSet:
     """The effective weight (float64) of every factorised layer, named by its prefix.
 
     The result is an ordinary tensor set, so it goes through ``dmlib.compare`` like
     any checkpoint.
     """
-    tset = as_tensor_set(ts)
-    arrays = {}
-    for prefix, (g, names) in _layers(tset, _groups(groups)).items():
-        arrays[prefix] = g.effective((tset[n].load() for n in names), where=f"{prefix!r}")
-    return ArrayTensorSet(arrays, path=tset.path)
+    with contextlib.ExitStack() as stack:
+        tset = open_source(ts, stack)
+        arrays = {}
+        for prefix, (g, names) in _layers(tset, _groups(groups)).items():
+            arrays[prefix] = g.effective((tset[n].load() for n in names), where=f"{prefix!r}")
+        return ArrayTensorSet(arrays, path=tset.path)
 
 
-def _n_diff(x: np.ndarray, y: np.ndarray) -> int:
-    """Elements whose bit patterns differ (same-bits NaNs are equal, -0 differs from +0)."""
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return int(max(x.size, y.size))
-    size = x.dtype.itemsize
-    xb = np.ascontiguousarray(x).view(np.uint8).reshape(x.size, size)
-    yb = np.ascontiguousarray(y).view(np.uint8).reshape(y.size, size)
-    return int((xb != yb).any(axis=1).sum())
+def _stats(a: TensorSet, b: TensorSet) -> pd.DataFrame:
+    """``dmlib.compare`` of two tensor sets, indexed by name."""
+    from dmlib.stats.compare import compare
 
-
-def _delta(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    d = x - y
-    norm = float(np.linalg.norm(x))
-    dn = float(np.linalg.norm(d))
-    if norm == 0.0:
-        rel = 0.0 if dn == 0.0 else float("inf")
-    else:
-        rel = dn / norm
-    return {
-        "norm": norm,
-        "rel_fro": rel,
-        "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
-        "n_diff": int(np.count_nonzero(x != y)),
-    }
+    return compare(a, b, file_hashes=False, progress=False).set_index("name")
 
 
 _COLUMNS = [
@@ -179,6 +167,7 @@ _COLUMNS = [
     "rel_fro",
     "max_abs",
     "n_diff",
+    "cosine",
     "factor_n_diff",
     "factor_numel",
     "status",
@@ -202,14 +191,56 @@ def compare_factors(
     DataFrame
         One row per layer (``group`` = prefix): ``kind``, ``shape`` and ``numel`` of the
         effective weight, ``norm`` (||W_a||_F), ``rel_fro`` (||W_a - W_b||_F / ||W_a||_F),
-        ``max_abs`` (max |W_a - W_b|), ``n_diff`` (effective-weight elements that differ
-        in float64), ``factor_n_diff`` / ``factor_numel`` (the factors' own differing
-        elements, bitwise), ``status`` ("ok", or "only in a"/"only in b").
+        ``max_abs`` (max |W_a - W_b|), ``n_diff`` and ``cosine`` of the effective weights
+        (float64), all as ``dmlib.compare`` computes them; ``factor_n_diff`` /
+        ``factor_numel`` (the factors' own differing elements, bitwise), ``status``
+        ("ok", or "only in a"/"only in b").
         ``attrs["worst_group"]`` and ``attrs["worst_rel_fro"]`` name the largest rel_fro.
     """
     gs = _groups(groups)
-    sa, sb = as_tensor_set(a), as_tensor_set(b)
+    with contextlib.ExitStack() as stack:
+        sa, sb = open_source(a, stack), open_source(b, stack)
+        df = _compare_layers(sa, sb, gs)
+    ok = df[df["status"] == "ok"]
+    if len(ok):
+        worst = ok.loc[ok["rel_fro"].astype(float).idxmax()]
+        df.attrs["worst_group"] = worst["group"]
+        df.attrs["worst_rel_fro"] = float(worst["rel_fro"])
+    else:
+        df.attrs["worst_group"] = None
+        df.attrs["worst_rel_fro"] = None
+    return df
+
+
+def _compare_layers(sa: TensorSet, sb: TensorSet, gs: list[FactorGroup]) -> pd.DataFrame:
     la, lb = _layers(sa, gs), _layers(sb, gs)
+    both = sorted(set(la) & set(lb))
+    eff_a, eff_b, norms = {}, {}, {}
+    for prefix in both:
+        g, names = la[prefix]
+        eff_a[prefix] = g.effective(
+            (sa[n].load() for n in names), where=f"{prefix!r} in {sa.path or 'a'}"
+        )
+        eff_b[prefix] = g.effective(
+            (sb[n].load() for n in names), where=f"{prefix!r} in {sb.path or 'b'}"
+        )
+        if eff_a[prefix].shape != eff_b[prefix].shape:
+            raise DmlibError(
+                f"layer {prefix!r}: effective weight is {list(eff_a[prefix].shape)} in a and "
+                f"{list(eff_b[prefix].shape)} in b; the two checkpoints must hold the same model",
+                path=sb.path,
+            )
+        norms[prefix] = float(np.linalg.norm(eff_a[prefix]))
+    # derived tensors go through the same statistics as stored ones
+    eff = _stats(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b)) if both else None
+    factor_names = [n for p in both for n in la[p][1]]
+    fac = (
+        _stats(
+            TensorSet({n: sa[n] for n in factor_names}), TensorSet({n: sb[n] for n in factor_names})
+        )
+        if both
+        else None
+    )
     rows = []
     for prefix in sorted(set(la) | set(lb)):
         g, names = la.get(prefix) or lb[prefix]
@@ -219,22 +250,17 @@ def compare_factors(
             row["status"] = "only in b" if prefix not in la else "only in a"
             rows.append(row)
             continue
-        fa = [sa[n].load() for n in names]
-        fb = [sb[n].load() for n in names]
-        wa = g.effective(fa, where=f"{prefix!r} in {sa.path or 'a'}")
-        wb = g.effective(fb, where=f"{prefix!r} in {sb.path or 'b'}")
-        if wa.shape != wb.shape:
-            raise DmlibError(
-                f"layer {prefix!r}: effective weight is {list(wa.shape)} in a and "
-                f"{list(wb.shape)} in b; the two checkpoints must hold the same model",
-                path=sb.path,
-            )
+        e = eff.loc[prefix]
         row.update(
-            shape=list(wa.shape),
-            numel=int(wa.size),
-            **_delta(wa, wb),
-            factor_n_diff=sum(_n_diff(x, y) for x, y in zip(fa, fb, strict=True)),
-            factor_numel=sum(int(x.size) for x in fa),
+            shape=list(eff_a[prefix].shape),
+            numel=int(e["numel"]),
+            norm=norms[prefix],
+            rel_fro=float(e["rel_fro"]),
+            max_abs=float(e["max_abs"]) if pd.notna(e["max_abs"]) else 0.0,
+            n_diff=int(e["n_diff"]),
+            cosine=float(e["cosine"]),
+            factor_n_diff=int(fac.loc[list(names), "n_diff"].sum()),
+            factor_numel=int(fac.loc[list(names), "numel"].sum()),
             status="ok",
         )
         rows.append(row)
@@ -245,13 +271,4 @@ def compare_factors(
             f"({len(sa)} tensors, e.g. {next(iter(sa), None)!r})",
             path=sa.path,
         )
-    df = pd.DataFrame(rows, columns=_COLUMNS)
-    ok = df[df["status"] == "ok"]
-    if len(ok):
-        worst = ok.loc[ok["rel_fro"].astype(float).idxmax()]
-        df.attrs["worst_group"] = worst["group"]
-        df.attrs["worst_rel_fro"] = float(worst["rel_fro"])
-    else:
-        df.attrs["worst_group"] = None
-        df.attrs["worst_rel_fro"] = None
-    return df
+    return pd.DataFrame(rows, columns=_COLUMNS)

@@ -9,6 +9,7 @@ dirty or differing slot lies inside a named tensor of any run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.forensics.columns import Source, as_tensor_set
+from dmlib.forensics.columns import Source, open_source
 from dmlib.tensor import TensorSet
 
 __all__ = ["padding_across_runs", "padding_summary"]
@@ -54,45 +55,22 @@ RUN_COLUMNS = [
 
 def _gaps(ts: TensorSet) -> pd.DataFrame:
     """Padding gaps of a file: record, kind, start, end (absolute byte offsets)."""
-    try:
+    if ts.format == "burnpack":
         from dmlib.census import padding_census
-    except ImportError:
-        return _layout_gaps(ts)
-    return padding_census(ts).gaps[["record", "kind", "start", "end"]]
 
-
-def _layout_gaps(ts: TensorSet) -> pd.DataFrame:
-    """Gaps derived from the records' byte ranges and the tensors' offsets."""
-    rows = []
-    records = ts.records or (ts,)
-    prev_end = None
-    for i, rec in enumerate(records):
-        start = getattr(rec, "start", None)
-        base = getattr(rec, "data_base", None)
-        msize = getattr(rec, "metadata_size", None)
-        if prev_end is not None and start is not None and start > prev_end:
-            rows.append((i - 1, "between-records", prev_end, start))
-        if None not in (start, base, msize) and base > start + 10 + msize:
-            rows.append((i, "after-metadata", start + 10 + msize, base))
-        cur = None
-        for t in rec.disk_order():
-            if t.offset is None:
-                continue
-            if cur is not None and t.offset > cur:
-                rows.append((i, "between-tensors", cur, t.offset))
-            cur = max(cur or 0, t.offset + t.nbytes)
-        prev_end = getattr(rec, "end", cur)
+        return padding_census(ts).gaps[["record", "kind", "start", "end"]]
+    # other formats: the bytes between consecutive tensors of the data section
+    rows, cur = [], None
+    for t in ts.disk_order():
+        if t.offset is None:
+            raise DmlibError(
+                f"tensor {t.name!r} has no file offset; padding needs a file-backed tensor set",
+                path=ts.path,
+            )
+        if cur is not None and t.offset > cur:
+            rows.append((t.record, "between-tensors", cur, t.offset))
+        cur = max(cur or 0, t.offset + t.nbytes)
     return pd.DataFrame(rows, columns=["record", "kind", "start", "end"])
-
-
-def _reader(ts: TensorSet):
-    read_range = getattr(ts, "read_range", None)
-    if read_range is not None:
-        return read_range
-    if ts.path is None or not os.path.isfile(ts.path):
-        raise DmlibError("padding needs the file's bytes; this tensor set has no file", path=ts.path)
-    buf = np.memmap(ts.path, dtype=np.uint8, mode="r")
-    return lambda start, end: buf[start:end]
 
 
 def _labels(runs: Mapping[str, Source] | Sequence[Source]) -> dict[str, Source]:
@@ -100,7 +78,11 @@ def _labels(runs: Mapping[str, Source] | Sequence[Source]) -> dict[str, Source]:
         return {str(k): v for k, v in runs.items()}
     out: dict[str, Source] = {}
     for i, src in enumerate(runs):
-        p = src.path if isinstance(src, TensorSet) else (os.fspath(src) if isinstance(src, (str, os.PathLike)) else None)
+        p = (
+            src.path
+            if isinstance(src, TensorSet)
+            else (os.fspath(src) if isinstance(src, (str, os.PathLike)) else None)
+        )
         label = os.path.basename(os.path.dirname(p)) + "/" + os.path.basename(p) if p else f"run{i}"
         if label in out or not p:
             label = f"run{i}"
@@ -114,14 +96,13 @@ class _Run:
     def __init__(self, label: str, ts: TensorSet) -> None:
         self.label, self.path = label, ts.path
         gaps = _gaps(ts)
-        read = _reader(ts)
         offsets, words, recs, kinds = [], [], [], []
         self.padding_bytes = self.nonzero_bytes = 0
         for rec, kind, start, end in gaps.itertuples(index=False):
             start, end = int(start), int(end)
             if end <= start:
                 continue
-            raw = np.asarray(read(start, end), dtype=np.uint8)
+            raw = np.asarray(ts.read_range(start, end), dtype=np.uint8)
             self.padding_bytes += raw.size
             self.nonzero_bytes += int(np.count_nonzero(raw))
             # whole float32 slots of the file's 4-byte grid that lie inside the gap
@@ -168,17 +149,20 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
         zero) in that run or differs between runs: ``run``, ``record``, ``kind`` (the gap:
         "after-metadata", "between-tensors", "between-records"), ``offset`` (absolute byte
         offset), ``bits`` (the u32 word), ``value`` (read as little-endian float32),
-        ``nan``, ``huge`` (|value| >= 1e30), ``dirty``, ``differs`` (the slot's bits are
-        not the same in every run, or the slot is padding in only some runs) and
-        ``inside_tensor`` (the tensor of any run overlapping the slot; None expected).
+        ``nan``, ``huge`` (|value| >= 1e30), ``dirty``, ``differs`` (the slot is padding
+        in every run and its bits are not the same in all of them) and ``inside_tensor``
+        (the tensor of any run overlapping the slot; None expected).
         ``attrs["runs"]``: per-run totals (see :func:`padding_summary`);
         ``attrs["differs"]``: any slot differs; ``attrs["inside_tensor"]``: how many
-        reported slots lie inside a named tensor.
+        reported slots lie inside a named tensor; ``attrs["same_layout"]``: every run
+        has the same tensors at the same offsets (when not, a slot that is padding in
+        some runs only is reported if dirty, never as differing).
     """
     labelled = _labels(runs)
     if not labelled:
         raise DmlibError("padding_across_runs needs at least one run")
-    loaded = [_Run(label, as_tensor_set(src)) for label, src in labelled.items()]
+    with contextlib.ExitStack() as stack:
+        loaded = [_Run(label, open_source(src, stack)) for label, src in labelled.items()]
     # offset -> (bits per run); a slot absent from a run counts as differing
     all_offsets = np.unique(np.concatenate([r.offset for r in loaded]))
     n = len(all_offsets)
@@ -188,7 +172,13 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
         pos = np.searchsorted(all_offsets, r.offset)
         present[k, pos] = True
         bits[k, pos] = r.bits
-    differs = (~present.all(axis=0)) | (bits != bits[:1]).any(axis=0) if n else np.zeros(0, bool)
+    # only a slot that is padding in every run can be compared run to run; one that is
+    # padding in some runs only is reported when dirty, and checked against their tensors
+    shared = present.all(axis=0)
+    differs = shared & (bits != bits[:1]).any(axis=0)
+    layouts = {
+        tuple(zip(r.t_name, r.t_start.tolist(), r.t_end.tolist(), strict=True)) for r in loaded
+    }
     frames, totals = [], []
     for r in loaded:
         pos = np.searchsorted(all_offsets, r.offset)
@@ -240,6 +230,7 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=SLOT_COLUMNS)
     df.attrs["runs"] = totals
     df.attrs["differs"] = bool(differs.any())
+    df.attrs["same_layout"] = len(layouts) == 1
     df.attrs["inside_tensor"] = sum(t["inside_tensor"] for t in totals)
     return df
 

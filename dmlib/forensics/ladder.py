@@ -9,6 +9,7 @@ it reports "no divergence at step 50" for a step that never ran.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -19,9 +20,9 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.forensics.columns import Source, as_tensor_set, name_filter
+from dmlib.forensics.columns import Source, name_filter, open_source
 from dmlib.forensics.factors import FactorGroup, _groups, _layers
-from dmlib.tensor import TensorSet
+from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["check_steps", "growth_rates", "step_ladder"]
 
@@ -89,7 +90,9 @@ def _recorded(ts: TensorSet, step_key: StepKey) -> tuple[Any, str]:
     return None, f"{source} ~ {key!r}"
 
 
-def _check_one(run: str, step: int, src: Source, step_key: StepKey) -> tuple[dict[str, Any], TensorSet | None]:
+def _check_one(
+    run: str, step: int, src: Source, step_key: StepKey, stack: contextlib.ExitStack
+) -> tuple[dict[str, Any], TensorSet | None]:
     row: dict[str, Any] = {"run": run, "step": step, "path": None, "recorded_step": None}
     if isinstance(src, (str, os.PathLike)):
         row["path"] = os.fspath(src)
@@ -97,7 +100,7 @@ def _check_one(run: str, step: int, src: Source, step_key: StepKey) -> tuple[dic
             row.update(status="missing", detail=f"no such file: {row['path']}", flagged=True)
             return row, None
     try:
-        ts = as_tensor_set(src)
+        ts = open_source(src, stack)
     except (DmlibError, OSError) as err:
         row.update(status="unreadable", detail=str(err), flagged=True)
         return row, None
@@ -124,16 +127,20 @@ def _check_one(run: str, step: int, src: Source, step_key: StepKey) -> tuple[dic
     return row, ts
 
 
-def _check_all(ladder: Ladder, step_key: StepKey) -> tuple[pd.DataFrame, dict[tuple[str, int], TensorSet]]:
+def _check_all(
+    ladder: Ladder, step_key: StepKey, stack: contextlib.ExitStack
+) -> tuple[pd.DataFrame, dict[tuple[str, int], TensorSet]]:
     if not isinstance(ladder, Mapping) or not ladder:
         raise DmlibError("a ladder is a non-empty mapping {run_label: {step: path_or_TensorSet}}")
     rows, sets = [], {}
     for run, steps in ladder.items():
         if not isinstance(steps, Mapping):
-            raise DmlibError(f"run {run!r}: expected a mapping step -> checkpoint, got {type(steps).__name__}")
+            raise DmlibError(
+                f"run {run!r}: expected a mapping step -> checkpoint, got {type(steps).__name__}"
+            )
         for step, src in steps.items():
             claimed = _claimed(step, run)
-            row, ts = _check_one(str(run), claimed, src, step_key)
+            row, ts = _check_one(str(run), claimed, src, step_key, stack)
             rows.append(row)
             if ts is not None:
                 sets[(str(run), claimed)] = ts
@@ -164,33 +171,49 @@ def check_steps(ladder: Ladder, *, step_key: StepKey = "auto") -> pd.DataFrame:
         reader's error text) and ``flagged`` (True for artifact/missing/unreadable).
         Never raises for a bad checkpoint: each is a row.
     """
-    return _check_all(ladder, step_key)[0]
+    with contextlib.ExitStack() as stack:
+        return _check_all(ladder, step_key, stack)[0]
 
 
 # ---------------------------------------------------------------------------
 # the ladder itself
 
 
-def _tensor_stats(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-    xf, yf = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    d = xf - yf
-    norm = float(np.linalg.norm(xf))
-    dn = float(np.linalg.norm(d))
-    rel = dn / norm if norm else (0.0 if dn == 0 else float("inf"))
-    if x.dtype == y.dtype:
-        size = x.dtype.itemsize
-        xb = np.ascontiguousarray(x).view(np.uint8).reshape(x.size, size)
-        yb = np.ascontiguousarray(y).view(np.uint8).reshape(y.size, size)
-        n_diff = int((xb != yb).any(axis=1).sum())
-    else:
-        n_diff = int(np.count_nonzero(xf != yf))
-    return {
-        "numel": int(x.size),
-        "norm": norm,
-        "n_diff": n_diff,
-        "max_abs": float(np.max(np.abs(d))) if d.size else 0.0,
-        "rel_fro": rel,
-    }
+def _norm(arr: np.ndarray, chunk: int = 1 << 20) -> float:
+    """||a||_F in float64 over the finite elements, a chunk at a time."""
+    flat = np.asarray(arr).reshape(-1)
+    total = 0.0
+    for i in range(0, flat.size, chunk):
+        x = flat[i : i + chunk].astype(np.float64)
+        x = x[np.isfinite(x)]
+        total += float(np.dot(x, x))
+    return float(np.sqrt(total))
+
+
+def _compare(sa: TensorSet, sb: TensorSet, kind: str) -> list[dict[str, Any]]:
+    """Rows of ``dmlib.compare`` for two sets, with each tensor's own norm."""
+    from dmlib.stats.compare import compare
+
+    df = compare(sa, sb, file_hashes=False, progress=False)
+    rows = []
+    for r in df.itertuples(index=False):
+        t = sa[r.name]
+        numeric = not t.quantized and t.dtype.kind in "fiub"
+        rows.append(
+            {
+                "name": r.name,
+                "kind": kind,
+                "numel": int(r.numel),
+                "norm": _norm(t.load()) if numeric else float("nan"),
+                "n_diff": int(r.n_diff),
+                # compare leaves max_abs null when no finite pair differs
+                "max_abs": float(r.max_abs)
+                if pd.notna(r.max_abs)
+                else (0.0 if numeric else float("nan")),
+                "rel_fro": float(r.rel_fro) if pd.notna(r.rel_fro) else float("nan"),
+            }
+        )
+    return rows
 
 
 def _pair_rows(
@@ -200,21 +223,19 @@ def _pair_rows(
     factor_names: set[str] = set()
     if groups:
         la, lb = _layers(sa, groups), _layers(sb, groups)
+        eff_a, eff_b = {}, {}
         for prefix in sorted(set(la) & set(lb)):
             g, names = la[prefix]
             factor_names.update(names)
-            if not keep(prefix):
-                continue
-            wa = g.effective((sa[n].load() for n in names), where=repr(prefix))
-            wb = g.effective((sb[n].load() for n in names), where=repr(prefix))
-            rows.append({"name": prefix, "kind": "effective", **_tensor_stats(wa, wb)})
-    for name in sa:
-        if name in factor_names or name not in sb or not keep(name):
-            continue
-        ta, tb = sa[name], sb[name]
-        if ta.quantized or ta.shape != tb.shape:
-            continue
-        rows.append({"name": name, "kind": "tensor", **_tensor_stats(ta.load(), tb.load())})
+            if keep(prefix):
+                eff_a[prefix] = g.effective((sa[n].load() for n in names), where=repr(prefix))
+                eff_b[prefix] = g.effective((sb[n].load() for n in names), where=repr(prefix))
+        if eff_a:
+            rows += _compare(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b), "effective")
+    names = [n for n in sa if n not in factor_names and n in sb and keep(n)]
+    rows += _compare(
+        TensorSet({n: sa[n] for n in names}), TensorSet({n: sb[n] for n in names}), "tensor"
+    )
     return rows
 
 
@@ -237,7 +258,7 @@ def step_ladder(
     reference
         Compare every other run against this one; default: all pairs of runs.
     include, exclude
-        Regular expression(s) on tensor (or layer) names.
+        Name patterns of tensors (or layers): globs, or ``"re:<regex>"``.
     groups
         Factor groups: their layers are compared by effective weight (``kind``
         "effective", named by prefix) instead of factor by factor.
@@ -251,12 +272,27 @@ def step_ladder(
     -------
     DataFrame
         Long form, one row per (step, pair, name): ``step``, ``pair`` ("a/b"), ``a``,
-        ``b``, ``name``, ``kind``, ``numel``, ``norm`` (||a||_F of the tensor itself),
-        ``n_diff``, ``max_abs``, ``rel_fro``, ``rank`` (1 = fastest mover by rel_fro
-        within its step and pair). ``attrs["checks"]`` is :func:`check_steps` as records;
+        ``b``, ``name``, ``kind`` ("tensor", or "effective" for a factor group's layer),
+        ``numel``, ``norm`` (||a||_F of the tensor itself, finite elements), ``n_diff``,
+        ``max_abs``, ``rel_fro`` (as ``dmlib.compare`` computes them), ``rank`` (1 = the
+        fastest mover by rel_fro within its step and pair). ``attrs["checks"]`` is :func:`check_steps` as records;
         ``attrs["excluded"]`` the checkpoints left out and why.
     """
-    checks, sets = _check_all(ladder, step_key)
+    with contextlib.ExitStack() as stack:
+        checks, sets = _check_all(ladder, step_key, stack)
+        return _ladder(ladder, checks, sets, reference, include, exclude, groups, keep_flagged)
+
+
+def _ladder(
+    ladder: Ladder,
+    checks: pd.DataFrame,
+    sets: dict[tuple[str, int], TensorSet],
+    reference: str | None,
+    include: Any,
+    exclude: Any,
+    groups: Any,
+    keep_flagged: bool,
+) -> pd.DataFrame:
     runs = list(dict.fromkeys(str(r) for r in ladder))
     if len(runs) < 2:
         raise DmlibError(f"a ladder needs two runs or more, got {runs}")
@@ -282,7 +318,9 @@ def step_ladder(
     df = pd.DataFrame(rows, columns=LADDER_COLUMNS)
     if len(df):
         df["rank"] = (
-            df.groupby(["step", "pair"])["rel_fro"].rank(ascending=False, method="min").astype("Int64")
+            df.groupby(["step", "pair"])["rel_fro"]
+            .rank(ascending=False, method="min")
+            .astype("Int64")
         )
     else:
         df["rank"] = df["rank"].astype("Int64")

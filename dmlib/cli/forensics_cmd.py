@@ -1,0 +1,363 @@
+"""Structure-aware forensics on the command line.
+
+``dmlib factors`` (effective weights of factorised layers), ``dmlib firstcol`` (first
+divergent column and sign flips over all run pairs), ``dmlib ladder`` (divergence per
+training step, with checkpoint step integrity) and ``dmlib gapcheck`` (padding bytes
+across runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import pandas as pd
+
+from dmlib.cli import add_common_epilog
+from dmlib.errors import DmlibError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    f = sub.add_parser(
+        "factors",
+        help="compare factorised layers by their effective weights",
+        description="Compare the layers two checkpoints store as factors by the weight they "
+        "compute (U diag(s) V^T or A B, in float64): rel_fro, max_abs and n_diff of the "
+        "effective weight, and how many elements of the factors themselves differ. "
+        "Exit 1 when any effective weight differs or a layer is in one checkpoint only.",
+    )
+    f.add_argument("a", help="reference checkpoint")
+    f.add_argument("b", help="checkpoint compared against it")
+    _group_arg(f, required=True)
+    f.add_argument("--json", action="store_true", help="print one JSON document")
+    add_common_epilog(f)
+    f.set_defaults(func=run_factors)
+
+    c = sub.add_parser(
+        "firstcol",
+        help="first divergent column and sign flips over every pair of runs",
+        description="For every tensor every pair of runs shares: the first column whose bits "
+        "differ (for a Householder QR's Q, the iteration at which the runs first disagreed), "
+        "and how many columns are flipped (cosine below --threshold) against sign-preserving "
+        "scatter. Exit 1 when any tensor pair differs.",
+    )
+    c.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="at least two runs")
+    _selection(c)
+    c.add_argument("--axis", type=int, default=1, help="axis of the columns (default 1)")
+    c.add_argument(
+        "--threshold", type=float, default=-0.9, help="cosine below which a column is flipped"
+    )
+    c.add_argument("--json", action="store_true", help="print one JSON document")
+    add_common_epilog(c)
+    c.set_defaults(func=run_firstcol)
+
+    lad = sub.add_parser(
+        "ladder",
+        help="divergence between runs at every training step, with step integrity checks",
+        description="Compare same-seed runs checkpoint by checkpoint along a step ladder. Every "
+        "checkpoint's recorded step is checked against the claimed one first; artifacts "
+        "(e.g. a step-0 save claimed as step 50), missing and unreadable files are reported "
+        "and left out. Prints the fastest movers per step and the growth of rel_fro per step "
+        "(slope of log10 rel_fro). Exit 1 when any tensor differs or any checkpoint is flagged.",
+    )
+    lad.add_argument(
+        "ckpts", nargs="+", metavar="LABEL:STEP=PATH", help="one checkpoint of one run"
+    )
+    lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
+    lad.add_argument(
+        "--step-key",
+        default="auto",
+        help="where a checkpoint records its step: auto, scalars:KEY, metadata:KEY, "
+        "name:REGEX or path:REGEX (group 1 captures the step)",
+    )
+    lad.add_argument("--keep-flagged", action="store_true", help="compare flagged checkpoints too")
+    lad.add_argument("--top", type=int, default=5, help="fastest movers shown per step (default 5)")
+    _selection(lad)
+    _group_arg(lad, required=False)
+    lad.add_argument("--json", action="store_true", help="print one JSON document")
+    add_common_epilog(lad)
+    lad.set_defaults(func=run_ladder)
+
+    g = sub.add_parser(
+        "gapcheck",
+        help="padding bytes across runs: dirty slots, NaN/huge values, run-to-run differences",
+        description="Read the padding of several runs of one model (same layout) as float32 "
+        "slots: where the dirty slots are, how many NaN and |v|>=1e30 per run, whether the "
+        "padding differs run to run, and whether any such slot lies inside a named tensor. "
+        "Exit 1 when any padding slot is dirty or differs between runs.",
+    )
+    g.add_argument("paths", nargs="+", metavar="[LABEL=]PATH", help="checkpoints of the same model")
+    g.add_argument(
+        "--limit", type=int, default=40, help="slots listed (default 40; --json lists all)"
+    )
+    g.add_argument("--json", action="store_true", help="print one JSON document")
+    add_common_epilog(g)
+    g.set_defaults(func=run_gapcheck)
+
+
+# ---------------------------------------------------------------------------
+# argument helpers
+
+
+def _selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--include", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
+    )
+    p.add_argument(
+        "--exclude", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
+    )
+
+
+def _group_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument(
+        "--group",
+        action="append",
+        required=required,
+        metavar="KIND:PATTERNS",
+        help="svd:U,S,V or lowrank:A,B; each pattern holds {prefix}; a trailing ^T marks a "
+        "stored transpose (e.g. svd:{prefix}.u,{prefix}.s,{prefix}.vt^T); repeatable",
+    )
+
+
+def parse_group(text: str):
+    """A FactorGroup from ``svd:U,S,V`` or ``lowrank:A,B`` (``^T`` suffix: transposed)."""
+    from dmlib.forensics.factors import FactorGroup
+
+    kind, sep, rest = text.partition(":")
+    pats = [p.strip() for p in rest.split(",")] if sep else []
+    want = {"svd": 3, "lowrank": 2}.get(kind)
+    if want is None or len(pats) != want or not all(pats):
+        raise DmlibError(f"expected --group svd:U,S,V or lowrank:A,B, got {text!r}")
+    trans = [p.endswith("^T") for p in pats]
+    pats = [p[:-2] if t else p for p, t in zip(pats, trans, strict=True)]
+    if kind == "svd":
+        if trans[1]:
+            raise DmlibError(
+                f"the singular values of {text!r} are a vector; ^T applies to U and V only"
+            )
+        return FactorGroup.svd(*pats, transpose_u=trans[0], transpose_v=trans[2])
+    return FactorGroup.lowrank(*pats, transpose_a=trans[0], transpose_b=trans[1])
+
+
+def _labelled(items: list[str], *, optional: bool = False) -> dict[str, str]:
+    runs: dict[str, str] = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep:
+            if not optional:
+                raise DmlibError(f"expected LABEL=PATH, got {item!r}")
+            label, path = item, item  # unlabelled: the path names the run
+        if not label or not path:
+            raise DmlibError(f"expected LABEL=PATH, got {item!r}")
+        if label in runs:
+            raise DmlibError(f"label {label!r} given twice")
+        runs[label] = path
+    return runs
+
+
+def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
+    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items."""
+    ladder: dict[str, dict[int, str]] = {}
+    for item in items:
+        head, sep, path = item.partition("=")
+        label, colon, step = head.rpartition(":")
+        if not sep or not colon or not label or not path or not step.lstrip("-").isdigit():
+            raise DmlibError(f"expected LABEL:STEP=PATH (e.g. s5a:5=runs/s5a/m.bpk), got {item!r}")
+        steps = ladder.setdefault(label, {})
+        if int(step) in steps:
+            raise DmlibError(f"run {label!r} has step {step} twice")
+        steps[int(step)] = path
+    return ladder
+
+
+def _fmt(v: Any) -> str:
+    if v is None or v is pd.NA:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
+    return str(v)
+
+
+def _table(rows: pd.DataFrame | list[dict[str, Any]], cols: list[str]) -> str:
+    recs = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
+    cells = [[_fmt(r.get(c)) for c in cols] for r in recs]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _dump(doc: dict[str, Any]) -> None:
+    from dmlib.stats.compare import jsonable
+
+    print(json.dumps(jsonable(doc), indent=1))
+
+
+# ---------------------------------------------------------------------------
+# subcommands
+
+
+def run_factors(args: argparse.Namespace) -> int:
+    from dmlib.forensics.factors import compare_factors
+
+    groups = [parse_group(g) for g in args.group]
+    df = compare_factors(args.a, args.b, groups)
+    differs = bool(((df["status"] != "ok") | (df["n_diff"].fillna(0) > 0)).any())
+    if args.json:
+        _dump(
+            {
+                "rows": df,
+                "worst_group": df.attrs["worst_group"],
+                "worst_rel_fro": df.attrs["worst_rel_fro"],
+            }
+        )
+        return int(differs)
+    cols = [
+        "group",
+        "kind",
+        "shape",
+        "norm",
+        "rel_fro",
+        "max_abs",
+        "n_diff",
+        "factor_n_diff",
+        "status",
+    ]
+    print(_table(df, cols))
+    print(
+        f"{'DIFFERENT' if differs else 'IDENTICAL'}: {len(df)} layers; worst rel_fro "
+        f"{_fmt(df.attrs['worst_rel_fro'])} ({df.attrs['worst_group']})"
+    )
+    return int(differs)
+
+
+def run_firstcol(args: argparse.Namespace) -> int:
+    from dmlib.forensics.columns import first_divergent_columns, sign_flip_table
+
+    runs = _labelled(args.runs)
+    fc = first_divergent_columns(runs, include=args.include, exclude=args.exclude, axis=args.axis)
+    flips = sign_flip_table(
+        runs, include=args.include, exclude=args.exclude, axis=args.axis, threshold=args.threshold
+    )
+    df = fc.merge(flips.drop(columns=["a", "b", "n_cols"]), on=["pair", "name"], how="left")
+    summary = dict(fc.attrs["summary"])
+    summary["n_flipped"] = int(df["n_flipped"].sum()) if len(df) else 0
+    code = 0 if bool(df["identical"].all()) else 1
+    if args.json:
+        _dump({"rows": df, "summary": summary})
+        return code
+    cols = [
+        "pair",
+        "name",
+        "first_col",
+        "n_cols",
+        "identical",
+        "n_changed",
+        "n_flipped",
+        "min_cosine",
+    ]
+    print(_table(df, cols))
+    print(
+        f"{summary['n_pairs']} tensor pairs, {summary['n_identical']} identical; first divergent "
+        f"column min {_fmt(summary['first_col_min'])} median {_fmt(summary['first_col_median'])} "
+        f"max {_fmt(summary['first_col_max'])}; {summary['n_flipped']} flipped columns"
+    )
+    return code
+
+
+def run_ladder(args: argparse.Namespace) -> int:
+    from dmlib.forensics.ladder import growth_rates, step_ladder
+
+    ladder = parse_ladder(args.ckpts)
+    groups = [parse_group(g) for g in args.group] if args.group else None
+    df = step_ladder(
+        ladder,
+        reference=args.reference,
+        include=args.include,
+        exclude=args.exclude,
+        groups=groups,
+        step_key=args.step_key,
+        keep_flagged=args.keep_flagged,
+    )
+    growth = growth_rates(df)
+    checks = pd.DataFrame(df.attrs["checks"])
+    flagged = bool(checks["flagged"].any())
+    code = 1 if flagged or bool((df["n_diff"] > 0).any()) else 0
+    if args.json:
+        _dump({"checks": checks, "rows": df, "growth": growth, "excluded": df.attrs["excluded"]})
+        return code
+    print(_table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
+    for e in df.attrs["excluded"]:
+        print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
+    if len(df):
+        top = df[df["rank"] <= args.top].sort_values(["step", "pair", "rank"])
+        print()
+        print(
+            _table(
+                top,
+                [
+                    "step",
+                    "pair",
+                    "rank",
+                    "name",
+                    "kind",
+                    "numel",
+                    "norm",
+                    "rel_fro",
+                    "max_abs",
+                    "n_diff",
+                ],
+            )
+        )
+        print()
+        print(_table(growth.sort_values("slope", ascending=False), list(growth.columns)))
+    return code
+
+
+def run_gapcheck(args: argparse.Namespace) -> int:
+    from dmlib.forensics.gaps import padding_across_runs, padding_summary
+
+    runs = _labelled(args.paths, optional=True)
+    df = padding_across_runs(runs)
+    summary = padding_summary(df)
+    code = 1 if len(df) else 0
+    if args.json:
+        _dump(
+            {
+                "runs": summary,
+                "slots": df,
+                "differs": df.attrs["differs"],
+                "inside_tensor": df.attrs["inside_tensor"],
+                "same_layout": df.attrs["same_layout"],
+            }
+        )
+        return code
+    print(_table(summary, list(summary.columns)))
+    if len(df):
+        print()
+        cols = [
+            "run",
+            "record",
+            "kind",
+            "offset",
+            "value",
+            "nan",
+            "huge",
+            "dirty",
+            "differs",
+            "inside_tensor",
+        ]
+        print(_table(df.head(args.limit), cols))
+        if len(df) > args.limit:
+            print(f"... {len(df) - args.limit} more slots (--limit N, or --json for all)")
+    if not df.attrs["same_layout"]:
+        print("note: the runs do not share one tensor layout; only common padding is compared")
+    print(
+        f"padding {'differs' if df.attrs['differs'] else 'is the same'} across runs; "
+        f"{len(df)} dirty or differing slots; {df.attrs['inside_tensor']} inside a named tensor"
+    )
+    return code
