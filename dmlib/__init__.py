@@ -61,6 +61,7 @@ _LAZY: dict[str, str] = {
     "capture": "dmlib.localize.capture",
     "open_capture": "dmlib.localize.manifest",
     "compare_captures": "dmlib.localize.compare",
+    "repeat_control": "dmlib.localize.compare",
 }
 
 __all__ = [

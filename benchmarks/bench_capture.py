@@ -1,0 +1,133 @@
+"""Overhead of dmlib.capture on a real MiniLM forward: no capture, hashes only, full dump.
+
+One process, torch threads fixed, model loaded once, warm-up calls first; each variant is
+timed (wall clock around ``with capture(...): model(batch)``, manifest and tensor files
+written and fsynced included; and the forward with its hooks alone, files excluded) N times, interleaved so drift hits every variant alike, and the median is reported.
+Captures go to benchmarks/_work/ and are deleted. Ratios are against the plain forward.
+
+    python -m benchmarks.bench_capture [--n 15] [--batch 8] [--seq 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORK = HERE / "_work" / "capture"
+RESULTS = HERE / "results" / "capture.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--n", type=int, default=15, help="timed runs per variant (median reported)")
+    p.add_argument("--batch", type=int, default=8, help="texts per forward")
+    p.add_argument("--seq", type=int, default=64, help="positions per text (padded)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.batch, args.seq = 3, 2, 16
+
+    import torch
+
+    import dmlib
+    from dmlib.lab.minilm import load_minilm, tokenize
+
+    torch.set_num_threads(args.threads)
+    model = load_minilm()
+    words = "the committee reviewed quarterly results and asked for a revised forecast".split()
+    texts = [
+        " ".join(words[(i + j) % len(words)] for j in range(args.seq // 2 + i))
+        for i in range(args.batch)
+    ]
+    batch = tokenize(texts, pad_to=args.seq)
+    mask = batch["attention_mask"].tolist()
+    row_map = [(f"t{i}", j) if m else None for i, row in enumerate(mask) for j, m in enumerate(row)]
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(**batch)
+
+    inside: dict[str, list[float]] = {"hash_only": [], "full_dump": []}
+
+    def captured(name: str, dump: list[str] | None):
+        def run() -> None:
+            out = WORK / "c"
+            if out.exists():
+                shutil.rmtree(out)
+            with (
+                torch.no_grad(),
+                dmlib.capture(model, out, modules="*", row_map=row_map, dump=dump),
+            ):
+                t0 = time.perf_counter()
+                model(**batch)
+                inside[name].append(time.perf_counter() - t0)  # hooks included, manifest not
+
+        return run
+
+    variants = {
+        "no_capture": plain,
+        "hash_only": captured("hash_only", None),
+        "full_dump": captured("full_dump", ["*"]),
+    }
+    WORK.mkdir(parents=True, exist_ok=True)
+    try:
+        for fn in variants.values():  # warm-up: allocator, kernels, page cache
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.n):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        dump_bytes = sum(f.stat().st_size for f in (WORK / "c").rglob("*") if f.is_file())
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    fwd = {k: statistics.median(v[1:]) for k, v in inside.items()}  # v[0]: the warm-up
+    result = {
+        "benchmark": "capture",
+        "model": "all-MiniLM-L6-v2 (dmlib.lab.minilm), float32, CPU",
+        "batch": args.batch,
+        "seq": args.seq,
+        "torch_threads": args.threads,
+        "n": args.n,
+        "quick": args.quick,
+        "median_seconds": med,
+        "ratio_hash_only": med["hash_only"] / med["no_capture"],
+        "ratio_full_dump": med["full_dump"] / med["no_capture"],
+        "median_forward_seconds": fwd,
+        "ratio_hash_only_forward": fwd["hash_only"] / med["no_capture"],
+        "ratio_full_dump_forward": fwd["full_dump"] / med["no_capture"],
+        "full_dump_bytes": dump_bytes,
+    }
+    print(
+        f"MiniLM forward, batch {args.batch} x {args.seq} positions, {args.threads} thread(s), median of {args.n}:"
+    )
+    for k, v in med.items():
+        extra = (
+            f"   (forward with hooks alone: {fwd[k] * 1e3:.1f} ms, x{fwd[k] / med['no_capture']:.2f})"
+            if k in fwd
+            else ""
+        )
+        print(f"  {k:11s} {v * 1e3:8.1f} ms   x{v / med['no_capture']:.2f}{extra}")
+    print(f"  full dump writes {dump_bytes / 2**20:.1f} MiB per forward")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    from dmlib._atomic import atomic_write_text
+
+    atomic_write_text(RESULTS, json.dumps(result, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

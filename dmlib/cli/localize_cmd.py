@@ -1,0 +1,142 @@
+"""``dmlib localize A B``: where do two captures of one model first diverge?"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import pandas as pd
+
+from dmlib.cli import add_common_epilog
+
+# columns of the readable table (the JSON output carries every column)
+_TABLE = [
+    "boundary",
+    "role",
+    "identical",
+    "n_diff",
+    "n_diff_rows",
+    "max_abs",
+    "rel_l2",
+    "max_ulp",
+    "diff_blocks",
+    "new_blocks",
+]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "localize",
+        help="find the first boundary where two captures diverge",
+        description="Compare two capture directories (written by dmlib.capture) boundary by "
+        "boundary in execution order, per logical request: which boundaries differ, in which "
+        "blocks of positions, and the culprit (inputs identical, output differs). With --repeat "
+        "the verdict is valid only if the repeat captures are byte-identical; a planted one-bit "
+        "change is always checked (negative control). Prints boundaries that are not clean "
+        "(--all: every boundary) and the verdict.",
+    )
+    p.add_argument("a", help="reference capture directory")
+    p.add_argument("b", help="capture compared against it")
+    p.add_argument(
+        "--request", metavar="ID", help="request id to compare (default: every common request)"
+    )
+    p.add_argument(
+        "--repeat",
+        nargs="+",
+        metavar="DIR",
+        help="repeat capture of A's layout (then, optionally, of B's)",
+    )
+    p.add_argument(
+        "--negative",
+        metavar="DIR",
+        help="capture of a different input, which must be found different",
+    )
+    p.add_argument("--all", action="store_true", help="list clean boundaries too")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=40,
+        help="at most this many table rows (default 40; 0: no limit)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document (rows and attrs)")
+    add_common_epilog(p)
+    p.set_defaults(func=run_localize)
+
+
+def _fmt(v: Any) -> str:
+    if v is None or v is pd.NA:
+        return "-"
+    if isinstance(v, float):
+        return (
+            "-"
+            if math.isnan(v)
+            else f"{v:.3e}"
+            if v and (abs(v) < 1e-3 or abs(v) >= 1e4)
+            else f"{v:.4g}"
+        )
+    if isinstance(v, list):
+        return _ranges(v)
+    return str(v)
+
+
+def _ranges(blocks: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5': block lists stay one short cell."""
+    if not blocks:
+        return "-"
+    out, start, prev = [], blocks[0], blocks[0]
+    for b in [*blocks[1:], None]:
+        if b is not None and b == prev + 1:
+            prev = b
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if b is not None:
+            start = prev = b
+    return ",".join(out)
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if hasattr(v, "item"):
+        return _jsonable(v.item())
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def run_localize(args: argparse.Namespace) -> int:
+    from dmlib.localize.compare import compare_captures, verdict
+
+    repeat = tuple(args.repeat) if args.repeat else None
+    df = compare_captures(
+        args.a, args.b, request=args.request, repeat=repeat, negative=args.negative
+    )
+    divergent = df.attrs["first_divergent_boundary"] is not None
+    rc = df.attrs["repeat_control"]
+    failed_control = (rc is not None and not rc["held"]) or df.attrs["negative_control"][
+        "passed"
+    ] is False
+    if args.json:
+        rows = [{k: _jsonable(v) for k, v in r.items()} for r in df.to_dict(orient="records")]
+        print(json.dumps({"rows": rows, "attrs": _jsonable(dict(df.attrs))}, indent=1))
+    else:
+        shown = df if args.all else df[df["role"] != "clean"]
+        if args.limit and len(shown) > args.limit:
+            print(f"(first {args.limit} of {len(shown)} rows; --limit 0 for all)")
+            shown = shown.head(args.limit)
+        if len(shown):
+            cells = [[_fmt(r[c]) for c in _TABLE] for r in shown.to_dict(orient="records")]
+            widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(_TABLE)]
+            print("  ".join(c.ljust(w) for c, w in zip(_TABLE, widths, strict=True)).rstrip())
+            for row in cells:
+                print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        print(verdict(df))
+    return 1 if (divergent or failed_control) else 0

@@ -1,0 +1,318 @@
+"""Record what enters and leaves named torch modules during one forward pass.
+
+``with dmlib.capture(model, path, row_map=...): model(x)`` installs forward hooks,
+hashes every boundary tensor (whole, and per logical request in blocks of positions),
+optionally dumps selected boundaries in full, and writes ``path/manifest.json`` last.
+Hooks return nothing and only read: each tensor is detached, moved to the CPU (a copy for
+device tensors; a read-only view for CPU tensors, hashed before the hook returns, which
+halves the overhead) and never written, so the model's outputs are unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlib import _atomic
+from dmlib.errors import CaptureError, MissingDependencyError
+from dmlib.hashing import hash_bytes
+from dmlib.localize.manifest import (
+    FORMAT,
+    MANIFEST,
+    REQUEST_PREFIX,
+    TENSOR_DIR,
+    VERSION,
+    WHOLE_KEY,
+    RowMap,
+    request_hashes,
+)
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - reading captures needs no torch; writing does
+    torch = None
+
+
+def _require_torch() -> None:
+    if torch is None:
+        raise MissingDependencyError("dmlib.capture needs torch: pip install 'dmlib[torch]'")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU numpy array with the tensor's exact bytes (bf16/f8 through ml_dtypes)."""
+    from dmlib import dtypes
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    special = {
+        torch.bfloat16: (torch.int16, dtypes.BFLOAT16),
+        torch.float8_e4m3fn: (torch.int8, dtypes.FLOAT8_E4M3FN),
+        torch.float8_e5m2: (torch.int8, dtypes.FLOAT8_E5M2),
+    }
+    if t.dtype in special:
+        view, np_dtype = special[t.dtype]
+        return t.view(view).numpy().view(np_dtype)
+    return t.numpy()
+
+
+def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(slot, tensor) for every tensor in a nested output/argument structure."""
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, o in enumerate(obj):
+            yield from _tensors(
+                o, f"{prefix}{i}" if prefix.endswith(("input", "output")) else f"{prefix}.{i}"
+            )
+    elif isinstance(obj, dict):
+        for k, o in obj.items():
+            yield from _tensors(o, f"{prefix}.{k}")
+
+
+def default_modules(model: torch.nn.Module) -> list[str]:
+    """Leaf modules plus top-level blocks: the root's children and ModuleList/Sequential items."""
+    names = []
+    containers = {
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
+    }
+    for name, m in model.named_modules():
+        if name == "" or isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        parent = name.rpartition(".")[0]
+        if not any(True for _ in m.children()) or "." not in name or parent in containers:
+            names.append(name)
+    return names
+
+
+def _select(model: torch.nn.Module, modules: str | Iterable[str] | None) -> list[tuple[str, Any]]:
+    named = dict(model.named_modules())
+    if modules is None:
+        chosen = default_modules(model)
+    else:
+        patterns = [modules] if isinstance(modules, str) else list(modules)
+        chosen = [n for n in named if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        if "" in patterns:
+            chosen.insert(0, "")
+        if not chosen:
+            raise CaptureError(f"no module matches {patterns}; modules are e.g. {list(named)[1:6]}")
+    return [(n, named[n]) for n in chosen]
+
+
+class Recorder:
+    """What a capture accumulates; returned by ``with dmlib.capture(...) as rec``."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        row_map: RowMap | None,
+        block_rows: int,
+        dump: list[str],
+        dump_requests: set[str] | None,
+        metadata: dict[str, Any],
+    ) -> None:
+        self.path = path
+        self.row_map = row_map
+        self.block_rows = block_rows
+        self.dump = dump
+        self.dump_requests = dump_requests
+        self.metadata = metadata
+        self.boundaries: list[dict[str, Any]] = []
+        self.calls: dict[str, int] = {}
+        self.whole_only: list[str] = []
+
+    def _wants_dump(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.dump)
+
+    def record(self, module: str, call: int, kind: str, slot: str, t: Any) -> None:
+        arr = _to_numpy(t)
+        suffix = "" if call == 0 else f"#{call}"
+        name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
+        entry: dict[str, Any] = {
+            "name": name,
+            "module": module,
+            "call": call,
+            "kind": kind,
+            "slot": slot,
+            "dtype": arr.dtype.name,
+            "shape": list(arr.shape),
+            "sha256": hash_bytes(arr),
+            "row_dims": None,
+            "requests": {},
+            "dump": None,
+        }
+        k = self.row_map.row_dims(arr.shape) if self.row_map is not None else None
+        rows = None
+        if k is not None:
+            entry["row_dims"] = k
+            rows = arr.reshape((len(self.row_map), *arr.shape[k:]))
+            for rid, idx in self.row_map.requests.items():
+                sha, blocks = request_hashes(rows[idx], self.block_rows)
+                entry["requests"][rid] = {"sha256": sha, "n_rows": int(len(idx)), "blocks": blocks}
+        elif self.row_map is not None:
+            self.whole_only.append(name)
+        if self._wants_dump(name):
+            entry["dump"] = self._write_dump(len(self.boundaries), arr, rows)
+        self.boundaries.append(entry)
+
+    def _write_dump(self, index: int, arr: np.ndarray, rows: np.ndarray | None) -> dict[str, Any]:
+        from dmlib.io.safetensors import write_safetensors
+
+        rel = f"{TENSOR_DIR}/{index:05d}.safetensors"
+        (self.path / TENSOR_DIR).mkdir(exist_ok=True)
+        if rows is None or self.dump_requests is None:
+            write_safetensors(self.path / rel, {WHOLE_KEY: arr})
+            return {"file": rel, "whole": True}
+        wanted = [r for r in self.row_map.requests if r in self.dump_requests]
+        write_safetensors(
+            self.path / rel,
+            {
+                REQUEST_PREFIX + r: np.ascontiguousarray(rows[self.row_map.requests[r]])
+                for r in wanted
+            },
+        )
+        return {"file": rel, "whole": False, "requests": wanted}
+
+    def manifest(self, *, complete: bool, error: str | None = None) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "complete": complete,
+            "block_rows": self.block_rows,
+            "row_map": None if self.row_map is None else self.row_map.to_json(),
+            "whole_only": self.whole_only,
+            "metadata": self.metadata,
+            "boundaries": self.boundaries,
+        }
+        if error is not None:
+            m["error"] = error
+        return m
+
+    def write_manifest(self, *, complete: bool, error: str | None = None) -> None:
+        m = self.manifest(complete=complete, error=error)
+        boundaries = m.pop("boundaries")
+        # one boundary per line: compact, yet diffable and readable with grep
+        head = json.dumps(m, separators=(",", ":"))[:-1]
+        lines = ",\n".join(json.dumps(b, separators=(",", ":")) for b in boundaries)
+        text = f'{head},"boundaries":[\n{lines}\n]}}\n'
+        _atomic.atomic_write_text(self.path / MANIFEST, text)
+
+
+@contextlib.contextmanager
+def capture(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    modules: str | Iterable[str] | None = None,
+    row_map: Sequence[Any] | None = None,
+    block_rows: int = 64,
+    dump: str | Iterable[str] | None = None,
+    dump_requests: Iterable[Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Iterator[Recorder]:
+    """Capture module boundaries of the forward passes run inside the ``with`` block.
+
+    Parameters
+    ----------
+    model
+        The torch module whose submodules are hooked.
+    path
+        Capture directory (created). ``manifest.json`` is written last; an interrupted
+        run leaves a manifest marked incomplete, which :func:`dmlib.open_capture` refuses.
+    modules
+        Module names or glob patterns (``"encoder.layer.0.*"``); default: every leaf
+        module plus top-level blocks. ``""`` hooks the model itself.
+    row_map
+        One entry per physical row of the leading dimensions (batch x sequence, say):
+        ``(request_id, position)`` or ``None`` for padding. Boundaries whose leading
+        dimensions do not flatten to this many rows are hashed whole (``whole_only``).
+    block_rows
+        Positions per block hash.
+    dump
+        Glob patterns of boundary names whose full tensors are written (a module's
+        output is named like the module, its inputs ``module:input0``...).
+    dump_requests
+        With ``dump``: write only these requests' rows (position order) instead of whole
+        physical tensors.
+    metadata
+        JSON-able description stored in the manifest.
+    overwrite
+        Replace an existing capture at ``path``.
+    """
+    _require_torch()
+    path = Path(path)
+    if block_rows < 1:
+        raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
+    if (path / MANIFEST).exists() and not overwrite:
+        raise CaptureError(
+            "a capture already exists here; pass overwrite=True to replace it", path=path
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    if overwrite and (path / TENSOR_DIR).is_dir():
+        for f in (path / TENSOR_DIR).glob("*.safetensors"):
+            f.unlink()
+    rec = Recorder(
+        path,
+        row_map=None if row_map is None else RowMap(list(row_map), path=path),
+        block_rows=int(block_rows),
+        dump=[] if dump is None else ([dump] if isinstance(dump, str) else list(dump)),
+        dump_requests=None if dump_requests is None else {str(r) for r in dump_requests},
+        metadata=dict(metadata or {}),
+    )
+    rec.write_manifest(complete=False)  # marks the directory as a capture in progress
+    handles = []
+
+    def pre_hook(name: str):
+        def hook(mod, args, kwargs):
+            call = rec.calls.get(name, 0)
+            for slot, t in _tensors(tuple(args), "input"):
+                rec.record(name, call, "input", slot, t)
+            for slot, t in _tensors(dict(kwargs), "input"):
+                rec.record(name, call, "input", slot, t)
+
+        return hook
+
+    def post_hook(name: str):
+        def hook(mod, args, kwargs, output):
+            call = rec.calls.get(name, 0)
+            rec.calls[name] = call + 1
+            for slot, t in _tensors(
+                output if isinstance(output, (tuple, list)) else (output,), "output"
+            ):
+                rec.record(name, call, "output", slot, t)
+
+        return hook
+
+    try:
+        for name, mod in _select(model, modules):
+            label = name or "model"
+            handles.append(mod.register_forward_pre_hook(pre_hook(label), with_kwargs=True))
+            handles.append(mod.register_forward_hook(post_hook(label), with_kwargs=True))
+        yield rec
+    except BaseException as err:
+        rec.write_manifest(
+            complete=False, error=f"capture interrupted by {type(err).__name__}: {err}"
+        )
+        raise
+    finally:
+        for h in handles:
+            h.remove()
+    if not rec.boundaries:
+        rec.write_manifest(complete=False, error="no hooked module ran inside the capture block")
+        raise CaptureError("no hooked module ran inside the capture block", path=path)
+    rec.write_manifest(complete=True)
+
+
+__all__ = ["capture", "default_modules", "Recorder"]

@@ -1,0 +1,445 @@
+"""Compare two captures boundary by boundary: where does the divergence first enter?
+
+Identity comes from the per-request hashes (so two layouts of the same request are
+comparable), element statistics from dumped tensors where both captures have them.
+A boundary whose recorded inputs are identical but whose output differs is where the
+divergence enters (``role="culprit"``); boundaries that differ because an input already
+differs only carry it (``"carrier"``). Two controls qualify the verdict: a repeat control
+(two captures of one layout must be byte-identical, else differences between layouts
+cannot be told from run-to-run noise) and a negative control (the comparison must detect
+a planted one-bit change, and optionally a different input).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dmlib.dtypes import bits_dtype, is_float
+from dmlib.errors import CaptureError
+from dmlib.localize.manifest import Boundary, Capture, open_capture, request_hashes, request_key
+
+CaptureLike = Capture | str | os.PathLike
+
+COLUMNS = [
+    "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
+    "rel_l2", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
+]  # fmt: skip
+
+
+def _open(c: CaptureLike) -> Capture:
+    return c if isinstance(c, Capture) else open_capture(c)
+
+
+def element_stats(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """n_diff (bit patterns), n_diff_rows (leading index), max_abs, rel_l2 (to ``a``), max_ulp."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {
+            "n_diff": None,
+            "n_diff_rows": None,
+            "max_abs": None,
+            "rel_l2": None,
+            "max_ulp": None,
+        }
+    bits = bits_dtype(a.dtype) if a.dtype != np.bool_ else np.dtype("u1")
+    ua = np.ascontiguousarray(a).view(bits)
+    ub = np.ascontiguousarray(b).view(bits)
+    differ = ua != ub
+    rows = differ.reshape(differ.shape[0], -1).any(axis=1) if differ.ndim else differ
+    fa, fb = a.astype(np.float64), b.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.where(differ, np.abs(fa - fb), 0.0)
+        d = np.where(differ & (np.isnan(fa) | np.isnan(fb)), np.inf, d)
+        num = float(np.sqrt(np.sum(np.where(differ, d, 0.0) ** 2)))
+        den = float(np.sqrt(np.nansum(fa**2)))
+    out = {
+        "n_diff": int(differ.sum()),
+        "n_diff_rows": int(np.count_nonzero(rows)),
+        "max_abs": float(d.max()) if d.size else 0.0,
+        "rel_l2": (num / den) if den > 0 else (0.0 if num == 0 else float("inf")),
+        "max_ulp": None,
+    }
+    if is_float(a.dtype):
+        from dmlib.stats.ulp import ulp_distance
+
+        out["max_ulp"] = int(ulp_distance(a, b).max()) if a.size else 0
+    return out
+
+
+def _requests(a: Capture, b: Capture, request: Any) -> list[str]:
+    if request is not None:
+        key = request_key(request)
+        for c in (a, b):
+            if key not in c.requests:
+                raise CaptureError(
+                    f"request {request!r} is not in this capture (it has {sorted(c.requests)})",
+                    path=c.path,
+                )
+        return [key]
+    return sorted(set(a.requests) & set(b.requests))
+
+
+def _block_index(a: Capture, requests: list[str]) -> list[tuple[str, int, int, int]]:
+    out = []
+    for r in requests:
+        n = a.requests[r]
+        for k, start in enumerate(range(0, n, a.block_rows)):
+            out.append((r, k, start, min(n, start + a.block_rows)))
+    return out
+
+
+def _compare_one(
+    ba: Boundary, bb: Boundary | None, requests: list[str], offsets: dict[str, int]
+) -> tuple[Any, list[int], str | None]:
+    """(identical or None, differing global block ids, note)."""
+    if bb is None:
+        return None, [], "absent from the second capture"
+    if requests and ba.row_mapped and bb.row_mapped:
+        if ba.dtype != bb.dtype or ba.row_shape != bb.row_shape:
+            blocks = [offsets[r] + k for r in requests for k in range(len(ba.requests[r].blocks))]
+            return (
+                False,
+                blocks,
+                f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}",
+            )
+        diff: list[int] = []
+        same = True
+        for r in requests:
+            ha, hb = ba.requests[r], bb.requests[r]
+            same &= ha.sha256 == hb.sha256
+            diff += [
+                offsets[r] + k
+                for k, (x, y) in enumerate(zip(ha.blocks, hb.blocks, strict=True))
+                if x != y
+            ]
+        return bool(same), diff, None
+    if requests:
+        if ba.shape == bb.shape and ba.dtype == bb.dtype:
+            return (
+                ba.sha256 == bb.sha256,
+                [],
+                "hashed whole (leading dims do not match the row map)",
+            )
+        return None, [], "hashed whole with layout-dependent shape: not comparable across layouts"
+    if ba.shape != bb.shape or ba.dtype != bb.dtype:
+        return False, [], f"{ba.dtype}{list(ba.shape)} vs {bb.dtype}{list(bb.shape)}"
+    return ba.sha256 == bb.sha256, [], None
+
+
+def _stats(
+    a: Capture, b: Capture, ba: Boundary, bb: Boundary, requests: list[str]
+) -> dict[str, Any] | None:
+    if requests and ba.row_mapped and bb.row_mapped:
+        if not all(a.dumped(ba, r) and b.dumped(bb, r) for r in requests):
+            return None
+        xa = np.concatenate([a.tensor(ba, r) for r in requests])
+        xb = np.concatenate([b.tensor(bb, r) for r in requests])
+        return element_stats(xa, xb)
+    if a.dumped(ba) and b.dumped(bb) and ba.shape == bb.shape:
+        return element_stats(a.tensor(ba), b.tensor(bb))
+    return None
+
+
+def repeat_control(a: CaptureLike, a_repeat: CaptureLike) -> dict[str, Any]:
+    """Two captures of one layout must be byte-identical at every boundary.
+
+    Returns ``{"a", "repeat", "held", "n_boundaries", "n_differing", "differing"}``.
+    """
+    ca, cr = _open(a), _open(a_repeat)
+    names_a = [x.name for x in ca.boundaries]
+    names_r = [x.name for x in cr.boundaries]
+    differing = []
+    for x in ca.boundaries:
+        y = cr.boundary(x.name) if x.name in cr else None
+        if (
+            y is None
+            or (x.sha256, x.shape, x.dtype) != (y.sha256, y.shape, y.dtype)
+            or {k: v.sha256 for k, v in x.requests.items()}
+            != {k: v.sha256 for k, v in y.requests.items()}
+        ):
+            differing.append(x.name)
+    missing = sorted(set(names_r) - set(names_a))
+    return {
+        "a": str(ca.path),
+        "repeat": str(cr.path),
+        "held": not differing and not missing,
+        "n_boundaries": len(names_a),
+        "n_differing": len(differing) + len(missing),
+        "differing": (differing + missing)[:20],
+    }
+
+
+def planted_control(
+    a: CaptureLike, *, request: Any = None, boundary: str | None = None
+) -> dict[str, Any]:
+    """Negative control: a one-bit change planted in a dumped tensor must be detected.
+
+    Recomputes the request's hashes from the dumped rows (they must equal the manifest:
+    the hashes describe these bytes), flips the lowest bit of one element in the middle
+    block, and requires that exactly that block's hash (and the whole hash) change and
+    that the element statistics count exactly one differing element.
+    """
+    c = _open(a)
+    reqs = [request_key(request)] if request is not None else sorted(c.requests)
+    candidates = [
+        (x, r)
+        for x in c.boundaries
+        for r in reqs
+        if x.row_mapped
+        and r in x.requests
+        and c.dumped(x, r)
+        and (boundary is None or x.name == boundary)
+    ]
+    if not candidates:
+        return {
+            "kind": "planted",
+            "passed": None,
+            "reason": "no dumped row-mapped boundary to plant in",
+        }
+    x, r = candidates[0]
+    rows = np.array(c.tensor(x, r))
+    sha, blocks = request_hashes(rows, c.block_rows)
+    matches = sha == x.requests[r].sha256 and blocks == x.requests[r].blocks
+    k = len(blocks) // 2
+    pos = min(k * c.block_rows, rows.shape[0] - 1)
+    flat = rows.reshape(rows.shape[0], -1).view(
+        bits_dtype(rows.dtype) if rows.dtype != np.bool_ else np.uint8
+    )
+    flat[pos, 0] ^= 1
+    sha2, blocks2 = request_hashes(rows, c.block_rows)
+    flagged = [i for i, (p, q) in enumerate(zip(blocks, blocks2, strict=True)) if p != q]
+    n_diff = element_stats(np.asarray(c.tensor(x, r)), rows)["n_diff"]
+    passed = bool(matches and sha2 != sha and flagged == [k] and n_diff == 1)
+    return {
+        "kind": "planted", "boundary": x.name, "request": r, "position": int(pos), "block": k,
+        "hashes_match_dump": bool(matches), "blocks_flagged": flagged, "n_diff": n_diff, "passed": passed,
+    }  # fmt: skip
+
+
+def compare_captures(
+    path_a: CaptureLike,
+    path_b: CaptureLike,
+    *,
+    request: Any = None,
+    repeat: CaptureLike | tuple[CaptureLike, ...] | None = None,
+    negative: CaptureLike | None = None,
+) -> pd.DataFrame:
+    """One row per boundary of ``path_a`` in execution order, compared with ``path_b``.
+
+    Parameters
+    ----------
+    path_a, path_b
+        Capture directories (or opened captures) of the same model, e.g. one request run
+        alone and the same request packed with others.
+    request
+        Request id to compare; default every request present in both captures.
+    repeat
+        A second capture of ``path_a``'s layout (or a tuple: repeats of A, then of B).
+        The comparison is called valid only when every repeat is byte-identical.
+    negative
+        A capture of a different input: the comparison must find it different.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``boundary, module, kind, role, identical, n_diff, n_diff_rows, max_abs,
+        rel_l2, max_ulp, diff_blocks, new_blocks, inherited_blocks, note``. Block ids index
+        ``attrs["block_index"]`` (request, block, start, end). ``attrs`` also holds
+        ``first_divergent_boundary``, ``culprit``, ``culprits``, ``repeat_control``,
+        ``negative_control``, ``valid`` and ``stats_missing``.
+    """
+    a, b = _open(path_a), _open(path_b)
+    if a.block_rows != b.block_rows:
+        raise CaptureError(
+            f"block_rows {a.block_rows} here but {b.block_rows} in {b.path}; blocks are not comparable",
+            path=a.path,
+        )
+    requests = _requests(a, b, request)
+    index = _block_index(a, requests)
+    offsets: dict[str, int] = {}
+    for i, (r, k, _, _) in enumerate(index):
+        if k == 0:
+            offsets[r] = i
+    for r in requests:
+        if a.requests[r] != b.requests[r]:
+            raise CaptureError(
+                f"request {r!r} has {a.requests[r]} positions here but {b.requests[r]} in {b.path}",
+                path=a.path,
+            )
+
+    rows: list[dict[str, Any]] = []
+    for ba in a.boundaries:
+        bb = b.boundary(ba.name) if ba.name in b else None
+        same, diff, note = _compare_one(ba, bb, requests, offsets)
+        st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
+        row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
+               "diff_blocks": sorted(diff), "note": note}  # fmt: skip
+        row.update(
+            st
+            or {
+                "n_diff": None,
+                "n_diff_rows": None,
+                "max_abs": None,
+                "rel_l2": None,
+                "max_ulp": None,
+            }
+        )
+        if st is None and same is True:
+            # identical hashes imply zero differences even without dumped tensors
+            row.update(
+                {
+                    "n_diff": 0,
+                    "n_diff_rows": 0,
+                    "max_abs": 0.0,
+                    "rel_l2": 0.0,
+                    "max_ulp": 0 if is_float(np.dtype(ba.dtype)) else None,
+                }
+            )
+        row["_stats"] = st is not None
+        rows.append(row)
+    _roles(rows)
+
+    df = pd.DataFrame(rows)
+    stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
+    df = df.drop(columns=["_stats", "call"])
+    df["identical"] = df["identical"].astype("boolean")
+    for c in ("n_diff", "n_diff_rows", "max_ulp"):
+        df[c] = df[c].astype("Int64")
+    for c in ("max_abs", "rel_l2"):
+        df[c] = df[c].astype("Float64")
+    df = df[[*COLUMNS, "note"]]
+
+    diverged = [r for r in rows if r["identical"] is False]
+    culprits = [r["boundary"] for r in rows if r["role"] in ("culprit", "entry")]
+    df.attrs.update(
+        {
+            "a": str(a.path),
+            "b": str(b.path),
+            "requests": requests,
+            "block_rows": a.block_rows,
+            "block_index": [list(t) for t in index],
+            "first_divergent_boundary": diverged[0]["boundary"] if diverged else None,
+            "culprit": culprits[0] if culprits else None,
+            "culprits": culprits,
+            "n_boundaries": len(rows),
+            "n_comparable": sum(r["identical"] is not None for r in rows),
+            "n_divergent": len(diverged),
+            "stats_missing": stats_missing,
+            "stats_note": (
+                f"{len(stats_missing)} divergent boundaries were not dumped in both captures: "
+                "element statistics are null there (hashes only)"
+                if stats_missing
+                else "element statistics available wherever a boundary differs"
+            ),
+        }
+    )
+    df.attrs["repeat_control"] = _repeats(a, b, repeat)
+    df.attrs["negative_control"] = _negatives(a, b, requests, negative)
+    rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
+    df.attrs["valid"] = None if rc is None else bool(rc["held"] and nc["passed"] is not False)
+    return df
+
+
+def _repeats(a: Capture, b: Capture, repeat: Any) -> dict[str, Any] | None:
+    if repeat is None:
+        return None
+    reps = list(repeat) if isinstance(repeat, (tuple, list)) else [repeat]
+    checks = [repeat_control(base, rep) for base, rep in zip((a, b), reps, strict=False)]
+    return {"held": all(c["held"] for c in checks), "checks": checks}
+
+
+def _negatives(a: Capture, b: Capture, requests: list[str], negative: Any) -> dict[str, Any]:
+    checks = [planted_control(a, request=requests[0] if len(requests) == 1 else None)]
+    if negative is not None:
+        n = _open(negative)
+        common = sorted(set(a.requests) & set(n.requests)) or None
+        found = False
+        for x in a.boundaries:
+            if x.name not in n:
+                continue
+            y = n.boundary(x.name)
+            if common and x.row_mapped and y.row_mapped:
+                found |= any(x.requests[r].sha256 != y.requests[r].sha256 for r in common)
+            else:
+                found |= x.sha256 != y.sha256
+        checks.append({"kind": "different-input", "capture": str(n.path), "passed": bool(found)})
+    verdicts = [c["passed"] for c in checks if c["passed"] is not None]
+    return {"passed": (all(verdicts) if verdicts else None), "checks": checks}
+
+
+def _roles(rows: list[dict[str, Any]]) -> None:
+    """Fill role, new_blocks and inherited_blocks (in place)."""
+    inputs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    seen_diff: set[int] = set()
+    seen_any = False
+    for r in rows:
+        if r["kind"] == "input":
+            inputs.setdefault((r["module"], r["call"]), []).append(r)
+    candidates: list[dict[str, Any]] = []
+    for r in rows:
+        diff = set(r["diff_blocks"])
+        if r["identical"] is None:
+            r["role"] = "incomparable"
+            base = seen_diff
+        elif r["identical"]:
+            r["role"] = "clean"
+            base = seen_diff
+        elif r["kind"] == "output":
+            ins = [
+                i for i in inputs.get((r["module"], r["call"]), []) if i["identical"] is not None
+            ]
+            if not ins:
+                r["role"] = "undetermined"
+                base = seen_diff
+            elif all(i["identical"] for i in ins):
+                r["role"] = "culprit"
+                base = set()
+                candidates.append(r)
+            else:
+                r["role"] = "carrier"
+                base = set().union(*(set(i["diff_blocks"]) for i in ins))
+        else:
+            r["role"] = "carrier" if seen_any else "entry"
+            base = seen_diff
+        r["new_blocks"] = sorted(diff - base)
+        r["inherited_blocks"] = sorted(diff & base)
+        if r["identical"] is False:
+            seen_any = True
+            seen_diff |= diff
+    # a module whose inputs are clean but that contains a recorded culprit only encloses it
+    for r in candidates:
+        if any(o is not r and o["module"].startswith(r["module"] + ".") for o in candidates):
+            r["role"] = "encloses-culprit"
+
+
+def verdict(df: pd.DataFrame) -> str:
+    """A few lines of plain text: first divergence, culprit, controls, validity."""
+    at = df.attrs
+    lines = []
+    if at["first_divergent_boundary"] is None:
+        n_incomparable = at["n_boundaries"] - at["n_comparable"]
+        extra = f" ({n_incomparable} not comparable across these layouts)" if n_incomparable else ""
+        lines.append(f"identical: all {at['n_comparable']} comparable boundaries match{extra}")
+    else:
+        lines.append(f"first divergent boundary: {at['first_divergent_boundary']}")
+        lines.append(f"culprit (inputs identical, output differs): {at['culprit']}")
+        if len(at["culprits"]) > 1:
+            lines.append(f"other entry points: {', '.join(at['culprits'][1:6])}")
+    rc = at["repeat_control"]
+    lines.append(
+        "repeat control: not run"
+        if rc is None
+        else f"repeat control: {'held' if rc['held'] else 'FAILED'}"
+    )
+    nc = at["negative_control"]
+    lines.append(
+        f"negative control: {({True: 'passed', False: 'FAILED', None: 'not run'})[nc['passed']]}"
+    )
+    lines.append(f"valid: {at['valid']}")
+    return "\n".join(lines)
+
+
+__all__ = ["compare_captures", "repeat_control", "planted_control", "element_stats", "verdict"]
