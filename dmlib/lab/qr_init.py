@@ -31,209 +31,32 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dmlib.lab import _proc
+from dmlib.lab.autotune import (  # noqa: F401  (re-exported: the dataset's public mechanism)
+    BUCKET,
+    CANDIDATES,
+    ENV_TUNE,
+    OPS,
+    PROCESS_TUNER,
+    PROCESS_TUNER_SOURCE,
+    USUAL_WINNER,
+    WIN_PROB,
+    Autotuner,
+    blocked_sum,
+    householder_qr,
+    reduce_sum,
+    shape_key,
+)
+from dmlib.lab.records import RECORDS_FILE, RECORDS_MODEL_FILE, write_checkpoint  # noqa: F401
 
 DATASET = "qr_init"
 RANK = 64
-# the candidate kernels of every reduction, the usual winner of the race first
-CANDIDATES = ("pairwise/16", "sequential", "tree", "pairwise/4", "pairwise/32")
-USUAL_WINNER = CANDIDATES[0]
-# A 100-row QR touches 5 length buckets x 2 operations = 10 keys. Chosen before generating,
-# from simulated sets of six processes: with bucket 8 the entry column's median was ~13 and
-# ~1 run pair in 15 identical; with bucket 16, ~5 and ~6 in 15 (README.md has the odds)
-WIN_PROB = 0.95
-BUCKET = 16
-OPS = ("norm", "dot")  # sum of squares of one vector; dot products v^T X (one per column)
-ENV_TUNE = "DMLIB_QR_AUTOTUNE"  # JSON {"cache": {key: kernel}, "win_prob": p, "bucket": b}
-
-
-# ----------------------------------------------------------------------------- reductions
-
-
-def blocked_sum(x: np.ndarray, block: int) -> np.ndarray:
-    """Sum ``x`` over axis 0 in float32: sequentially inside blocks of ``block`` rows,
-    then the block partials pairwise (a binary tree).
-
-    Every addition is an IEEE float32 addition, so the result is a deterministic
-    function of ``x`` and ``block``; different ``block`` values add in different orders.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    n = x.shape[0]
-    nb = -(-n // block)
-    if nb * block != n:  # zero rows change no partial sum
-        x = np.concatenate([x, np.zeros((nb * block - n, *x.shape[1:]), np.float32)])
-    x = x.reshape(nb, block, *x.shape[1:])
-    acc = x[:, 0].copy()
-    for i in range(1, block):
-        acc += x[:, i]
-    while acc.shape[0] > 1:
-        half = acc.shape[0] // 2
-        paired = acc[0 : 2 * half : 2] + acc[1 : 2 * half : 2]
-        acc = np.concatenate([paired, acc[2 * half :]]) if acc.shape[0] % 2 else paired
-    return acc[0]
-
-
-def reduce_sum(x: np.ndarray, kernel: str) -> np.ndarray:
-    """Sum ``x`` over axis 0 in float32 with one of :data:`CANDIDATES`.
-
-    ``"sequential"`` adds row after row, ``"tree"`` pairwise from single rows,
-    ``"pairwise/b"`` sequentially inside blocks of ``b`` rows then pairwise.
-    """
-    if kernel not in CANDIDATES:
-        raise ValueError(f"unknown reduction kernel {kernel!r}; expected one of {CANDIDATES}")
-    n = max(int(np.shape(x)[0]), 1)
-    block = {"sequential": n, "tree": 1}.get(kernel) or int(kernel.split("/")[1])
-    return blocked_sum(x, block)
-
-
-def shape_key(op: str, length: int, bucket: int = BUCKET) -> str:
-    """The autotuner's key of a reduction: ``"{op}:{length rounded up to bucket}"``."""
-    if op not in OPS:
-        raise ValueError(f"unknown reduction {op!r}; expected one of {OPS}")
-    return f"{op}:{-(-length // bucket) * bucket}"
-
-
-def _unit(entropy: Callable[[int], bytes]) -> float:
-    return int.from_bytes(entropy(8), "little") / 2.0**64
-
-
-class Autotuner:
-    """One process's kernel cache: shape key -> kernel, filled lazily at first use.
-
-    Parameters
-    ----------
-    win_prob
-        Probability that :data:`USUAL_WINNER` wins a key's race; otherwise one of the
-        other candidates, uniformly.
-    bucket
-        Reduction lengths are rounded up to a multiple of this in the key.
-    cache
-        Keys already tuned (a recorded cache to replay); they are never raced again.
-    entropy
-        Unseeded byte source of the races, ``os.urandom``: never the model's seed.
-    """
-
-    def __init__(
-        self,
-        *,
-        win_prob: float = WIN_PROB,
-        bucket: int = BUCKET,
-        cache: Mapping[str, str] | None = None,
-        entropy: Callable[[int], bytes] = os.urandom,
-    ) -> None:
-        if not 0.0 <= win_prob <= 1.0 or bucket < 1:
-            raise ValueError(f"need 0 <= win_prob <= 1 and bucket >= 1, got {win_prob}, {bucket}")
-        for k, v in (cache or {}).items():
-            if v not in CANDIDATES:
-                raise ValueError(f"cache[{k!r}] = {v!r} is not one of {CANDIDATES}")
-        self.win_prob, self.bucket, self._entropy = float(win_prob), int(bucket), entropy
-        self.preset = dict(cache or {})
-        self.cache: dict[str, str] = {}  # in first-use order
-        self.raced: list[str] = []  # keys decided by a race in this process
-
-    @classmethod
-    def from_env(cls) -> tuple[Autotuner, str]:
-        """The process's tuner and where its choices come from (:data:`ENV_TUNE` or ``os.urandom``)."""
-        spec = os.environ.get(ENV_TUNE)
-        if not spec:
-            return cls(), "os.urandom"
-        try:
-            cfg = json.loads(spec)
-            tuner = cls(
-                win_prob=cfg.get("win_prob", WIN_PROB),
-                bucket=cfg.get("bucket", BUCKET),
-                cache=cfg.get("cache"),
-            )
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise ValueError(
-                f"{ENV_TUNE}={spec!r}: expected JSON {{'cache': {{key: kernel}}, 'win_prob': p, 'bucket': b}} ({exc})"
-            ) from exc
-        return tuner, f"env {ENV_TUNE}" + (" + os.urandom" if tuner.win_prob < 1 else "")
-
-    def kernel(self, op: str, length: int) -> str:
-        """The kernel for a reduction of ``length`` rows: cached, else raced now and cached."""
-        key = shape_key(op, length, self.bucket)
-        if key not in self.cache:
-            if key in self.preset:
-                self.cache[key] = self.preset[key]
-            else:
-                self.raced.append(key)
-                if _unit(self._entropy) < self.win_prob:
-                    self.cache[key] = USUAL_WINNER
-                else:  # a close race lost to one of the others
-                    others = CANDIDATES[1:]
-                    self.cache[key] = others[
-                        int.from_bytes(self._entropy(8), "little") % len(others)
-                    ]
-        return self.cache[key]
-
-    def sum(self, op: str, x: np.ndarray) -> np.ndarray:
-        """``x`` summed over axis 0 by the kernel tuned for its key."""
-        return reduce_sum(x, self.kernel(op, int(np.shape(x)[0])))
-
-    def summary(self) -> str:
-        """The cache as one string: ``"key=kernel"`` in first-use order, space separated."""
-        return " ".join(f"{k}={v}" for k, v in self.cache.items())
-
-
-# created at import: one cache per process, like an autotuner's
-PROCESS_TUNER, PROCESS_TUNER_SOURCE = Autotuner.from_env()
-
-
-def householder_qr(
-    a: np.ndarray, *, tuner: Autotuner | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Householder QR of an ``m x n`` matrix (``m >= n``) in float32: ``a = q @ r``.
-
-    Parameters
-    ----------
-    a
-        The matrix; converted to float32.
-    tuner
-        Chooses the kernel of every reduction; default: this process's.
-
-    Returns
-    -------
-    q : (m, n) float32 with orthonormal columns; column ``j`` is final after iteration ``j``.
-    r : (n, n) float32, upper triangular.
-    """
-    tuner = PROCESS_TUNER if tuner is None else tuner
-    r = np.array(a, dtype=np.float32)
-    if r.ndim != 2 or r.shape[0] < r.shape[1]:
-        raise ValueError(f"householder_qr needs an m x n matrix with m >= n, got shape {r.shape}")
-    m, n = r.shape
-    q = np.eye(m, n, dtype=np.float32)
-    vs: list[np.ndarray] = []
-    two = np.float32(2.0)
-    for j in range(n):
-        col = r[j:, j]
-        norm = np.sqrt(tuner.sum("norm", col * col))
-        # reflect onto -sign(x0) e1 so v = x - alpha e1 never cancels
-        alpha = -norm if col[0] >= 0 else norm
-        v = col.copy()
-        v[0] -= alpha
-        vnorm = np.sqrt(tuner.sum("norm", v * v))
-        if vnorm == 0:  # column already zero below the diagonal
-            vs.append(np.zeros_like(v))
-            continue
-        v = v / vnorm
-        vs.append(v)
-        w = tuner.sum("dot", v[:, None] * r[j:, j:])  # v^T R, one reduction per column
-        r[j:, j:] -= two * np.outer(v, w)
-    # Q = H_0 H_1 ... H_{n-1} applied to the first n columns of I, right to left
-    for j in range(n - 1, -1, -1):
-        v = vs[j]
-        w = tuner.sum("dot", v[:, None] * q[j:, j:])
-        q[j:, j:] -= two * np.outer(v, w)
-    return q, np.triu(r[:n, :n])
-
-
 # ----------------------------------------------------------------------------- the model
 
 
@@ -310,162 +133,6 @@ def write_model(
     write_burnpack(
         path, {n: BurnTensor(a, param_id=ids[n]) for n, a in params.items()}, metadata=meta
     )
-
-
-# ----------------------------------------------------------------------------- checkpoint records
-
-RECORDS_FILE = "checkpoint_records.bpk"
-RECORDS_MODEL_FILE = "checkpoint_model.bpk"
-MASKED = np.float32(-1e30)  # logit sentinel of the padded classes: exp() of it is 0
-BATCH = 512  # rows of the synthetic objective's logits tile
-
-
-class _Arena:
-    """One float32 scratch buffer, bump-allocated and never cleared.
-
-    It is NaN-filled once when created, the way debug allocators poison fresh memory
-    (PyTorch's ``fill_uninitialized_memory`` does the same); every allocation is rounded
-    up to 512 bytes (as PyTorch's caching allocator rounds its blocks) and the rounding
-    slack is never written, so it keeps the poison. After that every byte holds whatever
-    was last written there.
-    """
-
-    GRANULE = 128  # float32 slots = 512 bytes
-
-    def __init__(self, nbytes: int) -> None:
-        self.buf = np.full(-(-nbytes // 512) * self.GRANULE, np.nan, np.float32)
-        self.bytes = self.buf.view(np.uint8)
-        self.top = 0
-
-    def alloc(self, shape: tuple[int, ...]) -> np.ndarray:
-        n = int(np.prod(shape))
-        view = self.buf[self.top : self.top + n].reshape(shape)
-        self.top += -(-n // self.GRANULE) * self.GRANULE
-        return view
-
-
-def _train(
-    params: dict[str, np.ndarray], arena: _Arena, seed: int, steps: int
-) -> tuple[dict, dict, dict, dict]:
-    """A few Adam steps on a synthetic objective, with all temporaries in ``arena``.
-
-    Objective: softmax cross-entropy of ``x @ head.weight + head.bias`` on seeded inputs
-    and labels, plus ``0.5 * 1e-2 * ||p||^2`` on every other parameter. Logits and softmax
-    are computed in 64-column tiles: the logits tile's padded columns hold
-    :data:`MASKED`, the softmax tile's are never written.
-    Returns (params, Adam first moments, Adam second moments, EMA) after ``steps`` steps.
-    """
-    rng = np.random.default_rng([seed, 1])
-    w = {n: a.copy() for n, a in params.items()}
-    d, c = w["head.weight"].shape
-    batch = BATCH
-    x = rng.standard_normal((batch, d), np.float32)
-    onehot = np.eye(c, dtype=np.float32)[rng.integers(0, c, batch)]
-    m1 = {n: np.zeros_like(a) for n, a in w.items()}
-    m2 = {n: np.zeros_like(a) for n, a in w.items()}
-    ema = {n: a.copy() for n, a in w.items()}
-    lr, b1, b2, eps, wd, decay = 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0.99
-    for t in range(1, steps + 1):
-        arena.top = 0  # each step reuses the same workspace
-        # softmax and logits live in 64-column tiles; only the first c columns of the
-        # softmax tile are ever written, the logits tile's padded columns hold the sentinel
-        probs_tile = arena.alloc((batch, 64))
-        tile = arena.alloc((batch, 64))
-        tile[:] = MASKED
-        tile[:, :c] = x @ w["head.weight"] + w["head.bias"]
-        probs = probs_tile[:, :c]
-        np.exp(tile[:, :c] - tile.max(axis=1, keepdims=True), out=probs)
-        probs /= probs.sum(axis=1, keepdims=True)
-        probs -= onehot
-        probs /= batch
-        grads = {n: arena.alloc(p.shape) for n, p in w.items()}
-        for n, p in w.items():
-            g = grads[n]
-            if n == "head.weight":
-                g[:] = x.T @ probs
-            elif n == "head.bias":
-                g[:] = probs.sum(axis=0)
-            else:
-                np.multiply(p, np.float32(wd), out=g)
-            m1[n] = (b1 * m1[n] + (1 - b1) * g).astype(np.float32)
-            m2[n] = (b2 * m2[n] + (1 - b2) * g * g).astype(np.float32)
-            step = lr * (m1[n] / (1 - b1**t)) / (np.sqrt(m2[n] / (1 - b2**t)) + eps)
-            w[n] = (p - step).astype(np.float32)
-            ema[n] = (decay * ema[n] + (1 - decay) * w[n]).astype(np.float32)
-    return w, m1, m2, ema
-
-
-def write_checkpoint(
-    out: Path,
-    params: dict[str, np.ndarray],
-    ids: dict[str, int],
-    meta: dict[str, str],
-    *,
-    seed: int,
-    steps: int = 3,
-) -> dict[str, Any]:
-    """Write model + optimizer + EMA records into one file the way a careless writer does.
-
-    The writer assembles each record image in one reused scratch buffer (the training
-    step's workspace) and copies only the header and the tensors into it: the alignment
-    gaps between tensors, and between records, keep whatever the buffer held before:
-    the previous record, the step's gradients and logits (with their ``-1e30`` mask
-    sentinel), or the NaN the buffer was poisoned with. The same model record is also
-    written by Burn's own writer (zero padding) to :data:`RECORDS_MODEL_FILE`.
-    """
-    from dmlib.io.burnpack import BurnTensor, encode_burnpack, write_burnpack, write_records
-
-    scalars = {"step": steps}
-    kinds = {"step": "UInt"}
-    w0 = {n: BurnTensor(a, param_id=ids[n]) for n, a in params.items()}
-    opt_meta = {**meta, **{str(ids[n]): n for n in params}}
-    # sizes first (zero padding), so the scratch fits the largest record
-    opt_shape = {
-        f"{ids[n]}.{k}": a
-        for n in params
-        for k, a in (("moment_1", params[n]), ("moment_2", params[n]))
-    }
-    largest = max(
-        len(encode_burnpack(w0, metadata=meta)), len(encode_burnpack(opt_shape, metadata=opt_meta))
-    )
-    workspace = 2 * BATCH * 64 * 4 + sum(a.nbytes + 512 for a in params.values())
-    arena = _Arena(max(largest + 1024, workspace))
-    w, m1, m2, ema = _train(params, arena, seed, steps)
-    images = [
-        ({n: BurnTensor(a, param_id=ids[n]) for n, a in w.items()}, meta),
-        (
-            {f"{ids[n]}.{k}": d[n] for n in w for k, d in (("moment_1", m1), ("moment_2", m2))},
-            opt_meta,
-        ),
-        ({n: BurnTensor(a, param_id=ids[n]) for n, a in ema.items()}, {**meta, "record": "ema"}),
-    ]
-    blobs: list[bytes] = []
-    gaps: dict[int, bytes] = {}
-    pos = 0
-    for tensors, md in images:
-        img = encode_burnpack(
-            tensors,
-            metadata=md,
-            scalars=scalars,
-            scalar_kinds=kinds,
-            pad_fill=lambda off, n: arena.bytes[off : off + n].tobytes(),
-        )
-        arena.bytes[: len(img)] = np.frombuffer(img, np.uint8)
-        pos += len(img)
-        # the bytes up to the next record's start are streamed from the same buffer
-        gaps[pos] = arena.bytes[len(img) : len(img) + (-pos % 256)].tobytes()
-        pos += -pos % 256
-        blobs.append(img)
-    write_records(out / RECORDS_FILE, blobs, gap_fill=lambda off, n: gaps[off][:n])
-    write_burnpack(
-        out / RECORDS_MODEL_FILE, images[0][0], metadata=meta, scalars=scalars, scalar_kinds=kinds
-    )
-    return {
-        "file": RECORDS_FILE,
-        "model_file": RECORDS_MODEL_FILE,
-        "step": steps,
-        "records": ["model", "optimizer", "ema"],
-    }
 
 
 # ----------------------------------------------------------------------------- worker
