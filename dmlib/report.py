@@ -44,7 +44,9 @@ PNG_DPI = 150
 _config: dict[str, Any] = {"figure_dir": None, "notebook": None}
 
 
-def configure(*, figure_dir: str | os.PathLike[str] | None = None, notebook: str | None = None) -> None:
+def configure(
+    *, figure_dir: str | os.PathLike[str] | None = None, notebook: str | None = None
+) -> None:
     """Set the figure folder and the notebook name for this process (a notebook's kernel).
 
     Passing None leaves a setting as it was.
@@ -72,8 +74,15 @@ def notebook_name() -> str:
 
 
 def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise DmlibError(f"invalid {what} {name!r}: use a non-empty file name without path separators")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or any(c in name for c in "/\\\0")
+    ):
+        raise DmlibError(
+            f"invalid {what} {name!r}: use a non-empty file name without path separators"
+        )
 
 
 def save_figure(fig: Any, name: str, *, folder: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -131,7 +140,9 @@ def _jsonable(value: Any, name: str) -> Any:
             return None
     except (TypeError, ValueError):
         pass
-    raise DmlibError(f"record({name!r}): cannot store a {type(value).__name__} as JSON; pass a number, string, list or dict")
+    raise DmlibError(
+        f"record({name!r}): cannot store a {type(value).__name__} as JSON; pass a number, string, list or dict"
+    )
 
 
 def record(

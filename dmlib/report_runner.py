@@ -31,7 +31,14 @@ from typing import Any
 from dmlib._atomic import atomic_write_text
 from dmlib.errors import DmlibError
 
-__all__ = ["NotebookResult", "inject_parameters", "main", "run_notebook", "run_notebooks", "write_index"]
+__all__ = [
+    "NotebookResult",
+    "inject_parameters",
+    "main",
+    "run_notebook",
+    "run_notebooks",
+    "write_index",
+]
 
 KERNEL_NAME = "dmlib-python3"
 INJECTED_TAG = "injected-parameters"
@@ -53,7 +60,9 @@ class NotebookResult:
     def describe(self) -> str:
         if self.ok:
             return f"{self.name}: ok in {self.seconds:.1f} s"
-        where = f" at cell {self.failed_cell} (counting from 0)" if self.failed_cell is not None else ""
+        where = (
+            f" at cell {self.failed_cell} (counting from 0)" if self.failed_cell is not None else ""
+        )
         return f"{self.name}: FAILED{where}: {self.error}"
 
 
@@ -135,7 +144,10 @@ def _kernel_manager(kernel_dir: Path) -> Any:
     ksm = KernelSpecManager(kernel_dirs=[str(kernel_dir)], ensure_native_kernel=False)
     # IPC sockets in the private kernel folder: nothing listens on the network
     return AsyncKernelManager(
-        kernel_name=KERNEL_NAME, kernel_spec_manager=ksm, transport="ipc", ip=str(kernel_dir.parent / "ipc")
+        kernel_name=KERNEL_NAME,
+        kernel_spec_manager=ksm,
+        transport="ipc",
+        ip=str(kernel_dir.parent / "ipc"),
     )
 
 
@@ -153,7 +165,10 @@ def _failed_cell(nb: Any) -> tuple[int | None, str | None]:
         for out in c.get("outputs", []) if c.cell_type == "code" else []:
             if out.get("output_type") == "error":
                 first = next((ln for ln in c.source.splitlines() if ln.strip()), "")
-                return i - injected_before, f"`{first.strip()}` raised {out.get('ename')}: {out.get('evalue')}"
+                return (
+                    i - injected_before,
+                    f"`{first.strip()}` raised {out.get('ename')}: {out.get('evalue')}",
+                )
     return None, None
 
 
@@ -188,6 +203,9 @@ def run_notebook(
     env.setdefault("MPLBACKEND", "Agg")
     env["DMLIB_FIGURE_DIR"] = str(params.get("FIGURE_DIR", out / "figures"))
     env["DMLIB_NOTEBOOK"] = name
+    # numbers are merged key by key: start from none, so no key of an earlier run survives
+    stale = Path(env["DMLIB_FIGURE_DIR"]).parent / "numbers" / f"{name}.json"
+    stale.unlink(missing_ok=True)
     client = NotebookClient(
         nb,
         km=_kernel_manager(kernel_dir),
@@ -284,17 +302,23 @@ def run_notebooks(
     return results
 
 
-def write_index(out: str | os.PathLike[str], results: Sequence[NotebookResult], params: Mapping[str, Any]) -> Path:
+def write_index(
+    out: str | os.PathLike[str], results: Sequence[NotebookResult], params: Mapping[str, Any]
+) -> Path:
     """``<out>/index.html``: one line per notebook with its status, time and link."""
     out = Path(out)
     rows = []
     for r in results:
         status = "ok" if r.ok else f"FAILED at cell {r.failed_cell}: {html.escape(r.error or '')}"
-        link = f'<a href="{html.escape(r.html.name)}">{html.escape(r.name)}</a>' if r.html else html.escape(r.name)
+        link = (
+            f'<a href="{html.escape(r.html.name)}">{html.escape(r.name)}</a>'
+            if r.html
+            else html.escape(r.name)
+        )
         rows.append(f"<tr><td>{link}</td><td>{status}</td><td>{r.seconds:.1f} s</td></tr>")
     shown = ", ".join(f"{k}={html.escape(repr(v))}" for k, v in params.items())
     text = (
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>dmlib reports</title></head><body>\n"
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>dmlib reports</title></head><body>\n'
         "<h1>dmlib reports</h1>\n"
         f"<p>Parameters: {shown}</p>\n"
         "<table>\n<tr><th>notebook</th><th>status</th><th>time</th></tr>\n"
@@ -313,12 +337,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Execute the report notebooks headless; write executed notebooks, HTML and an index.",
         epilog="Exit status: 0 every notebook ran, 1 a notebook failed (named, with its cell), 2 bad input.",
     )
-    parser.add_argument("--notebooks", default="notebooks", help="folder of *.ipynb (default: notebooks)")
+    parser.add_argument(
+        "--notebooks", default="notebooks", help="folder of *.ipynb (default: notebooks)"
+    )
     parser.add_argument("--out", default="reports", help="output folder (default: reports)")
-    parser.add_argument("--small", action="store_true", help="set SMALL=True: a quick run on a subset")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these notebooks (stems)")
-    parser.add_argument("--data", default=None, help="data folder (default: data beside the notebook folder)")
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="extra parameter")
+    parser.add_argument(
+        "--small", action="store_true", help="set SMALL=True: a quick run on a subset"
+    )
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="run only these notebooks (stems)"
+    )
+    parser.add_argument(
+        "--data", default=None, help="data folder (default: data beside the notebook folder)"
+    )
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="NAME=VALUE", help="extra parameter"
+    )
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell (default: 600)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
@@ -339,7 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     failed = [r for r in results if not r.ok]
     total = time.perf_counter() - t0
-    print(f"{len(results) - len(failed)}/{len(results)} notebooks ok in {total:.1f} s; index: {Path(args.out) / 'index.html'}")
+    print(
+        f"{len(results) - len(failed)}/{len(results)} notebooks ok in {total:.1f} s; index: {Path(args.out) / 'index.html'}"
+    )
     for r in failed:
-        print(f"dmlib.report: notebook {r.name} failed at cell {r.failed_cell} (counting from 0): {r.error}", file=sys.stderr)
+        print(
+            f"dmlib.report: notebook {r.name} failed at cell {r.failed_cell} (counting from 0): {r.error}",
+            file=sys.stderr,
+        )
     return 1 if failed else 0

@@ -1,0 +1,117 @@
+"""Figures of divergence over training steps: per-parameter growth and growth rates per group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dmlib.plots._base import axes_or_current, floats, label, name_matcher, need, palette
+
+__all__ = ["growth_rate_bars", "step_growth"]
+
+
+def step_growth(
+    df: pd.DataFrame,
+    *,
+    x: str = "step",
+    y: str = "rel_fro",
+    hue: str = "name",
+    highlight: Any = None,
+    highlight_label: str = "highlighted",
+    legend: bool = True,
+    ax: Any = None,
+    title: str | None = None,
+) -> Any:
+    """One line per ``hue`` value (a parameter) of ``y`` against ``x``, log y axis.
+
+    ``highlight`` (a regex, a list of names or a predicate on names) picks the lines to
+    draw in colour with a legend entry each; the others are thin grey lines. Zeros
+    (bit-identical) are not drawable on a log axis and leave a gap in their line; when
+    every value is zero the axes say so in words.
+    """
+    need(df, [x, y, hue], "step_growth")
+    ax = axes_or_current(ax)
+    hit = name_matcher(highlight)
+    names = list(dict.fromkeys(df[hue].tolist()))
+    marked = [n for n in names if hit(n)]
+    colors = dict(zip(marked, palette(len(marked)), strict=True))
+    others = False
+    for name in names:
+        sub = df[df[hue] == name].sort_values(x)
+        ys = floats(sub[y])
+        ys = np.where(ys > 0, ys, np.nan)
+        if name in colors:
+            ax.plot(
+                sub[x],
+                ys,
+                marker="o",
+                lw=2.2,
+                color=colors[name],
+                label=f"{name} ({highlight_label})",
+                zorder=3,
+            )
+        else:
+            ax.plot(
+                sub[x],
+                ys,
+                lw=0.8,
+                color="0.65",
+                alpha=0.7,
+                label=None if others else "other parameters",
+                zorder=2,
+            )
+            others = True
+    values = floats(df[y])
+    if len(df) and not (values > 0).any():
+        ax.text(
+            0.5,
+            0.5,
+            f"{y} = 0 at every {x}:\nbit-identical",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+        )
+    if len(df):
+        xs = floats(df[x])
+        pad = max((np.nanmax(xs) - np.nanmin(xs)) * 0.03, 0.5)
+        ax.set_xlim(np.nanmin(xs) - pad, np.nanmax(xs) + pad)
+    ax.set_yscale("log")
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.set_title(title or "Divergence per parameter by step")
+    if legend:
+        ax.legend(fontsize="x-small")
+    return ax
+
+
+def growth_rate_bars(
+    rates: pd.DataFrame,
+    *,
+    key: str = "group",
+    value: str = "slope",
+    hue: str | None = "pair",
+    ax: Any = None,
+    title: str | None = None,
+) -> Any:
+    """Horizontal bars of ``growth_rates(...)``: decades of rel_fro gained per step, per group."""
+    need(rates, [key, value] + ([hue] if hue else []), "growth_rate_bars")
+    ax = axes_or_current(ax)
+    keys = list(dict.fromkeys(rates[key].tolist()))
+    groups = list(dict.fromkeys(rates[hue].tolist())) if hue else [None]
+    n = len(groups)
+    height = 0.8 / n
+    pos = {k: i for i, k in enumerate(keys)}
+    for i, (g, color) in enumerate(zip(groups, palette(n), strict=True)):
+        sub = rates if g is None else rates[rates[hue] == g]
+        ys = np.array([pos[k] for k in sub[key]], dtype=float) + (i - (n - 1) / 2) * height
+        ax.barh(ys, floats(sub[value]), height, color=color, label=None if g is None else str(g))
+    ax.set_yticks(range(len(keys)), [str(k) for k in keys])
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xlabel(label(value))
+    ax.set_ylabel(key)
+    ax.set_title(title or "Growth rate of divergence per group")
+    if hue:
+        ax.legend(title=hue, fontsize="small")
+    return ax

@@ -1,0 +1,327 @@
+"""Every report notebook runs headless (SMALL) and its numbers match an independent computation.
+
+The notebooks are executed once, sequentially in one process, by the same runner as
+``make report``; each test then checks one notebook's figures (PNG and PDF, non-empty)
+and compares the numbers it recorded with numpy computations over the raw files, or with
+what the dataset's generator knows to be true. A notebook whose dataset has no
+``index.json`` is skipped, naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dmlib
+from dmlib.report import load_numbers
+from dmlib.report_runner import run_notebooks
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+# the datasets the notebooks read; another folder can stand in for data/ while developing
+DATA = Path(os.environ.get("DMLIB_TEST_DATA") or REPO / "data").resolve()
+
+DATASET = {
+    "checkpoint_anatomy": "qr_init",
+    "ulp_distributions": "qr_init",
+    "qr_first_divergent_column": "qr_init",
+    "run_matrix": "qr_init",
+    "step_growth": "step_ladder",
+    "packed_vs_alone": "packed",
+}
+FIGURES = {
+    "checkpoint_anatomy": ["anatomy_records_layout", "anatomy_records_slots"],
+    "ulp_distributions": ["ulp_histogram_same_vs_control"],
+    "qr_first_divergent_column": ["qr_first_divergent_column"],
+    "run_matrix": ["run_matrix_effective_rel_fro", "run_matrix_worst_rel_fro"],
+    "step_growth": ["step_growth_rel_fro", "step_growth_rates"],
+    "packed_vs_alone": ["packed_boundary_profile", "packed_block_heatmap"],
+}
+
+
+def _index(dataset: str) -> dict:
+    return json.loads((DATA / dataset / "index.json").read_text())
+
+
+def _available() -> list[str]:
+    return [nb for nb, ds in DATASET.items() if (DATA / ds / "index.json").is_file()]
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Run every notebook whose data exists once; -> (output folder, {name: result}).
+
+    The kernels run with a ``torch`` package on their path that refuses to import:
+    ``make report`` installs no torch, so no notebook may need it.
+    """
+    names = _available()
+    out = tmp_path_factory.mktemp("reports")
+    if not names:
+        return out, {}
+    blocker = tmp_path_factory.mktemp("no_torch")
+    (blocker / "torch").mkdir()
+    (blocker / "torch" / "__init__.py").write_text(
+        "raise ImportError('make report runs without torch')\n"
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])),
+        )
+        results = run_notebooks(NOTEBOOKS, out, small=True, only=names, data_dir=DATA, timeout=300)
+    return out, {r.name: r for r in results}
+
+
+def _numbers(executed, name: str) -> dict:
+    ds = DATASET[name]
+    if not (DATA / ds / "index.json").is_file():
+        pytest.skip(f"dataset {ds} absent: {DATA / ds / 'index.json'} not found (make data)")
+    out, results = executed
+    res = results[name]
+    assert res.ok, f"notebook {name} failed at cell {res.failed_cell}: {res.error}"
+    for fig in FIGURES[name]:
+        for ext in ("png", "pdf"):
+            path = out / "figures" / f"{fig}.{ext}"
+            assert path.is_file() and path.stat().st_size > 1000, (
+                f"{name}: figure {path.name} missing or empty"
+            )
+    assert (out / f"{name}.html").stat().st_size > 0
+    return load_numbers(out / "numbers" / f"{name}.json")
+
+
+def test_every_notebook_is_covered():
+    found = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
+    assert found == sorted(DATASET)
+
+
+@pytest.mark.parametrize("name", sorted(DATASET))
+def test_notebook_stored_without_outputs(name):
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "parameters" in code[0].metadata.get("tags", []), (
+        "the first code cell must be tagged 'parameters'"
+    )
+    assert all(not c.outputs and c.execution_count is None for c in code), (
+        "notebooks are stored without outputs"
+    )
+    assert any("report.save_figure" in c.source for c in code)
+
+
+# ---------------------------------------------------------------------------
+# independent computations over the raw files
+
+
+def _arrays(path: Path) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in dmlib.load(path).items()}
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
+
+
+def _rel_fro(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a64 - b64) / np.linalg.norm(a64))
+
+
+def _qr_runs(numbers: dict) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+    index = _index("qr_init")
+    return index, {k: _arrays(DATA / "qr_init" / index["runs"][k]) for k in numbers["runs"]}
+
+
+def test_checkpoint_anatomy(executed):
+    n = _numbers(executed, "checkpoint_anatomy")
+    index = _index("qr_init")
+    path = DATA / "qr_init" / index["records_file"]
+    raw = np.fromfile(path, dtype=np.uint8)
+    ts = dmlib.open_tensors(path)
+    got = {r["record"]: r for r in n["records_slots"]}
+    assert sorted(got) == list(range(len(ts.records)))
+    for rec in ts.records:
+        # a flat read: every 4-byte word from the record's data base to its end
+        flat = (rec.end - rec.data_base) // 4
+        named = sum(t.nbytes for t in rec.values()) // 4
+        inside = np.zeros(rec.end - rec.data_base, dtype=bool)
+        for t in rec.values():
+            lo = t.offset - rec.data_base
+            inside[lo : lo + t.nbytes] = True
+        words = raw[rec.data_base : rec.data_base + flat * 4].view("<f4")
+        pad_words = ~inside[: flat * 4].reshape(-1, 4).any(axis=1)
+        r = got[rec.index]
+        assert r["flat_slots"] == flat
+        assert r["named_slots"] == named
+        assert r["padding_slots"] == flat - named == int(pad_words.sum())
+        assert r["nan"] == int(np.isnan(words[pad_words]).sum())
+        with np.errstate(invalid="ignore"):
+            assert r["huge"] == int((np.abs(words[pad_words]) >= 1e30).sum())
+    # the same parameters written by a zero-padding writer: equal tensors, different files
+    clean_path = DATA / "qr_init" / index["records_model_file"]
+    model, clean = _arrays(path), _arrays(clean_path)
+    same = all(np.array_equal(_bits(model[k]), _bits(clean[k])) for k in clean)
+    assert n["model_vs_clean_identical"] is same is True
+    digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (path, clean_path)]
+    assert n["model_vs_clean_file_hash_equal"] is (digest[0] == digest[1]) is False
+
+
+def test_checkpoint_anatomy_real_burn_fixture(executed, burnpack_fixtures):
+    n = _numbers(executed, "checkpoint_anatomy")
+    # Burn's MNIST example (fixtures README): 18 F32 tensors, zero padding from Burn's writer
+    assert n["mnist_n_tensors"] == 18
+    (r,) = n["mnist_slots"]
+    ts = dmlib.open_tensors(burnpack_fixtures / "mnist-model.bpk")
+    assert r["named_slots"] == sum(t.numel for t in ts.values())
+    assert r["padding_nonzero_slots"] == r["nan"] == r["huge"] == 0
+
+
+def _pair_facts(runs: dict[str, dict[str, np.ndarray]], control: str):
+    same, ctrl, n_diff, identical = [], [], {}, []
+    for a, b in itertools.combinations(runs, 2):
+        rels = [_rel_fro(runs[a][k], runs[b][k]) for k in runs[a]]
+        diff = sum(int((_bits(runs[a][k]) != _bits(runs[b][k])).sum()) for k in runs[a])
+        (ctrl if control in (a, b) else same).append(max(rels))
+        n_diff[(a, b)] = diff
+        if diff == 0:
+            identical.append(f"{a}/{b}")
+    return same, ctrl, n_diff, identical
+
+
+def test_ulp_distributions(executed):
+    n = _numbers(executed, "ulp_distributions")
+    index, runs = _qr_runs(n)
+    control = index["control"]
+    same, ctrl, n_diff, identical = _pair_facts(runs, control)
+    assert n["same_worst_rel_fro"] == pytest.approx(max(same), rel=1e-9)
+    assert n["control_rel_fro"] == pytest.approx(min(ctrl), rel=1e-9)
+    assert n["separation_orders"] == pytest.approx(math.log10(min(ctrl) / max(same)), rel=1e-9)
+    assert n["separation_orders"] > 3  # seed noise against a different seed: orders apart
+    # the histogram counts every differing element exactly once
+    assert n["hist_same_total"] == sum(v for (a, b), v in n_diff.items() if control not in (a, b))
+    assert n["hist_control_total"] == sum(v for (a, b), v in n_diff.items() if control in (a, b))
+    assert sorted(n["identical_pairs"]) == sorted(identical)
+    # the generator knows which pairs drew the same reduction block size
+    for pair, facts in index["pairs"].items():
+        if all(label in runs for label in pair.split("/")):
+            assert facts["bit_identical"] is (pair in n["identical_pairs"]), pair
+
+
+def test_qr_first_divergent_column(executed):
+    n = _numbers(executed, "qr_first_divergent_column")
+    index, runs = _qr_runs(n)
+    same = [k for k in runs if k != index["control"]]
+    factor = [k for k in runs[same[0]] if k.endswith((".proj.u", ".proj.v"))]
+    firsts, n_identical = [], 0
+    for a, b in itertools.combinations(same, 2):
+        for k in factor:
+            cols = np.flatnonzero((_bits(runs[a][k]) != _bits(runs[b][k])).any(axis=0))
+            if cols.size:
+                firsts.append(int(cols[0]))
+            else:
+                n_identical += 1
+    assert n["n_pairs"] == len(firsts) + n_identical
+    assert n["n_identical"] == n_identical
+    if firsts:
+        assert (n["first_col_min"], n["first_col_max"]) == (min(firsts), max(firsts))
+        assert n["first_col_median"] == pytest.approx(float(np.median(firsts)))
+    # the generator recorded, per pair it summarised, the first divergent column of each factor
+    for pair, facts in index["pairs"].items():
+        a, b = pair.split("/")
+        if a in same and b in same and "first_divergent_column" in facts:
+            for k in factor:
+                cols = np.flatnonzero((_bits(runs[a][k]) != _bits(runs[b][k])).any(axis=0))
+                assert facts["first_divergent_column"].get(k) == (
+                    int(cols[0]) if cols.size else None
+                ), (pair, k)
+
+
+def test_run_matrix(executed):
+    n = _numbers(executed, "run_matrix")
+    index, runs = _qr_runs(n)
+    blocks = sorted({k.rsplit(".", 1)[0] for k in runs[n["runs"][0]] if k.endswith(".proj.u")})
+
+    def effective(r, p):
+        return (r[f"{p}.u"].astype(np.float64) * r[f"{p}.s"]) @ r[f"{p}.v"].T.astype(np.float64)
+
+    for a, b in itertools.combinations(runs, 2):
+        worst = max(_rel_fro(effective(runs[a], p), effective(runs[b], p)) for p in blocks)
+        assert n["effective_rel_fro"][f"{a}/{b}"] == pytest.approx(worst, rel=1e-9, abs=1e-300)
+        if f"{a}/{b}" in index["pairs"]:  # the generator's own record of the same quantity
+            assert worst == pytest.approx(
+                index["pairs"][f"{a}/{b}"]["worst_rel_fro_W"], rel=1e-9, abs=1e-300
+            )
+    assert n["effective_same_worst_rel_fro"] < 1e-4 < 0.1 < n["effective_control_min_rel_fro"]
+
+
+def test_packed_vs_alone(executed):
+    n = _numbers(executed, "packed_vs_alone")
+    index = _index("packed")
+    request = index["request"]
+    cap = {k: DATA / "packed" / v for k, v in index["captures"].items()}
+    ma, mb = (json.loads((cap[k] / "manifest.json").read_text()) for k in ("alone", "packed"))
+    hb = {x["name"]: x for x in mb["boundaries"]}
+    first = None
+    for x in ma["boundaries"]:
+        y = hb.get(x["name"])
+        if y and request in x.get("requests", {}) and request in y.get("requests", {}):
+            if x["requests"][request]["sha256"] != y["requests"][request]["sha256"]:
+                first = x["name"]
+                break
+    assert n["first_divergent_boundary"] == first
+    assert n["repeat_control_held"] is True and n["negative_control_passed"] is True
+    assert n["first_divergent"]["alone vs alone_repeat"] is None
+
+    # the dumped rows: identical at the embedding output, different at the culprit
+    def rows(capname, boundary):
+        entry = next(
+            x for x in (ma if capname == "alone" else mb)["boundaries"] if x["name"] == boundary
+        )
+        return np.asarray(dmlib.load(cap[capname] / entry["dump"]["file"])[f"request:{request}"])
+
+    if "embeddings" in index.get("dumped", []):
+        assert np.array_equal(rows("alone", "embeddings"), rows("packed", "embeddings"))
+    culprit = n["culprit"]
+    if culprit in index.get("dumped", []):
+        a, b = rows("alone", culprit), rows("packed", culprit)
+        assert not np.array_equal(a, b)
+        assert n["culprit_rel_l2"] == pytest.approx(_rel_fro(a, b), rel=1e-9)
+
+
+def test_step_growth(executed):
+    n = _numbers(executed, "step_growth")
+    index = _index("step_ladder")
+    ds = DATA / "step_ladder"
+    runs = n["runs"]
+    base = index["base"]
+    files = {lab: {int(s): ds / f for s, f in index["runs"][lab].items()} for lab in runs}
+    # every checkpoint records the step it reached; none may be counted under another step
+    claimed = [(lab, s, p) for lab in runs for s, p in files[lab].items()]
+    recorded = {(lab, s): dmlib.open_tensors(p).scalars.get("step") for lab, s, p in claimed}
+    assert n["n_checkpoints"] == len(claimed)
+    assert n["n_flagged"] == sum(int(v) != s for (_, s), v in recorded.items() if v is not None)
+    steps = sorted(s for s in files[base] if int(recorded[(base, s)]) == s)
+    assert n["last_step"] == n["max_verified_step"] == max(steps)
+
+    ref = _arrays(files[base][steps[0]])
+    norms = {k: float(np.linalg.norm(v.astype(np.float64))) for k, v in ref.items()}
+    assert n["small_norm"] == sorted(k for k, v in norms.items() if v < 0.1)
+
+    expected = {}
+    for lab in runs[1:]:
+        for s in steps:
+            a, b = _arrays(files[base][s]), _arrays(files[lab][s])
+            expected[f"{base}/{lab}@{s}"] = max(_rel_fro(a[k], b[k]) for k in a)
+            if s == steps[-1] and expected[f"{base}/{lab}@{s}"] > 0:
+                top = max(a, key=lambda k: _rel_fro(a[k], b[k]))
+                assert n["top_mover_at_last_step"][f"{base}/{lab}"] == top
+    assert n["max_rel_fro_by_pair_and_step"] == pytest.approx(expected, rel=1e-9, abs=1e-300)
+    # the repeat is the same configuration: the generator records whether it was bit-identical
+    if index["repeat"] in runs:
+        assert (n["repeat_n_diff"] == 0) is index["repeat_bit_identical"]
