@@ -54,6 +54,7 @@ _LAZY: dict[str, str] = {
     "padding_across_runs": "dmlib.forensics.gaps",
     "padding_summary": "dmlib.forensics.gaps",
     "effective_weights": "dmlib.forensics.factors",
+    "factor_matrix": "dmlib.forensics.factors",
     "first_divergent_columns": "dmlib.forensics.columns",
     "sign_flip_table": "dmlib.forensics.columns",
     "growth_rates": "dmlib.forensics.ladder",

@@ -113,3 +113,29 @@ def test_bad_groups():
     bad = {"l.u": np.ones((4, 3)), "l.s": np.ones(2), "l.v": np.ones((5, 3))}
     with pytest.raises(dmlib.DmlibError, match=r"do not fit U\[m,k\] s\[k\] V\[n,k\]"):
         dmlib.compare_factors(bad, bad, SVD)
+
+
+def test_factor_matrix_covers_every_pair_with_planted_deltas():
+    """Three runs: b has singular value 0 scaled by (1 + d), c is a's exact copy."""
+    from dmlib.forensics.factors import FactorGroup, factor_matrix
+
+    rng = np.random.default_rng(5)
+    u, _ = np.linalg.qr(rng.standard_normal((6, 3)))
+    v, _ = np.linalg.qr(rng.standard_normal((5, 3)))
+    s = np.array([3.0, 2.0, 1.0])
+    d = 0.25
+    s_b = s.copy()
+    s_b[0] *= 1 + d
+    runs = {
+        "a": {"l.u": u, "l.s": s, "l.v": v},
+        "b": {"l.u": u, "l.s": s_b, "l.v": v},
+        "c": {"l.u": u.copy(), "l.s": s.copy(), "l.v": v.copy()},
+    }
+    df = factor_matrix(runs, FactorGroup.svd("{prefix}.u", "{prefix}.s", "{prefix}.v"))
+    pairs = df.attrs["pairs"].set_index(["a", "b"])["rel_fro"]
+    assert list(pairs.index) == [("a", "b"), ("a", "c"), ("b", "c")]
+    # ||W_a - W_b||_F / ||W_a||_F = d * s0 / ||s|| since u, v have orthonormal columns
+    expected = d * s[0] / np.linalg.norm(s)
+    assert pairs[("a", "b")] == pytest.approx(expected, rel=1e-12)
+    assert pairs[("a", "c")] == 0.0
+    assert pairs[("b", "c")] == pytest.approx(d * s[0] / np.linalg.norm(s_b), rel=1e-12)

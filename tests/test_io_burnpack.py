@@ -213,3 +213,9 @@ def test_float_scalars_use_shortest_lossless_width():
     assert cbor.encode(float(np.float32(0.1)))[:1] == b"\xfa"  # exact in f32
     assert cbor.encode(-3) == b"\x22"
     assert cbor.encode(42) == b"\x18\x2a"
+
+
+def test_table_keeps_u64_param_ids_exact(burnpack_fixtures):
+    table = dmlib.open_tensors(burnpack_fixtures / "case_a.bpk").table().set_index("name")
+    assert int(table.loc["empty", "param_id"]) == 2**64 - 1  # 18446744073709551615 in the README's file
+    assert int(table.loc["mid.h", "param_id"]) == 12345678901234

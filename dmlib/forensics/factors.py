@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,3 +272,25 @@ def _compare_layers(sa: TensorSet, sb: TensorSet, gs: list[FactorGroup]) -> pd.D
             path=sa.path,
         )
     return pd.DataFrame(rows, columns=_COLUMNS)
+
+
+def factor_matrix(
+    runs: Mapping[str, Source], groups: FactorGroup | Iterable[FactorGroup]
+) -> pd.DataFrame:
+    """:func:`compare_factors` for every pair of runs, in long form.
+
+    Returns one row per (pair, layer) with columns ``a``, ``b`` (run labels) and those of
+    :func:`compare_factors`; ``attrs["pairs"]`` is one row per pair with ``a``, ``b``,
+    ``rel_fro`` (the worst layer's) and ``worst_group``, ready for a run-matrix heatmap.
+    """
+    labels = list(runs)
+    frames, pairs = [], []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            df = compare_factors(runs[a], runs[b], groups)
+            frames.append(df.assign(a=a, b=b))
+            pairs.append({"a": a, "b": b, "rel_fro": df.attrs["worst_rel_fro"], "worst_group": df.attrs["worst_group"]})
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["a", "b", *_COLUMNS])
+    out = out[["a", "b", *[c for c in out.columns if c not in ("a", "b")]]]
+    out.attrs["pairs"] = pd.DataFrame(pairs, columns=["a", "b", "rel_fro", "worst_group"])
+    return out
