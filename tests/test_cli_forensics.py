@@ -111,7 +111,12 @@ def test_ladder_json_flags_artifact_and_missing(capsys, tmp_path):
             items.append(f"{run}:{step}={p}")
     items.append(f"b:100={tmp_path / 'absent.bpk'}")
     items.append(f"a:100={tmp_path / 'a50.bpk'}")
-    code, out, _ = _run(capsys, ["ladder", *items, "--step-key", "scalars:step", "--json"])
+    # a missing checkpoint is bad input unless the user asks for it to be reported
+    code, _, err = _run(capsys, ["ladder", *items, "--step-key", "scalars:step"])
+    assert code == 2 and "absent.bpk" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = _run(
+        capsys, ["ladder", *items, "--step-key", "scalars:step", "--allow-missing", "--json"]
+    )
     assert code == 1
     doc = json.loads(out)
     status = {(c["run"], c["step"]): c["status"] for c in doc["checks"]}
@@ -122,7 +127,7 @@ def test_ladder_json_flags_artifact_and_missing(capsys, tmp_path):
     assert rel[0] == 0.0
     assert rel[5] == pytest.approx(5 / 64, rel=1e-6)  # float32 rounding of w * (1 + 5/64)
     assert {(e["run"], e["step"]) for e in doc["excluded"]} == {("b", 50), ("b", 100), ("a", 100)}
-    code, out, err = _run(capsys, ["ladder", *items])
+    code, out, err = _run(capsys, ["ladder", *items, "--allow-missing"])
     assert code == 1 and "excluded: run b step 50: artifact: recorded step 0, claimed 50" in err
     code, _, err = _run(capsys, ["ladder", "a5=x.bpk"])
     assert code == 2 and "LABEL:STEP=PATH" in err

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import tomllib
-from conftest import REPO
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _names(reqs: list[str]) -> dict[str, str]:

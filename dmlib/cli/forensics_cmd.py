@@ -73,6 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "name:REGEX or path:REGEX (group 1 captures the step)",
     )
     lad.add_argument("--keep-flagged", action="store_true", help="compare flagged checkpoints too")
+    lad.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="report missing or unreadable checkpoints as flagged rows (exit 1) instead of "
+        "refusing the ladder (exit 2)",
+    )
     lad.add_argument("--top", type=int, default=5, help="fastest movers shown per step (default 5)")
     _selection(lad)
     _group_arg(lad, required=False)
@@ -285,6 +291,15 @@ def run_ladder(args: argparse.Namespace) -> int:
     )
     growth = growth_rates(df)
     checks = pd.DataFrame(df.attrs["checks"])
+    if not args.allow_missing:
+        bad = checks[checks["status"].isin(["missing", "unreadable"])]
+        if len(bad):
+            first = bad.iloc[0]
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise DmlibError(
+                f"run {first['run']} step {first['step']}: {first['detail']}{more}; "
+                "pass --allow-missing to report such checkpoints instead"
+            )
     flagged = bool(checks["flagged"].any())
     code = 1 if flagged or bool((df["n_diff"] > 0).any()) else 0
     if args.json:
