@@ -8,6 +8,10 @@ exits 2.
 from __future__ import annotations
 
 import os
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_ONE_LINE = re.compile(r"\s*[\r\n]+\s*")
 
 
 class DmlibError(Exception):
@@ -23,6 +27,9 @@ class DmlibError(Exception):
 
     def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
         self.path = None if path is None else os.fspath(path)
+        # one line, always: the CLI prints str(err) as one line, and messages quoting a
+        # library's own error (torch's are paragraphs) must not break that
+        message = _ONE_LINE.sub(" ", _ANSI.sub("", str(message))).strip()
         self.message = message
         super().__init__(f"{self.path}: {message}" if self.path is not None else message)
 

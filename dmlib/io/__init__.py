@@ -40,7 +40,9 @@ def _check_file(path: str) -> None:
     if not os.path.exists(path):
         raise DmlibError("no such file", path=path)
     if os.path.isdir(path):
-        raise DmlibError("is a directory, not a checkpoint file (for a capture use dmlib.open_capture)", path=path)
+        raise FormatError("is a directory, not a checkpoint file (for a capture use dmlib.open_capture)", path=path)
+    if not os.path.isfile(path):
+        raise FormatError("is not a regular file (a device, socket or pipe?)", path=path)
     if os.path.getsize(path) == 0:
         raise TruncatedError("empty file (0 bytes)", path=path)
 
@@ -51,8 +53,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if path.endswith(".index.json"):
         return "safetensors"
     _check_file(path)
-    with open(path, "rb") as f:
-        head = f.read(64)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as err:
+        raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
     for name, check in _MAGIC:
         if check(head, path):
             return name
@@ -83,18 +88,21 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         raise UnknownFormatError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path)
     if record is not None and fmt != "burnpack":
         raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
-    if fmt == "safetensors" and path.endswith(".index.json"):
-        return safetensors.open_sharded(path)
     _check_file(path)
-    if fmt == "burnpack":
-        return burnpack.open_burnpack(path, record=record)
-    if fmt == "safetensors":
-        return safetensors.open_safetensors(path)
-    if fmt == "npy":
-        return numpy_.open_npy(path)
-    if fmt == "npz":
-        return numpy_.open_npz(path)
-    return torch_.open_torch(path)
+    try:
+        if fmt == "safetensors" and path.endswith(".index.json"):
+            return safetensors.open_sharded(path)
+        if fmt == "burnpack":
+            return burnpack.open_burnpack(path, record=record)
+        if fmt == "safetensors":
+            return safetensors.open_safetensors(path)
+        if fmt == "npy":
+            return numpy_.open_npy(path)
+        if fmt == "npz":
+            return numpy_.open_npz(path)
+        return torch_.open_torch(path)
+    except OSError as err:  # unreadable (permissions, I/O error): still one line naming the file
+        raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
 
 
 def load(path: str | os.PathLike[str], names: Iterable[str] | None = None, *, format: str | None = None) -> dict[str, np.ndarray]:

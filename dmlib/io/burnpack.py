@@ -21,14 +21,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import cbor2
 import numpy as np
 
 from dmlib import _atomic
 from dmlib.dtypes import BFLOAT16
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io import cbor
-from dmlib.tensor import Scalar, Tensor, TensorSet
+from dmlib.tensor import Scalar, Tensor, TensorSet, shape_problem, short_repr
 
 MAGIC = b"NRUB"  # u32 0x4255524E little-endian
 VERSION = 1
@@ -70,7 +69,7 @@ def _parse_dtype(value: Any, path: str, name: str) -> tuple[np.dtype, str, bool]
         if key == "QFloat":
             return np.dtype("u1"), "QFloat", True
     raise UnsupportedError(
-        f"tensor {name!r}: unknown dtype {value!r} (expected one of "
+        f"tensor {name!r}: unknown dtype {short_repr(value)} (expected one of "
         f"{', '.join(_SIMPLE_DTYPES)}, {{'Bool': Native|U8|U32}} or {{'QFloat': ...}})",
         path=path,
     )
@@ -166,7 +165,9 @@ def _decode_scalars(raw: Any, path: str) -> tuple[dict[str, Scalar], dict[str, s
     kinds: dict[str, str] = {}
     for k, v in raw.items():
         if not (isinstance(k, str) and isinstance(v, dict) and len(v) == 1):
-            raise FormatError(f"scalar {k!r}: expected a one-key map like {{'UInt': 42}}, got {v!r}", path=path)
+            raise FormatError(
+                f"scalar {short_repr(k)}: expected a one-key map like {{'UInt': 42}}, got {short_repr(v)}", path=path
+            )
         (kind, val), = v.items()
         ok = {
             "Int": isinstance(val, int) and not isinstance(val, bool),
@@ -175,7 +176,7 @@ def _decode_scalars(raw: Any, path: str) -> tuple[dict[str, Scalar], dict[str, s
             "Bool": isinstance(val, bool),
         }.get(kind, False)
         if not ok:
-            raise FormatError(f"scalar {k!r}: invalid value {v!r} (Int/UInt/Float/Bool)", path=path)
+            raise FormatError(f"scalar {k!r}: invalid value {short_repr(v)} (Int/UInt/Float/Bool)", path=path)
         values[k], kinds[k] = val, kind
     return values, kinds
 
@@ -195,9 +196,9 @@ def _parse_header(buf: np.ndarray, start: int, size: int, path: str, index: int)
             f"{where}metadata_size {msize} runs past the end of the file ({size} bytes)", path=path
         )
     try:
-        meta = cbor2.loads(bytes(buf[start + HEADER : start + HEADER + msize]))
-    except Exception as err:  # cbor2 raises several types for corrupt input
-        raise FormatError(f"{where}corrupt CBOR metadata ({type(err).__name__}: {err})", path=path) from None
+        meta = cbor.decode(buf[start + HEADER : start + HEADER + msize])
+    except cbor.CBORError as err:
+        raise FormatError(f"{where}corrupt CBOR metadata ({err})", path=path) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
         raise FormatError(f"{where}CBOR metadata is not a map with a 'tensors' map", path=path)
     return msize, meta
@@ -207,24 +208,27 @@ def _descriptors(meta: dict, path: str) -> list[tuple[str, np.dtype, str, bool, 
     out = []
     for name, d in meta["tensors"].items():
         if not isinstance(name, str) or not isinstance(d, dict):
-            raise FormatError(f"tensor entry {name!r} is not a name -> map descriptor", path=path)
+            raise FormatError(f"tensor entry {short_repr(name)} is not a name -> map descriptor", path=path)
         for key in ("dtype", "shape", "data_offsets"):
             if key not in d:
                 raise FormatError(f"tensor {name!r}: descriptor lacks {key!r}", path=path)
         dtype, dname, quantized = _parse_dtype(d["dtype"], path, name)
         shape, offs = d["shape"], d["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise FormatError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers", path=path)
+        problem = shape_problem(shape, dtype.itemsize)
+        if problem is not None:
+            raise FormatError(f"tensor {name!r}: {problem}", path=path)
         if not (
             isinstance(offs, list)
             and len(offs) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
             and 0 <= offs[0] <= offs[1]
         ):
-            raise FormatError(f"tensor {name!r}: data_offsets {offs!r} is not [start, end] with 0 <= start <= end", path=path)
+            raise FormatError(
+                f"tensor {name!r}: data_offsets {short_repr(offs)} is not [start, end] with 0 <= start <= end", path=path
+            )
         pid = d.get("param_id")
-        if pid is not None and not (isinstance(pid, int) and 0 <= pid < 1 << 64):
-            raise FormatError(f"tensor {name!r}: param_id {pid!r} is not a u64", path=path)
+        if pid is not None and not (isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 64):
+            raise FormatError(f"tensor {name!r}: param_id {short_repr(pid)} is not a u64", path=path)
         numel = 1
         for s in shape:
             numel *= s
@@ -251,6 +255,10 @@ def _fits(base: int, descs: list, size: int, buf: np.ndarray, aligned: bool) -> 
             return False, end, f"tensors overlap (a tensor starts at data offset {s} before {prev})"
         if aligned and s % ALIGN:
             return False, end, f"data offset {s} is not a multiple of {ALIGN}"
+        # Burn's writer puts each tensor at the first aligned offset after the previous
+        # one: a larger gap means offsets shifted (by a whole alignment unit or more)
+        if aligned and s != align_up(prev):
+            return False, end, f"data offset {s} leaves a gap of {s - prev} bytes after {prev} (expected {align_up(prev)})"
         if not aligned and s != prev:
             return False, end, f"data offset {s} leaves a gap after {prev} (legacy files pack tensors back to back)"
         prev = max(prev, e)
@@ -262,19 +270,47 @@ def _fits(base: int, descs: list, size: int, buf: np.ndarray, aligned: bool) -> 
     return False, end, f"the record would end at byte {end} but the file has {size - end} more bytes that are not another record"
 
 
+def _newer_than_legacy(meta: dict, descs: list) -> str | None:
+    """What in the metadata proves the file postdates the legacy layout (None if nothing)."""
+    if meta.get("scalars"):
+        return "'scalars'"
+    for d in descs:
+        if isinstance(d[8]["dtype"], dict) and "Bool" in d[8]["dtype"]:
+            return f"the dtype {d[8]['dtype']!r} (tensor {d[0]!r})"
+    return None
+
+
 def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) -> _Record:
     msize, meta = _parse_header(buf, start, size, path, index)
     descs = _descriptors(meta, path)
     d_aligned = start + align_up(HEADER + msize)
     d_legacy = start + HEADER + msize
     ok_a, end_a, why_a = _fits(d_aligned, descs, size, buf, aligned=True)
+    newer = _newer_than_legacy(meta, descs)
     if d_legacy == d_aligned:
         ok_l, end_l, why_l = False, end_a, "same base as the aligned layout"
     else:
         ok_l, end_l, why_l = _fits(d_legacy, descs, size, buf, aligned=False)
         if ok_l and descs and all(d[5] % ALIGN == 0 for d in descs) and ok_a:
             ok_l = False  # aligned starts that also pack back to back: the aligned reading wins
-    if ok_a and not ok_l and d_legacy != d_aligned and any(buf[d_legacy:d_aligned]):
+        if ok_l and newer:
+            # the legacy layout ended with Burn v0.20.0-pre.4; these fields came later, so
+            # a legacy reading would be a shifted window of an aligned file cut short
+            ok_l, why_l = False, f"the metadata has {newer}, which Burn wrote only after the legacy layout ended"
+        if (
+            ok_l
+            and descs
+            and all(d[5] % ALIGN == 0 for d in descs)
+            and not buf[d_legacy:d_aligned].any()
+        ):
+            # Packed starts that are all aligned, and zeros where the aligned padding
+            # would be: this is equally an aligned file cut short by the padding length.
+            raise LayoutError(
+                f"record {index}: ambiguous data base: legacy D={d_legacy} fits, but so would an aligned "
+                f"file (D={d_aligned}) cut short by {d_aligned - d_legacy} bytes; refusing to guess",
+                path=path,
+            )
+    if ok_a and not ok_l and not newer and d_legacy != d_aligned and buf[d_legacy:d_aligned].any():
         # The aligned base fits, but the bytes Burn zeroes before it are not zero. If the
         # tensors also pack back to back from the legacy base, this is most likely a legacy
         # file with trailing bytes, and the aligned reading would be a shifted window.
@@ -282,7 +318,8 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         packed, prev = True, 0
         for s_, e_ in legacy_spans:
             packed, prev = packed and s_ == prev, max(prev, e_)
-        if packed and d_legacy + prev <= size:
+        # (with no tensor bytes at all, both readings agree: nothing could be shifted)
+        if packed and 0 < prev and d_legacy + prev <= size:
             raise LayoutError(
                 f"record {index}: ambiguous data base: the aligned layout (D={d_aligned}) fits the file "
                 f"length, but the {d_aligned - d_legacy} header-padding bytes are not zero and the "
@@ -382,26 +419,35 @@ def open_burnpack(path: str | os.PathLike[str], *, record: int | None = None) ->
 # ----------------------------------------------------------------------------- writer
 
 
-def _as_entries(tensors: Mapping[str, Any] | TensorSet) -> list[tuple[str, Any, tuple[int, ...], bytes, int | None]]:
-    """(name, CBOR dtype, shape, bytes, param_id) in disk order."""
+def _as_entries(
+    tensors: Mapping[str, Any] | TensorSet, legacy: bool = False
+) -> list[tuple[str, Any, tuple[int, ...], bytes, int | None]]:
+    """(name, CBOR dtype, shape, bytes, param_id) in disk order.
+
+    ``legacy``: default dtypes as Burn v0.19-v0.20 wrote them (plain ``"Bool"``).
+    """
+
+    def default_dtype(dt: np.dtype) -> Any:
+        return "Bool" if legacy and dt == np.dtype("?") else dtype_value_for(dt)
+
     out = []
     if isinstance(tensors, TensorSet):
         descs = getattr(tensors, "descriptors", {}) if len(tensors.records) <= 1 else {}
         for t in tensors.disk_order():
             raw = descs.get(t.name, {}).get("dtype")
             if raw is None:
-                raw = {"QFloat": {}} if t.quantized else dtype_value_for(t.dtype)
+                raw = {"QFloat": {}} if t.quantized else default_dtype(t.dtype)
             out.append((t.name, raw, t.shape, t.raw().tobytes(), t.param_id))
         return out
     for name, v in tensors.items():
         if isinstance(v, BurnTensor):
             arr = np.ascontiguousarray(v.data)
-            dval = v.dtype_value if v.dtype_value is not None else dtype_value_for(arr.dtype)
+            dval = v.dtype_value if v.dtype_value is not None else default_dtype(arr.dtype)
             shape = tuple(v.shape) if v.shape is not None else arr.shape
             out.append((name, dval, shape, arr.tobytes(), v.param_id))
         else:
             arr = np.ascontiguousarray(np.asarray(v))
-            out.append((name, dtype_value_for(arr.dtype), arr.shape, arr.tobytes(), None))
+            out.append((name, default_dtype(arr.dtype), arr.shape, arr.tobytes(), None))
     return out
 
 
@@ -437,7 +483,8 @@ def encode_burnpack(
         or a burnpack TensorSet/Record to rewrite (its dtypes, param_ids, metadata and
         scalars are kept unless given here).
     layout
-        ``"aligned"`` (current Burn) or ``"legacy-unaligned"`` (Burn v0.19-v0.20).
+        ``"aligned"`` (current Burn) or ``"legacy-unaligned"`` (Burn v0.19-v0.20, which
+        also wrote booleans as plain ``"Bool"``).
     pad_fill
         ``pad_fill(absolute_offset, nbytes) -> bytes`` fills the gaps between tensors
         (Burn writes zeros; other writers leave stale memory there).
@@ -448,8 +495,8 @@ def encode_burnpack(
         metadata = tensors.metadata if metadata is None else metadata
         scalars = tensors.scalars if scalars is None else scalars
         scalar_kinds = getattr(tensors, "scalar_kinds", None) if scalar_kinds is None else scalar_kinds
-    entries = _as_entries(tensors)
     aligned = layout == "aligned"
+    entries = _as_entries(tensors, legacy=not aligned)
     offsets = []
     cur = 0
     for _, _, _, data, _ in entries:
@@ -457,7 +504,7 @@ def encode_burnpack(
         offsets.append((start, start + len(data)))
         cur = start + len(data)
     descs = {}
-    for (name, dval, shape, _, pid), (s, e) in zip(entries, offsets):
+    for (name, dval, shape, _, pid), (s, e) in zip(entries, offsets, strict=True):
         d: dict[str, Any] = {"dtype": dval, "shape": [int(x) for x in shape], "data_offsets": [s, e]}
         if pid is not None:
             d["param_id"] = int(pid)
@@ -472,7 +519,7 @@ def encode_burnpack(
     base = align_up(HEADER + len(blob)) if aligned else HEADER + len(blob)
     out = bytearray(MAGIC + struct.pack("<HI", VERSION, len(blob)) + blob)
     out += bytes(base - len(out))
-    for (_, _, _, data, _), (s, _) in zip(entries, offsets):
+    for (_, _, _, data, _), (s, _) in zip(entries, offsets, strict=True):
         gap = base + s - len(out)
         if gap:
             fill = bytes(gap) if pad_fill is None else bytes(pad_fill(len(out), gap))

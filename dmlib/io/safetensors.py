@@ -19,7 +19,7 @@ import numpy as np
 from dmlib import _atomic
 from dmlib.dtypes import SAFETENSORS_DTYPES, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import Tensor, TensorSet, shape_problem, short_repr
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -31,6 +31,21 @@ def can_open(head: bytes, path: str) -> bool:
     return 2 <= n <= MAX_HEADER and head[8:9] == b"{"
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of duplicate keys; a second entry for a tensor name
+    # would silently hide the first, so refuse instead
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(short_repr(k, 60))
+        out[k] = v
+    return out
+
+
 def _header(path: str, size: int, f) -> tuple[int, dict[str, Any]]:
     if size < 8:
         raise TruncatedError(f"{size} bytes, shorter than the 8-byte safetensors header length", path=path)
@@ -40,9 +55,13 @@ def _header(path: str, size: int, f) -> tuple[int, dict[str, Any]]:
     if 8 + n > size:
         raise TruncatedError(f"header length {n} runs past the end of the file ({size} bytes)", path=path)
     try:
-        header = json.loads(f.read(n).decode("utf-8"))
+        header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FormatError(f"corrupt JSON header ({err})", path=path) from None
+    except _DuplicateKey as err:
+        raise FormatError(f"JSON header names {err.args[0]} twice; refusing to pick one", path=path) from None
+    except RecursionError:
+        raise FormatError("JSON header nests too deeply to be a safetensors header", path=path) from None
     if not isinstance(header, dict):
         raise FormatError("JSON header is not an object", path=path)
     return 8 + n, header
@@ -53,7 +72,7 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         base, header = _header(path, size, f)
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise FormatError("__metadata__ is not a str -> str map", path=path)
     buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
@@ -65,13 +84,22 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
         dt = SAFETENSORS_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
         if dt is None:
             raise UnsupportedError(
-                f"tensor {name!r}: unknown dtype {d['dtype']!r} (known: {', '.join(SAFETENSORS_DTYPES)})", path=path
+                f"tensor {name!r}: unknown dtype {short_repr(d['dtype'])} (known: {', '.join(SAFETENSORS_DTYPES)})",
+                path=path,
             )
         shape, offs = d["shape"], d["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise FormatError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers", path=path)
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs) and 0 <= offs[0] <= offs[1]):
-            raise FormatError(f"tensor {name!r}: data_offsets {offs!r} is not [begin, end] with 0 <= begin <= end", path=path)
+        problem = shape_problem(shape, dt.itemsize)
+        if problem is not None:
+            raise FormatError(f"tensor {name!r}: {problem}", path=path)
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            and 0 <= offs[0] <= offs[1]
+        ):
+            raise FormatError(
+                f"tensor {name!r}: data_offsets {short_repr(offs)} is not [begin, end] with 0 <= begin <= end", path=path
+            )
         need = math.prod(shape) * dt.itemsize
         if offs[1] - offs[0] != need:
             raise LayoutError(
@@ -85,12 +113,26 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
         tensors[name] = Tensor(
             name, dt, tuple(shape), nbytes=need, offset=base + offs[0], dtype_name=d["dtype"], source=buf, path=path, in_buffer=True
         )
+    # Like the reference implementation: tensors tile the data section exactly, in
+    # offset order, with no gap, no overlap and nothing after the last one. Bytes that
+    # belong to no tensor are where a dropped duplicate or a shifted offset would hide.
     prev_end, prev_name = 0, None
     for s, e, name in sorted(spans):
         if s < prev_end:
             raise LayoutError(f"tensors {prev_name!r} and {name!r} overlap at data offset {s}", path=path)
+        if s > prev_end:
+            where = f"after tensor {prev_name!r}" if prev_name is not None else "at the start of the data"
+            raise LayoutError(
+                f"{s - prev_end} bytes {where} (data offsets {prev_end}..{s}) belong to no tensor", path=path
+            )
         if e > s or prev_name is None:
             prev_end, prev_name = max(prev_end, e), name
+    if base + prev_end != size:
+        raise LayoutError(
+            f"{size - base - prev_end} bytes after the last tensor (data ends at byte {base + prev_end}, "
+            f"the file has {size})",
+            path=path,
+        )
     ts = TensorSet(tensors, path=path, format="safetensors", metadata=meta, layout={"data_base": base, "header_size": base - 8})
     ts._buf = buf
     return ts
@@ -104,6 +146,8 @@ def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:
             index = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FormatError(f"corrupt shard index ({err})", path=index_path) from None
+    except RecursionError:
+        raise FormatError("shard index nests too deeply to be an index", path=index_path) from None
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict):
         raise FormatError("shard index has no 'weight_map' object", path=index_path)
@@ -121,7 +165,10 @@ def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:
         if name not in shards[shard]:
             raise FormatError(f"tensor {name!r} is listed in shard {shard!r}, which does not hold it", path=index_path)
         tensors[name] = shards[shard][name]
-    meta = {k: str(v) for k, v in (index.get("metadata") or {}).items()}
+    raw_meta = index.get("metadata") or {}
+    if not isinstance(raw_meta, dict):
+        raise FormatError(f"shard index 'metadata' is a {type(raw_meta).__name__}, not an object", path=index_path)
+    meta = {k: str(v) for k, v in raw_meta.items()}
     ts = TensorSet(tensors, path=index_path, format="safetensors", metadata=meta, layout={"shards": sorted(shards)})
     ts._order = {s: i for i, s in enumerate(sorted(shards))}
     return ts

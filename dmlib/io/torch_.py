@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +50,35 @@ def _to_numpy(t: Any) -> np.ndarray:
     return t.numpy()
 
 
+def _check_archive(path: str) -> None:
+    """Refuse a damaged archive before torch reads it.
+
+    torch locates each storage through the member's local header and checks no CRC, so
+    one damaged header byte yields a tensor read from a shifted window of the file.
+    zipfile finds the data the same way and checks it against the central directory's
+    CRC; this costs one read of the file.
+    """
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as err:
+        raise FormatError(f"damaged zip archive ({type(err).__name__}: {err})", path=path) from None
+    if bad is not None:
+        raise FormatError(
+            f"damaged zip archive: member {bad!r} does not match its central-directory entry (header or CRC)",
+            path=path,
+        )
+
+
+def _why(err: Exception) -> str:
+    """The gist of a torch.load failure; its own messages run to paragraphs of advice."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:  # the advice to drop weights_only is not ours to give
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+    text = " ".join(text.split())
+    return f"{type(err).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
+
+
 def open_torch(path: str | os.PathLike[str]) -> TensorSet:
     path = os.fspath(path)
     try:
@@ -58,9 +88,15 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
             "reading PyTorch checkpoints needs torch: pip install 'dmlib[torch]'", path=path
         ) from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as err:  # is_zipfile itself raises on some damaged end records
+        raise FormatError(f"damaged zip archive ({err})", path=path) from None
+    if is_zip:
+        _check_archive(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
-        raise FormatError(f"not a loadable PyTorch state dict ({type(err).__name__}: {err})", path=path) from None
+        raise FormatError(f"not a loadable PyTorch state dict ({_why(err)})", path=path) from None
     flat: dict[str, Any] = {}
     _flatten(obj, "", flat)
     if not flat and not isinstance(obj, Mapping):
