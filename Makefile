@@ -34,7 +34,7 @@ test: $(VENV)/.full
 fuzz: $(VENV)/.full
 	DMLIB_FUZZ_PROFILE=long $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
 
-bench: $(VENV)/.full
+bench: $(VENV)/.full  ## speed and memory, side by side with the baselines (minutes; writes benchmarks/results/)
 	$(PY) -m benchmarks.run
 
 data: $(VENV)/.full

@@ -43,6 +43,8 @@ _LAZY: dict[str, str] = {
     "compare": "dmlib.stats.compare",
     "summarize": "dmlib.stats.compare",
     "matrix": "dmlib.stats.matrix",
+    "verdict": "dmlib.stats.matrix",
+    "ulp_long": "dmlib.stats.compare",
     # structure-aware forensics
     "first_divergent_column": "dmlib.forensics.columns",
     "column_cosines": "dmlib.forensics.columns",

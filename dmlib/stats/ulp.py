@@ -8,7 +8,8 @@ sign bit clear maps to its magnitude bits ``m``, one with sign bit set to ``-m``
 zeros map to 0, so ``-0`` and ``+0`` are 0 ULP apart, the smallest positive and the
 smallest negative subnormal are 2 ULP apart, and infinity (where the format has one)
 sits one step above the largest finite value. The distance is the absolute difference
-of the two integers, exact in ``uint64`` for every dtype.
+of the two integers (``|ma - mb|`` for equal signs, ``ma + mb`` across zero), exact in
+the format's own unsigned width and returned as ``uint64``.
 
 NaN policy: a pair whose bit patterns are equal is 0 apart (NaN included); a pair in
 which either side is a NaN with a different bit pattern has no meaningful distance and
@@ -49,7 +50,9 @@ class FloatBits:
 def _ieee(dtype: np.dtype, exp_bits: int, man_bits: int) -> FloatBits:
     nbits = 1 + exp_bits + man_bits
     inf_mag = ((1 << exp_bits) - 1) << man_bits
-    return FloatBits(dtype, FLOAT_BITS[dtype], 1 << (nbits - 1), (1 << (nbits - 1)) - 1, inf_mag, inf_mag + 1)
+    return FloatBits(
+        dtype, FLOAT_BITS[dtype], 1 << (nbits - 1), (1 << (nbits - 1)) - 1, inf_mag, inf_mag + 1
+    )
 
 
 _INFO: dict[np.dtype, FloatBits] = {
@@ -72,14 +75,9 @@ def float_bits(dtype: np.dtype) -> FloatBits:
         return _INFO[dt]
     except KeyError:
         names = ", ".join(d.name for d in _INFO)
-        raise UnsupportedError(f"ULP distance is defined for float dtypes ({names}), not {dt.name}") from None
-
-
-def ordered_int(bits: np.ndarray, info: FloatBits) -> np.ndarray:
-    """Map bit patterns (unsigned ints) to the monotonic int64 line: ``+m`` or ``-m``."""
-    mag = (bits & info.bits.type(info.mag_mask)).astype(np.int64)
-    neg = (bits & info.bits.type(info.sign)) != 0
-    return np.where(neg, -mag, mag)
+        raise UnsupportedError(
+            f"ULP distance is defined for float dtypes ({names}), not {dt.name}"
+        ) from None
 
 
 def int_distance(ka: np.ndarray, kb: np.ndarray) -> np.ndarray:
@@ -88,6 +86,23 @@ def int_distance(ka: np.ndarray, kb: np.ndarray) -> np.ndarray:
     # true |difference| is < 2**64, so reading the wrapped value as unsigned is exact.
     d = ka - kb
     return np.where(ka >= kb, d, -d).view(np.uint64)
+
+
+def ulp_bits(ua: np.ndarray, ub: np.ndarray, info: FloatBits) -> np.ndarray:
+    """ULP distance of non-NaN bit patterns, in their own unsigned dtype (it always fits).
+
+    Same sign: ``|ma - mb|`` of the magnitude bits; opposite signs: ``ma + mb`` (the
+    values on both sides of zero, which is counted once). Magnitudes are below half the
+    type's range, so neither can wrap around.
+    """
+    mm = info.bits.type(info.mag_mask)
+    ma, mb = ua & mm, ub & mm
+    ulp = np.maximum(ma, mb)
+    ulp -= np.minimum(ma, mb)
+    cross = (ua ^ ub) >= info.bits.type(info.sign)
+    if cross.any():
+        ulp[cross] = ma[cross] + mb[cross]
+    return ulp
 
 
 def is_nan_bits(bits: np.ndarray, info: FloatBits) -> np.ndarray:
@@ -114,13 +129,15 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     b = np.asarray(b)
     shape = np.broadcast_shapes(a.shape, b.shape)
     if a.dtype != b.dtype:
-        raise DmlibError(f"ulp_distance needs one dtype on both sides, got {a.dtype.name} and {b.dtype.name}")
+        raise DmlibError(
+            f"ulp_distance needs one dtype on both sides, got {a.dtype.name} and {b.dtype.name}"
+        )
     info = float_bits(a.dtype)
-    # at least 1-d: integer wrap-around on 0-d values would raise an overflow warning
+    # at least 1-d: the in-place steps of ulp_bits need arrays, not numpy scalars
     a, b = np.broadcast_arrays(np.atleast_1d(a), np.atleast_1d(b))
     ua = np.ascontiguousarray(a).view(info.bits)
     ub = np.ascontiguousarray(b).view(info.bits)
-    dist = int_distance(ordered_int(ua, info), ordered_int(ub, info))
+    dist = ulp_bits(ua, ub, info).astype(np.uint64)
     nan = (is_nan_bits(ua, info) | is_nan_bits(ub, info)) & (ua != ub)
     if nan.any():
         dist = np.where(nan, ULP_NAN, dist)

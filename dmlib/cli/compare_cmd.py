@@ -1,0 +1,178 @@
+"""``dmlib compare A B`` and ``dmlib matrix LABEL=PATH ...``: divergence tables and verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import pandas as pd
+
+from dmlib.cli import add_common_epilog
+from dmlib.errors import DmlibError
+
+# columns of the readable table (the JSON output carries every column)
+_TABLE = [
+    "name",
+    "dtype",
+    "numel",
+    "n_diff",
+    "frac_diff",
+    "max_abs",
+    "max_ulp",
+    "median_ulp",
+    "rel_fro",
+    "cosine",
+    "first_diff",
+]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="compare the tensors of two checkpoints",
+        description="Compare every tensor two checkpoints share: elements differing, max |a-b|, "
+        "ULP distances, relative Frobenius error, cosine, first differing index. Prints the "
+        "tensors that differ (--all: every tensor) and a summary line.",
+    )
+    p.add_argument("a", help="reference checkpoint")
+    p.add_argument("b", help="checkpoint compared against it")
+    _selection(p)
+    p.add_argument("--all", action="store_true", help="list identical tensors too")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON document (rows, summary, attrs)"
+    )
+    p.add_argument(
+        "--file-hashes",
+        action="store_true",
+        help="also hash whole files and data sections (two more SHA-256 passes per file)",
+    )
+    add_common_epilog(p)
+    p.set_defaults(func=run_compare)
+
+    m = sub.add_parser(
+        "matrix",
+        help="compare every pair of several runs and give the verdict",
+        description="Compare every pair of runs (LABEL=PATH) and print one line per pair and the "
+        "verdict: same-seed pairs' worst rel_fro and max ULP against the control's, their "
+        "separation in orders of magnitude, bit-identical pairs, tensors that never differ. "
+        "Exit status 0 only when every pair (the control's included) is bit-identical.",
+    )
+    m.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="at least two runs")
+    m.add_argument("--control", metavar="LABEL", help="the run expected to differ (another seed)")
+    _selection(m)
+    m.add_argument(
+        "--json", action="store_true", help="print one JSON document (verdict and every row)"
+    )
+    add_common_epilog(m)
+    m.set_defaults(func=run_matrix)
+
+
+def _selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--include", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
+    )
+    p.add_argument(
+        "--exclude", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
+    )
+
+
+def _fmt(v: Any) -> str:
+    if v is None or v is pd.NA:
+        return "-"
+    if isinstance(v, float):
+        return (
+            "-" if v != v else f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
+        )
+    if isinstance(v, tuple):
+        return "(" + ",".join(map(str, v)) + ")"
+    return str(v)
+
+
+def _table(df: pd.DataFrame, cols: list[str]) -> str:
+    cells = [[_fmt(r[c]) for c in cols] for r in df.to_dict("records")]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from dmlib.stats.compare import compare, jsonable, summarize
+
+    df = compare(
+        args.a,
+        args.b,
+        include=args.include,
+        exclude=args.exclude,
+        file_hashes=args.file_hashes,
+    )
+    s = summarize(df)
+    if args.json:
+        doc = {"summary": s, "attrs": df.attrs, "rows": df}
+        print(json.dumps(jsonable(doc), indent=1))
+        return 0 if s["identical"] else 1
+    shown = df if args.all else df[df["n_diff"] > 0]
+    if len(shown):
+        print(_table(shown, _TABLE))
+    at = df.attrs
+    for key in ("only_in_a", "only_in_b"):
+        if at[key]:
+            print(f"{key}: {', '.join(at[key])}")
+    for m in at["mismatched"]:
+        print(
+            f"mismatched: {m['name']} {m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"
+        )
+    if at["metadata_diff"]:
+        print(f"metadata_diff: {', '.join(at['metadata_diff'])}")
+    if at["param_id_diff"]:
+        print(f"param_id_diff: {len(at['param_id_diff'])} tensors")
+    for side in ("a", "b") if args.file_hashes else ():
+        print(
+            f"data_section_hash_{side}: {at['data_section_hash_' + side]}  file_hash_{side}: {at['file_hash_' + side]}"
+        )
+    verdict = "IDENTICAL" if s["identical"] else "DIFFERENT"
+    print(
+        f"{verdict}: {s['n_tensors_diff']} of {s['n_tensors']} tensors differ; n_diff {s['n_diff']} of "
+        f"numel {s['numel']} (frac_diff {_fmt(s['frac_diff'])}); worst rel_fro {_fmt(s['worst_rel_fro'])}"
+        f"{'' if s['worst_rel_fro_name'] is None else ' (' + s['worst_rel_fro_name'] + ')'}; "
+        f"max_ulp {_fmt(s['max_ulp'])}"
+    )
+    return 0 if s["identical"] else 1
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    from dmlib.stats.compare import jsonable
+    from dmlib.stats.matrix import format_verdict, matrix
+
+    runs: dict[str, str] = {}
+    for item in args.runs:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise DmlibError(f"expected LABEL=PATH, got {item!r}")
+        if label in runs:
+            raise DmlibError(f"label {label!r} given twice")
+        runs[label] = path
+    df = matrix(runs, control=args.control, include=args.include, exclude=args.exclude)
+    v = df.attrs["verdict"]
+    code = 0 if all(p["identical"] for p in v["pairs"]) else 1
+    if args.json:
+        doc = {"verdict": v, "pairs": df.attrs["pairs"], "rows": df}
+        print(json.dumps(jsonable(doc), indent=1))
+        return code
+    cols = [
+        "a",
+        "b",
+        "control",
+        "identical",
+        "n_diff",
+        "frac_diff",
+        "max_abs",
+        "max_ulp",
+        "worst_rel_fro",
+    ]
+    print(_table(pd.DataFrame(v["pairs"], columns=cols), cols))
+    print(format_verdict(v))
+    sys.stdout.flush()
+    return code

@@ -1,0 +1,237 @@
+"""Statistics of one tensor pair, streamed chunk by chunk (the row of :func:`dmlib.compare`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from dmlib.dtypes import bits_dtype, dtype_label, is_float
+from dmlib.errors import DmlibError
+from dmlib.stats import _kernels as K
+from dmlib.stats.ulp import float_bits, ulp_bits
+from dmlib.tensor import Tensor
+
+DEFAULT_CHUNK = 4 << 20
+
+#: (column, lowest ULP, highest ULP or None for the open bucket), in histogram order.
+ULP_BUCKETS: list[tuple[str, int, int | None]] = [("ulp_0", 0, 0), ("ulp_1", 1, 1), ("ulp_2", 2, 2)]
+ULP_BUCKETS += [
+    (f"ulp_{(1 << (k - 1)) + 1}_{1 << k}", (1 << (k - 1)) + 1, 1 << k) for k in range(2, 17)
+]
+ULP_BUCKETS += [(f"ulp_gt_{K.ULP_EXACT}", K.ULP_EXACT + 1, None)]
+ULP_COLUMNS = [c for c, _, _ in ULP_BUCKETS] + ["ulp_nonfinite"]
+NAN_COLUMNS = ["n_nan_payload", "n_nan_vs_num", "n_signed_zero", "n_inf_mismatch"]
+COLUMNS = (
+    ["name", "dtype", "shape", "numel", "n_diff", "frac_diff", "max_abs", "max_ulp", "median_ulp"]
+    + ULP_COLUMNS
+    + NAN_COLUMNS
+    + ["rel_fro", "cosine", "first_diff", "data_hash_a", "data_hash_b"]
+)
+NULLABLE_INT = ["max_ulp"] + ULP_COLUMNS + NAN_COLUMNS
+
+
+def kind_of(t: Tensor) -> str:
+    """One of ``"float"`` (ULP statistics), ``"int"`` (ints, bools) or ``"bytes"`` (quantized)."""
+    if t.quantized:
+        return "bytes"
+    if is_float(t.dtype):
+        return "float"
+    if t.dtype.kind in "iub":
+        return "int"
+    return "bytes"
+
+
+def same_layout(ta: Tensor, tb: Tensor) -> bool:
+    """True when two tensors can be compared element by element (dtype, shape, size agree)."""
+    return (
+        ta.dtype == tb.dtype
+        and ta.shape == tb.shape
+        and ta.quantized == tb.quantized
+        and ta.nbytes == tb.nbytes
+        and (not ta.quantized or ta.dtype_name == tb.dtype_name)
+    )
+
+
+def _chunk_pairs(
+    ta: Tensor, tb: Tensor, elem: np.dtype, chunk_bytes: int, rel: K.PageReleaser | None = None
+) -> Iterator[tuple[int, Any, Any]]:
+    """(first element index, bytes of a, bytes of b) per chunk; pages released after use."""
+    # plain ndarray views: np.memmap's per-slice bookkeeping costs more than the compare
+    ra, rb = ta.raw().view(np.ndarray), tb.raw().view(np.ndarray)
+    if ra.nbytes != ta.nbytes or rb.nbytes != tb.nbytes:
+        raise DmlibError(f"tensor {ta.name!r}: stored bytes do not match its nbytes", path=ta.path)
+    roots = (K.PageReleaser.root(ra), K.PageReleaser.root(rb)) if rel is not None else (None, None)
+    step = max(1, chunk_bytes // elem.itemsize) * elem.itemsize
+    for off in range(0, ta.nbytes, step):
+        ca, cb = ra[off : off + step], rb[off : off + step]
+        yield off // elem.itemsize, ca, cb
+        if rel is not None:
+            rel.add(ca, roots[0])
+            rel.add(cb, roots[1])
+
+
+def compare_pair(
+    ta: Tensor,
+    tb: Tensor,
+    chunk_bytes: int,
+    pool: ThreadPoolExecutor,
+    progress: K.Progress,
+    rel: K.PageReleaser,
+    hash_cache: dict[int, Future[str]] | None = None,
+) -> dict[str, Any]:
+    """One row of :func:`dmlib.compare`; the two data hashes come back as futures in ``_hashes``.
+
+    ``hash_cache`` (id of a Tensor -> future digest) lets several comparisons of the
+    same open tensors hash each of them once.
+    """
+    cache: dict[int, Future[str]] = {} if hash_cache is None else hash_cache
+
+    def digest(t: Tensor) -> Future[str]:
+        if id(t) not in cache:
+            cache[id(t)] = pool.submit(K.hash_views, [t.raw()], chunk_bytes)
+        return cache[id(t)]
+
+    kind = kind_of(ta)
+    elem = (
+        bits_dtype(ta.dtype) if kind == "float" else ta.dtype if kind == "int" else np.dtype("u1")
+    )
+    info = float_bits(ta.dtype) if kind == "float" else None
+    hash_a = digest(ta)
+    hash_b = None  # stays None while b's bytes equal a's
+    acc = K.Acc()
+    differing = False
+    bits = bits_dtype(elem)
+    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel):
+        va, vb = ca.view(elem), cb.view(elem)
+        # integer compare first: the fast path, and the mask the float statistics reuse
+        neq = np.not_equal(ca.view(bits), cb.view(bits))
+        same = not neq.any()
+        progress.advance(ca.nbytes)
+        if same:
+            if differing and info is not None:
+                K.add_aa(acc, va, vb, info)
+            continue
+        if not differing and info is not None:
+            # the norms also need every identical chunk before the first difference
+            for s2, pa, pb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel):
+                if s2 >= start:
+                    break
+                K.add_aa(acc, pa.view(elem), pb.view(elem), info)
+        differing = True
+        if hash_b is None:
+            hash_b = digest(tb)
+        if info is not None:
+            K.add_aa(acc, va, vb, info)
+            K.float_chunk(acc, va, vb, start, info, neq)
+        else:
+            K.int_chunk(acc, va, vb, start)
+    numel = ta.numel
+    row: dict[str, Any] = {
+        "name": ta.name,
+        "dtype": dtype_label(ta.dtype) if not ta.quantized else ta.dtype_name,
+        "shape": list(ta.shape),
+        "numel": numel,
+        "n_diff": acc.n_diff,
+        "frac_diff": acc.n_diff / numel if numel else 0.0,
+        "max_abs": acc.max_abs,
+        "first_diff": None
+        if acc.first is None
+        else tuple(int(i) for i in np.unravel_index(acc.first, ta.shape)),
+    }
+    if kind == "bytes":
+        row["frac_diff"] = acc.n_diff / ta.nbytes if ta.nbytes else 0.0
+        row["max_abs"] = math.nan
+        if acc.first is not None:
+            row["first_diff"] = (acc.first,)  # byte index: the packed layout has no element grid
+    if info is not None:
+        row.update(_float_columns(acc, ta, tb, info, chunk_bytes, differing, rel))
+    if hash_b is None:
+        cache.setdefault(id(tb), hash_a)  # same bytes, same digest
+    row["_hashes"] = (hash_a, hash_b)
+    return row
+
+
+def _float_columns(
+    acc: K.Acc,
+    ta: Tensor,
+    tb: Tensor,
+    info: Any,
+    chunk_bytes: int,
+    differing: bool,
+    rel: K.PageReleaser,
+) -> dict:
+    c = acc.counts
+    out: dict[str, Any] = {}
+    for col, lo, hi in ULP_BUCKETS:
+        out[col] = int(c[lo:].sum()) if hi is None else int(c[lo : hi + 1].sum())
+    out["ulp_nonfinite"] = acc.n_nan_payload + acc.n_nan_vs_num + acc.n_inf_mismatch
+    out["n_nan_payload"] = acc.n_nan_payload
+    out["n_nan_vs_num"] = acc.n_nan_vs_num
+    out["n_signed_zero"] = int(c[0])
+    out["n_inf_mismatch"] = acc.n_inf_mismatch
+    n_fin = int(c.sum())
+    if n_fin:
+        out["max_ulp"] = acc.max_ulp
+
+        def rescan(lo: int, hi: int, shift: int) -> np.ndarray:
+            return _rescan(ta, tb, info, chunk_bytes, lo, hi, shift, rel)
+
+        lo_k = K.kth_ulp(c, (n_fin - 1) // 2, rescan, acc.max_ulp)
+        hi_k = lo_k if n_fin % 2 else K.kth_ulp(c, n_fin // 2, rescan, acc.max_ulp)
+        out["median_ulp"] = (lo_k + hi_k) / 2
+    else:
+        out["max_ulp"] = 0  # no finite pair differs: the largest distance over finite pairs is 0
+        out["median_ulp"] = math.nan
+    if not differing:
+        out["rel_fro"], out["cosine"] = 0.0, 1.0
+        return out
+    bb = acc.bb
+    if bb <= 1e-9 * acc.aa:
+        # b.b came out of a cancellation (b is nearly the zero vector): sum it directly
+        bb = _sum_bb(ta, tb, info, chunk_bytes, rel)
+    na, nb = math.sqrt(acc.aa), math.sqrt(bb)
+    nd = math.sqrt(acc.sdd)
+    out["rel_fro"] = nd / na if na > 0 else (0.0 if nd == 0 else math.inf)
+    if na > 0 and nb > 0:
+        out["cosine"] = max(-1.0, min(1.0, acc.ab / (na * nb)))
+    else:
+        out["cosine"] = 1.0 if na == nb else 0.0
+    return out
+
+
+def _sum_bb(ta: Tensor, tb: Tensor, info: Any, chunk_bytes: int, rel: K.PageReleaser) -> float:
+    """sum b*b over pairs finite on both sides, read again (the rare near-zero-b case)."""
+    acc = K.Acc()
+    for _, ca, cb in _chunk_pairs(ta, tb, info.bits, chunk_bytes, rel):
+        K.add_aa(acc, cb.view(info.bits), ca.view(info.bits), info)
+    return acc.aa
+
+
+def _rescan(
+    ta: Tensor,
+    tb: Tensor,
+    info: Any,
+    chunk_bytes: int,
+    lo: int,
+    hi: int,
+    shift: int,
+    rel: K.PageReleaser,
+) -> np.ndarray:
+    """bincount of ``(u - lo) >> shift`` over finite differing ULP distances ``u`` in [lo, hi]."""
+    nb = ((hi - lo) >> shift) + 1
+    out = np.zeros(nb, np.int64)
+    for _, ca, cb in _chunk_pairs(ta, tb, info.bits, chunk_bytes, rel):
+        ua, ub = ca.view(info.bits), cb.view(info.bits)
+        idx = np.flatnonzero(ua != ub)
+        if idx.size == 0:
+            continue
+        ga, gb = ua[idx], ub[idx]
+        fin, _, _ = K.finite_ulps(ga, gb, info)
+        u = ulp_bits(ga[fin], gb[fin], info).astype(np.uint64)
+        u = u[(u >= np.uint64(lo)) & (u <= np.uint64(hi))]
+        out += np.bincount(((u - np.uint64(lo)) >> np.uint64(shift)).astype(np.intp), minlength=nb)
+    return out

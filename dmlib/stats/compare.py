@@ -1,0 +1,417 @@
+"""Compare two sets of named tensors: one tidy row of divergence statistics per tensor.
+
+Columns of :func:`compare` (one row per tensor present in both sets, same dtype and shape):
+
+``name``, ``dtype``, ``shape``, ``numel``
+    As stored (``dtype`` is numpy's name: float32, bfloat16, float8_e4m3fn, int64, bool...).
+``n_diff``, ``frac_diff``
+    Elements whose bit patterns differ (bools: whose truth values differ), and
+    ``n_diff / numel`` (0 for empty tensors).
+``max_abs``
+    Largest ``|a - b|`` over differing pairs where both sides are finite (computed in
+    float64 after upcasting; integers exactly, then reported as float).
+``max_ulp``, ``median_ulp``
+    Largest ULP distance (:func:`dmlib.ulp_distance`) over pairs where both sides are
+    finite (0 when none of them differs), and the median over the *differing* such pairs
+    (null when there is none). The median is exact (exact counts, see
+    ``dmlib.stats._kernels``).
+``ulp_0``, ``ulp_1``, ``ulp_2``, ``ulp_3_4``, ``ulp_5_8``, ... ``ulp_32769_65536``, ``ulp_gt_65536``, ``ulp_nonfinite``
+    Histogram of the differing elements: ``ulp_lo_hi`` counts finite pairs ``lo <= ulp <= hi``
+    (``ulp_0`` are exactly the +0/-0 pairs), ``ulp_gt_65536`` the rest of the finite
+    pairs, ``ulp_nonfinite`` every pair involving a NaN or an infinity. The buckets sum
+    to ``n_diff``. :func:`ulp_long` melts them into long form for plotting.
+``n_nan_payload``, ``n_nan_vs_num``, ``n_signed_zero``, ``n_inf_mismatch``
+    NaN policy: a NaN equals a NaN with the same bits. Differing pairs are split into
+    NaN vs NaN with other bits, NaN vs non-NaN, +0 vs -0, and pairs where (no NaN and)
+    at least one side is infinite. Such pairs never enter ``max_abs``, ``rel_fro`` or
+    the ULP statistics, except +0/-0 (finite, 0 apart).
+``rel_fro``
+    ``||a - b||_F / ||a||_F`` over pairs where both sides are finite: 0 when both norms
+    are 0 and ``a == b``, ``inf`` when ``||a|| = 0`` and ``||a - b|| > 0``.
+``cosine``
+    ``a.b / (||a|| ||b||)`` over the same pairs: 1 when both norms are 0, 0 when exactly one is.
+``first_diff``
+    Index tuple (C order) of the first differing element, or None.
+``data_hash_a``, ``data_hash_b``
+    SHA-256 of each side's tensor bytes.
+
+ULP columns, NaN/inf counts, ``rel_fro`` and ``cosine`` are null for integer, bool and
+quantized tensors. Quantized tensors are compared byte by byte: ``n_diff`` counts
+differing bytes, ``frac_diff`` is over ``nbytes``, ``first_diff`` is ``(byte index,)``
+and ``max_abs`` is null.
+
+``df.attrs`` holds what is not a row: ``n_tensors_a``/``_b`` (in each set, before
+selection), ``compared`` (the names of the rows), ``only_in_a``, ``only_in_b``, ``mismatched``
+(tensors in both sets whose dtype or shape differ: not compared, listed here),
+``metadata_diff``, ``scalars_diff``, ``param_id_diff`` (``{key: [a, b]}``),
+``file_hash_a``/``_b`` (whole file), ``data_section_hash_a``/``_b`` (all tensor bytes
+in disk order, metadata and padding excluded: equal data in files that differ shows
+here; both pairs filled with ``file_hashes=True``, else None), ``path_a``/``_b``,
+``include``, ``exclude``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dmlib import hashing
+from dmlib.errors import DmlibError
+from dmlib.stats import _kernels as K
+from dmlib.stats._pair import (
+    COLUMNS,
+    DEFAULT_CHUNK,
+    NAN_COLUMNS,
+    NULLABLE_INT,
+    ULP_BUCKETS,
+    ULP_COLUMNS,
+    compare_pair,
+    same_layout,
+)
+from dmlib.tensor import TensorSet
+
+__all__ = [
+    "COLUMNS",
+    "NAN_COLUMNS",
+    "ULP_BUCKETS",
+    "ULP_COLUMNS",
+    "compare",
+    "summarize",
+    "ulp_long",
+]
+
+Source = str | os.PathLike[str] | TensorSet
+Patterns = str | Sequence[str] | None
+
+# -- selection --------------------------------------------------------------------------
+
+
+def _as_list(p: Patterns) -> list[str]:
+    return [] if p is None else [p] if isinstance(p, str) else list(p)
+
+
+def _matcher(pattern: str) -> Any:
+    if pattern.startswith("re:"):
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as err:
+            raise DmlibError(f"bad regular expression {pattern!r}: {err}") from None
+        return lambda name: rx.search(name) is not None
+    return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
+def select(names: Sequence[str], include: Patterns = None, exclude: Patterns = None) -> list[str]:
+    """Names kept by ``include`` (any pattern matches; None keeps all) minus ``exclude``.
+
+    A pattern is a glob (``"*.u"``) or, prefixed ``"re:"``, a regular expression searched
+    anywhere in the name (``"re:^factors\\."``).
+    """
+    inc = [_matcher(p) for p in _as_list(include)]
+    exc = [_matcher(p) for p in _as_list(exclude)]
+    return [n for n in names if (not inc or any(m(n) for m in inc)) and not any(m(n) for m in exc)]
+
+
+@contextlib.contextmanager
+def opened(src: Source) -> Iterator[TensorSet]:
+    """A TensorSet as is, or a path opened (and closed afterwards) with dmlib.open_tensors."""
+    if isinstance(src, TensorSet):
+        yield src
+        return
+    if not isinstance(src, (str, os.PathLike)):
+        raise DmlibError(f"compare takes a path or a TensorSet, not {type(src).__name__}")
+    from dmlib.io import open_tensors
+
+    ts = open_tensors(src)
+    try:
+        yield ts
+    finally:
+        ts.close()
+
+
+# -- the public function ----------------------------------------------------------------
+
+
+def compare(
+    a: Source,
+    b: Source,
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    file_hashes: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK,
+    progress: bool | None = None,
+) -> pd.DataFrame:
+    """Divergence statistics of every tensor two checkpoints (or TensorSets) share.
+
+    Parameters
+    ----------
+    a, b
+        Paths (opened with :func:`dmlib.open_tensors`) or TensorSets. ``a`` is the
+        reference (the denominator of ``rel_fro``).
+    include, exclude
+        Glob patterns or ``"re:<regex>"`` patterns (one or a list) applied to the names
+        of both sides.
+    file_hashes
+        Also fill ``attrs["file_hash_a"/"_b"]`` (whole file) and
+        ``attrs["data_section_hash_a"/"_b"]`` (all tensor bytes in disk order, as
+        ``TensorSet.data_hash()``): two more SHA-256 passes per side, on worker threads.
+        Off by default, where they are None: per-tensor hashes already say which tensors
+        hold the same bytes, and hashing, not comparing, is what limits the speed.
+    chunk_bytes
+        Bytes per side held at once; bounds the memory whatever the file size.
+    progress
+        Byte counter on stderr; None shows it only when stderr is a terminal.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per compared tensor, columns as described in this module's docstring,
+        in ``a``'s disk order; everything else in ``df.attrs``.
+    """
+    if chunk_bytes < 1:
+        raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+    with opened(a) as sa, opened(b) as sb:
+        return _compare_sets(sa, _pair_single_arrays(sa, sb), include, exclude, file_hashes, chunk_bytes, progress)
+
+
+def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
+    """Two ``.npy`` files each hold one array, named after its file: compare them as one tensor."""
+    if sa.format == sb.format == "npy" and len(sa) == len(sb) == 1 and set(sa) != set(sb):
+        (name_a,), (name_b,) = list(sa), list(sb)
+        tensor = copy.copy(sb[name_b])
+        tensor.name = name_a
+        paired = TensorSet({name_a: tensor}, path=sb.path, format=sb.format, metadata=sb.metadata)
+        paired._buf = getattr(sb, "_buf", None)
+        return paired
+    return sb
+
+
+def _compare_sets(
+    sa: TensorSet,
+    sb: TensorSet,
+    include: Patterns,
+    exclude: Patterns,
+    file_hashes: bool,
+    chunk_bytes: int,
+    progress: Any,
+    hash_pool: ThreadPoolExecutor | None = None,
+    hash_cache: dict[int, Any] | None = None,
+) -> pd.DataFrame:
+    order_a = [t.name for t in sa.disk_order()]
+    order_b = [t.name for t in sb.disk_order()]
+    keep_a = select(order_a, include, exclude)
+    keep_b = set(select(order_b, include, exclude))
+    common = [n for n in keep_a if n in keep_b]
+    only_a = [n for n in keep_a if n not in keep_b]
+    only_b = [n for n in order_b if n in keep_b and n not in set(keep_a)]
+    pairs, mismatched = [], []
+    for n in common:
+        ta, tb = sa[n], sb[n]
+        if same_layout(ta, tb):
+            pairs.append((ta, tb))
+        else:
+            mismatched.append(
+                {
+                    "name": n,
+                    "dtype_a": ta.dtype_name,
+                    "dtype_b": tb.dtype_name,
+                    "shape_a": list(ta.shape),
+                    "shape_b": list(tb.shape),
+                }
+            )
+    own_pool = hash_pool is None
+    if hash_pool is None:
+        hash_pool = ThreadPoolExecutor(max_workers=2)
+    side = ThreadPoolExecutor(max_workers=3)
+    futures: dict[str, Any] = {}
+    for key, ts in (("a", sa), ("b", sb)):
+        if file_hashes and ts.path is not None and os.path.isfile(ts.path):
+            futures["file_hash_" + key] = side.submit(hashing.hash_file, ts.path)
+    if file_hashes:
+        futures["data_section_hash_a"] = side.submit(section_hash, sa, chunk_bytes)
+    K.prime_allocator(4 * chunk_bytes)
+    prog = K.Progress(sum(t.nbytes for t, _ in pairs), progress)
+    rows = []
+    rel = K.PageReleaser()
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            for ta, tb in pairs:
+                rows.append(compare_pair(ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache))
+        prog.finish()
+        for row in rows:
+            fa, fb = row.pop("_hashes")
+            row["data_hash_a"] = fa.result()
+            row["data_hash_b"] = row["data_hash_a"] if fb is None else fb.result()
+        if file_hashes:
+            # b's data section is a's when both hold the same tensors, in the same disk
+            # order, every one compared and bit-identical
+            same_section = [t.name for t, _ in pairs] == order_a == order_b and all(
+                r["n_diff"] == 0 and r["data_hash_a"] == r["data_hash_b"] for r in rows
+            )
+            if not same_section:
+                futures["data_section_hash_b"] = side.submit(section_hash, sb, chunk_bytes)
+        done = {k: f.result() for k, f in futures.items()}
+        if file_hashes and "data_section_hash_b" not in done:
+            done["data_section_hash_b"] = done["data_section_hash_a"]
+    finally:
+        rel.flush()
+        prog.finish()
+        if own_pool:
+            hash_pool.shutdown(wait=True, cancel_futures=True)
+        side.shutdown(wait=True, cancel_futures=True)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    for col in NULLABLE_INT:
+        df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
+    df.attrs.update(
+        {
+            "path_a": sa.path,
+            "path_b": sb.path,
+            "include": _as_list(include),
+            "exclude": _as_list(exclude),
+            "n_tensors_a": len(sa),
+            "n_tensors_b": len(sb),
+            "compared": [r["name"] for r in rows],
+            "only_in_a": only_a,
+            "only_in_b": only_b,
+            "mismatched": mismatched,
+            "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
+            "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
+            "param_id_diff": {
+                ta.name: [ta.param_id, tb.param_id]
+                for ta, tb in ((sa[n], sb[n]) for n in common)
+                if ta.param_id != tb.param_id
+            },
+            "file_hash_a": done.get("file_hash_a"),
+            "file_hash_b": done.get("file_hash_b"),
+            "data_section_hash_a": done.get("data_section_hash_a"),
+            "data_section_hash_b": done.get("data_section_hash_b"),
+        }
+    )
+    return df
+
+
+def section_hash(ts: TensorSet, chunk_bytes: int = DEFAULT_CHUNK) -> str:
+    """``ts.data_hash()`` (tensor bytes in disk order), read chunk by chunk with bounded residency."""
+    return K.hash_views((t.raw() for t in ts.disk_order()), chunk_bytes)
+
+
+def _dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
+    keys = list(da) + [k for k in db if k not in da]
+    return {
+        k: [da.get(k), db.get(k)] for k in keys if da.get(k) != db.get(k) or (k in da) != (k in db)
+    }
+
+
+# -- summaries --------------------------------------------------------------------------
+
+
+def summarize(df: pd.DataFrame) -> dict[str, Any]:
+    """One verdict over a :func:`compare` result.
+
+    Returns
+    -------
+    dict
+        ``n_tensors`` compared, ``numel`` (total slots), ``n_diff`` (slots differing),
+        ``frac_diff``, ``n_tensors_diff``, ``worst_rel_fro`` and ``worst_rel_fro_name``,
+        ``max_ulp`` and ``max_ulp_name``, ``max_abs``, ``only_in_a``, ``only_in_b``,
+        ``mismatched`` (names), ``complete`` (False when ``df`` lost rows of the
+        comparison, e.g. ``df[df.n_diff == 0]``), and ``identical``: True only when the
+        frame is complete, every tensor the two sides share was compared and is
+        bit-identical, no name, dtype or shape differs, and something was compared
+        (a selection that matched nothing on non-empty sets is not "identical").
+    """
+    attrs = df.attrs
+    if "only_in_a" not in attrs:
+        raise DmlibError(
+            "summarize takes the DataFrame returned by dmlib.compare (its attrs are missing)"
+        )
+    numel = int(df["numel"].sum())
+    n_diff = int(df["n_diff"].sum())
+    rel = df["rel_fro"].astype("float64")
+    ulp = df["max_ulp"]
+    # no tensor is "worst" when nothing differs: the names stay None then
+    worst_i = rel.idxmax() if rel.notna().any() else None
+    ulp_i = ulp.astype("float64").idxmax() if ulp.notna().any() else None
+    worst_name = None if worst_i is None or not rel[worst_i] > 0 else df.at[worst_i, "name"]
+    ulp_name = None if ulp_i is None or not ulp[ulp_i] > 0 else df.at[ulp_i, "name"]
+    mismatched = [m["name"] for m in attrs.get("mismatched", [])]
+    # pandas copies attrs onto filtered frames: check the rows are all of the comparison
+    complete = sorted(map(str, df["name"])) == sorted(attrs.get("compared", []))
+    nothing_selected = len(df) == 0 and (attrs.get("n_tensors_a", 0) or attrs.get("n_tensors_b", 0))
+    return {
+        "n_tensors": len(df),
+        "numel": numel,
+        "n_diff": n_diff,
+        "frac_diff": n_diff / numel if numel else 0.0,
+        "n_tensors_diff": int((df["n_diff"] > 0).sum()),
+        "worst_rel_fro": None if worst_i is None else float(rel[worst_i]),
+        "worst_rel_fro_name": worst_name,
+        "max_ulp": None if ulp_i is None else int(ulp[ulp_i]),
+        "max_ulp_name": ulp_name,
+        "max_abs": float(df["max_abs"].max()) if df["max_abs"].notna().any() else None,
+        "only_in_a": list(attrs["only_in_a"]),
+        "only_in_b": list(attrs["only_in_b"]),
+        "mismatched": mismatched,
+        "complete": complete,
+        "identical": bool(
+            complete
+            and not nothing_selected
+            and n_diff == 0
+            and bool((df["data_hash_a"] == df["data_hash_b"]).all())  # bytes too, not just values
+            and not attrs["only_in_a"]
+            and not attrs["only_in_b"]
+            and not mismatched
+        ),
+    }
+
+
+def ulp_long(df: pd.DataFrame) -> pd.DataFrame:
+    """The ULP histogram columns melted to long form (one row per tensor and bucket).
+
+    Columns: the identifying columns present (``a``, ``b``, ``name``, ``dtype``), then
+    ``bucket`` (the column name, e.g. ``ulp_3_4``), ``ulp_lo``, ``ulp_hi`` (None for the
+    open bucket and ``ulp_nonfinite``) and ``count``. Rows of tensors without ULP
+    statistics (integers, bools) are dropped.
+    """
+    ids = [c for c in ("a", "b", "name", "dtype") if c in df.columns]
+    long = df.dropna(subset=["ulp_0"]).melt(
+        id_vars=ids, value_vars=ULP_COLUMNS, var_name="bucket", value_name="count"
+    )
+    bounds = {c: (lo, hi) for c, lo, hi in ULP_BUCKETS}
+    long["ulp_lo"] = long["bucket"].map(lambda c: bounds.get(c, (None, None))[0]).astype("Int64")
+    long["ulp_hi"] = long["bucket"].map(lambda c: bounds.get(c, (None, None))[1]).astype("Int64")
+    long["count"] = long["count"].astype("int64")
+    long["bucket"] = pd.Categorical(long["bucket"], categories=ULP_COLUMNS, ordered=True)
+    return long[ids + ["bucket", "ulp_lo", "ulp_hi", "count"]]
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types from what compare/matrix return (NA and NaN -> None, inf kept as a string)."""
+    if isinstance(value, pd.DataFrame):
+        return [{k: jsonable(v) for k, v in r.items()} for r in value.to_dict("records")]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or value is pd.NA:
+        return None
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        f = float(value)
+        if math.isnan(f):
+            return None
+        return f if math.isfinite(f) else ("inf" if f > 0 else "-inf")
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value

@@ -1,0 +1,126 @@
+"""dmlib.matrix and its verdict on six planted runs (five same-seed, one control)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import dmlib
+from dmlib.stats.matrix import format_verdict, matrix, verdict
+from dmlib.tensor import ArrayTensorSet
+
+RNG = np.random.default_rng(3)
+BASE = {
+    "embed.weight": RNG.uniform(1, 2, (32, 8)).astype(np.float32),
+    "factors.0.u": RNG.uniform(1, 2, (16, 4)).astype(np.float32),
+    "factors.0.v": RNG.uniform(1, 2, (16, 4)).astype(np.float32),
+    "norm.beta": np.zeros(8, np.float32),
+    "step": np.array([0], np.int64),
+}
+# run -> {tensor: {flat index: +ULP}}; d is bit-identical to a
+PLANTS = {
+    "a": {},
+    "b": {"factors.0.u": {3: 2, 10: 1}},
+    "c": {"factors.0.v": {0: 5}},
+    "d": {},
+    "e": {"factors.0.u": {3: 1}, "factors.0.v": {63: 4}},
+}
+
+
+def run(plants: dict[str, dict[int, int]]) -> dict[str, np.ndarray]:
+    out = {k: v.copy() for k, v in BASE.items()}
+    for name, where in plants.items():
+        bits = out[name].view(np.uint32).reshape(-1)
+        for i, k in where.items():
+            bits[i] += k
+    return out
+
+
+def control() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(8)
+    return {
+        k: (
+            rng.uniform(1, 2, v.shape).astype(v.dtype)
+            if v.dtype == np.float32 and k != "norm.beta"
+            else v.copy()
+        )
+        for k, v in BASE.items()
+    }
+
+
+def runs() -> dict[str, dict[str, np.ndarray]]:
+    r = {label: run(p) for label, p in PLANTS.items()}
+    r["g"] = control()
+    return r
+
+
+def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a64 - b64) / np.linalg.norm(a64))
+
+
+def test_six_runs_fifteen_pairs():
+    arrays = runs()
+    df = matrix({k: ArrayTensorSet(v) for k, v in arrays.items()}, control="g")
+    assert len(df) == 15 * len(BASE)
+    assert list(df.columns[:3]) == ["a", "b", "name"]
+    pairs = list(dict.fromkeys(zip(df["a"], df["b"], strict=True)))
+    assert pairs == list(itertools.combinations("abcdeg", 2))
+    v = df.attrs["verdict"]
+    # independent oracle: numpy's norms on the planted arrays
+    same = [(x, y) for x, y in itertools.combinations("abcde", 2)]
+    worst_same = max(
+        rel_fro(arrays[x][n], arrays[y][n])
+        for x, y in same
+        for n in ("factors.0.u", "factors.0.v", "embed.weight")
+    )
+    assert v["same_worst_rel_fro"] == pytest.approx(worst_same, rel=1e-12)
+    # planted ULPs: b/e differ by 1 and 4 at u[3], v[63] vs c's 5 at v[0]; worst pair b/c: max ULP 5
+    assert v["same_max_ulp"] == 5
+    ctrl = min(
+        max(
+            rel_fro(arrays[x][n], arrays[y][n])
+            for n in ("factors.0.u", "factors.0.v", "embed.weight")
+        )
+        for x, y in [(x, "g") for x in "abcde"]
+    )
+    assert v["control_rel_fro"] == pytest.approx(ctrl, rel=1e-12)
+    assert v["separation_orders"] == pytest.approx(math.log10(ctrl / worst_same), rel=1e-12)
+    assert v["identical_pairs"] == ["a/d"]
+    assert sorted(v["never_differ"]) == ["embed.weight", "norm.beta", "step"]
+    assert v["always_identical"] is False
+    by_pair = {(p["a"], p["b"]): p for p in v["pairs"]}
+    assert by_pair[("b", "e")]["n_diff"] == 3  # u[10] (1 vs 0), u[3] (2 vs 1), v[63]
+    assert by_pair[("a", "g")]["control"] is True and by_pair[("a", "b")]["control"] is False
+    # data hashes: each run's tensors are hashed once and shared by its pairs
+    for r in df.itertuples():
+        assert r.data_hash_a == hashlib.sha256(arrays[r.a][r.name].tobytes()).hexdigest()
+        assert r.data_hash_b == hashlib.sha256(arrays[r.b][r.name].tobytes()).hexdigest()
+    text = format_verdict(v)
+    assert "a/d" in text and "orders of magnitude" in text
+
+
+def test_include_and_no_control(tmp_path):
+    arrays = runs()
+    paths = {}
+    for label in "abd":
+        paths[label] = tmp_path / f"{label}.safetensors"
+        dmlib.write_safetensors(paths[label], arrays[label])
+    df = matrix(paths, include="re:^factors\\.")
+    assert set(df["name"]) == {"factors.0.u", "factors.0.v"}
+    v = verdict(df)
+    assert v["control"] is None and v["separation_orders"] is None
+    assert v["identical_pairs"] == ["a/d"]
+    assert v["never_differ"] == ["factors.0.v"]
+    assert v["same_max_ulp"] == 2
+
+
+def test_bad_runs():
+    with pytest.raises(dmlib.DmlibError, match="at least two"):
+        matrix({"a": ArrayTensorSet({})})
+    with pytest.raises(dmlib.DmlibError, match="control 'z'"):
+        matrix({"a": ArrayTensorSet({}), "b": ArrayTensorSet({})}, control="z")
