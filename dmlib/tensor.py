@@ -45,6 +45,18 @@ def shape_problem(shape: Any, itemsize: int) -> str | None:
     return None
 
 
+def offsets_problem(offsets: Any) -> str | None:
+    """Why ``offsets`` is not a ``[start, end]`` pair of integers with ``0 <= start <= end``."""
+    if (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        return None
+    return f"data_offsets {short_repr(offsets)} is not [start, end] with 0 <= start <= end"
+
+
 def short_repr(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, for one-line error messages."""
     r = repr(value)

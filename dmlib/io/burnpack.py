@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from dmlib import _atomic
-from dmlib.dtypes import BFLOAT16
+from dmlib.dtypes import SAFETENSORS_DTYPES
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io import cbor
-from dmlib.tensor import Scalar, Tensor, TensorSet, shape_problem, short_repr
+from dmlib.tensor import Scalar, Tensor, TensorSet, offsets_problem, shape_problem, short_repr
 
 MAGIC = b"NRUB"  # u32 0x4255524E little-endian
 VERSION = 1
@@ -36,19 +36,9 @@ ALIGN = 256
 
 # CBOR dtype text -> numpy dtype
 _SIMPLE_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
+    # Burn's dtype names are safetensors' for the types both have
+    **{k: v for k, v in SAFETENSORS_DTYPES.items() if k not in ("BOOL", "F8_E4M3", "F8_E5M2")},
     "Flex32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": BFLOAT16,
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
     "Bool": np.dtype("?"),  # files written by Burn up to v0.20
 }
 _BOOL_STORES: dict[str, np.dtype] = {"Native": np.dtype("?"), "U8": np.dtype("u1"), "U32": np.dtype("<u4")}
@@ -217,15 +207,9 @@ def _descriptors(meta: dict, path: str) -> list[tuple[str, np.dtype, str, bool, 
         problem = shape_problem(shape, dtype.itemsize)
         if problem is not None:
             raise FormatError(f"tensor {name!r}: {problem}", path=path)
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            and 0 <= offs[0] <= offs[1]
-        ):
-            raise FormatError(
-                f"tensor {name!r}: data_offsets {short_repr(offs)} is not [start, end] with 0 <= start <= end", path=path
-            )
+        problem = offsets_problem(offs)
+        if problem is not None:
+            raise FormatError(f"tensor {name!r}: {problem}", path=path)
         pid = d.get("param_id")
         if pid is not None and not (isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 64):
             raise FormatError(f"tensor {name!r}: param_id {short_repr(pid)} is not a u64", path=path)

@@ -19,7 +19,7 @@ import numpy as np
 from dmlib import _atomic
 from dmlib.dtypes import SAFETENSORS_DTYPES, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
-from dmlib.tensor import Tensor, TensorSet, shape_problem, short_repr
+from dmlib.tensor import Tensor, TensorSet, offsets_problem, shape_problem, short_repr
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -91,15 +91,9 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
         problem = shape_problem(shape, dt.itemsize)
         if problem is not None:
             raise FormatError(f"tensor {name!r}: {problem}", path=path)
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            and 0 <= offs[0] <= offs[1]
-        ):
-            raise FormatError(
-                f"tensor {name!r}: data_offsets {short_repr(offs)} is not [begin, end] with 0 <= begin <= end", path=path
-            )
+        problem = offsets_problem(offs)
+        if problem is not None:
+            raise FormatError(f"tensor {name!r}: {problem}", path=path)
         need = math.prod(shape) * dt.itemsize
         if offs[1] - offs[0] != need:
             raise LayoutError(
