@@ -96,6 +96,13 @@ def test_six_runs_fifteen_pairs():
     by_pair = {(p["a"], p["b"]): p for p in v["pairs"]}
     assert by_pair[("b", "e")]["n_diff"] == 3  # u[10] (1 vs 0), u[3] (2 vs 1), v[63]
     assert by_pair[("a", "g")]["control"] is True and by_pair[("a", "b")]["control"] is False
+    # worst per-tensor median ULP, by hand from the plants: a/b u:[2, 1] -> 1.5;
+    # b/e u:[1, 1] -> 1, v:[4] -> 4; c/e v:[5, 4] -> 4.5; a/d nothing differs
+    assert by_pair[("a", "b")]["worst_median_ulp"] == 1.5
+    assert by_pair[("b", "e")]["worst_median_ulp"] == 4.0
+    assert by_pair[("c", "e")]["worst_median_ulp"] == 4.5
+    assert by_pair[("a", "d")]["worst_median_ulp"] is None
+    assert v["same_worst_median_ulp"] == 5.0  # c's single 5-ULP plant, against a, b or d
     # data hashes: each run's tensors are hashed once and shared by its pairs
     for r in df.itertuples():
         assert r.data_hash_a == hashlib.sha256(arrays[r.a][r.name].tobytes()).hexdigest()

@@ -105,7 +105,8 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
     dict
         ``pairs``: one dict per pair (``a``, ``b``, ``control`` [involves the control],
         ``identical``, ``numel``, ``n_diff``, ``frac_diff``, ``worst_rel_fro``,
-        ``max_ulp``, ``max_abs``); ``same_worst_rel_fro``, ``same_max_ulp``,
+        ``max_ulp``, ``worst_median_ulp`` [the largest per-tensor ``median_ulp``],
+        ``max_abs``); ``same_worst_rel_fro``, ``same_max_ulp``, ``same_worst_median_ulp``,
         ``same_max_abs`` (worst over pairs without the control); ``control_rel_fro``,
         ``control_max_ulp`` (the control pairs' worst tensor, least over control pairs,
         so the separation is the conservative one); ``separation_orders`` =
@@ -141,6 +142,11 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
                 "frac_diff": n_diff / numel if numel else 0.0,
                 "worst_rel_fro": _worst(g["rel_fro"]),
                 "max_ulp": None if g["max_ulp"].isna().all() else int(g["max_ulp"].max()),
+                # max_ulp is set by the few elements nearest zero, where one ULP is tiny;
+                # the worst tensor's median says how far a typical differing element moved
+                "worst_median_ulp": None
+                if g["median_ulp"].isna().all()
+                else float(g["median_ulp"].max()),
                 "max_abs": _worst(g["max_abs"]),
             }
         )
@@ -169,6 +175,7 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
         "pairs": pairs,
         "same_worst_rel_fro": same_rel,
         "same_max_ulp": worst(same, "max_ulp"),
+        "same_worst_median_ulp": worst(same, "worst_median_ulp"),
         "same_max_abs": worst(same, "max_abs"),
         "control_rel_fro": ctrl_rel,
         "control_max_ulp": worst(ctrl, "max_ulp", min),
@@ -179,6 +186,10 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
     }
 
 
+def _med(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
 def format_verdict(v: dict[str, Any]) -> str:
     """The verdict as a few lines of text (what the CLI prints under the pair table)."""
 
@@ -186,8 +197,8 @@ def format_verdict(v: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:.3e}" if isinstance(x, float) else str(x)
 
     lines = [
-        f"same-seed pairs: worst rel_fro {g(v['same_worst_rel_fro'])}, max_ulp {g(v['same_max_ulp'])}, "
-        f"max_abs {g(v['same_max_abs'])}"
+        f"same-seed pairs: worst rel_fro {g(v['same_worst_rel_fro'])}, max_ulp {g(v['same_max_ulp'])} "
+        f"(median_ulp <= {_med(v.get('same_worst_median_ulp'))} in every tensor), max_abs {g(v['same_max_abs'])}"
     ]
     if v["control"] is not None:
         sep = v["separation_orders"]
