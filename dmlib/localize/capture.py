@@ -10,11 +10,13 @@ halves the overhead) and never written, so the model's outputs are unchanged.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,9 @@ try:
     import torch
 except ImportError:  # pragma: no cover - reading captures needs no torch; writing does
     torch = None
+
+
+MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 
 
 def _require_torch() -> None:
@@ -121,8 +126,15 @@ class Recorder:
         dump: list[str],
         dump_requests: set[str] | None,
         metadata: dict[str, Any],
+        hash_threads: int = 2,
     ) -> None:
         self.path = path
+        # SHA-256 releases the GIL, so boundaries are hashed on worker threads while the
+        # forward pass goes on; each hashes a private copy of the tensor, taken in the hook,
+        # because a later in-place op may change the module's output after the hook returns.
+        self._pool = ThreadPoolExecutor(max_workers=hash_threads) if hash_threads > 0 else None
+        self._pending: collections.deque[tuple[Future[None], int]] = collections.deque()
+        self._pending_bytes = 0
         self.row_map = row_map
         self.block_rows = block_rows
         self.dump = dump
@@ -147,24 +159,53 @@ class Recorder:
             "slot": slot,
             "dtype": arr.dtype.name,
             "shape": list(arr.shape),
-            "sha256": hash_bytes(arr),
+            "sha256": None,
             "row_dims": None,
             "requests": {},
             "dump": None,
         }
         k = self.row_map.row_dims(arr.shape) if self.row_map is not None else None
-        rows = None
         if k is not None:
             entry["row_dims"] = k
-            rows = arr.reshape((len(self.row_map), *arr.shape[k:]))
-            for rid, idx in self.row_map.requests.items():
-                sha, blocks = request_hashes(rows[idx], self.block_rows)
-                entry["requests"][rid] = {"sha256": sha, "n_rows": int(len(idx)), "blocks": blocks}
+            for rid in self.row_map.requests:
+                entry["requests"][rid] = None  # filled by _hash, in row-map order
         elif self.row_map is not None:
             self.whole_only.append(name)
+        if self._pool is not None:
+            arr = np.array(arr, copy=True)
+        rows = None if k is None else arr.reshape((len(self.row_map), *arr.shape[k:]))
         if self._wants_dump(name):
             entry["dump"] = self._write_dump(len(self.boundaries), arr, rows)
         self.boundaries.append(entry)
+        if self._pool is None:
+            self._hash(entry, arr, rows)
+            return
+        self._pending.append((self._pool.submit(self._hash, entry, arr, rows), arr.nbytes))
+        self._pending_bytes += arr.nbytes
+        while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
+            self._wait_oldest()
+
+    def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
+        entry["sha256"] = hash_bytes(arr)
+        if rows is not None:
+            for rid, idx in self.row_map.requests.items():
+                sha, blocks = request_hashes(rows[idx], self.block_rows)
+                entry["requests"][rid] = {"sha256": sha, "n_rows": int(len(idx)), "blocks": blocks}
+
+    def _wait_oldest(self) -> None:
+        fut, nbytes = self._pending.popleft()
+        self._pending_bytes -= nbytes
+        fut.result()
+
+    def finish(self) -> None:
+        """Wait for every pending hash (re-raising a worker's error) and stop the workers."""
+        try:
+            while self._pending:
+                self._wait_oldest()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
 
     def _write_dump(self, index: int, arr: np.ndarray, rows: np.ndarray | None) -> dict[str, Any]:
         from dmlib.io.safetensors import write_safetensors
@@ -221,6 +262,7 @@ def capture(
     dump_requests: Iterable[Any] | None = None,
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
+    hash_threads: int = 2,
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -250,6 +292,9 @@ def capture(
         JSON-able description stored in the manifest.
     overwrite
         Replace an existing capture at ``path``.
+    hash_threads
+        Worker threads that hash boundaries while the forward pass runs (0: hash in
+        the hook itself, with no copy of the tensor).
     """
     _require_torch()
     path = Path(path)
@@ -270,6 +315,7 @@ def capture(
         dump=[] if dump is None else ([dump] if isinstance(dump, str) else list(dump)),
         dump_requests=None if dump_requests is None else {str(r) for r in dump_requests},
         metadata=dict(metadata or {}),
+        hash_threads=int(hash_threads),
     )
     rec.write_manifest(complete=False)  # marks the directory as a capture in progress
     handles = []
@@ -302,6 +348,8 @@ def capture(
             handles.append(mod.register_forward_hook(post_hook(label), with_kwargs=True))
         yield rec
     except BaseException as err:
+        with contextlib.suppress(Exception):
+            rec.finish()
         rec.write_manifest(
             complete=False, error=f"capture interrupted by {type(err).__name__}: {err}"
         )
@@ -309,6 +357,7 @@ def capture(
     finally:
         for h in handles:
             h.remove()
+    rec.finish()
     if not rec.boundaries:
         rec.write_manifest(complete=False, error="no hooked module ran inside the capture block")
         raise CaptureError("no hooked module ran inside the capture block", path=path)
