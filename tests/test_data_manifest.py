@@ -1,0 +1,31 @@
+"""The committed lab data match data/MANIFEST.json, file for file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def test_every_committed_file_matches_its_manifest_hash():
+    doc = json.loads((DATA / "MANIFEST.json").read_text())
+    assert set(doc["datasets"]) == {"qr_init", "step_ladder", "packed"}
+    listed = set()
+    for ds in doc["datasets"].values():
+        assert ds["command"].startswith("python -m dmlib.lab ")
+        assert ds["environment"]["libraries"]["numpy"]
+        for rel, info in ds["files"].items():
+            data = (DATA / rel).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == info["sha256"], rel
+            assert len(data) == info["bytes"], rel
+            listed.add(rel)
+    # nothing in a dataset folder escapes the manifest (READMEs are documentation)
+    on_disk = {
+        str(p.relative_to(DATA))
+        for d in doc["datasets"]
+        for p in (DATA / d).rglob("*")
+        if p.is_file() and p.name != "README.md"
+    }
+    assert on_disk <= listed, sorted(on_disk - listed)[:5]
