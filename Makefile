@@ -29,6 +29,7 @@ report: $(VENV)/.core
 	MPLBACKEND=Agg $(PY) -m dmlib.report --notebooks notebooks --out reports
 
 test: $(VENV)/.full
+	$(PY) -m ruff check dmlib tests benchmarks
 	MPLBACKEND=Agg $(PY) -m pytest -q
 
 fuzz: $(VENV)/.full
