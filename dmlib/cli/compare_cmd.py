@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
+from dmlib.cli._table import add_selection, fmt, table
 from dmlib.errors import DmlibError
 
 # columns of the readable table (the JSON output carries every column)
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("a", help="reference checkpoint")
     p.add_argument("b", help="checkpoint compared against it")
-    _selection(p)
+    add_selection(p)
     p.add_argument("--all", action="store_true", help="list identical tensors too")
     p.add_argument(
         "--json", action="store_true", help="print one JSON document (rows, summary, attrs)"
@@ -61,41 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="at least two runs")
     m.add_argument("--control", metavar="LABEL", help="the run expected to differ (another seed)")
-    _selection(m)
+    add_selection(m)
     m.add_argument(
         "--json", action="store_true", help="print one JSON document (verdict and every row)"
     )
     add_common_epilog(m)
     m.set_defaults(func=run_matrix)
-
-
-def _selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--include", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
-    )
-    p.add_argument(
-        "--exclude", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
-    )
-
-
-def _fmt(v: Any) -> str:
-    if v is None or v is pd.NA:
-        return "-"
-    if isinstance(v, float):
-        return (
-            "-" if v != v else f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
-        )
-    if isinstance(v, tuple):
-        return "(" + ",".join(map(str, v)) + ")"
-    return str(v)
-
-
-def _table(df: pd.DataFrame, cols: list[str]) -> str:
-    cells = [[_fmt(r[c]) for c in cols] for r in df.to_dict("records")]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -115,7 +86,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return 0 if s["identical"] else 1
     shown = df if args.all else df[df["n_diff"] > 0]
     if len(shown):
-        print(_table(shown, _TABLE))
+        print(table(shown, _TABLE))
     at = df.attrs
     for key in ("only_in_a", "only_in_b"):
         if at[key]:
@@ -135,9 +106,9 @@ def run_compare(args: argparse.Namespace) -> int:
     verdict = "IDENTICAL" if s["identical"] else "DIFFERENT"
     print(
         f"{verdict}: {s['n_tensors_diff']} of {s['n_tensors']} tensors differ; n_diff {s['n_diff']} of "
-        f"numel {s['numel']} (frac_diff {_fmt(s['frac_diff'])}); worst rel_fro {_fmt(s['worst_rel_fro'])}"
+        f"numel {s['numel']} (frac_diff {fmt(s['frac_diff'])}); worst rel_fro {fmt(s['worst_rel_fro'])}"
         f"{'' if s['worst_rel_fro_name'] is None else ' (' + s['worst_rel_fro_name'] + ')'}; "
-        f"max_ulp {_fmt(s['max_ulp'])}"
+        f"max_ulp {fmt(s['max_ulp'])}"
     )
     return 0 if s["identical"] else 1
 
@@ -172,7 +143,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "max_ulp",
         "worst_rel_fro",
     ]
-    print(_table(pd.DataFrame(v["pairs"], columns=cols), cols))
+    print(table(pd.DataFrame(v["pairs"], columns=cols), cols))
     print(format_verdict(v))
     sys.stdout.flush()
     return code

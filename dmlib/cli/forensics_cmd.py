@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
+from dmlib.cli._table import add_selection, fmt, table
 from dmlib.errors import DmlibError
 
 
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "scatter. Exit 1 when any tensor pair differs.",
     )
     c.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="at least two runs")
-    _selection(c)
+    add_selection(c)
     c.add_argument("--axis", type=int, default=1, help="axis of the columns (default 1)")
     c.add_argument(
         "--threshold", type=float, default=-0.9, help="cosine below which a column is flipped"
@@ -80,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "refusing the ladder (exit 2)",
     )
     lad.add_argument("--top", type=int, default=5, help="fastest movers shown per step (default 5)")
-    _selection(lad)
+    add_selection(lad)
     _group_arg(lad, required=False)
     lad.add_argument("--json", action="store_true", help="print one JSON document")
     add_common_epilog(lad)
@@ -105,15 +106,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # ---------------------------------------------------------------------------
 # argument helpers
-
-
-def _selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--include", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
-    )
-    p.add_argument(
-        "--exclude", action="append", metavar="PAT", help="glob, or re:REGEX; repeatable"
-    )
 
 
 def _group_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -178,25 +170,6 @@ def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
     return ladder
 
 
-def _fmt(v: Any) -> str:
-    if v is None or v is pd.NA:
-        return "-"
-    if isinstance(v, float):
-        if v != v:
-            return "-"
-        return f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
-    return str(v)
-
-
-def _table(rows: pd.DataFrame | list[dict[str, Any]], cols: list[str]) -> str:
-    recs = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
-    cells = [[_fmt(r.get(c)) for c in cols] for r in recs]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
-
-
 def _dump(doc: dict[str, Any]) -> None:
     from dmlib.stats.compare import jsonable
 
@@ -233,10 +206,10 @@ def run_factors(args: argparse.Namespace) -> int:
         "factor_n_diff",
         "status",
     ]
-    print(_table(df, cols))
+    print(table(df, cols))
     print(
         f"{'DIFFERENT' if differs else 'IDENTICAL'}: {len(df)} layers; worst rel_fro "
-        f"{_fmt(df.attrs['worst_rel_fro'])} ({df.attrs['worst_group']})"
+        f"{fmt(df.attrs['worst_rel_fro'])} ({df.attrs['worst_group']})"
     )
     return int(differs)
 
@@ -266,11 +239,11 @@ def run_firstcol(args: argparse.Namespace) -> int:
         "n_flipped",
         "min_cosine",
     ]
-    print(_table(df, cols))
+    print(table(df, cols))
     print(
         f"{summary['n_pairs']} tensor pairs, {summary['n_identical']} identical; first divergent "
-        f"column min {_fmt(summary['first_col_min'])} median {_fmt(summary['first_col_median'])} "
-        f"max {_fmt(summary['first_col_max'])}; {summary['n_flipped']} flipped columns"
+        f"column min {fmt(summary['first_col_min'])} median {fmt(summary['first_col_median'])} "
+        f"max {fmt(summary['first_col_max'])}; {summary['n_flipped']} flipped columns"
     )
     return code
 
@@ -305,14 +278,14 @@ def run_ladder(args: argparse.Namespace) -> int:
     if args.json:
         _dump({"checks": checks, "rows": df, "growth": growth, "excluded": df.attrs["excluded"]})
         return code
-    print(_table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
+    print(table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
     for e in df.attrs["excluded"]:
         print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
     if len(df):
         top = df[df["rank"] <= args.top].sort_values(["step", "pair", "rank"])
         print()
         print(
-            _table(
+            table(
                 top,
                 [
                     "step",
@@ -329,7 +302,7 @@ def run_ladder(args: argparse.Namespace) -> int:
             )
         )
         print()
-        print(_table(growth.sort_values("slope", ascending=False), list(growth.columns)))
+        print(table(growth.sort_values("slope", ascending=False), list(growth.columns)))
     return code
 
 
@@ -351,7 +324,7 @@ def run_gapcheck(args: argparse.Namespace) -> int:
             }
         )
         return code
-    print(_table(summary, list(summary.columns)))
+    print(table(summary, list(summary.columns)))
     if len(df):
         print()
         cols = [
@@ -366,7 +339,7 @@ def run_gapcheck(args: argparse.Namespace) -> int:
             "differs",
             "inside_tensor",
         ]
-        print(_table(df.head(args.limit), cols))
+        print(table(df.head(args.limit), cols))
         if len(df) > args.limit:
             print(f"... {len(df) - args.limit} more slots (--limit N, or --json for all)")
     if not df.attrs["same_layout"]:

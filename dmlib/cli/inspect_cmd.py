@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from dmlib.cli import add_common_epilog
+from dmlib.cli._table import table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,11 +80,7 @@ def inspect(path: str, *, format: str | None = None, hashes: bool = True) -> dic
 
 
 def _print_table(rows: list[dict], cols: list[str], out) -> None:
-    cells = [[("" if r[c] is None else str(r[c])) for c in cols] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)), file=out)
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)), file=out)
+    print(table(rows, cols, cell=lambda v: "" if v is None else str(v)), file=out)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
+from dmlib.cli._table import fmt, table
 
 # columns of the readable table (the JSON output carries every column)
 _TABLE = [
@@ -66,19 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _fmt(v: Any) -> str:
-    if v is None or v is pd.NA:
-        return "-"
-    if isinstance(v, float):
-        return (
-            "-"
-            if math.isnan(v)
-            else f"{v:.3e}"
-            if v and (abs(v) < 1e-3 or abs(v) >= 1e4)
-            else f"{v:.4g}"
-        )
-    if isinstance(v, list):
-        return _ranges(v)
-    return str(v)
+    return _ranges(v) if isinstance(v, list) else fmt(v)
 
 
 def _ranges(blocks: list[int]) -> str:
@@ -133,10 +122,6 @@ def run_localize(args: argparse.Namespace) -> int:
             print(f"(first {args.limit} of {len(shown)} rows; --limit 0 for all)")
             shown = shown.head(args.limit)
         if len(shown):
-            cells = [[_fmt(r[c]) for c in _TABLE] for r in shown.to_dict(orient="records")]
-            widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(_TABLE)]
-            print("  ".join(c.ljust(w) for c, w in zip(_TABLE, widths, strict=True)).rstrip())
-            for row in cells:
-                print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+            print(table(shown, _TABLE, cell=_fmt))
         print(verdict(df))
     return 1 if (divergent or failed_control) else 0

@@ -1,0 +1,40 @@
+"""Helpers every subcommand shares: the name-selection options and plain-text tables."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+
+def add_selection(p: argparse.ArgumentParser) -> None:
+    """``--include`` / ``--exclude`` (glob or ``re:REGEX``, repeatable), as dmlib.compare takes them."""
+    for opt in ("--include", "--exclude"):
+        p.add_argument(opt, action="append", metavar="PAT", help="glob, or re:REGEX; repeatable")
+
+
+def fmt(v: Any) -> str:
+    """One table cell: '-' for missing, 4 significant digits, scientific for tiny or huge."""
+    if v is None or v is pd.NA:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
+    if isinstance(v, tuple):
+        return "(" + ",".join(map(str, v)) + ")"
+    return str(v)
+
+
+def table(
+    rows: pd.DataFrame | list[dict[str, Any]], cols: list[str], cell: Callable[[Any], str] = fmt
+) -> str:
+    """Left-aligned columns separated by two spaces, with a header line."""
+    recs = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
+    cells = [[cell(r.get(c)) for c in cols] for r in recs]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
