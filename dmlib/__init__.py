@@ -62,9 +62,9 @@ _LAZY: dict[str, str] = {
     "growth_rates": "dmlib.forensics.ladder",
     # localisation
     "capture": "dmlib.localize.capture",
-    "open_capture": "dmlib.localize.manifest",
-    "compare_captures": "dmlib.localize.compare",
-    "repeat_control": "dmlib.localize.compare",
+    "open_capture": "dmlib.localize.captures",
+    "compare_captures": "dmlib.localize.boundaries",
+    "repeat_control": "dmlib.localize.boundaries",
 }
 
 __all__ = [

@@ -102,7 +102,7 @@ def _jsonable(v: Any) -> Any:
 
 
 def run_localize(args: argparse.Namespace) -> int:
-    from dmlib.localize.compare import compare_captures, verdict
+    from dmlib.localize.boundaries import compare_captures, verdict
 
     repeat = tuple(args.repeat) if args.repeat else None
     df = compare_captures(

@@ -20,7 +20,7 @@ import pandas as pd
 
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
-from dmlib.localize.manifest import Boundary, Capture, open_capture, request_hashes, request_key
+from dmlib.localize.captures import Boundary, Capture, open_capture, request_hashes, request_key
 
 CaptureLike = Capture | str | os.PathLike
 
