@@ -171,9 +171,9 @@ def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
 
 
 def _dump(doc: dict[str, Any]) -> None:
-    from dmlib.stats.compare import jsonable
+    from dmlib._json import jsonable
 
-    print(json.dumps(jsonable(doc), indent=1))
+    print(json.dumps(jsonable(doc, default=str), indent=1))
 
 
 # ---------------------------------------------------------------------------

@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     doc = inspect(args.path, format=args.format, hashes=not args.no_hash)
     out = sys.stdout
     if args.json:
-        json.dump(doc, out, indent=1, default=str)
+        from dmlib._json import jsonable
+
+        json.dump(jsonable(doc, default=str), out, indent=1)
         out.write("\n")
         return 0
     print(f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements", file=out)

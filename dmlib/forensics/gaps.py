@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.forensics.columns import Source, open_source
+from dmlib.sources import Source, open_source
 from dmlib.tensor import TensorSet
 
 __all__ = ["padding_across_runs", "padding_summary"]
