@@ -307,7 +307,7 @@ def run_ladder(args: argparse.Namespace) -> int:
 
 
 def run_gapcheck(args: argparse.Namespace) -> int:
-    from dmlib.forensics.gaps import padding_across_runs, padding_summary
+    from dmlib.padding import padding_across_runs, padding_summary
 
     runs = _labelled(args.paths, optional=True)
     df = padding_across_runs(runs)

@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def inspect(path: str, *, format: str | None = None, hashes: bool = True) -> dict[str, Any]:
     """Everything ``dmlib inspect`` shows, as one JSON-ready dict (keys as in the Python API)."""
-    from dmlib.census import padding_census
     from dmlib.io import open_tensors
+    from dmlib.padding import padding_census
 
     with open_tensors(path, format=format) as ts:
         # one pass over the tensor bytes feeds every hash: per tensor, per record, whole data
