@@ -37,7 +37,7 @@ _LAZY: dict[str, str] = {
     "ArrayTensorSet": "dmlib.tensor",
     "write_burnpack": "dmlib.io.burnpack",
     "write_safetensors": "dmlib.io.safetensors",
-    "padding_census": "dmlib.census",
+    "padding_census": "dmlib.padding",
     # divergence statistics
     "ulp_distance": "dmlib.stats.ulp",
     "compare": "dmlib.stats.compare",
@@ -53,8 +53,8 @@ _LAZY: dict[str, str] = {
     "FactorGroup": "dmlib.forensics.factors",
     "step_ladder": "dmlib.forensics.ladder",
     "check_steps": "dmlib.forensics.ladder",
-    "padding_across_runs": "dmlib.forensics.gaps",
-    "padding_summary": "dmlib.forensics.gaps",
+    "padding_across_runs": "dmlib.padding",
+    "padding_summary": "dmlib.padding",
     "effective_weights": "dmlib.forensics.factors",
     "factor_matrix": "dmlib.forensics.factors",
     "first_divergent_columns": "dmlib.forensics.columns",
@@ -62,9 +62,9 @@ _LAZY: dict[str, str] = {
     "growth_rates": "dmlib.forensics.ladder",
     # localisation
     "capture": "dmlib.localize.capture",
-    "open_capture": "dmlib.localize.manifest",
-    "compare_captures": "dmlib.localize.compare",
-    "repeat_control": "dmlib.localize.compare",
+    "open_capture": "dmlib.localize.captures",
+    "compare_captures": "dmlib.localize.boundaries",
+    "repeat_control": "dmlib.localize.boundaries",
 }
 
 __all__ = [

@@ -15,7 +15,6 @@ executes every notebook headless (see :mod:`dmlib.report_runner`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -115,36 +114,6 @@ def numbers_path(folder: str | os.PathLike[str] | None = None, notebook: str | N
     return figure_dir(folder).parent / "numbers" / f"{name}.json"
 
 
-def _jsonable(value: Any, name: str) -> Any:
-    """Plain JSON types for numpy/pandas scalars and containers; NaN/inf become None."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v, name) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v, name) for k, v in value.items()}
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy / pandas scalars
-        value = value.item()
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if hasattr(value, "tolist"):
-        return _jsonable(value.tolist(), name)
-    try:  # pandas NA and friends
-        import pandas as pd
-
-        if pd.isna(value):
-            return None
-    except (TypeError, ValueError):
-        pass
-    raise DmlibError(
-        f"record({name!r}): cannot store a {type(value).__name__} as JSON; pass a number, string, list or dict"
-    )
-
-
 def record(
     name: str,
     value: Any,
@@ -162,7 +131,9 @@ def record(
     path = numbers_path(folder, notebook)
     path.parent.mkdir(parents=True, exist_ok=True)
     numbers = load_numbers(path) if path.exists() else {}
-    numbers[name] = _jsonable(value, name)
+    from dmlib._json import jsonable  # numpy and pandas only when a number is recorded
+
+    numbers[name] = jsonable(value, what=f"record({name!r})")
     atomic_write_text(path, json.dumps(numbers, indent=2, sort_keys=True) + "\n")
     return value
 

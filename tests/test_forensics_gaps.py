@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import dmlib
-from dmlib.forensics.gaps import padding_summary
 from dmlib.io.burnpack import encode_burnpack, write_burnpack, write_records
+from dmlib.padding import padding_summary
 
 NAN_BITS = 0x7FC00000
 TENSORS = {

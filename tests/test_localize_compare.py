@@ -13,7 +13,7 @@ from test_localize_toy import NUDGE, F, Toy, run_capture  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.errors import CaptureError  # noqa: E402
-from dmlib.localize.compare import element_stats, planted_control, repeat_control  # noqa: E402
+from dmlib.localize.boundaries import element_stats, planted_control, repeat_control  # noqa: E402
 
 DUMP = ["blocks.1.quirk", "blocks.1.act", "inp"]
 

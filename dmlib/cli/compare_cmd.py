@@ -70,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from dmlib.stats.compare import compare, jsonable, summarize
+    from dmlib._json import jsonable
+    from dmlib.stats.compare import compare, summarize
 
     df = compare(
         args.a,
@@ -82,7 +83,7 @@ def run_compare(args: argparse.Namespace) -> int:
     s = summarize(df)
     if args.json:
         doc = {"summary": s, "attrs": df.attrs, "rows": df}
-        print(json.dumps(jsonable(doc), indent=1))
+        print(json.dumps(jsonable(doc, default=str), indent=1))
         return 0 if s["identical"] else 1
     shown = df if args.all else df[df["n_diff"] > 0]
     if len(shown):
@@ -114,7 +115,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_matrix(args: argparse.Namespace) -> int:
-    from dmlib.stats.compare import jsonable
+    from dmlib._json import jsonable
     from dmlib.stats.matrix import format_verdict, matrix
 
     runs: dict[str, str] = {}
@@ -130,7 +131,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     code = 0 if all(p["identical"] for p in v["pairs"]) else 1
     if args.json:
         doc = {"verdict": v, "pairs": df.attrs["pairs"], "rows": df}
-        print(json.dumps(jsonable(doc), indent=1))
+        print(json.dumps(jsonable(doc, default=str), indent=1))
         return code
     cols = [
         "a",

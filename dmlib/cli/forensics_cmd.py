@@ -171,9 +171,9 @@ def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
 
 
 def _dump(doc: dict[str, Any]) -> None:
-    from dmlib.stats.compare import jsonable
+    from dmlib._json import jsonable
 
-    print(json.dumps(jsonable(doc), indent=1))
+    print(json.dumps(jsonable(doc, default=str), indent=1))
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def run_ladder(args: argparse.Namespace) -> int:
 
 
 def run_gapcheck(args: argparse.Namespace) -> int:
-    from dmlib.forensics.gaps import padding_across_runs, padding_summary
+    from dmlib.padding import padding_across_runs, padding_summary
 
     runs = _labelled(args.paths, optional=True)
     df = padding_across_runs(runs)

@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def inspect(path: str, *, format: str | None = None, hashes: bool = True) -> dict[str, Any]:
     """Everything ``dmlib inspect`` shows, as one JSON-ready dict (keys as in the Python API)."""
-    from dmlib.census import padding_census
     from dmlib.io import open_tensors
+    from dmlib.padding import padding_census
 
     with open_tensors(path, format=format) as ts:
         # one pass over the tensor bytes feeds every hash: per tensor, per record, whole data
@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     doc = inspect(args.path, format=args.format, hashes=not args.no_hash)
     out = sys.stdout
     if args.json:
-        json.dump(doc, out, indent=1, default=str)
+        from dmlib._json import jsonable
+
+        json.dump(jsonable(doc, default=str), out, indent=1)
         out.write("\n")
         return 0
     print(f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements", file=out)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
-import pandas as pd
-
+from dmlib._json import jsonable
 from dmlib.cli import add_common_epilog
 from dmlib.cli._table import fmt, table
 
@@ -85,24 +83,8 @@ def _ranges(blocks: list[int]) -> str:
     return ",".join(out)
 
 
-def _jsonable(v: Any) -> Any:
-    if v is None or v is pd.NA:
-        return None
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    if isinstance(v, float) and math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    if hasattr(v, "item"):
-        return _jsonable(v.item())
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    return v
-
-
 def run_localize(args: argparse.Namespace) -> int:
-    from dmlib.localize.compare import compare_captures, verdict
+    from dmlib.localize.boundaries import compare_captures, verdict
 
     repeat = tuple(args.repeat) if args.repeat else None
     df = compare_captures(
@@ -114,8 +96,8 @@ def run_localize(args: argparse.Namespace) -> int:
         "passed"
     ] is False
     if args.json:
-        rows = [{k: _jsonable(v) for k, v in r.items()} for r in df.to_dict(orient="records")]
-        print(json.dumps({"rows": rows, "attrs": _jsonable(dict(df.attrs))}, indent=1))
+        doc = {"rows": jsonable(df, default=str), "attrs": jsonable(dict(df.attrs), default=str)}
+        print(json.dumps(doc, indent=1))
     else:
         shown = df if args.all else df[df["role"] != "clean"]
         if args.limit and len(shown) > args.limit:

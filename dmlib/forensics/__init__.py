@@ -5,5 +5,4 @@
 - :mod:`dmlib.forensics.factors`: factorised layers compared by their effective weights.
 - :mod:`dmlib.forensics.ladder`: divergence along a step ladder, growth per step, and
   checks that each checkpoint really is the step it is claimed to be.
-- :mod:`dmlib.forensics.gaps`: padding bytes across runs of one model.
 """

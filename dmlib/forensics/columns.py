@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,9 +17,8 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.tensor import ArrayTensorSet, TensorSet
-
-Source = TensorSet | Mapping[str, np.ndarray] | str | os.PathLike[str]
+from dmlib.sources import Source, name_filter, open_source
+from dmlib.tensor import TensorSet
 
 __all__ = [
     "column_cosines",
@@ -30,48 +28,6 @@ __all__ = [
     "sign_flip_table",
     "sign_flips",
 ]
-
-
-# ---------------------------------------------------------------------------
-# shared helpers for the forensics modules
-
-
-def as_tensor_set(source: Source) -> TensorSet:
-    """A TensorSet for a path (opened with ``dmlib.open_tensors``), a TensorSet, or arrays."""
-    if isinstance(source, TensorSet):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        from dmlib.io import open_tensors  # readers are imported only when a file is named
-
-        return open_tensors(source)
-    if isinstance(source, Mapping):
-        return ArrayTensorSet({k: np.asarray(v) for k, v in source.items()})
-    raise DmlibError(
-        f"cannot read tensors from a {type(source).__name__}: pass a path, a TensorSet "
-        "or a mapping name -> array"
-    )
-
-
-def open_source(source: Source, stack: contextlib.ExitStack) -> TensorSet:
-    """:func:`as_tensor_set`, closing on ``stack`` exit what was opened here from a path."""
-    ts = as_tensor_set(source)
-    if isinstance(source, (str, os.PathLike)):
-        stack.callback(ts.close)
-    return ts
-
-
-def name_filter(include: Any = None, exclude: Any = None):
-    """A predicate on tensor names, with ``dmlib.compare``'s pattern rules.
-
-    Each of ``include``/``exclude`` is None, a pattern or a list of them: a glob
-    (``"*.u"``) or, prefixed ``"re:"``, a regular expression searched in the name.
-    """
-    from dmlib.stats.compare import select
-
-    def keep(name: str) -> bool:
-        return bool(select([name], include, exclude))
-
-    return keep
 
 
 def _where(x: Any) -> str | None:

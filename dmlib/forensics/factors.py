@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError, TensorNotFoundError
-from dmlib.forensics.columns import Source, open_source
+from dmlib.sources import Source, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["FactorGroup", "compare_factors", "effective_weights"]

@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.forensics.columns import Source, name_filter, open_source
 from dmlib.forensics.factors import FactorGroup, _groups, _layers
+from dmlib.sources import Source, name_filter, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["check_steps", "growth_rates", "step_ladder"]

@@ -27,7 +27,8 @@ from dmlib import _atomic
 from dmlib.dtypes import SAFETENSORS_DTYPES
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io import cbor
-from dmlib.tensor import Scalar, Tensor, TensorSet, offsets_problem, shape_problem, short_repr
+from dmlib.io._checks import offsets_problem, shape_problem, short_repr
+from dmlib.tensor import Scalar, Tensor, TensorSet
 
 MAGIC = b"NRUB"  # u32 0x4255524E little-endian
 VERSION = 1

@@ -13,7 +13,8 @@ from typing import IO, Any
 import numpy as np
 
 from dmlib.errors import DmlibError, FormatError, LayoutError, TruncatedError, UnsupportedError
-from dmlib.tensor import Tensor, TensorSet, shape_problem, short_repr
+from dmlib.io._checks import shape_problem, short_repr
+from dmlib.tensor import Tensor, TensorSet
 
 NPY_MAGIC = b"\x93NUMPY"
 

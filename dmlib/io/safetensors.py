@@ -19,7 +19,8 @@ import numpy as np
 from dmlib import _atomic
 from dmlib.dtypes import SAFETENSORS_DTYPES, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
-from dmlib.tensor import Tensor, TensorSet, offsets_problem, shape_problem, short_repr
+from dmlib.io._checks import offsets_problem, shape_problem, short_repr
+from dmlib.tensor import Tensor, TensorSet
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 

@@ -2,8 +2,8 @@
 
 ``dmlib.capture`` (capture.py) hooks named torch modules and records, for every tensor
 entering or leaving them, its SHA-256 whole and per logical request in blocks of
-positions, dumping full tensors only where asked; ``dmlib.open_capture`` (manifest.py)
-reads a capture without torch; ``dmlib.compare_captures`` (compare.py) compares two
+positions, dumping full tensors only where asked; ``dmlib.open_capture`` (captures.py)
+reads a capture without torch; ``dmlib.compare_captures`` (boundaries.py) compares two
 captures boundary by boundary, names the culprit (inputs identical, output differs) and
 reports the repeat and negative controls that qualify the verdict.
 """

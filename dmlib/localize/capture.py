@@ -25,7 +25,7 @@ import numpy as np
 from dmlib import _atomic
 from dmlib.errors import CaptureError, MissingDependencyError
 from dmlib.hashing import hash_bytes
-from dmlib.localize.manifest import (
+from dmlib.localize.captures import (
     FORMAT,
     MANIFEST,
     REQUEST_PREFIX,

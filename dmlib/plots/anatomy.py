@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
+from dmlib.padding import SLOT_COUNT_COLUMNS
 from dmlib.plots._base import axes_or_current, floats, label, need, palette
 
-__all__ = ["SLOT_COLUMNS", "layout_map", "slot_counts"]
+__all__ = ["layout_map", "slot_counts"]
 
 
 def layout_map(
@@ -78,20 +79,10 @@ def layout_map(
     return ax
 
 
-SLOT_COLUMNS = (
-    "flat_slots",
-    "named_slots",
-    "padding_slots",
-    "padding_nonzero_slots",
-    "nan",
-    "huge",
-)
-
-
 def slot_counts(
     slots: pd.DataFrame,
     *,
-    columns: Sequence[str] = SLOT_COLUMNS,
+    columns: Sequence[str] = SLOT_COUNT_COLUMNS,
     record: str = "record",
     ax: Any = None,
     title: str | None = None,

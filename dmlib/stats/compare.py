@@ -52,13 +52,8 @@ here; both pairs filled with ``file_hashes=True``, else None), ``path_a``/``_b``
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import fnmatch
-import math
 import os
-import re
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -67,6 +62,7 @@ import pandas as pd
 
 from dmlib import hashing
 from dmlib.errors import DmlibError
+from dmlib.sources import Patterns, Source, opened, patterns, select
 from dmlib.stats import _kernels as K
 from dmlib.stats._pair import (
     COLUMNS,
@@ -89,54 +85,6 @@ __all__ = [
     "summarize",
     "ulp_long",
 ]
-
-Source = str | os.PathLike[str] | TensorSet
-Patterns = str | Sequence[str] | None
-
-# -- selection --------------------------------------------------------------------------
-
-
-def _as_list(p: Patterns) -> list[str]:
-    return [] if p is None else [p] if isinstance(p, str) else list(p)
-
-
-def _matcher(pattern: str) -> Any:
-    if pattern.startswith("re:"):
-        try:
-            rx = re.compile(pattern[3:])
-        except re.error as err:
-            raise DmlibError(f"bad regular expression {pattern!r}: {err}") from None
-        return lambda name: rx.search(name) is not None
-    return lambda name: fnmatch.fnmatchcase(name, pattern)
-
-
-def select(names: Sequence[str], include: Patterns = None, exclude: Patterns = None) -> list[str]:
-    """Names kept by ``include`` (any pattern matches; None keeps all) minus ``exclude``.
-
-    A pattern is a glob (``"*.u"``) or, prefixed ``"re:"``, a regular expression searched
-    anywhere in the name (``"re:^factors\\."``).
-    """
-    inc = [_matcher(p) for p in _as_list(include)]
-    exc = [_matcher(p) for p in _as_list(exclude)]
-    return [n for n in names if (not inc or any(m(n) for m in inc)) and not any(m(n) for m in exc)]
-
-
-@contextlib.contextmanager
-def opened(src: Source) -> Iterator[TensorSet]:
-    """A TensorSet as is, or a path opened (and closed afterwards) with dmlib.open_tensors."""
-    if isinstance(src, TensorSet):
-        yield src
-        return
-    if not isinstance(src, (str, os.PathLike)):
-        raise DmlibError(f"compare takes a path or a TensorSet, not {type(src).__name__}")
-    from dmlib.io import open_tensors
-
-    ts = open_tensors(src)
-    try:
-        yield ts
-    finally:
-        ts.close()
-
 
 # -- the public function ----------------------------------------------------------------
 
@@ -276,8 +224,8 @@ def _compare_sets(
         {
             "path_a": sa.path,
             "path_b": sb.path,
-            "include": _as_list(include),
-            "exclude": _as_list(exclude),
+            "include": patterns(include),
+            "exclude": patterns(exclude),
             "n_tensors_a": len(sa),
             "n_tensors_b": len(sb),
             "compared": [r["name"] for r in rows],
@@ -393,25 +341,3 @@ def ulp_long(df: pd.DataFrame) -> pd.DataFrame:
     long["count"] = long["count"].astype("int64")
     long["bucket"] = pd.Categorical(long["bucket"], categories=ULP_COLUMNS, ordered=True)
     return long[ids + ["bucket", "ulp_lo", "ulp_hi", "count"]]
-
-
-def jsonable(value: Any) -> Any:
-    """Plain JSON types from what compare/matrix return (NA and NaN -> None, inf kept as a string)."""
-    if isinstance(value, pd.DataFrame):
-        return [{k: jsonable(v) for k, v in r.items()} for r in value.to_dict("records")]
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if value is None or value is pd.NA:
-        return None
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        f = float(value)
-        if math.isnan(f):
-            return None
-        return f if math.isfinite(f) else ("inf" if f > 0 else "-inf")
-    if isinstance(value, np.bool_):
-        return bool(value)
-    return value

@@ -18,7 +18,8 @@ from typing import Any
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.stats.compare import COLUMNS, Patterns, Source, _compare_sets, opened, summarize
+from dmlib.sources import Patterns, Source, opened
+from dmlib.stats.compare import COLUMNS, _compare_sets, summarize
 
 
 def matrix(

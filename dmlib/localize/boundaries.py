@@ -20,7 +20,7 @@ import pandas as pd
 
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
-from dmlib.localize.manifest import Boundary, Capture, open_capture, request_hashes, request_key
+from dmlib.localize.captures import Boundary, Capture, open_capture, request_hashes, request_key
 
 CaptureLike = Capture | str | os.PathLike
 
@@ -28,10 +28,6 @@ COLUMNS = [
     "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
     "rel_l2", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
 ]  # fmt: skip
-
-
-def _open(c: CaptureLike) -> Capture:
-    return c if isinstance(c, Capture) else open_capture(c)
 
 
 def element_stats(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
@@ -148,7 +144,7 @@ def repeat_control(a: CaptureLike, a_repeat: CaptureLike) -> dict[str, Any]:
 
     Returns ``{"a", "repeat", "held", "n_boundaries", "n_differing", "differing"}``.
     """
-    ca, cr = _open(a), _open(a_repeat)
+    ca, cr = open_capture(a), open_capture(a_repeat)
     names_a = [x.name for x in ca.boundaries]
     names_r = [x.name for x in cr.boundaries]
     differing = []
@@ -182,7 +178,7 @@ def planted_control(
     block, and requires that exactly that block's hash (and the whole hash) change and
     that the element statistics count exactly one differing element.
     """
-    c = _open(a)
+    c = open_capture(a)
     reqs = [request_key(request)] if request is not None else sorted(c.requests)
     candidates = [
         (x, r)
@@ -251,7 +247,7 @@ def compare_captures(
         ``first_divergent_boundary``, ``culprit``, ``culprits``, ``repeat_control``,
         ``negative_control``, ``valid`` and ``stats_missing``.
     """
-    a, b = _open(path_a), _open(path_b)
+    a, b = open_capture(path_a), open_capture(path_b)
     if a.block_rows != b.block_rows:
         raise CaptureError(
             f"block_rows {a.block_rows} here but {b.block_rows} in {b.path}; blocks are not comparable",
@@ -354,7 +350,7 @@ def _repeats(a: Capture, b: Capture, repeat: Any) -> dict[str, Any] | None:
 def _negatives(a: Capture, b: Capture, requests: list[str], negative: Any) -> dict[str, Any]:
     checks = [planted_control(a, request=requests[0] if len(requests) == 1 else None)]
     if negative is not None:
-        n = _open(negative)
+        n = open_capture(negative)
         common = sorted(set(a.requests) & set(n.requests)) or None
         found = False
         for x in a.boundaries:

@@ -1,10 +1,18 @@
-"""Padding bytes across several runs of one model.
+"""Padding: every byte of a checkpoint that belongs to no tensor.
 
-Some checkpoint writers leave whatever the allocator held in the padding between
-tensors: NaNs and |v| >= 1e30 that move from run to run. Read flat, those bytes look
-like a numerical problem; they are not parameters. This module finds them, reads each
-4-byte slot as float32, says whether the padding differs run to run, and checks that no
-dirty or differing slot lies inside a named tensor of any run.
+Burn's writer zeroes its padding; other writers leave stale allocator memory there
+(NaNs, |v| >= 1e30) that moves from run to run. Read flat, those bytes look like
+parameters or like a numerical problem; they are neither. Two views:
+
+- :func:`padding_census` (one burnpack file): each gap, whether it is zero, what it holds
+  read as float32, and the slot accounting (flat = named + padding) a reader needs to
+  quote honest denominators.
+- :func:`padding_across_runs` (several runs of one model, any file-backed format): each
+  dirty or differing float32 slot, whether it differs run to run, and a check that none
+  lies inside a named tensor of any run; :func:`padding_summary` totals it per run.
+
+A *slot* is a 4-byte word of the file's absolute 4-byte grid lying wholly inside a gap
+(every burnpack data base is 256-aligned, so the grid is the tensors' grid too).
 """
 
 from __future__ import annotations
@@ -12,20 +20,39 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from dmlib.errors import DmlibError
-from dmlib.forensics.columns import Source, open_source
+from dmlib.errors import DmlibError, UnsupportedError
+from dmlib.sources import Source, open_source, opened
 from dmlib.tensor import TensorSet
 
-__all__ = ["padding_across_runs", "padding_summary"]
+__all__ = [
+    "Census",
+    "padding_across_runs",
+    "padding_census",
+    "padding_summary",
+]
 
-HUGE = 1e30
+HUGE = 1e30  # |v| >= 1e30 (inf included) counts as "huge": no trained parameter is that large
 SLOT = 4  # bytes of one float32 slot
 
+# padding_census: one row per gap, one row per record
+GAP_COLUMNS = ["record", "kind", "start", "end", "nbytes", "zero", "nonzero_bytes", "f32_slots", "nan", "huge"]
+SLOT_COUNT_COLUMNS = (
+    "flat_slots",
+    "named_slots",
+    "padding_slots",
+    "padding_nonzero_slots",
+    "nan",
+    "huge",
+)
+RECORD_COLUMNS = ["record", "layout", "data_base", "start", "end", "n_tensors", *SLOT_COUNT_COLUMNS]
+
+# padding_across_runs: one row per (run, slot), one row per run
 SLOT_COLUMNS = [
     "run",
     "record",
@@ -53,12 +80,125 @@ RUN_COLUMNS = [
 ]
 
 
+def slot_grid(start: int, end: int) -> tuple[int, int]:
+    """``[first, last)``: the byte range of the whole 4-byte slots inside ``[start, end)``.
+
+    Empty (``last <= first``) when the gap holds no whole slot.
+    """
+    return -(-start // SLOT) * SLOT, end // SLOT * SLOT
+
+
+def is_huge(values: np.ndarray) -> np.ndarray:
+    """``|v| >= HUGE`` elementwise (NaN is not huge)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.abs(values) >= HUGE
+
+
+# -- one file: the census ---------------------------------------------------------------
+
+
+@dataclass
+class Census:
+    """``gaps``: one row per byte range outside every tensor; ``slots``: one row per record."""
+
+    gaps: pd.DataFrame
+    slots: pd.DataFrame
+
+    @property
+    def clean(self) -> bool:
+        """True when every padding byte is zero."""
+        return bool((self.gaps["nonzero_bytes"] == 0).all())
+
+
+def _gap_row(ts: TensorSet, record: int, kind: str, start: int, end: int) -> dict:
+    raw = np.asarray(ts.read_range(start, end))
+    nonzero = int(np.count_nonzero(raw))
+    # float32 slots are the 4-byte-aligned words wholly inside the gap (absolute alignment:
+    # every data base is 256-aligned in the current layout)
+    a, b = slot_grid(start, end)
+    if b > a:
+        words = np.asarray(ts.read_range(a, b)).view("<f4")
+        nan = int(np.isnan(words).sum())
+        huge = int(is_huge(words).sum())
+        wnz = int(np.count_nonzero(words.view("<u4")))
+    else:
+        nan = huge = wnz = 0
+    return {
+        "record": record,
+        "kind": kind,
+        "start": start,
+        "end": end,
+        "nbytes": end - start,
+        "zero": nonzero == 0,
+        "nonzero_bytes": nonzero,
+        "f32_slots": max(b - a, 0) // SLOT,
+        "nan": nan,
+        "huge": huge,
+        "_nonzero_slots": wnz,
+    }
+
+
+def padding_census(ts_or_path: Source) -> Census:
+    """List every gap of a burnpack file and count slots per record.
+
+    Slots are 4-byte words of the data section: ``flat_slots`` = (record end - data base)
+    / 4, ``named_slots`` = tensor bytes / 4, ``padding_slots`` = bytes between tensors / 4
+    (flat = named + padding when every tensor is a multiple of 4 bytes).
+    """
+    with opened(ts_or_path) as ts:
+        return _census(ts)
+
+
+def _census(ts: TensorSet) -> Census:
+    if ts.format != "burnpack":
+        raise UnsupportedError(f"the padding census reads burnpack files, not {ts.format}", path=ts.path)
+    gaps: list[dict] = []
+    slots: list[dict] = []
+    records = ts.records or (ts,)
+    prev_end = None
+    for r in records:
+        if prev_end is not None and r.start > prev_end:
+            gaps.append(_gap_row(ts, r.index, "between-records", prev_end, r.start))
+        meta_end = r.start + 10 + r.metadata_size
+        if r.data_base > meta_end:
+            gaps.append(_gap_row(ts, r.index, "after-metadata", meta_end, r.data_base))
+        cur = r.data_base
+        rec_gaps = []
+        for t in r.disk_order():
+            if t.offset > cur:
+                rec_gaps.append(_gap_row(ts, r.index, "between-tensors", cur, t.offset))
+            cur = max(cur, t.offset + t.nbytes)
+        gaps.extend(rec_gaps)
+        named = sum(t.nbytes for t in r.values())
+        pad = sum(g["nbytes"] for g in rec_gaps)
+        slots.append(
+            {
+                "record": r.index,
+                "layout": r.layout["layout"],
+                "data_base": r.data_base,
+                "start": r.start,
+                "end": r.end,
+                "n_tensors": len(r),
+                "flat_slots": (r.end - r.data_base) // SLOT,
+                "named_slots": named // SLOT,
+                "padding_slots": pad // SLOT,
+                "padding_nonzero_slots": sum(g["_nonzero_slots"] for g in rec_gaps),
+                "nan": sum(g["nan"] for g in rec_gaps),
+                "huge": sum(g["huge"] for g in rec_gaps),
+            }
+        )
+        prev_end = r.end
+    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(columns="_nonzero_slots")
+    return Census(gaps=gdf, slots=pd.DataFrame(slots, columns=RECORD_COLUMNS))
+
+
+# -- several runs ----------------------------------------------------------------------
+
+
 def _gaps(ts: TensorSet) -> pd.DataFrame:
     """Padding gaps of a file: record, kind, start, end (absolute byte offsets)."""
     if ts.format == "burnpack":
-        from dmlib.census import padding_census
-
-        return padding_census(ts).gaps[["record", "kind", "start", "end"]]
+        return _census(ts).gaps[["record", "kind", "start", "end"]]
     # other formats: the bytes between consecutive tensors of the data section
     rows, cur = [], None
     for t in ts.disk_order():
@@ -106,8 +246,7 @@ class _Run:
             self.padding_bytes += raw.size
             self.nonzero_bytes += int(np.count_nonzero(raw))
             # whole float32 slots of the file's 4-byte grid that lie inside the gap
-            first = -(-start // SLOT) * SLOT
-            last = end // SLOT * SLOT
+            first, last = slot_grid(start, end)
             if last <= first:
                 continue
             slots = raw[first - start : last - start].view("<u4")
@@ -187,7 +326,7 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
         with np.errstate(invalid="ignore", over="ignore"):
             value = r.bits.view("<f4").astype(np.float64)
             nan = np.isnan(value)
-            huge = np.abs(value) >= HUGE
+            huge = is_huge(value)
         sel = dirty | dif
         off = r.offset[sel]
         inside: list[str | None] = [None] * int(sel.sum())

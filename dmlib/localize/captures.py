@@ -314,8 +314,11 @@ class Capture:
         )
 
 
-def open_capture(path: str | os.PathLike[str]) -> Capture:
-    """Open a capture directory written by :func:`dmlib.capture`.
+def open_capture(path: str | os.PathLike[str] | Capture) -> Capture:
+    """Open a capture directory written by :func:`dmlib.capture` (a Capture is returned as is).
+
+    A Capture holds no open file (dumped tensors are read when asked), so there is
+    nothing to close.
 
     Raises
     ------
@@ -323,6 +326,8 @@ def open_capture(path: str | os.PathLike[str]) -> Capture:
         The directory or its manifest is missing, the capture did not finish (interrupted
         run), or the manifest is not a dmlib capture of a known version.
     """
+    if isinstance(path, Capture):
+        return path
     path = Path(path)
     if not path.is_dir():
         raise CaptureError(
