@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
     "write_burnpack": "dmlib.io.burnpack",
     "write_safetensors": "dmlib.io.safetensors",
     "padding_census": "dmlib.padding",
+    "describe": "dmlib.inspect_",
     # divergence statistics
     "ulp_distance": "dmlib.stats.ulp",
     "compare": "dmlib.stats.compare",
