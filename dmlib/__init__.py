@@ -10,7 +10,7 @@ never needs an optional dependency (torch) until the function that uses it is ca
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dmlib.errors import (
     CaptureError,
@@ -24,7 +24,35 @@ from dmlib.errors import (
     UnsupportedError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it from here
+
+if TYPE_CHECKING:  # what the lazy table below provides, visible to type checkers and IDEs
+    from dmlib.forensics.columns import (
+        column_cosines,
+        first_divergent_column,
+        first_divergent_columns,
+        sign_flip_table,
+        sign_flips,
+    )
+    from dmlib.forensics.factors import (
+        FactorGroup,
+        compare_factors,
+        effective_weights,
+        factor_matrix,
+    )
+    from dmlib.forensics.ladder import check_steps, growth_rates, step_ladder
+    from dmlib.inspect_ import describe
+    from dmlib.io import detect_format, load, open_tensors
+    from dmlib.io.burnpack import write_burnpack
+    from dmlib.io.safetensors import write_safetensors
+    from dmlib.localize.boundaries import compare_captures, repeat_control
+    from dmlib.localize.capture import capture
+    from dmlib.localize.captures import open_capture
+    from dmlib.padding import padding_across_runs, padding_census, padding_summary
+    from dmlib.stats.compare import compare, summarize, ulp_long
+    from dmlib.stats.matrix import matrix, verdict
+    from dmlib.stats.ulp import ulp_distance
+    from dmlib.tensor import ArrayTensorSet, Tensor, TensorSet
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
@@ -38,6 +66,7 @@ _LAZY: dict[str, str] = {
     "write_burnpack": "dmlib.io.burnpack",
     "write_safetensors": "dmlib.io.safetensors",
     "padding_census": "dmlib.padding",
+    "describe": "dmlib.inspect_",
     # divergence statistics
     "ulp_distance": "dmlib.stats.ulp",
     "compare": "dmlib.stats.compare",
@@ -78,7 +107,40 @@ __all__ = [
     "UnknownFormatError",
     "UnsupportedError",
     "__version__",
-    *sorted(_LAZY),
+    "ArrayTensorSet",
+    "FactorGroup",
+    "Tensor",
+    "TensorSet",
+    "capture",
+    "check_steps",
+    "column_cosines",
+    "compare",
+    "compare_captures",
+    "compare_factors",
+    "describe",
+    "detect_format",
+    "effective_weights",
+    "factor_matrix",
+    "first_divergent_column",
+    "first_divergent_columns",
+    "growth_rates",
+    "load",
+    "matrix",
+    "open_capture",
+    "open_tensors",
+    "padding_across_runs",
+    "padding_census",
+    "padding_summary",
+    "repeat_control",
+    "sign_flip_table",
+    "sign_flips",
+    "step_ladder",
+    "summarize",
+    "ulp_distance",
+    "ulp_long",
+    "verdict",
+    "write_burnpack",
+    "write_safetensors",
 ]
 
 

@@ -8,6 +8,7 @@ write to the input through them.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -161,6 +162,11 @@ class TensorSet(Mapping[str, Tensor]):
         one). Other formats: empty.
     layout
         Format-specific facts about the layout (data base, alignment, layout variant...).
+    closer
+        Called once by :meth:`close` (a reader's file handle, for instance).
+    buffer
+        The file's bytes (read-only ``uint8`` memory map) that :meth:`read_range` reads
+        and the tensors view; None for in-memory sets.
     """
 
     def __init__(
@@ -174,6 +180,7 @@ class TensorSet(Mapping[str, Tensor]):
         records: tuple[Any, ...] = (),
         layout: Mapping[str, Any] | None = None,
         closer: Any = None,
+        buffer: np.ndarray | None = None,
     ) -> None:
         self._tensors: dict[str, Tensor] = dict(tensors or {})
         self.path = None if path is None else os.fspath(path)
@@ -183,7 +190,7 @@ class TensorSet(Mapping[str, Tensor]):
         self.records = tuple(records)
         self.layout: dict[str, Any] = dict(layout or {})
         self._closer = closer
-        self._buf: np.ndarray | None = None
+        self._buf: np.ndarray | None = buffer
 
     # Mapping protocol
     def __getitem__(self, name: str) -> Tensor:
@@ -222,7 +229,7 @@ class TensorSet(Mapping[str, Tensor]):
         if self._closer is not None:
             closer, self._closer = self._closer, None
             closer()
-        if getattr(self, "_buf", None) is not None:
+        if self._buf is not None:
             self._buf = None
             for t in self._tensors.values():
                 if t.path is not None:
@@ -233,13 +240,32 @@ class TensorSet(Mapping[str, Tensor]):
 
     def read_range(self, start: int, end: int) -> np.ndarray:
         """Read-only ``uint8`` view of the file's bytes ``[start, end)`` (for padding analyses)."""
-        buf = getattr(self, "_buf", None)
+        buf = self._buf
         if buf is None:
             raise DmlibError("no file bytes to read (in-memory set, or closed)", path=self.path)
         if not 0 <= start <= end <= len(buf):
             raise DmlibError(f"byte range [{start}, {end}) is outside the file (0..{len(buf)})", path=self.path)
         view = buf[start:end]
         return view
+
+    def renamed(self, names: Mapping[str, str]) -> TensorSet:
+        """A set over the same bytes with tensors renamed ``old -> new`` (others keep their name)."""
+        tensors = {}
+        for old, t in self._tensors.items():
+            new = names.get(old, old)
+            if new != old:
+                t = copy.copy(t)
+                t.name = new
+            tensors[new] = t
+        return TensorSet(
+            tensors,
+            path=self.path,
+            format=self.format,
+            metadata=self.metadata,
+            scalars=self.scalars,
+            layout=self.layout,
+            buffer=self._buf,
+        )
 
     # derived facts
     def disk_order(self) -> list[Tensor]:

@@ -114,7 +114,7 @@ def test_between_records_gap(tmp_path):
         return struct.pack("<I", NAN_BITS) + bytes(nbytes - 4)
 
     p1, p2 = tmp_path / "one.bpk", tmp_path / "two.bpk"
-    write_records(p1, recs, gap_fill=gap_fill)
+    write_records(p1, recs, pad_fill=gap_fill)
     write_records(p2, recs)
     df = dmlib.padding_across_runs({"dirty": p1, "clean": p2})
     d = df[df["run"] == "dirty"]

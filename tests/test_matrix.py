@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import dmlib
-from dmlib.stats.matrix import format_verdict, matrix, verdict
+from dmlib.cli.compare_cmd import format_verdict
+from dmlib.stats.matrix import matrix, verdict
 from dmlib.tensor import ArrayTensorSet
 
 RNG = np.random.default_rng(3)

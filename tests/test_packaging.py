@@ -42,3 +42,40 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     assert "make test" in readme and "make report" in readme
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_lazy_name_is_visible_to_type_checkers():
+    """The TYPE_CHECKING imports of dmlib/__init__.py name exactly the lazy table's names."""
+    import ast
+
+    import dmlib
+
+    tree = ast.parse((REPO / "dmlib" / "__init__.py").read_text())
+    guarded = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"
+    ]
+    assert len(guarded) == 1
+    seen = {
+        alias.name: imp.module
+        for imp in guarded[0].body
+        if isinstance(imp, ast.ImportFrom)
+        for alias in imp.names
+    }
+    assert seen == dmlib._LAZY
+    assert set(dmlib.__all__) >= set(dmlib._LAZY)
+    for name in dmlib._LAZY:  # each resolves to the object its module defines
+        assert getattr(dmlib, name) is getattr(__import__(seen[name], fromlist=[name]), name)
+
+
+def test_version_is_written_once():
+    import importlib.metadata
+
+    import dmlib
+
+    py = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in py["project"] and "version" in py["project"]["dynamic"]
+    assert py["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dmlib.__version__"}
+    assert importlib.metadata.version("dmlib") == dmlib.__version__
+    assert (REPO / "dmlib" / "py.typed").is_file()

@@ -142,7 +142,7 @@ def test_multi_record_file_reads_each_record(tmp_path: Path) -> None:
     ema = {"w": np.arange(6, dtype="<f4").reshape(2, 3) * 0.9, "flags": np.array([True, False])}
     images = [encode_burnpack(r) for r in (model, optim, ema)]
     path = tmp_path / "multi.bpk"
-    write_records(path, images, gap_fill=lambda off, n: b"\x7f" * n)
+    write_records(path, images, pad_fill=lambda off, n: b"\x7f" * n)
     # record starts, from the rule: each at the next 256-byte boundary after the previous end
     starts = [0]
     for img in images[:-1]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import pandas as pd
 
@@ -116,7 +117,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
-    from dmlib.stats.matrix import format_verdict, matrix
+    from dmlib.stats.matrix import matrix
 
     runs: dict[str, str] = {}
     for item in args.runs:
@@ -148,3 +149,29 @@ def run_matrix(args: argparse.Namespace) -> int:
     print(format_verdict(v))
     sys.stdout.flush()
     return code
+
+
+def _general(x: float | None) -> str:
+    """``%g`` of a number, ``-`` for None (the median ULP reads best without exponent)."""
+    return "-" if x is None else f"{x:g}"
+
+
+def format_verdict(v: dict[str, Any]) -> str:
+    """The verdict as a few lines of text (what the CLI prints under the pair table)."""
+
+    def g(x: Any) -> str:
+        return "-" if x is None else f"{x:.3e}" if isinstance(x, float) else str(x)
+
+    lines = [
+        f"same-seed pairs: worst rel_fro {g(v['same_worst_rel_fro'])}, max_ulp {g(v['same_max_ulp'])} "
+        f"(median_ulp <= {_general(v.get('same_worst_median_ulp'))} in every tensor), max_abs {g(v['same_max_abs'])}"
+    ]
+    if v["control"] is not None:
+        sep = v["separation_orders"]
+        lines.append(
+            f"control {v['control']}: rel_fro {g(v['control_rel_fro'])}, max_ulp {g(v['control_max_ulp'])}; "
+            f"separation {'-' if sep is None else f'{sep:.1f}'} orders of magnitude"
+        )
+    lines.append(f"bit-identical pairs: {', '.join(v['identical_pairs']) or 'none'}")
+    lines.append(f"tensors that never differ (same-seed pairs): {len(v['never_differ'])}")
+    return "\n".join(lines)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from dmlib.cli import add_common_epilog
 from dmlib.cli._table import table
-from dmlib.hashing import hash_bytes, new_hasher
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,73 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def inspect(path: str, *, format: str | None = None, hashes: bool = True) -> dict[str, Any]:
-    """Everything ``dmlib inspect`` shows, as one JSON-ready dict (keys as in the Python API)."""
-    from dmlib.io import open_tensors
-    from dmlib.padding import padding_census
-
-    with open_tensors(path, format=format) as ts:
-        # one pass over the tensor bytes feeds every hash: per tensor, per record, whole data
-        whole = new_hasher()
-        per_record = {r.index: new_hasher() for r in ts.records}
-        tensors = []
-        for t in ts.disk_order():
-            digest = None
-            if hashes:
-                raw = t.raw()
-                digest = hash_bytes(raw)
-                whole.update(raw)
-                if t.record in per_record:
-                    per_record[t.record].update(raw)
-            tensors.append(
-                {
-                    "name": t.name,
-                    "dtype": t.dtype_name,
-                    "shape": list(t.shape),
-                    "numel": t.numel,
-                    "offset": t.offset,
-                    "nbytes": t.nbytes,
-                    "param_id": t.param_id,
-                    "record": t.record,
-                    "data_hash": digest,
-                }
-            )
-        doc: dict[str, Any] = {
-            "path": ts.path,
-            "format": ts.format,
-            "layout": ts.layout,
-            "metadata": ts.metadata,
-            "scalars": ts.scalars,
-            "n_tensors": len(ts),
-            "numel": ts.numel,
-            "file_hash": ts.file_hash() if hashes else None,
-            "data_hash": whole.hexdigest() if hashes else None,
-            "records": [
-                {
-                    "record": r.index,
-                    "start": r.start,
-                    "end": r.end,
-                    "data_base": r.data_base,
-                    "layout": r.layout["layout"],
-                    "n_tensors": len(r),
-                    "data_hash": per_record[r.index].hexdigest() if hashes else None,
-                }
-                for r in ts.records
-            ],
-            "tensors": tensors,
-        }
-        if ts.format == "burnpack":
-            c = padding_census(ts)
-            doc["padding"] = {"gaps": c.gaps.to_dict(orient="records"), "slots": c.slots.to_dict(orient="records")}
-    return doc
-
-
 def _print_table(rows: list[dict], cols: list[str], out) -> None:
     print(table(rows, cols, cell=lambda v: "" if v is None else str(v)), file=out)
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = inspect(args.path, format=args.format, hashes=not args.no_hash)
+    from dmlib.inspect_ import describe
+
+    doc = describe(args.path, format=args.format, hashes=not args.no_hash)
     out = sys.stdout
     if args.json:
         from dmlib._json import jsonable

@@ -84,7 +84,7 @@ def _ranges(blocks: list[int]) -> str:
 
 
 def run_localize(args: argparse.Namespace) -> int:
-    from dmlib.localize.boundaries import compare_captures, verdict
+    from dmlib.localize.boundaries import capture_verdict, compare_captures
 
     repeat = tuple(args.repeat) if args.repeat else None
     df = compare_captures(
@@ -105,5 +105,5 @@ def run_localize(args: argparse.Namespace) -> int:
             shown = shown.head(args.limit)
         if len(shown):
             print(table(shown, _TABLE, cell=_fmt))
-        print(verdict(df))
+        print(capture_verdict(df))
     return 1 if (divergent or failed_control) else 0

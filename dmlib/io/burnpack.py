@@ -1,7 +1,7 @@
 """Burn's burnpack format (``.bpk``): reader with a solved and validated data base, and a
 writer that reproduces Burn's files byte for byte.
 
-Layout (see FORMATS.md): ``b"NRUB"`` magic, u16 version (1), u32 ``metadata_size``, CBOR
+Layout (see docs/formats.md): ``b"NRUB"`` magic, u16 version (1), u32 ``metadata_size``, CBOR
 metadata, zero padding up to ``D = ceil((10 + metadata_size) / 256) * 256``, then the data
 section; every tensor's ``data_offsets`` are relative to ``D``, which is never stored.
 Legacy files (Burn v0.19 to v0.20-pre.4) put ``D = 10 + metadata_size`` and pack tensors back
@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,6 +34,9 @@ MAGIC = b"NRUB"  # u32 0x4255524E little-endian
 VERSION = 1
 HEADER = 10
 ALIGN = 256
+
+# pad_fill(absolute_offset, nbytes) -> the padding bytes a writer puts there
+PadFill = Callable[[int, int], bytes]
 
 # CBOR dtype text -> numpy dtype
 _SIMPLE_DTYPES: dict[str, np.dtype] = {
@@ -82,7 +85,9 @@ class BurnTensor:
     """A tensor to write: data plus what Burn stores beside it.
 
     ``dtype_value`` is the CBOR dtype (e.g. ``"Flex32"``, ``{"Bool": "U32"}``); by default it
-    follows ``data.dtype``. ``raw`` writes ``data``'s bytes as they are (QFloat).
+    follows ``data.dtype``. ``data``'s bytes are always written as they are, so a
+    quantized tensor is its packed bytes (a ``uint8`` array) with
+    ``dtype_value={"QFloat": ...}`` and ``shape`` the logical shape to store.
     """
 
     data: np.ndarray
@@ -91,60 +96,48 @@ class BurnTensor:
     shape: tuple[int, ...] | None = None
 
 
-@dataclass
-class _Record:
-    index: int
-    start: int
-    metadata_size: int
-    data_base: int
-    end: int
-    layout: str
-    descriptors: dict[str, dict[str, Any]]
-    metadata: dict[str, str]
-    scalars: dict[str, Scalar]
-    scalar_kinds: dict[str, str]
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-
-
 class Record(TensorSet):
     """One record image of a burnpack file: a TensorSet with its byte range and data base.
 
     Attributes: ``index``, ``start`` and ``end`` (absolute byte range of the image),
-    ``data_base`` (absolute ``D``), ``metadata_size``, ``layout`` (``"aligned"`` or
-    ``"legacy-unaligned"``), ``scalar_kinds`` (scalar name -> Int/UInt/Float/Bool) and
-    ``descriptors`` (the raw CBOR descriptor of each tensor, for faithful rewriting).
+    ``data_base`` (absolute ``D``), ``metadata_size``, ``scalar_kinds`` (scalar name ->
+    Int/UInt/Float/Bool) and ``descriptors`` (the raw CBOR descriptor of each tensor, for
+    faithful rewriting); ``layout["layout"]`` is ``"aligned"`` or ``"legacy-unaligned"``.
+    A file of several records opens as a Record over all of them (``records`` lists each,
+    the attributes are the first one's, ``end`` the last one's).
     """
 
-    index: int
-    start: int
-    end: int
-    data_base: int
-    metadata_size: int
-    scalar_kinds: dict[str, str]
-    descriptors: dict[str, dict[str, Any]]
-
-
-def _mk_record(rec: _Record, path: str, buf: np.ndarray) -> Record:
-    r = Record(
-        rec.tensors,
-        path=path,
-        format="burnpack",
-        metadata=rec.metadata,
-        scalars=rec.scalars,
-        layout={
-            "layout": rec.layout,
-            "data_base": rec.data_base,
-            "metadata_size": rec.metadata_size,
-            "start": rec.start,
-            "end": rec.end,
-        },
-    )
-    r.index, r.start, r.end = rec.index, rec.start, rec.end
-    r.data_base, r.metadata_size = rec.data_base, rec.metadata_size
-    r.scalar_kinds, r.descriptors = rec.scalar_kinds, rec.descriptors
-    r._buf = buf
-    r.records = (r,)
-    return r
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        *,
+        path: str,
+        buffer: np.ndarray,
+        index: int,
+        start: int,
+        end: int,
+        data_base: int,
+        metadata_size: int,
+        metadata: Mapping[str, str],
+        scalars: Mapping[str, Scalar],
+        scalar_kinds: dict[str, str],
+        descriptors: dict[str, dict[str, Any]],
+        layout: Mapping[str, Any],
+        records: tuple[Record, ...] | None = None,
+    ) -> None:
+        super().__init__(
+            tensors,
+            path=path,
+            format="burnpack",
+            metadata=metadata,
+            scalars=scalars,
+            layout=layout,
+            buffer=buffer,
+        )
+        self.index, self.start, self.end = index, start, end
+        self.data_base, self.metadata_size = data_base, metadata_size
+        self.scalar_kinds, self.descriptors = scalar_kinds, descriptors
+        self.records = (self,) if records is None else records
 
 
 def _decode_scalars(raw: Any, path: str) -> tuple[dict[str, Scalar], dict[str, str]]:
@@ -195,7 +188,21 @@ def _parse_header(buf: np.ndarray, start: int, size: int, path: str, index: int)
     return msize, meta
 
 
-def _descriptors(meta: dict, path: str) -> list[tuple[str, np.dtype, str, bool, tuple[int, ...], int, int, Any, dict]]:
+class _Descriptor(NamedTuple):
+    """One tensor's CBOR descriptor, checked; ``start``/``end`` relative to the data base."""
+
+    name: str
+    dtype: np.dtype
+    dtype_name: str
+    quantized: bool
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    param_id: int | None
+    raw: dict[str, Any]  # as stored, for faithful rewriting
+
+
+def _descriptors(meta: dict, path: str) -> list[_Descriptor]:
     out = []
     for name, d in meta["tensors"].items():
         if not isinstance(name, str) or not isinstance(d, dict):
@@ -223,13 +230,15 @@ def _descriptors(meta: dict, path: str) -> list[tuple[str, np.dtype, str, bool, 
                 f"needs {numel * dtype.itemsize}",
                 path=path,
             )
-        out.append((name, dtype, dname, quantized, tuple(shape), offs[0], offs[1], pid, d))
+        out.append(_Descriptor(name, dtype, dname, quantized, tuple(shape), offs[0], offs[1], pid, d))
     return out
 
 
-def _fits(base: int, descs: list, size: int, buf: np.ndarray, aligned: bool) -> tuple[bool, int, str]:
+def _fits(
+    base: int, descs: list[_Descriptor], size: int, buf: np.ndarray, aligned: bool
+) -> tuple[bool, int, str]:
     """Does the record fit with data base ``base``? Returns (ok, record end, reason)."""
-    spans = sorted((d[5], d[6]) for d in descs)
+    spans = sorted((d.start, d.end) for d in descs)
     last = max((e for _, e in spans), default=0)
     end = base + last
     if end > size:
@@ -255,17 +264,17 @@ def _fits(base: int, descs: list, size: int, buf: np.ndarray, aligned: bool) -> 
     return False, end, f"the record would end at byte {end} but the file has {size - end} more bytes that are not another record"
 
 
-def _newer_than_legacy(meta: dict, descs: list) -> str | None:
+def _newer_than_legacy(meta: dict, descs: list[_Descriptor]) -> str | None:
     """What in the metadata proves the file postdates the legacy layout (None if nothing)."""
     if meta.get("scalars"):
         return "'scalars'"
     for d in descs:
-        if isinstance(d[8]["dtype"], dict) and "Bool" in d[8]["dtype"]:
-            return f"the dtype {d[8]['dtype']!r} (tensor {d[0]!r})"
+        if isinstance(d.raw["dtype"], dict) and "Bool" in d.raw["dtype"]:
+            return f"the dtype {d.raw['dtype']!r} (tensor {d.name!r})"
     return None
 
 
-def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) -> _Record:
+def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) -> Record:
     msize, meta = _parse_header(buf, start, size, path, index)
     descs = _descriptors(meta, path)
     d_aligned = start + align_up(HEADER + msize)
@@ -276,7 +285,7 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         ok_l, end_l, why_l = False, end_a, "same base as the aligned layout"
     else:
         ok_l, end_l, why_l = _fits(d_legacy, descs, size, buf, aligned=False)
-        if ok_l and descs and all(d[5] % ALIGN == 0 for d in descs) and ok_a:
+        if ok_l and descs and all(d.start % ALIGN == 0 for d in descs) and ok_a:
             ok_l = False  # aligned starts that also pack back to back: the aligned reading wins
         if ok_l and newer:
             # the legacy layout ended with Burn v0.20.0-pre.4; these fields came later, so
@@ -285,7 +294,7 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         if (
             ok_l
             and descs
-            and all(d[5] % ALIGN == 0 for d in descs)
+            and all(d.start % ALIGN == 0 for d in descs)
             and not buf[d_legacy:d_aligned].any()
         ):
             # Packed starts that are all aligned, and zeros where the aligned padding
@@ -299,7 +308,7 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         # The aligned base fits, but the bytes Burn zeroes before it are not zero. If the
         # tensors also pack back to back from the legacy base, this is most likely a legacy
         # file with trailing bytes, and the aligned reading would be a shifted window.
-        legacy_spans = sorted((d[5], d[6]) for d in descs)
+        legacy_spans = sorted((d.start, d.end) for d in descs)
         packed, prev = True, 0
         for s_, e_ in legacy_spans:
             packed, prev = packed and s_ == prev, max(prev, e_)
@@ -328,24 +337,38 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
     if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
         raise FormatError("'metadata' is not a str -> str map", path=path)
     scalars, kinds = _decode_scalars(meta.get("scalars"), path)
-    rec = _Record(index, start, msize, base, end, layout, {}, dict(md), scalars, kinds)
-    for name, dtype, dname, quantized, shape, s, e, pid, raw in descs:
-        rec.descriptors[name] = raw
-        rec.tensors[name] = Tensor(
-            name,
-            dtype,
-            shape,
-            nbytes=e - s,
-            offset=base + s,
-            param_id=pid,
-            dtype_name=dname,
+    tensors, descriptors = {}, {}
+    for d in descs:
+        descriptors[d.name] = d.raw
+        tensors[d.name] = Tensor(
+            d.name,
+            d.dtype,
+            d.shape,
+            nbytes=d.end - d.start,
+            offset=base + d.start,
+            param_id=d.param_id,
+            dtype_name=d.dtype_name,
             record=index,
-            quantized=quantized,
+            quantized=d.quantized,
             source=buf,
             in_buffer=True,
             path=path,
         )
-    return rec
+    return Record(
+        tensors,
+        path=path,
+        buffer=buf,
+        index=index,
+        start=start,
+        end=end,
+        data_base=base,
+        metadata_size=msize,
+        metadata=md,
+        scalars=scalars,
+        scalar_kinds=kinds,
+        descriptors=descriptors,
+        layout={"layout": layout, "data_base": base, "metadata_size": msize, "start": start, "end": end},
+    )
 
 
 def can_open(head: bytes, path: str) -> bool:
@@ -367,7 +390,7 @@ def open_burnpack(path: str | os.PathLike[str], *, record: int | None = None) ->
     start = 0
     while True:
         rec = _read_record(buf, start, size, path, len(records))
-        records.append(_mk_record(rec, path, buf))
+        records.append(rec)
         if rec.end >= size:
             break
         nxt = align_up(rec.end) if bytes(buf[align_up(rec.end) : align_up(rec.end) + 4]) == MAGIC else rec.end
@@ -382,32 +405,40 @@ def open_burnpack(path: str | os.PathLike[str], *, record: int | None = None) ->
     for r in records:
         for name, t in r.items():
             tensors[name if r.index == 0 else f"record{r.index}/{name}"] = t
-    ts = Record(
+    first = records[0]
+    return Record(
         tensors,
         path=path,
-        format="burnpack",
-        metadata=records[0].metadata,
-        scalars=records[0].scalars,
+        buffer=buf,
+        index=0,
+        start=0,
+        end=records[-1].end,
+        data_base=first.data_base,
+        metadata_size=first.metadata_size,
+        metadata=first.metadata,
+        scalars=first.scalars,
+        scalar_kinds=first.scalar_kinds,
+        descriptors=first.descriptors,
+        layout={"layout": first.layout["layout"], "records": [dict(r.layout) for r in records]},
         records=tuple(records),
-        layout={
-            "layout": records[0].layout["layout"],
-            "records": [dict(r.layout) for r in records],
-        },
     )
-    ts._buf = buf
-    ts.index, ts.start, ts.end = 0, 0, records[-1].end
-    ts.data_base, ts.metadata_size = records[0].data_base, records[0].metadata_size
-    ts.scalar_kinds, ts.descriptors = records[0].scalar_kinds, records[0].descriptors
-    return ts
 
 
 # ----------------------------------------------------------------------------- writer
 
 
-def _as_entries(
-    tensors: Mapping[str, Any] | TensorSet, legacy: bool = False
-) -> list[tuple[str, Any, tuple[int, ...], bytes, int | None]]:
-    """(name, CBOR dtype, shape, bytes, param_id) in disk order.
+class _Entry(NamedTuple):
+    """One tensor to write."""
+
+    name: str
+    dtype_value: Any  # the CBOR dtype
+    shape: tuple[int, ...]
+    data: bytes
+    param_id: int | None
+
+
+def _as_entries(tensors: Mapping[str, Any] | TensorSet, legacy: bool = False) -> list[_Entry]:
+    """The tensors to write, in disk order.
 
     ``legacy``: default dtypes as Burn v0.19-v0.20 wrote them (plain ``"Bool"``).
     """
@@ -422,17 +453,17 @@ def _as_entries(
             raw = descs.get(t.name, {}).get("dtype")
             if raw is None:
                 raw = {"QFloat": {}} if t.quantized else default_dtype(t.dtype)
-            out.append((t.name, raw, t.shape, t.raw().tobytes(), t.param_id))
+            out.append(_Entry(t.name, raw, t.shape, t.raw().tobytes(), t.param_id))
         return out
     for name, v in tensors.items():
         if isinstance(v, BurnTensor):
             arr = np.ascontiguousarray(v.data)
             dval = v.dtype_value if v.dtype_value is not None else default_dtype(arr.dtype)
             shape = tuple(v.shape) if v.shape is not None else arr.shape
-            out.append((name, dval, shape, arr.tobytes(), v.param_id))
+            out.append(_Entry(name, dval, shape, arr.tobytes(), v.param_id))
         else:
             arr = np.ascontiguousarray(np.asarray(v))
-            out.append((name, default_dtype(arr.dtype), arr.shape, arr.tobytes(), None))
+            out.append(_Entry(name, default_dtype(arr.dtype), arr.shape, arr.tobytes(), None))
     return out
 
 
@@ -457,7 +488,7 @@ def encode_burnpack(
     scalars: Mapping[str, Scalar] | None = None,
     scalar_kinds: Mapping[str, str] | None = None,
     layout: str = "aligned",
-    pad_fill: Callable[[int, int], bytes] | None = None,
+    pad_fill: PadFill | None = None,
 ) -> bytes:
     """The bytes of a burnpack file, as Burn's writer lays them out.
 
@@ -484,16 +515,20 @@ def encode_burnpack(
     entries = _as_entries(tensors, legacy=not aligned)
     offsets = []
     cur = 0
-    for _, _, _, data, _ in entries:
+    for entry in entries:
         start = align_up(cur) if aligned else cur
-        offsets.append((start, start + len(data)))
-        cur = start + len(data)
+        offsets.append((start, start + len(entry.data)))
+        cur = start + len(entry.data)
     descs = {}
-    for (name, dval, shape, _, pid), (s, e) in zip(entries, offsets, strict=True):
-        d: dict[str, Any] = {"dtype": dval, "shape": [int(x) for x in shape], "data_offsets": [s, e]}
-        if pid is not None:
-            d["param_id"] = int(pid)
-        descs[name] = d
+    for entry, (s, e) in zip(entries, offsets, strict=True):
+        d: dict[str, Any] = {
+            "dtype": entry.dtype_value,
+            "shape": [int(x) for x in entry.shape],
+            "data_offsets": [s, e],
+        }
+        if entry.param_id is not None:
+            d["param_id"] = int(entry.param_id)
+        descs[entry.name] = d
     meta: dict[str, Any] = {"tensors": {k: descs[k] for k in sorted(descs, key=lambda n: n.encode("utf-8"))}}
     if metadata:
         meta["metadata"] = {str(k): str(v) for k, v in metadata.items()}
@@ -504,14 +539,9 @@ def encode_burnpack(
     base = align_up(HEADER + len(blob)) if aligned else HEADER + len(blob)
     out = bytearray(MAGIC + struct.pack("<HI", VERSION, len(blob)) + blob)
     out += bytes(base - len(out))
-    for (_, _, _, data, _), (s, _) in zip(entries, offsets, strict=True):
-        gap = base + s - len(out)
-        if gap:
-            fill = bytes(gap) if pad_fill is None else bytes(pad_fill(len(out), gap))
-            if len(fill) != gap:
-                raise ValueError(f"pad_fill returned {len(fill)} bytes for a {gap}-byte gap")
-            out += fill
-        out += data
+    for entry, (s, _) in zip(entries, offsets, strict=True):
+        _pad(out, base + s - len(out), pad_fill)
+        out += entry.data
     return bytes(out)
 
 
@@ -524,18 +554,27 @@ def write_records(
     path: str | os.PathLike[str],
     records: list[bytes],
     *,
-    gap_fill: Callable[[int, int], bytes] | None = None,
+    pad_fill: PadFill | None = None,
 ) -> None:
-    """Write several burnpack images back to back, each at the next 256-byte boundary."""
+    """Write several burnpack images back to back, each at the next 256-byte boundary.
+
+    ``pad_fill`` fills the bytes between records, as for :func:`encode_burnpack`.
+    """
     out = bytearray()
     for i, rec in enumerate(records):
         if rec[:4] != MAGIC:
             raise ValueError(f"record {i} does not start with the burnpack magic")
         if out:
-            gap = align_up(len(out)) - len(out)
-            fill = bytes(gap) if gap_fill is None else bytes(gap_fill(len(out), gap))
-            if len(fill) != gap:
-                raise ValueError(f"gap_fill returned {len(fill)} bytes for a {gap}-byte gap")
-            out += fill
+            _pad(out, align_up(len(out)) - len(out), pad_fill)
         out += rec
     _atomic.atomic_write_bytes(path, bytes(out))
+
+
+def _pad(out: bytearray, gap: int, pad_fill: PadFill | None) -> None:
+    """Append ``gap`` padding bytes to ``out``: zeros, or what ``pad_fill`` returns."""
+    if not gap:
+        return
+    fill = bytes(gap) if pad_fill is None else bytes(pad_fill(len(out), gap))
+    if len(fill) != gap:
+        raise ValueError(f"pad_fill returned {len(fill)} bytes for a {gap}-byte gap")
+    out += fill

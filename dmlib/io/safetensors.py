@@ -128,9 +128,14 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
             f"the file has {size})",
             path=path,
         )
-    ts = TensorSet(tensors, path=path, format="safetensors", metadata=meta, layout={"data_base": base, "header_size": base - 8})
-    ts._buf = buf
-    return ts
+    return TensorSet(
+        tensors,
+        path=path,
+        format="safetensors",
+        metadata=meta,
+        layout={"data_base": base, "header_size": base - 8},
+        buffer=buf,
+    )
 
 
 def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:

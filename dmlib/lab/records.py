@@ -157,7 +157,7 @@ def write_checkpoint(
         gaps[pos] = arena.bytes[len(img) : len(img) + (-pos % 256)].tobytes()
         pos += -pos % 256
         blobs.append(img)
-    write_records(out / RECORDS_FILE, blobs, gap_fill=lambda off, n: gaps[off][:n])
+    write_records(out / RECORDS_FILE, blobs, pad_fill=lambda off, n: gaps[off][:n])
     write_burnpack(
         out / RECORDS_MODEL_FILE, images[0][0], metadata=meta, scalars=scalars, scalar_kinds=kinds
     )

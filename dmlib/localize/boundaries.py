@@ -411,7 +411,7 @@ def _roles(rows: list[dict[str, Any]]) -> None:
             r["role"] = "encloses-culprit"
 
 
-def verdict(df: pd.DataFrame) -> str:
+def capture_verdict(df: pd.DataFrame) -> str:
     """A few lines of plain text: first divergence, culprit, controls, validity."""
     at = df.attrs
     lines = []
@@ -438,4 +438,4 @@ def verdict(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["compare_captures", "repeat_control", "planted_control", "element_stats", "verdict"]
+__all__ = ["compare_captures", "repeat_control", "planted_control", "element_stats", "capture_verdict"]

@@ -52,7 +52,6 @@ here; both pairs filled with ``file_hashes=True``, else None), ``path_a``/``_b``
 
 from __future__ import annotations
 
-import copy
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -136,11 +135,7 @@ def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
     """Two ``.npy`` files each hold one array, named after its file: compare them as one tensor."""
     if sa.format == sb.format == "npy" and len(sa) == len(sb) == 1 and set(sa) != set(sb):
         (name_a,), (name_b,) = list(sa), list(sb)
-        tensor = copy.copy(sb[name_b])
-        tensor.name = name_a
-        paired = TensorSet({name_a: tensor}, path=sb.path, format=sb.format, metadata=sb.metadata)
-        paired._buf = getattr(sb, "_buf", None)
-        return paired
+        return sb.renamed({name_b: name_a})
     return sb
 
 

@@ -185,28 +185,3 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
         "never_differ": never,
         "always_identical": bool(same) and all(p["identical"] for p in same),
     }
-
-
-def _med(x: float | None) -> str:
-    return "-" if x is None else f"{x:g}"
-
-
-def format_verdict(v: dict[str, Any]) -> str:
-    """The verdict as a few lines of text (what the CLI prints under the pair table)."""
-
-    def g(x: Any) -> str:
-        return "-" if x is None else f"{x:.3e}" if isinstance(x, float) else str(x)
-
-    lines = [
-        f"same-seed pairs: worst rel_fro {g(v['same_worst_rel_fro'])}, max_ulp {g(v['same_max_ulp'])} "
-        f"(median_ulp <= {_med(v.get('same_worst_median_ulp'))} in every tensor), max_abs {g(v['same_max_abs'])}"
-    ]
-    if v["control"] is not None:
-        sep = v["separation_orders"]
-        lines.append(
-            f"control {v['control']}: rel_fro {g(v['control_rel_fro'])}, max_ulp {g(v['control_max_ulp'])}; "
-            f"separation {'-' if sep is None else f'{sep:.1f}'} orders of magnitude"
-        )
-    lines.append(f"bit-identical pairs: {', '.join(v['identical_pairs']) or 'none'}")
-    lines.append(f"tensors that never differ (same-seed pairs): {len(v['never_differ'])}")
-    return "\n".join(lines)

@@ -30,8 +30,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import dmlib
-from dmlib.cli.inspect_cmd import inspect
 from dmlib.errors import DmlibError
+from dmlib.inspect_ import describe
 
 PROFILE = os.environ.get("DMLIB_FUZZ_PROFILE", "fast")
 if PROFILE not in ("fast", "long"):
@@ -105,7 +105,7 @@ def read_or_refuse(path: Path, target: str, *, format: str | None = None) -> dic
                     assert 0 <= g.start <= g.end <= size
         # what `dmlib inspect` shows must be computable for every file that reads
         with no_hang():
-            json.dumps(inspect(str(path), format=format), default=str)
+            json.dumps(describe(str(path), format=format), default=str)
     except DmlibError as err:
         LAST_ERROR[:] = [err]
         msg = str(err)

@@ -267,7 +267,7 @@ def test_multi_record_file(workdir: Path, recs: list[dict], dirty: bool, data: s
         starts.append(len(out))
         out += img
     path = workdir / "multi.bpk"
-    write_records(path, images, gap_fill=(lambda off, n: b"\xff" * n) if dirty else None)
+    write_records(path, images, pad_fill=(lambda off, n: b"\xff" * n) if dirty else None)
     assert path.read_bytes() == bytes(out)
     spans = {}
     for i, (start, img) in enumerate(zip(starts, images, strict=True)):
