@@ -28,8 +28,7 @@ venv-full: $(VENV)/.full
 report: $(VENV)/.core
 	MPLBACKEND=Agg $(PY) -m dmlib.report --notebooks notebooks --out reports
 
-test: $(VENV)/.full
-	$(PY) -m ruff check dmlib tests benchmarks
+test: $(VENV)/.full lint
 	MPLBACKEND=Agg $(PY) -m pytest -q
 
 fuzz: $(VENV)/.full
@@ -41,8 +40,9 @@ bench: $(VENV)/.full  ## speed and memory, side by side with the baselines (minu
 data: $(VENV)/.full
 	$(PY) -m dmlib.lab all --out data
 
-lint: $(VENV)/.full
+lint: $(VENV)/.full  ## ruff, then mypy on dmlib/ (settings in pyproject.toml)
 	$(PY) -m ruff check dmlib tests benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf reports .pytest_cache benchmarks/results

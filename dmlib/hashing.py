@@ -22,18 +22,21 @@ def new_hasher() -> hashlib._Hash:
 
 def hash_bytes(data: bytes | memoryview | np.ndarray) -> str:
     """SHA-256 of exactly these bytes (an ndarray is hashed as its raw C-order bytes)."""
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    return hashlib.sha256(memoryview(data)).hexdigest()
+    return hashlib.sha256(_bytes_view(data)).hexdigest()
 
 
 def hash_chunks(chunks: Iterable[bytes | memoryview | np.ndarray]) -> str:
     h = hashlib.sha256()
     for c in chunks:
-        if isinstance(c, np.ndarray):
-            c = np.ascontiguousarray(c).view(np.uint8).reshape(-1)
-        h.update(memoryview(c))
+        h.update(_bytes_view(c))
     return h.hexdigest()
+
+
+def _bytes_view(data: bytes | memoryview | np.ndarray) -> memoryview:
+    """The bytes to hash: an ndarray as its raw C-order bytes."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
+    return memoryview(data)
 
 
 def hash_file(path: str | os.PathLike[str], start: int = 0, end: int | None = None) -> str:

@@ -50,9 +50,9 @@ def describe(
             if hashes:
                 raw = t.raw()
                 digest = hash_bytes(raw)
-                whole.update(raw)
+                whole.update(raw.data)
                 if t.record in per_record:
-                    per_record[t.record].update(raw)
+                    per_record[t.record].update(raw.data)
             tensors.append(
                 {
                     "name": t.name,

@@ -21,7 +21,7 @@ import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -261,7 +261,7 @@ class _Run:
         self.kind = cat(kinds) if kinds else np.zeros(0, object)
         tensors = [t for t in ts.disk_order() if t.offset is not None and t.nbytes > 0]
         self.t_start = np.array([t.offset for t in tensors], dtype=np.int64)
-        self.t_end = np.array([t.offset + t.nbytes for t in tensors], dtype=np.int64)
+        self.t_end = np.array([cast(int, t.offset) + t.nbytes for t in tensors], dtype=np.int64)
         self.t_name = [t.name for t in tensors]
 
     def tensor_at(self, offsets: np.ndarray) -> list[str | None]:
@@ -318,7 +318,8 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
     layouts = {
         tuple(zip(r.t_name, r.t_start.tolist(), r.t_end.tolist(), strict=True)) for r in loaded
     }
-    frames, totals = [], []
+    frames: list[pd.DataFrame] = []
+    totals: list[dict[str, Any]] = []
     for r in loaded:
         pos = np.searchsorted(all_offsets, r.offset)
         dif = differs[pos]

@@ -12,7 +12,7 @@ import copy
 import math
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -113,7 +113,8 @@ class Tensor:
         if callable(src):
             arr = src()
         elif self._in_buffer:
-            arr = src[self.offset : self.offset + self.nbytes]
+            start = cast(int, self.offset)  # a tensor in a buffer always has its offset
+            arr = src[start : start + self.nbytes]
         else:
             arr = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
         if arr.flags.writeable:

@@ -250,6 +250,7 @@ def _compare_layers(sa: TensorSet, sb: TensorSet, gs: list[FactorGroup]) -> pd.D
             row["status"] = "only in b" if prefix not in la else "only in a"
             rows.append(row)
             continue
+        assert eff is not None and fac is not None  # the prefix is in both: both were computed
         e = eff.loc[prefix]
         row.update(
             shape=list(eff_a[prefix].shape),

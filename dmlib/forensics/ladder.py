@@ -232,9 +232,9 @@ def _pair_rows(
                 eff_b[prefix] = g.effective((sb[n].load() for n in names), where=repr(prefix))
         if eff_a:
             rows += _compare(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b), "effective")
-    names = [n for n in sa if n not in factor_names and n in sb and keep(n)]
+    plain = [n for n in sa if n not in factor_names and n in sb and keep(n)]
     rows += _compare(
-        TensorSet({n: sa[n] for n in names}), TensorSet({n: sb[n] for n in names}), "tensor"
+        TensorSet({n: sa[n] for n in plain}), TensorSet({n: sb[n] for n in plain}), "tensor"
     )
     return rows
 

@@ -92,7 +92,7 @@ class CBORError(ValueError):
     """Malformed or unexpected CBOR; the message gives the byte position."""
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes | memoryview | np.ndarray) -> Any:
     """Decode one CBOR item that fills ``data`` exactly, strictly.
 
     Unlike ``cbor2.loads`` this refuses what Burn never writes and what could make a

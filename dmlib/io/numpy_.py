@@ -80,7 +80,7 @@ except ImportError:  # Python built without lzma: zipfile cannot open such membe
     pass
 
 # numpy parses the header dict with ast.literal_eval, which can raise any of these
-_NPY_ERRORS = (
+_NPY_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
     OSError,
     EOFError,

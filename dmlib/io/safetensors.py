@@ -169,9 +169,7 @@ def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:
     if not isinstance(raw_meta, dict):
         raise FormatError(f"shard index 'metadata' is a {type(raw_meta).__name__}, not an object", path=index_path)
     meta = {k: str(v) for k, v in raw_meta.items()}
-    ts = TensorSet(tensors, path=index_path, format="safetensors", metadata=meta, layout={"shards": sorted(shards)})
-    ts._order = {s: i for i, s in enumerate(sorted(shards))}
-    return ts
+    return TensorSet(tensors, path=index_path, format="safetensors", metadata=meta, layout={"shards": sorted(shards)})
 
 
 def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:

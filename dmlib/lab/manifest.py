@@ -71,7 +71,7 @@ def describe_machine(env: dict[str, Any]) -> str:
 
 def environment() -> dict[str, Any]:
     """Library versions, the CPU and the ISA torch dispatched to, as the data were made."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for lib in _LIBS:
         try:
             versions[lib] = metadata.version(lib)

@@ -246,7 +246,9 @@ def generate(
     for old in [*ds.glob("*.bpk"), ds / "index.json", ds / "README.md"]:  # a previous run's files
         old.unlink(missing_ok=True)
     labels = [f"p{i}" for i in range(1, 4 if small else 7)]
-    jobs = [(lab, SEED, f"seed{SEED}_{lab}.bpk", []) for lab in labels]
+    jobs: list[tuple[str, int, str | None, list[str]]] = [
+        (lab, SEED, f"seed{SEED}_{lab}.bpk", []) for lab in labels
+    ]
     jobs.append((f"seed{CONTROL_SEED}", CONTROL_SEED, f"seed{CONTROL_SEED}_control.bpk", []))
     jobs.append(("ckpt", SEED, None, ["--records"]))
     reports: dict[str, dict[str, Any]] = {}

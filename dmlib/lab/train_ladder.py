@@ -141,7 +141,7 @@ def _train(a: argparse.Namespace) -> dict[str, Any]:
             loss.backward()
             total += float(loss.detach())
         if step == 1:  # how large each saved parameter's computed gradient is
-            grad_norms = {n: float(params[n].grad.norm()) for n in names}
+            grad_norms = {n: float(params[n].grad.norm()) for n in names}  # type: ignore[union-attr]
         opt.step()
         losses.append(total)
         if step in a.save:

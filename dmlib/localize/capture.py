@@ -39,7 +39,7 @@ from dmlib.localize.captures import (
 try:
     import torch
 except ImportError:  # pragma: no cover - reading captures needs no torch; writing does
-    torch = None
+    torch = None  # type: ignore[assignment]
 
 
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
@@ -164,16 +164,19 @@ class Recorder:
             "requests": {},
             "dump": None,
         }
-        k = self.row_map.row_dims(arr.shape) if self.row_map is not None else None
-        if k is not None:
+        row_map = self.row_map
+        k = row_map.row_dims(arr.shape) if row_map is not None else None
+        if row_map is not None and k is not None:
             entry["row_dims"] = k
-            for rid in self.row_map.requests:
+            for rid in row_map.requests:
                 entry["requests"][rid] = None  # filled by _hash, in row-map order
         elif self.row_map is not None:
             self.whole_only.append(name)
         if self._pool is not None:
             arr = np.array(arr, copy=True)
-        rows = None if k is None else arr.reshape((len(self.row_map), *arr.shape[k:]))
+        rows = (
+            None if row_map is None or k is None else arr.reshape((len(row_map), *arr.shape[k:]))
+        )
         if self._wants_dump(name):
             entry["dump"] = self._write_dump(len(self.boundaries), arr, rows)
         self.boundaries.append(entry)
@@ -187,7 +190,7 @@ class Recorder:
 
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         entry["sha256"] = hash_bytes(arr)
-        if rows is not None:
+        if rows is not None and self.row_map is not None:
             for rid, idx in self.row_map.requests.items():
                 sha, blocks = request_hashes(rows[idx], self.block_rows)
                 entry["requests"][rid] = {"sha256": sha, "n_rows": int(len(idx)), "blocks": blocks}
@@ -212,16 +215,14 @@ class Recorder:
 
         rel = f"{TENSOR_DIR}/{index:05d}.safetensors"
         (self.path / TENSOR_DIR).mkdir(exist_ok=True)
-        if rows is None or self.dump_requests is None:
+        if rows is None or self.dump_requests is None or self.row_map is None:
             write_safetensors(self.path / rel, {WHOLE_KEY: arr})
             return {"file": rel, "whole": True}
-        wanted = [r for r in self.row_map.requests if r in self.dump_requests]
+        requests = self.row_map.requests
+        wanted = [r for r in requests if r in self.dump_requests]
         write_safetensors(
             self.path / rel,
-            {
-                REQUEST_PREFIX + r: np.ascontiguousarray(rows[self.row_map.requests[r]])
-                for r in wanted
-            },
+            {REQUEST_PREFIX + r: np.ascontiguousarray(rows[requests[r]]) for r in wanted},
         )
         return {"file": rel, "whole": False, "requests": wanted}
 

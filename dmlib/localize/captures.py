@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -262,17 +262,18 @@ class Capture:
                 "Re-run the capture with dump= matching it",
                 path=self.path,
             )
-        file = self.path / b.dump["file"]
+        dump = cast(dict[str, Any], b.dump)  # dumped() checked it
+        file = self.path / dump["file"]
         from dmlib.io import load
 
         try:
-            if b.dump.get("whole"):
+            if dump.get("whole"):
                 whole = load(file, [WHOLE_KEY])[WHOLE_KEY]
                 if request is None:
                     out = whole
                 else:
                     rows = whole.reshape((-1, *b.row_shape))
-                    out = rows[self.row_map.requests[request_key(request)]]
+                    out = rows[cast(RowMap, self.row_map).requests[request_key(request)]]
             else:
                 key = REQUEST_PREFIX + request_key(request)
                 out = load(file, [key])[key]

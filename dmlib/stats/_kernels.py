@@ -107,7 +107,7 @@ def hash_views(raws: Iterable[np.ndarray], chunk_bytes: int) -> str:
         root = PageReleaser.root(raw)
         for off in range(0, raw.nbytes, chunk_bytes):
             chunk = raw[off : off + chunk_bytes]
-            h.update(chunk)
+            h.update(chunk.data)
             rel.add(chunk, root)
     rel.flush()
     return h.hexdigest()
