@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dmlib
-from dmlib.stats.compare import ULP_COLUMNS, compare, select, summarize, ulp_long
+from dmlib.sources import select
+from dmlib.stats.compare import ULP_COLUMNS, compare, summarize, ulp_long
 from dmlib.tensor import ArrayTensorSet, Tensor, TensorSet
 
 

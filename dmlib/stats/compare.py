@@ -53,7 +53,8 @@ here; both pairs filled with ``file_hashes=True``, else None), ``path_a``/``_b``
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,7 @@ from dmlib.stats._pair import (
     compare_pair,
     same_layout,
 )
-from dmlib.tensor import TensorSet
+from dmlib.tensor import Tensor, TensorSet
 
 __all__ = [
     "COLUMNS",
@@ -139,6 +140,19 @@ def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
     return sb
 
 
+@dataclass
+class _Pairing:
+    """Which tensors of two sets are compared, and which cannot be."""
+
+    order_a: list[str]  # every name of a, in disk order (before selection)
+    order_b: list[str]
+    common: list[str]  # selected in both, in a's disk order
+    only_a: list[str]
+    only_b: list[str]
+    pairs: list[tuple[Tensor, Tensor]]  # common tensors of the same dtype and shape
+    mismatched: list[dict[str, Any]]  # common tensors whose dtype or shape differ
+
+
 def _compare_sets(
     sa: TensorSet,
     sb: TensorSet,
@@ -150,13 +164,46 @@ def _compare_sets(
     hash_pool: ThreadPoolExecutor | None = None,
     hash_cache: dict[int, Any] | None = None,
 ) -> pd.DataFrame:
+    """:func:`compare` of two open sets; ``hash_pool``/``hash_cache`` are shared by a matrix."""
+    pairing = _pair_up(sa, sb, include, exclude)
+    own_pool = hash_pool is None
+    if hash_pool is None:
+        hash_pool = ThreadPoolExecutor(max_workers=2)
+    # whole-file and data-section hashes run beside the comparison, only when asked for
+    side = ThreadPoolExecutor(max_workers=3) if file_hashes else None
+    futures = {} if side is None else _start_file_hashes(side, sa, sb, chunk_bytes)
+    K.prime_allocator(4 * chunk_bytes)
+    prog = K.Progress(sum(t.nbytes for t, _ in pairing.pairs), progress)
+    rel = K.PageReleaser()
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            rows = [
+                compare_pair(ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache)
+                for ta, tb in pairing.pairs
+            ]
+        prog.finish()
+        _collect_data_hashes(rows)
+        done = {} if side is None else _finish_file_hashes(side, futures, sb, pairing, rows, chunk_bytes)
+    finally:
+        rel.flush()
+        prog.finish()
+        if own_pool:
+            hash_pool.shutdown(wait=True, cancel_futures=True)
+        if side is not None:
+            side.shutdown(wait=True, cancel_futures=True)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    for col in NULLABLE_INT:
+        df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
+    df.attrs.update(_attrs(sa, sb, include, exclude, pairing, rows, done))
+    return df
+
+
+def _pair_up(sa: TensorSet, sb: TensorSet, include: Patterns, exclude: Patterns) -> _Pairing:
     order_a = [t.name for t in sa.disk_order()]
     order_b = [t.name for t in sb.disk_order()]
     keep_a = select(order_a, include, exclude)
     keep_b = set(select(order_b, include, exclude))
     common = [n for n in keep_a if n in keep_b]
-    only_a = [n for n in keep_a if n not in keep_b]
-    only_b = [n for n in order_b if n in keep_b and n not in set(keep_a)]
     pairs, mismatched = [], []
     for n in common:
         ta, tb = sa[n], sb[n]
@@ -172,75 +219,91 @@ def _compare_sets(
                     "shape_b": list(tb.shape),
                 }
             )
-    own_pool = hash_pool is None
-    if hash_pool is None:
-        hash_pool = ThreadPoolExecutor(max_workers=2)
-    side = ThreadPoolExecutor(max_workers=3)
-    futures: dict[str, Any] = {}
-    for key, ts in (("a", sa), ("b", sb)):
-        if file_hashes and ts.path is not None and os.path.isfile(ts.path):
-            futures["file_hash_" + key] = side.submit(hashing.hash_file, ts.path)
-    if file_hashes:
-        futures["data_section_hash_a"] = side.submit(section_hash, sa, chunk_bytes)
-    K.prime_allocator(4 * chunk_bytes)
-    prog = K.Progress(sum(t.nbytes for t, _ in pairs), progress)
-    rows = []
-    rel = K.PageReleaser()
-    try:
-        with np.errstate(over="ignore", invalid="ignore"):
-            for ta, tb in pairs:
-                rows.append(compare_pair(ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache))
-        prog.finish()
-        for row in rows:
-            fa, fb = row.pop("_hashes")
-            row["data_hash_a"] = fa.result()
-            row["data_hash_b"] = row["data_hash_a"] if fb is None else fb.result()
-        if file_hashes:
-            # b's data section is a's when both hold the same tensors, in the same disk
-            # order, every one compared and bit-identical
-            same_section = [t.name for t, _ in pairs] == order_a == order_b and all(
-                r["n_diff"] == 0 and r["data_hash_a"] == r["data_hash_b"] for r in rows
-            )
-            if not same_section:
-                futures["data_section_hash_b"] = side.submit(section_hash, sb, chunk_bytes)
-        done = {k: f.result() for k, f in futures.items()}
-        if file_hashes and "data_section_hash_b" not in done:
-            done["data_section_hash_b"] = done["data_section_hash_a"]
-    finally:
-        rel.flush()
-        prog.finish()
-        if own_pool:
-            hash_pool.shutdown(wait=True, cancel_futures=True)
-        side.shutdown(wait=True, cancel_futures=True)
-    df = pd.DataFrame(rows, columns=COLUMNS)
-    for col in NULLABLE_INT:
-        df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
-    df.attrs.update(
-        {
-            "path_a": sa.path,
-            "path_b": sb.path,
-            "include": patterns(include),
-            "exclude": patterns(exclude),
-            "n_tensors_a": len(sa),
-            "n_tensors_b": len(sb),
-            "compared": [r["name"] for r in rows],
-            "only_in_a": only_a,
-            "only_in_b": only_b,
-            "mismatched": mismatched,
-            "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
-            "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
-            "param_id_diff": {
-                ta.name: [ta.param_id, tb.param_id]
-                for ta, tb in ((sa[n], sb[n]) for n in common)
-                if ta.param_id != tb.param_id
-            },
-            "file_hash_a": done.get("file_hash_a"),
-            "file_hash_b": done.get("file_hash_b"),
-            "data_section_hash_a": done.get("data_section_hash_a"),
-            "data_section_hash_b": done.get("data_section_hash_b"),
-        }
+    return _Pairing(
+        order_a=order_a,
+        order_b=order_b,
+        common=common,
+        only_a=[n for n in keep_a if n not in keep_b],
+        only_b=[n for n in order_b if n in keep_b and n not in set(keep_a)],
+        pairs=pairs,
+        mismatched=mismatched,
     )
-    return df
+
+
+def _start_file_hashes(
+    side: ThreadPoolExecutor, sa: TensorSet, sb: TensorSet, chunk_bytes: int
+) -> dict[str, Future]:
+    """Whole-file hashes of both sides and a's data-section hash, started on ``side``."""
+    futures: dict[str, Future] = {}
+    for key, ts in (("a", sa), ("b", sb)):
+        if ts.path is not None and os.path.isfile(ts.path):
+            futures["file_hash_" + key] = side.submit(hashing.hash_file, ts.path)
+    futures["data_section_hash_a"] = side.submit(section_hash, sa, chunk_bytes)
+    return futures
+
+
+def _collect_data_hashes(rows: list[dict[str, Any]]) -> None:
+    """Replace each row's pending per-tensor hashes by ``data_hash_a``/``_b``."""
+    for row in rows:
+        fa, fb = row.pop("_hashes")
+        row["data_hash_a"] = fa.result()
+        row["data_hash_b"] = row["data_hash_a"] if fb is None else fb.result()
+
+
+def _finish_file_hashes(
+    side: ThreadPoolExecutor,
+    futures: dict[str, Future],
+    sb: TensorSet,
+    pairing: _Pairing,
+    rows: list[dict[str, Any]],
+    chunk_bytes: int,
+) -> dict[str, Any]:
+    """The file and data-section hashes; b's section is hashed only when it can differ."""
+    # b's data section is a's when both hold the same tensors, in the same disk order,
+    # every one compared and bit-identical
+    same_section = [t.name for t, _ in pairing.pairs] == pairing.order_a == pairing.order_b and all(
+        r["n_diff"] == 0 and r["data_hash_a"] == r["data_hash_b"] for r in rows
+    )
+    if not same_section:
+        futures["data_section_hash_b"] = side.submit(section_hash, sb, chunk_bytes)
+    done = {k: f.result() for k, f in futures.items()}
+    done.setdefault("data_section_hash_b", done["data_section_hash_a"])
+    return done
+
+
+def _attrs(
+    sa: TensorSet,
+    sb: TensorSet,
+    include: Patterns,
+    exclude: Patterns,
+    pairing: _Pairing,
+    rows: list[dict[str, Any]],
+    done: dict[str, Any],
+) -> dict[str, Any]:
+    """What a comparison's DataFrame carries beside its rows (see the module docstring)."""
+    return {
+        "path_a": sa.path,
+        "path_b": sb.path,
+        "include": patterns(include),
+        "exclude": patterns(exclude),
+        "n_tensors_a": len(sa),
+        "n_tensors_b": len(sb),
+        "compared": [r["name"] for r in rows],
+        "only_in_a": pairing.only_a,
+        "only_in_b": pairing.only_b,
+        "mismatched": pairing.mismatched,
+        "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
+        "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
+        "param_id_diff": {
+            ta.name: [ta.param_id, tb.param_id]
+            for ta, tb in ((sa[n], sb[n]) for n in pairing.common)
+            if ta.param_id != tb.param_id
+        },
+        "file_hash_a": done.get("file_hash_a"),
+        "file_hash_b": done.get("file_hash_b"),
+        "data_section_hash_a": done.get("data_section_hash_a"),
+        "data_section_hash_b": done.get("data_section_hash_b"),
+    }
 
 
 def section_hash(ts: TensorSet, chunk_bytes: int = DEFAULT_CHUNK) -> str:
