@@ -119,69 +119,84 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
     if control is None:
         control = df.attrs.get("control")
     pair_attrs = df.attrs.get("pairs", {})
-    if "runs" in df.attrs:
-        keys = list(itertools.combinations(df.attrs["runs"], 2))
-    else:
-        keys = list(dict.fromkeys(zip(df["a"], df["b"], strict=True)))
-    pairs = []
-    for la, lb in keys:
-        key = f"{la}/{lb}"
-        g = df[df["a"].eq(la) & df["b"].eq(lb)]
-        pa = pair_attrs.get(key, {})
-        mism = bool(pa.get("only_in_a") or pa.get("only_in_b") or pa.get("mismatched"))
-        numel, n_diff = int(g["numel"].sum()), int(g["n_diff"].sum())
-        pairs.append(
-            {
-                "a": la,
-                "b": lb,
-                "control": control in (la, lb),
-                "identical": n_diff == 0
-                and bool((g["data_hash_a"] == g["data_hash_b"]).all())
-                and not mism,
-                "numel": numel,
-                "n_diff": n_diff,
-                "frac_diff": n_diff / numel if numel else 0.0,
-                "worst_rel_fro": _worst(g["rel_fro"]),
-                "max_ulp": None if g["max_ulp"].isna().all() else int(g["max_ulp"].max()),
-                # max_ulp is set by the few elements nearest zero, where one ULP is tiny;
-                # the worst tensor's median says how far a typical differing element moved
-                "worst_median_ulp": None
-                if g["median_ulp"].isna().all()
-                else float(g["median_ulp"].max()),
-                "max_abs": _worst(g["max_abs"]),
-            }
-        )
+    pairs = [
+        _pair_verdict(df, la, lb, control, pair_attrs.get(f"{la}/{lb}", {}))
+        for la, lb in _pair_keys(df)
+    ]
     same = [p for p in pairs if not p["control"]]
     ctrl = [p for p in pairs if p["control"]]
-
-    def worst(ps: list[dict], key: str, agg: Any = max) -> Any:
-        vals = [p[key] for p in ps if p[key] is not None]
-        return agg(vals) if vals else None
-
-    same_rel = worst(same, "worst_rel_fro")
-    ctrl_rel = worst(ctrl, "worst_rel_fro", min)
-    if ctrl_rel is None or same_rel is None:
-        sep = None
-    elif same_rel == 0:
-        sep = math.inf if ctrl_rel > 0 else None
-    else:
-        sep = math.log10(ctrl_rel / same_rel) if ctrl_rel > 0 else -math.inf
-    same_rows = df[~(df["a"].eq(control) | df["b"].eq(control))] if control is not None else df
-    never = []
-    if len(same_rows):
-        per_name = same_rows.groupby("name", sort=False)["n_diff"].max()
-        never = [str(n) for n, v in per_name.items() if v == 0]
+    same_rel = _worst_of(same, "worst_rel_fro")
+    ctrl_rel = _worst_of(ctrl, "worst_rel_fro", min)
     return {
         "control": control,
         "pairs": pairs,
         "same_worst_rel_fro": same_rel,
-        "same_max_ulp": worst(same, "max_ulp"),
-        "same_worst_median_ulp": worst(same, "worst_median_ulp"),
-        "same_max_abs": worst(same, "max_abs"),
+        "same_max_ulp": _worst_of(same, "max_ulp"),
+        "same_worst_median_ulp": _worst_of(same, "worst_median_ulp"),
+        "same_max_abs": _worst_of(same, "max_abs"),
         "control_rel_fro": ctrl_rel,
-        "control_max_ulp": worst(ctrl, "max_ulp", min),
-        "separation_orders": sep,
+        "control_max_ulp": _worst_of(ctrl, "max_ulp", min),
+        "separation_orders": _separation(same_rel, ctrl_rel),
         "identical_pairs": [f"{p['a']}/{p['b']}" for p in pairs if p["identical"]],
-        "never_differ": never,
+        "never_differ": _never_differ(df, control),
         "always_identical": bool(same) and all(p["identical"] for p in same),
     }
+
+
+def _pair_keys(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (a, b) pairs of a matrix frame, in the order matrix formed them."""
+    if "runs" in df.attrs:
+        return list(itertools.combinations(df.attrs["runs"], 2))
+    return list(dict.fromkeys(zip(df["a"], df["b"], strict=True)))
+
+
+def _pair_verdict(
+    df: pd.DataFrame, la: str, lb: str, control: str | None, attrs: dict[str, Any]
+) -> dict[str, Any]:
+    """One pair's line of the verdict, from its rows and its compare attrs."""
+    g = df[df["a"].eq(la) & df["b"].eq(lb)]
+    mism = bool(attrs.get("only_in_a") or attrs.get("only_in_b") or attrs.get("mismatched"))
+    numel, n_diff = int(g["numel"].sum()), int(g["n_diff"].sum())
+    return {
+        "a": la,
+        "b": lb,
+        "control": control in (la, lb),
+        "identical": n_diff == 0
+        and bool((g["data_hash_a"] == g["data_hash_b"]).all())
+        and not mism,
+        "numel": numel,
+        "n_diff": n_diff,
+        "frac_diff": n_diff / numel if numel else 0.0,
+        "worst_rel_fro": _worst(g["rel_fro"]),
+        "max_ulp": None if g["max_ulp"].isna().all() else int(g["max_ulp"].max()),
+        # max_ulp is set by the few elements nearest zero, where one ULP is tiny;
+        # the worst tensor's median says how far a typical differing element moved
+        "worst_median_ulp": None
+        if g["median_ulp"].isna().all()
+        else float(g["median_ulp"].max()),
+        "max_abs": _worst(g["max_abs"]),
+    }
+
+
+def _worst_of(pairs: list[dict[str, Any]], key: str, agg: Any = max) -> Any:
+    """``agg`` of one statistic over pairs, None when no pair has it."""
+    vals = [p[key] for p in pairs if p[key] is not None]
+    return agg(vals) if vals else None
+
+
+def _separation(same_rel: float | None, ctrl_rel: float | None) -> float | None:
+    """``log10(control / same-seed)`` worst rel_fro: inf when the same-seed pairs are exact."""
+    if ctrl_rel is None or same_rel is None:
+        return None
+    if same_rel == 0:
+        return math.inf if ctrl_rel > 0 else None
+    return math.log10(ctrl_rel / same_rel) if ctrl_rel > 0 else -math.inf
+
+
+def _never_differ(df: pd.DataFrame, control: str | None) -> list[str]:
+    """Tensors with ``n_diff == 0`` in every pair without the control."""
+    same_rows = df[~(df["a"].eq(control) | df["b"].eq(control))] if control is not None else df
+    if not len(same_rows):
+        return []
+    per_name = same_rows.groupby("name", sort=False)["n_diff"].max()
+    return [str(n) for n, v in per_name.items() if v == 0]
