@@ -302,6 +302,27 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
         raise DmlibError("padding_across_runs needs at least one run")
     with contextlib.ExitStack() as stack:
         loaded = [_Run(label, open_source(src, stack)) for label, src in labelled.items()]
+    all_offsets, differs = _differing_slots(loaded)
+    layouts = {
+        tuple(zip(r.t_name, r.t_start.tolist(), r.t_end.tolist(), strict=True)) for r in loaded
+    }
+    frames: list[pd.DataFrame] = []
+    totals: list[dict[str, Any]] = []
+    for r in loaded:
+        frame, total = _run_slots(r, differs[np.searchsorted(all_offsets, r.offset)], loaded)
+        frames.append(frame)
+        totals.append(total)
+    frames = [f for f in frames if len(f)]
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=SLOT_COLUMNS)
+    df.attrs["runs"] = totals
+    df.attrs["differs"] = bool(differs.any())
+    df.attrs["same_layout"] = len(layouts) == 1
+    df.attrs["inside_tensor"] = sum(t["inside_tensor"] for t in totals)
+    return df
+
+
+def _differing_slots(loaded: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
+    """Every slot offset of any run (sorted) and whether that slot differs between runs."""
     # offset -> (bits per run); a slot absent from a run counts as differing
     all_offsets = np.unique(np.concatenate([r.offset for r in loaded]))
     n = len(all_offsets)
@@ -314,65 +335,53 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
     # only a slot that is padding in every run can be compared run to run; one that is
     # padding in some runs only is reported when dirty, and checked against their tensors
     shared = present.all(axis=0)
-    differs = shared & (bits != bits[:1]).any(axis=0)
-    layouts = {
-        tuple(zip(r.t_name, r.t_start.tolist(), r.t_end.tolist(), strict=True)) for r in loaded
+    return all_offsets, shared & (bits != bits[:1]).any(axis=0)
+
+
+def _run_slots(
+    r: _Run, dif: np.ndarray, loaded: list[_Run]
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """One run's reported slots (dirty or differing, ``dif`` per slot) and its totals."""
+    dirty = r.bits != 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        value = r.bits.view("<f4").astype(np.float64)
+        nan = np.isnan(value)
+        huge = is_huge(value)
+    sel = dirty | dif
+    off = r.offset[sel]
+    inside: list[str | None] = [None] * int(sel.sum())
+    for other in loaded:
+        for j, name in enumerate(other.tensor_at(off)):
+            inside[j] = inside[j] or name
+    frame = pd.DataFrame(
+        {
+            "run": r.label,
+            "record": r.record[sel],
+            "kind": r.kind[sel],
+            "offset": off,
+            "bits": r.bits[sel].astype(np.int64),
+            "value": value[sel],
+            "nan": nan[sel],
+            "huge": huge[sel],
+            "dirty": dirty[sel],
+            "differs": dif[sel],
+            "inside_tensor": pd.Series(inside, dtype=object),
+        },
+        columns=SLOT_COLUMNS,
+    )
+    total = {
+        "run": r.label,
+        "path": r.path,
+        "padding_bytes": r.padding_bytes,
+        "nonzero_bytes": r.nonzero_bytes,
+        "padding_slots": int(r.offset.size),
+        "dirty_slots": int(dirty.sum()),
+        "nan": int(nan.sum()),
+        "huge": int(huge.sum()),
+        "differing_slots": int(dif.sum()),
+        "inside_tensor": sum(x is not None for x in inside),
     }
-    frames: list[pd.DataFrame] = []
-    totals: list[dict[str, Any]] = []
-    for r in loaded:
-        pos = np.searchsorted(all_offsets, r.offset)
-        dif = differs[pos]
-        dirty = r.bits != 0
-        with np.errstate(invalid="ignore", over="ignore"):
-            value = r.bits.view("<f4").astype(np.float64)
-            nan = np.isnan(value)
-            huge = is_huge(value)
-        sel = dirty | dif
-        off = r.offset[sel]
-        inside: list[str | None] = [None] * int(sel.sum())
-        for other in loaded:
-            for j, name in enumerate(other.tensor_at(off)):
-                inside[j] = inside[j] or name
-        frames.append(
-            pd.DataFrame(
-                {
-                    "run": r.label,
-                    "record": r.record[sel],
-                    "kind": r.kind[sel],
-                    "offset": off,
-                    "bits": r.bits[sel].astype(np.int64),
-                    "value": value[sel],
-                    "nan": nan[sel],
-                    "huge": huge[sel],
-                    "dirty": dirty[sel],
-                    "differs": dif[sel],
-                    "inside_tensor": pd.Series(inside, dtype=object),
-                },
-                columns=SLOT_COLUMNS,
-            )
-        )
-        totals.append(
-            {
-                "run": r.label,
-                "path": r.path,
-                "padding_bytes": r.padding_bytes,
-                "nonzero_bytes": r.nonzero_bytes,
-                "padding_slots": int(r.offset.size),
-                "dirty_slots": int(dirty.sum()),
-                "nan": int(nan.sum()),
-                "huge": int(huge.sum()),
-                "differing_slots": int(dif.sum()),
-                "inside_tensor": sum(x is not None for x in inside),
-            }
-        )
-    frames = [f for f in frames if len(f)]
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=SLOT_COLUMNS)
-    df.attrs["runs"] = totals
-    df.attrs["differs"] = bool(differs.any())
-    df.attrs["same_layout"] = len(layouts) == 1
-    df.attrs["inside_tensor"] = sum(t["inside_tensor"] for t in totals)
-    return df
+    return frame, total
 
 
 def padding_summary(df: pd.DataFrame) -> pd.DataFrame:
