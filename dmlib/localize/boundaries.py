@@ -248,95 +248,107 @@ def compare_captures(
         ``negative_control``, ``valid`` and ``stats_missing``.
     """
     a, b = open_capture(path_a), open_capture(path_b)
+    requests = _check_comparable(a, b, request)
+    index = _block_index(a, requests)
+    offsets = {r: i for i, (r, k, _, _) in enumerate(index) if k == 0}  # request -> first block id
+    rows = [_boundary_row(a, b, ba, requests, offsets) for ba in a.boundaries]
+    _roles(rows)
+    df = _frame(rows)
+    df.attrs.update(_summary(a, b, requests, index, rows))
+    df.attrs["repeat_control"] = _repeats(a, b, repeat)
+    df.attrs["negative_control"] = _negatives(a, b, requests, negative)
+    rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
+    df.attrs["valid"] = None if rc is None else bool(rc["held"] and nc["passed"] is not False)
+    return df
+
+
+def _check_comparable(a: Capture, b: Capture, request: Any) -> list[str]:
+    """The requests to compare, after checking both captures block and count them alike."""
     if a.block_rows != b.block_rows:
         raise CaptureError(
             f"block_rows {a.block_rows} here but {b.block_rows} in {b.path}; blocks are not comparable",
             path=a.path,
         )
     requests = _requests(a, b, request)
-    index = _block_index(a, requests)
-    offsets: dict[str, int] = {}
-    for i, (r, k, _, _) in enumerate(index):
-        if k == 0:
-            offsets[r] = i
     for r in requests:
         if a.requests[r] != b.requests[r]:
             raise CaptureError(
                 f"request {r!r} has {a.requests[r]} positions here but {b.requests[r]} in {b.path}",
                 path=a.path,
             )
+    return requests
 
-    rows: list[dict[str, Any]] = []
-    for ba in a.boundaries:
-        bb = b.boundary(ba.name) if ba.name in b else None
-        same, diff, note = _compare_one(ba, bb, requests, offsets)
-        st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
-        row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
-               "diff_blocks": sorted(diff), "note": note}  # fmt: skip
+
+_NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_l2": None, "max_ulp": None}
+
+
+def _boundary_row(
+    a: Capture, b: Capture, ba: Boundary, requests: list[str], offsets: dict[str, int]
+) -> dict[str, Any]:
+    """One boundary of ``a`` against its namesake in ``b``: identity, blocks, statistics."""
+    bb = b.boundary(ba.name) if ba.name in b else None
+    same, diff, note = _compare_one(ba, bb, requests, offsets)
+    st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
+    row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
+           "diff_blocks": sorted(diff), "note": note}  # fmt: skip
+    row.update(st or _NO_STATS)
+    if st is None and same is True:
+        # identical hashes imply zero differences even without dumped tensors
         row.update(
-            st
-            or {
-                "n_diff": None,
-                "n_diff_rows": None,
-                "max_abs": None,
-                "rel_l2": None,
-                "max_ulp": None,
+            {
+                "n_diff": 0,
+                "n_diff_rows": 0,
+                "max_abs": 0.0,
+                "rel_l2": 0.0,
+                "max_ulp": 0 if is_float(np.dtype(ba.dtype)) else None,
             }
         )
-        if st is None and same is True:
-            # identical hashes imply zero differences even without dumped tensors
-            row.update(
-                {
-                    "n_diff": 0,
-                    "n_diff_rows": 0,
-                    "max_abs": 0.0,
-                    "rel_l2": 0.0,
-                    "max_ulp": 0 if is_float(np.dtype(ba.dtype)) else None,
-                }
-            )
-        row["_stats"] = st is not None
-        rows.append(row)
-    _roles(rows)
+    row["_stats"] = st is not None
+    return row
 
-    df = pd.DataFrame(rows)
-    stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
-    df = df.drop(columns=["_stats", "call"])
+
+def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The rows as the documented columns, with nullable dtypes."""
+    df = pd.DataFrame(rows).drop(columns=["_stats", "call"])
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
         df[c] = df[c].astype("Int64")
     for c in ("max_abs", "rel_l2"):
         df[c] = df[c].astype("Float64")
-    df = df[[*COLUMNS, "note"]]
+    return df[[*COLUMNS, "note"]]
 
+
+def _summary(
+    a: Capture,
+    b: Capture,
+    requests: list[str],
+    index: list[tuple[str, int, int, int]],
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The attrs that summarise a comparison: first divergence, culprits, counts."""
+    stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
     diverged = [r for r in rows if r["identical"] is False]
     culprits = [r["boundary"] for r in rows if r["role"] in ("culprit", "entry")]
-    df.attrs.update(
-        {
-            "a": str(a.path),
-            "b": str(b.path),
-            "requests": requests,
-            "block_rows": a.block_rows,
-            "block_index": [list(t) for t in index],
-            "first_divergent_boundary": diverged[0]["boundary"] if diverged else None,
-            "culprit": culprits[0] if culprits else None,
-            "culprits": culprits,
-            "n_boundaries": len(rows),
-            "n_comparable": sum(r["identical"] is not None for r in rows),
-            "n_divergent": len(diverged),
-            "stats_missing": stats_missing,
-            "stats_note": (
-                f"{len(stats_missing)} divergent boundaries were not dumped in both captures: "
-                "element statistics are null there (hashes only)"
-                if stats_missing
-                else "element statistics available wherever a boundary differs"
-            ),
-        }
-    )
-    df.attrs["repeat_control"] = _repeats(a, b, repeat)
-    df.attrs["negative_control"] = _negatives(a, b, requests, negative)
-    rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
-    df.attrs["valid"] = None if rc is None else bool(rc["held"] and nc["passed"] is not False)
-    return df
+    return {
+        "a": str(a.path),
+        "b": str(b.path),
+        "requests": requests,
+        "block_rows": a.block_rows,
+        "block_index": [list(t) for t in index],
+        "first_divergent_boundary": diverged[0]["boundary"] if diverged else None,
+        "culprit": culprits[0] if culprits else None,
+        "culprits": culprits,
+        "n_boundaries": len(rows),
+        "n_comparable": sum(r["identical"] is not None for r in rows),
+        "n_divergent": len(diverged),
+        "stats_missing": stats_missing,
+        "stats_note": (
+            f"{len(stats_missing)} divergent boundaries were not dumped in both captures: "
+            "element statistics are null there (hashes only)"
+            if stats_missing
+            else "element statistics available wherever a boundary differs"
+        ),
+    }
 
 
 def _repeats(a: Capture, b: Capture, repeat: Any) -> dict[str, Any] | None:
