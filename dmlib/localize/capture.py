@@ -15,7 +15,7 @@ import contextlib
 import fnmatch
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -301,14 +301,7 @@ def capture(
     path = Path(path)
     if block_rows < 1:
         raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
-    if (path / MANIFEST).exists() and not overwrite:
-        raise CaptureError(
-            "a capture already exists here; pass overwrite=True to replace it", path=path
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    if overwrite and (path / TENSOR_DIR).is_dir():
-        for f in (path / TENSOR_DIR).glob("*.safetensors"):
-            f.unlink()
+    _prepare_dir(path, overwrite)
     rec = Recorder(
         path,
         row_map=None if row_map is None else RowMap(list(row_map), path=path),
@@ -319,34 +312,9 @@ def capture(
         hash_threads=int(hash_threads),
     )
     rec.write_manifest(complete=False)  # marks the directory as a capture in progress
-    handles = []
-
-    def pre_hook(name: str):
-        def hook(mod, args, kwargs):
-            call = rec.calls.get(name, 0)
-            for slot, t in _tensors(tuple(args), "input"):
-                rec.record(name, call, "input", slot, t)
-            for slot, t in _tensors(dict(kwargs), "input"):
-                rec.record(name, call, "input", slot, t)
-
-        return hook
-
-    def post_hook(name: str):
-        def hook(mod, args, kwargs, output):
-            call = rec.calls.get(name, 0)
-            rec.calls[name] = call + 1
-            for slot, t in _tensors(
-                output if isinstance(output, (tuple, list)) else (output,), "output"
-            ):
-                rec.record(name, call, "output", slot, t)
-
-        return hook
-
+    handles: list[Any] = []
     try:
-        for name, mod in _select(model, modules):
-            label = name or "model"
-            handles.append(mod.register_forward_pre_hook(pre_hook(label), with_kwargs=True))
-            handles.append(mod.register_forward_hook(post_hook(label), with_kwargs=True))
+        handles += _install_hooks(model, modules, rec)
         yield rec
     except BaseException as err:
         with contextlib.suppress(Exception):
@@ -363,6 +331,55 @@ def capture(
         rec.write_manifest(complete=False, error="no hooked module ran inside the capture block")
         raise CaptureError("no hooked module ran inside the capture block", path=path)
     rec.write_manifest(complete=True)
+
+
+def _prepare_dir(path: Path, overwrite: bool) -> None:
+    """Create the capture directory; refuse to replace a capture unless asked to."""
+    if (path / MANIFEST).exists() and not overwrite:
+        raise CaptureError(
+            "a capture already exists here; pass overwrite=True to replace it", path=path
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    if overwrite and (path / TENSOR_DIR).is_dir():
+        for f in (path / TENSOR_DIR).glob("*.safetensors"):
+            f.unlink()
+
+
+def _install_hooks(
+    model: torch.nn.Module, modules: str | Iterable[str] | None, rec: Recorder
+) -> Iterator[Any]:
+    """Register a pre- and a post-forward hook on every selected module; yields the handles."""
+    for name, mod in _select(model, modules):
+        label = name or "model"
+        yield mod.register_forward_pre_hook(_pre_hook(rec, label), with_kwargs=True)
+        yield mod.register_forward_hook(_post_hook(rec, label), with_kwargs=True)
+
+
+def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:
+    """Records the inputs of module ``name``'s next call."""
+
+    def hook(mod: Any, args: Any, kwargs: Any) -> None:
+        call = rec.calls.get(name, 0)
+        for slot, t in _tensors(tuple(args), "input"):
+            rec.record(name, call, "input", slot, t)
+        for slot, t in _tensors(dict(kwargs), "input"):
+            rec.record(name, call, "input", slot, t)
+
+    return hook
+
+
+def _post_hook(rec: Recorder, name: str) -> Callable[..., None]:
+    """Records the outputs of module ``name``'s call and counts the call."""
+
+    def hook(mod: Any, args: Any, kwargs: Any, output: Any) -> None:
+        call = rec.calls.get(name, 0)
+        rec.calls[name] = call + 1
+        for slot, t in _tensors(
+            output if isinstance(output, (tuple, list)) else (output,), "output"
+        ):
+            rec.record(name, call, "output", slot, t)
+
+    return hook
 
 
 __all__ = ["capture", "default_modules", "Recorder"]
