@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.sources import Source, name_filter, open_source
+from dmlib.sources import Patterns, Source, name_filter, open_source
 from dmlib.tensor import TensorSet
 
 __all__ = [
@@ -159,7 +159,7 @@ def sign_flips(a: Any, b: Any, *, axis: int = 1, threshold: float = -0.9) -> dic
 
 
 def _tensor_pairs(
-    runs: Mapping[str, Source], include: Any, exclude: Any, axis: int
+    runs: Mapping[str, Source], include: Patterns, exclude: Patterns, axis: int
 ) -> Iterator[tuple[str, str, str, np.ndarray, np.ndarray]]:
     """Yield (label_a, label_b, name, array_a, array_b) over all run pairs and shared names."""
     if len(runs) < 2:
@@ -170,7 +170,7 @@ def _tensor_pairs(
 
 
 def _shared_tensors(
-    sets: dict[str, TensorSet], keep: Any, axis: int
+    sets: dict[str, TensorSet], keep: Callable[[str], bool], axis: int
 ) -> Iterator[tuple[str, str, str, np.ndarray, np.ndarray]]:
     for la, lb in itertools.combinations(sets, 2):
         sa, sb = sets[la], sets[lb]
@@ -194,7 +194,7 @@ def _columns_ok(shape: tuple[int, ...], axis: int) -> bool:
 
 
 def first_divergent_columns(
-    runs: Mapping[str, Source], *, include: Any = None, exclude: Any = None, axis: int = 1
+    runs: Mapping[str, Source], *, include: Patterns = None, exclude: Patterns = None, axis: int = 1
 ) -> pd.DataFrame:
     """First divergent column of every shared tensor over every pair of runs.
 
@@ -253,8 +253,8 @@ def first_column_summary(df: pd.DataFrame) -> dict[str, Any]:
 def sign_flip_table(
     runs: Mapping[str, Source],
     *,
-    include: Any = None,
-    exclude: Any = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
     axis: int = 1,
     threshold: float = -0.9,
 ) -> pd.DataFrame:

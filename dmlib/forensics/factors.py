@@ -119,14 +119,15 @@ class FactorGroup:
         return a @ b
 
 
-def _groups(groups: FactorGroup | Iterable[FactorGroup]) -> list[FactorGroup]:
+def as_groups(groups: FactorGroup | Iterable[FactorGroup]) -> list[FactorGroup]:
+    """One group or several, as a non-empty list (the forensics modules take either)."""
     gs = [groups] if isinstance(groups, FactorGroup) else list(groups)
     if not gs:
         raise DmlibError("no factor groups given; declare them with FactorGroup.svd/.lowrank")
     return gs
 
 
-def _layers(
+def layers_of(
     ts: TensorSet, groups: list[FactorGroup]
 ) -> dict[str, tuple[FactorGroup, tuple[str, ...]]]:
     """prefix -> (group, factor names); the first group that claims a prefix wins."""
@@ -146,7 +147,7 @@ def effective_weights(ts: Source, groups: FactorGroup | Iterable[FactorGroup]) -
     with contextlib.ExitStack() as stack:
         tset = open_source(ts, stack)
         arrays = {}
-        for prefix, (g, names) in _layers(tset, _groups(groups)).items():
+        for prefix, (g, names) in layers_of(tset, as_groups(groups)).items():
             arrays[prefix] = g.effective((tset[n].load() for n in names), where=f"{prefix!r}")
         return ArrayTensorSet(arrays, path=tset.path)
 
@@ -197,7 +198,7 @@ def compare_factors(
         ("ok", or "only in a"/"only in b").
         ``attrs["worst_group"]`` and ``attrs["worst_rel_fro"]`` name the largest rel_fro.
     """
-    gs = _groups(groups)
+    gs = as_groups(groups)
     with contextlib.ExitStack() as stack:
         sa, sb = open_source(a, stack), open_source(b, stack)
         df = _compare_layers(sa, sb, gs)
@@ -213,7 +214,7 @@ def compare_factors(
 
 
 def _compare_layers(sa: TensorSet, sb: TensorSet, gs: list[FactorGroup]) -> pd.DataFrame:
-    la, lb = _layers(sa, gs), _layers(sb, gs)
+    la, lb = layers_of(sa, gs), layers_of(sb, gs)
     both = sorted(set(la) & set(lb))
     eff_a, eff_b, norms = {}, {}, {}
     for prefix in both:

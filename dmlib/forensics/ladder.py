@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.forensics.factors import FactorGroup, _groups, _layers
-from dmlib.sources import Source, name_filter, open_source
+from dmlib.forensics.factors import FactorGroup, as_groups, layers_of
+from dmlib.sources import Patterns, Source, name_filter, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["check_steps", "growth_rates", "step_ladder"]
@@ -222,7 +222,7 @@ def _pair_rows(
     rows = []
     factor_names: set[str] = set()
     if groups:
-        la, lb = _layers(sa, groups), _layers(sb, groups)
+        la, lb = layers_of(sa, groups), layers_of(sb, groups)
         eff_a, eff_b = {}, {}
         for prefix in sorted(set(la) & set(lb)):
             g, names = la[prefix]
@@ -243,8 +243,8 @@ def step_ladder(
     ladder: Ladder,
     *,
     reference: str | None = None,
-    include: Any = None,
-    exclude: Any = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
     groups: FactorGroup | list[FactorGroup] | None = None,
     step_key: StepKey = "auto",
     keep_flagged: bool = False,
@@ -288,8 +288,8 @@ def _ladder(
     checks: pd.DataFrame,
     sets: dict[tuple[str, int], TensorSet],
     reference: str | None,
-    include: Any,
-    exclude: Any,
+    include: Patterns,
+    exclude: Patterns,
     groups: Any,
     keep_flagged: bool,
 ) -> pd.DataFrame:
@@ -306,7 +306,7 @@ def _ladder(
         else list(itertools.combinations(runs, 2))
     )
     keep = name_filter(include, exclude)
-    gs = _groups(groups) if groups is not None else None
+    gs = as_groups(groups) if groups is not None else None
     steps = sorted({s for _, s in good})
     rows = []
     for step in steps:
