@@ -1,4 +1,4 @@
-"""Helpers every subcommand shares: the name-selection options and plain-text tables."""
+"""Helpers every subcommand shares: name selection, LABEL=PATH arguments, plain-text tables."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+
+from dmlib.errors import DmlibError
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
@@ -38,3 +40,20 @@ def table(
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines)
+
+
+def labelled_paths(items: list[str], *, optional: bool = False) -> dict[str, str]:
+    """``{label: path}`` from ``LABEL=PATH`` items (``optional``: a bare PATH labels itself)."""
+    runs: dict[str, str] = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep:
+            if not optional:
+                raise DmlibError(f"expected LABEL=PATH, got {item!r}")
+            label, path = item, item  # unlabelled: the path names the run
+        if not label or not path:
+            raise DmlibError(f"expected LABEL=PATH, got {item!r}")
+        if label in runs:
+            raise DmlibError(f"label {label!r} given twice")
+        runs[label] = path
+    return runs

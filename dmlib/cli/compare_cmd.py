@@ -10,8 +10,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
-from dmlib.cli._table import add_selection, fmt, table
-from dmlib.errors import DmlibError
+from dmlib.cli._table import add_selection, fmt, labelled_paths, table
 
 # columns of the readable table (the JSON output carries every column)
 _TABLE = [
@@ -119,14 +118,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
     from dmlib.stats.matrix import matrix
 
-    runs: dict[str, str] = {}
-    for item in args.runs:
-        label, sep, path = item.partition("=")
-        if not sep or not label or not path:
-            raise DmlibError(f"expected LABEL=PATH, got {item!r}")
-        if label in runs:
-            raise DmlibError(f"label {label!r} given twice")
-        runs[label] = path
+    runs = labelled_paths(args.runs)
     df = matrix(runs, control=args.control, include=args.include, exclude=args.exclude)
     v = df.attrs["verdict"]
     code = 0 if all(p["identical"] for p in v["pairs"]) else 1

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
-from dmlib.cli._table import add_selection, fmt, table
+from dmlib.cli._table import add_selection, fmt, labelled_paths, table
 from dmlib.errors import DmlibError
 
 
@@ -139,22 +139,6 @@ def parse_group(text: str):
     return FactorGroup.lowrank(*pats, transpose_a=trans[0], transpose_b=trans[1])
 
 
-def _labelled(items: list[str], *, optional: bool = False) -> dict[str, str]:
-    runs: dict[str, str] = {}
-    for item in items:
-        label, sep, path = item.partition("=")
-        if not sep:
-            if not optional:
-                raise DmlibError(f"expected LABEL=PATH, got {item!r}")
-            label, path = item, item  # unlabelled: the path names the run
-        if not label or not path:
-            raise DmlibError(f"expected LABEL=PATH, got {item!r}")
-        if label in runs:
-            raise DmlibError(f"label {label!r} given twice")
-        runs[label] = path
-    return runs
-
-
 def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
     """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items."""
     ladder: dict[str, dict[int, str]] = {}
@@ -217,7 +201,7 @@ def run_factors(args: argparse.Namespace) -> int:
 def run_firstcol(args: argparse.Namespace) -> int:
     from dmlib.forensics.columns import first_divergent_columns, sign_flip_table
 
-    runs = _labelled(args.runs)
+    runs = labelled_paths(args.runs)
     fc = first_divergent_columns(runs, include=args.include, exclude=args.exclude, axis=args.axis)
     flips = sign_flip_table(
         runs, include=args.include, exclude=args.exclude, axis=args.axis, threshold=args.threshold
@@ -309,7 +293,7 @@ def run_ladder(args: argparse.Namespace) -> int:
 def run_gapcheck(args: argparse.Namespace) -> int:
     from dmlib.padding import padding_across_runs, padding_summary
 
-    runs = _labelled(args.paths, optional=True)
+    runs = labelled_paths(args.paths, optional=True)
     df = padding_across_runs(runs)
     summary = padding_summary(df)
     code = 1 if len(df) else 0
