@@ -142,3 +142,20 @@ def test_in_memory_sets_are_refused():
     ts = dmlib.ArrayTensorSet({"x": np.ones(3)})
     with pytest.raises(dmlib.DmlibError):
         dmlib.padding_across_runs([ts])
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "grid"),
+    [(0, 4, (0, 4)), (1, 9, (4, 8)), (5, 7, (8, 4)), (8, 8, (8, 8)), (3, 16, (4, 16))],
+)
+def test_slot_grid_by_hand(start, end, grid):
+    from dmlib.padding import slot_grid
+
+    assert slot_grid(start, end) == grid
+
+
+def test_huge_is_at_least_1e30_and_never_nan():
+    from dmlib.padding import is_huge
+
+    v = np.array([1e30, -1e30, 9.99e29, np.inf, -np.inf, np.nan, 0.0])
+    assert is_huge(v).tolist() == [True, True, False, True, True, False, False]
