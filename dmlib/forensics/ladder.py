@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -290,7 +290,7 @@ def _ladder(
     reference: str | None,
     include: Patterns,
     exclude: Patterns,
-    groups: Any,
+    groups: FactorGroup | Iterable[FactorGroup] | None,
     keep_flagged: bool,
 ) -> pd.DataFrame:
     runs = list(dict.fromkeys(str(r) for r in ladder))

@@ -351,7 +351,9 @@ def _summary(
     }
 
 
-def _repeats(a: Capture, b: Capture, repeat: Any) -> dict[str, Any] | None:
+def _repeats(
+    a: Capture, b: Capture, repeat: CaptureLike | tuple[CaptureLike, ...] | None
+) -> dict[str, Any] | None:
     if repeat is None:
         return None
     reps = list(repeat) if isinstance(repeat, (tuple, list)) else [repeat]
@@ -359,7 +361,9 @@ def _repeats(a: Capture, b: Capture, repeat: Any) -> dict[str, Any] | None:
     return {"held": all(c["held"] for c in checks), "checks": checks}
 
 
-def _negatives(a: Capture, b: Capture, requests: list[str], negative: Any) -> dict[str, Any]:
+def _negatives(
+    a: Capture, b: Capture, requests: list[str], negative: CaptureLike | None
+) -> dict[str, Any]:
     checks = [planted_control(a, request=requests[0] if len(requests) == 1 else None)]
     if negative is not None:
         n = open_capture(negative)

@@ -160,7 +160,7 @@ def _compare_sets(
     exclude: Patterns,
     file_hashes: bool,
     chunk_bytes: int,
-    progress: Any,
+    progress: bool | None,
     hash_pool: ThreadPoolExecutor | None = None,
     hash_cache: dict[int, Any] | None = None,
 ) -> pd.DataFrame:
