@@ -7,8 +7,15 @@ import json
 from typing import Any
 
 from dmlib._json import jsonable
-from dmlib.cli import add_common_epilog
+from dmlib.cli import EXIT_CODES, add_common_epilog
 from dmlib.cli._table import fmt, table
+
+EXIT_INCONCLUSIVE = 3
+INCONCLUSIVE_CODE = (
+    f"\n  {EXIT_INCONCLUSIVE}  inconclusive: no judged boundary differs, but some boundary could "
+    "not be judged\n     (its rows cannot be attributed to the request) and the model's outputs "
+    "were not\n     shown to match"
+)
 
 # columns of the readable table (the JSON output carries every column)
 _TABLE = [
@@ -34,7 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "blocks of positions, and the culprit (inputs identical, output differs). With --repeat "
         "the verdict is valid only if the repeat captures are byte-identical; a planted one-bit "
         "change is always checked (negative control). Prints boundaries that are not clean "
-        "(--all: every boundary) and the verdict.",
+        "(--all: every boundary) and the verdict. A boundary is judged per request: rows per "
+        "position through the row map, rows per sequence (first axis = batch) through the "
+        "batch row the request fills alone, else the whole tensor when both captures have its "
+        "shape. Whenever a boundary cannot be judged, nothing else differs, and the model's "
+        "own outputs were not captured and shown to match, the answer is inconclusive "
+        "(exit 3), with one line naming what could not be judged and why.",
     )
     p.add_argument("a", help="reference capture directory")
     p.add_argument("b", help="capture compared against it")
@@ -61,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON document (rows and attrs)")
     add_common_epilog(p)
+    p.epilog = EXIT_CODES.replace("\n  2", INCONCLUSIVE_CODE + "\n  2")
     p.set_defaults(func=run_localize)
 
 
@@ -106,4 +119,6 @@ def run_localize(args: argparse.Namespace) -> int:
         if len(shown):
             print(table(shown, _TABLE, cell=_fmt))
         print(capture_verdict(df))
-    return 1 if (divergent or failed_control) else 0
+    if divergent or failed_control:
+        return 1
+    return EXIT_INCONCLUSIVE if df.attrs["status"] == "inconclusive" else 0

@@ -23,6 +23,7 @@ from dmlib.errors import CaptureError
 from dmlib.localize.captures import Boundary, Capture, open_capture, request_hashes, request_key
 
 CaptureLike = Capture | str | os.PathLike
+ROOT = "model"  # module label of the hooked model itself (``modules=[""]``): its outputs
 
 COLUMNS = [
     "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
@@ -87,53 +88,105 @@ def _block_index(a: Capture, requests: list[str]) -> list[tuple[str, int, int, i
     return out
 
 
+def _attribute(c: Capture, x: Boundary, r: str) -> tuple[str | None, Any]:
+    """How boundary ``x`` of capture ``c`` holds request ``r``.
+
+    ``("token", RequestHash)`` (rows per position), ``("sequence", (row, sha256))`` (first
+    axis = batch: the row the request fills), ``("mixed", reason)`` (first axis = batch,
+    but no row belongs to the request alone) or ``(None, reason)`` (no batch axis).
+    """
+    if x.row_mapped:
+        return "token", x.requests[r]
+    if c.batch is None:
+        return None, "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)"
+    if not x.shape or x.shape[0] != c.batch:
+        return None, f"first axis {list(x.shape[:1])} is not the batch ({c.batch})"
+    if x.leading is None:
+        return "mixed", "no per-row hashes recorded"
+    row, why = c.row_map.sequence_row(r)
+    if row is None:
+        return "mixed", why
+    return "sequence", (row, x.leading[row])
+
+
+def _judge_request(
+    a: Capture, b: Capture, ba: Boundary, bb: Boundary, r: str, offsets: dict[str, int]
+) -> tuple[bool | None, list[int], str | None]:
+    """(identical or None if it cannot be judged, differing global block ids, note)."""
+    ka, va = _attribute(a, ba, r)
+    kb, vb = _attribute(b, bb, r)
+    if ka == kb == "token":
+        if ba.dtype != bb.dtype or ba.row_shape != bb.row_shape:
+            blocks = [offsets[r] + k for k in range(len(va.blocks))]
+            return False, blocks, f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}"
+        diff = [offsets[r] + k for k, (x, y) in enumerate(zip(va.blocks, vb.blocks, strict=True)) if x != y]
+        return va.sha256 == vb.sha256, diff, None
+    if ka == kb == "sequence":
+        note = f"per sequence (batch row {va[0]} vs {vb[0]})"
+        if ba.dtype != bb.dtype or ba.shape[1:] != bb.shape[1:]:
+            return False, [], f"{note}: row {ba.dtype}{list(ba.shape[1:])} vs {bb.dtype}{list(bb.shape[1:])}"
+        return va[1] == vb[1], [], note
+    mixed = "mixed" in (ka, kb)
+    if not mixed and ba.shape == bb.shape and ba.dtype == bb.dtype:
+        return ba.sha256 == bb.sha256, [], "compared whole (no batch axis to attribute; shapes agree)"
+    why = "; ".join(
+        f"in {side}: {v}" for side, k, v in (("A", ka, va), ("B", kb, vb)) if k in (None, "mixed")
+    ) or "rows per position in one capture, per sequence in the other"
+    shapes = (
+        ""
+        if (ba.shape, ba.dtype) == (bb.shape, bb.dtype)
+        else f"; {ba.dtype}{list(ba.shape)} vs {bb.dtype}{list(bb.shape)}"
+    )
+    return None, [], f"not judged: rows of request {r!r} not attributable {why}{shapes}"
+
+
 def _compare_one(
-    ba: Boundary, bb: Boundary | None, requests: list[str], offsets: dict[str, int]
+    a: Capture,
+    b: Capture,
+    ba: Boundary,
+    bb: Boundary | None,
+    requests: list[str],
+    offsets: dict[str, int],
 ) -> tuple[Any, list[int], str | None]:
     """(identical or None, differing global block ids, note)."""
     if bb is None:
-        return None, [], "absent from the second capture"
-    if requests and ba.row_mapped and bb.row_mapped:
-        if ba.dtype != bb.dtype or ba.row_shape != bb.row_shape:
-            blocks = [offsets[r] + k for r in requests for k in range(len(ba.requests[r].blocks))]
-            return (
-                False,
-                blocks,
-                f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}",
-            )
-        diff: list[int] = []
-        same = True
-        for r in requests:
-            ha, hb = ba.requests[r], bb.requests[r]
-            same &= ha.sha256 == hb.sha256
-            diff += [
-                offsets[r] + k
-                for k, (x, y) in enumerate(zip(ha.blocks, hb.blocks, strict=True))
-                if x != y
-            ]
-        return bool(same), diff, None
+        return None, [], "not judged: absent from the second capture"
     if requests:
-        if ba.shape == bb.shape and ba.dtype == bb.dtype:
-            return (
-                ba.sha256 == bb.sha256,
-                [],
-                "hashed whole (leading dims do not match the row map)",
-            )
-        return None, [], "hashed whole with layout-dependent shape: not comparable across layouts"
+        verdicts, diff, notes = [], [], []
+        for r in requests:
+            same, blocks, note = _judge_request(a, b, ba, bb, r, offsets)
+            verdicts.append(same)
+            diff += blocks
+            if note and note not in notes:
+                notes.append(note)
+        same = False if False in verdicts else (None if None in verdicts else True)
+        return same, diff, "; ".join(notes) or None
     if ba.shape != bb.shape or ba.dtype != bb.dtype:
         return False, [], f"{ba.dtype}{list(ba.shape)} vs {bb.dtype}{list(bb.shape)}"
     return ba.sha256 == bb.sha256, [], None
 
 
+def _rows_of(c: Capture, x: Boundary, requests: list[str]) -> np.ndarray | None:
+    """The requests' rows of a dumped boundary (per position or per sequence), else None."""
+    parts = []
+    for r in requests:
+        kind, v = _attribute(c, x, r)
+        if kind == "token" and c.dumped(x, r):
+            parts.append(c.tensor(x, r))
+        elif kind == "sequence" and c.dumped(x):
+            parts.append(c.tensor(x)[v[0] : v[0] + 1])
+        else:
+            return None
+    return np.concatenate(parts)
+
+
 def _stats(
     a: Capture, b: Capture, ba: Boundary, bb: Boundary, requests: list[str]
 ) -> dict[str, Any] | None:
-    if requests and ba.row_mapped and bb.row_mapped:
-        if not all(a.dumped(ba, r) and b.dumped(bb, r) for r in requests):
-            return None
-        xa = np.concatenate([a.tensor(ba, r) for r in requests])
-        xb = np.concatenate([b.tensor(bb, r) for r in requests])
-        return element_stats(xa, xb)
+    if requests:
+        xa, xb = _rows_of(a, ba, requests), _rows_of(b, bb, requests)
+        if xa is not None and xb is not None:
+            return element_stats(xa, xb)
     if a.dumped(ba) and b.dumped(bb) and ba.shape == bb.shape:
         return element_stats(a.tensor(ba), b.tensor(bb))
     return None
@@ -245,7 +298,16 @@ def compare_captures(
         rel_l2, max_ulp, diff_blocks, new_blocks, inherited_blocks, note``. Block ids index
         ``attrs["block_index"]`` (request, block, start, end). ``attrs`` also holds
         ``first_divergent_boundary``, ``culprit``, ``culprits``, ``repeat_control``,
-        ``negative_control``, ``valid`` and ``stats_missing``.
+        ``negative_control``, ``valid``, ``stats_missing`` and the answer: ``status``
+        ("different": some judged boundary differs; "identical": every boundary was
+        judged and matches, or the model's own outputs (hooked with ``modules`` including
+        ``""``) were judged and match; "inconclusive": nothing judged differs but some
+        boundary could not be judged), ``unjudged`` (``[{boundary, reason}]``) and
+        ``outputs_match``.
+
+    A boundary is judged per request: rows per position through the row map; rows per
+    sequence (first axis = batch) through the batch row the request fills alone;
+    otherwise the whole tensor, when both captures have the same dtype and shape.
     """
     a, b = open_capture(path_a), open_capture(path_b)
     requests = _check_comparable(a, b, request)
@@ -287,7 +349,7 @@ def _boundary_row(
 ) -> dict[str, Any]:
     """One boundary of ``a`` against its namesake in ``b``: identity, blocks, statistics."""
     bb = b.boundary(ba.name) if ba.name in b else None
-    same, diff, note = _compare_one(ba, bb, requests, offsets)
+    same, diff, note = _compare_one(a, b, ba, bb, requests, offsets)
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
            "diff_blocks": sorted(diff), "note": note}  # fmt: skip
@@ -329,6 +391,24 @@ def _summary(
     stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
     diverged = [r for r in rows if r["identical"] is False]
     culprits = [r["boundary"] for r in rows if r["role"] in ("culprit", "entry")]
+    unjudged = [
+        {"boundary": r["boundary"], "reason": (r["note"] or "").removeprefix("not judged: ")}
+        for r in rows
+        if r["identical"] is None
+    ]
+    unjudged += [
+        {"boundary": x.name, "reason": "absent from the first capture"}
+        for x in b.boundaries
+        if x.name not in a
+    ]
+    outputs = [r for r in rows if r["module"] == ROOT and r["kind"] == "output"]
+    outputs_match = bool(outputs) and all(r["identical"] is True for r in outputs)
+    if diverged:
+        status = "different"
+    elif unjudged and not outputs_match:
+        status = "inconclusive"
+    else:
+        status = "identical"
     return {
         "a": str(a.path),
         "b": str(b.path),
@@ -341,6 +421,9 @@ def _summary(
         "n_boundaries": len(rows),
         "n_comparable": sum(r["identical"] is not None for r in rows),
         "n_divergent": len(diverged),
+        "status": status,
+        "unjudged": unjudged,
+        "outputs_match": outputs_match,
         "stats_missing": stats_missing,
         "stats_note": (
             f"{len(stats_missing)} divergent boundaries were not dumped in both captures: "
@@ -394,7 +477,7 @@ def _roles(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         diff = set(r["diff_blocks"])
         if r["identical"] is None:
-            r["role"] = "incomparable"
+            r["role"] = "unjudged"
             base = seen_diff
         elif r["identical"]:
             r["role"] = "clean"
@@ -427,19 +510,39 @@ def _roles(rows: list[dict[str, Any]]) -> None:
             r["role"] = "encloses-culprit"
 
 
+def unjudged_line(df: pd.DataFrame, limit: int = 6) -> str:
+    """``name (reason); ...`` for the boundaries that could not be judged, on one line."""
+    items = df.attrs["unjudged"]
+    text = "; ".join(f"{u['boundary']} ({u['reason']})" for u in items[:limit])
+    return text + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def capture_verdict(df: pd.DataFrame) -> str:
-    """A few lines of plain text: first divergence, culprit, controls, validity."""
+    """A few lines of plain text: the answer, first divergence, culprit, controls, validity."""
     at = df.attrs
     lines = []
-    if at["first_divergent_boundary"] is None:
-        n_incomparable = at["n_boundaries"] - at["n_comparable"]
-        extra = f" ({n_incomparable} not comparable across these layouts)" if n_incomparable else ""
-        lines.append(f"identical: all {at['n_comparable']} comparable boundaries match{extra}")
+    n_un = len(at["unjudged"])
+    if at["status"] == "inconclusive":
+        lines.append(
+            f"inconclusive: no difference in {at['n_comparable']} judged boundaries, but {n_un} "
+            f"could not be judged and the model's outputs were not shown to match: "
+            f"{unjudged_line(df)}"
+        )
+    elif at["status"] == "identical":
+        if n_un:
+            lines.append(
+                f"identical: the model's outputs match; {n_un} inner boundaries could not be "
+                f"judged: {unjudged_line(df)}"
+            )
+        else:
+            lines.append(f"identical: all {at['n_comparable']} boundaries match")
     else:
         lines.append(f"first divergent boundary: {at['first_divergent_boundary']}")
         lines.append(f"culprit (inputs identical, output differs): {at['culprit']}")
         if len(at["culprits"]) > 1:
             lines.append(f"other entry points: {', '.join(at['culprits'][1:6])}")
+        if n_un:
+            lines.append(f"not judged ({n_un}): {unjudged_line(df)}")
     rc = at["repeat_control"]
     lines.append(
         "repeat control: not run"
@@ -454,4 +557,7 @@ def capture_verdict(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["compare_captures", "repeat_control", "planted_control", "element_stats", "capture_verdict"]
+__all__ = [
+    "compare_captures", "repeat_control", "planted_control", "element_stats", "capture_verdict",
+    "unjudged_line",
+]  # fmt: skip

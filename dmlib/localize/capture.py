@@ -163,6 +163,7 @@ class Recorder:
             "row_dims": None,
             "requests": {},
             "dump": None,
+            "leading": None,
         }
         row_map = self.row_map
         k = row_map.row_dims(arr.shape) if row_map is not None else None
@@ -172,6 +173,10 @@ class Recorder:
                 entry["requests"][rid] = None  # filled by _hash, in row-map order
         elif self.row_map is not None:
             self.whole_only.append(name)
+            if arr.ndim >= 1 and 1 <= arr.shape[0] <= len(self.row_map):
+                # one hash per index of axis 0: if that axis is the batch, the comparison
+                # attributes each row to the request filling that batch row
+                entry["leading"] = []
         if self._pool is not None:
             arr = np.array(arr, copy=True)
         rows = (
@@ -190,6 +195,8 @@ class Recorder:
 
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         entry["sha256"] = hash_bytes(arr)
+        if entry["leading"] is not None:
+            entry["leading"] = [hash_bytes(np.ascontiguousarray(x)) for x in arr]
         if rows is not None and self.row_map is not None:
             for rid, idx in self.row_map.requests.items():
                 sha, blocks = request_hashes(rows[idx], self.block_rows)
@@ -233,6 +240,7 @@ class Recorder:
             "complete": complete,
             "block_rows": self.block_rows,
             "row_map": None if self.row_map is None else self.row_map.to_json(),
+            "batch": None if self.row_map is None else self.row_map.batch,
             "whole_only": self.whole_only,
             "metadata": self.metadata,
             "boundaries": self.boundaries,
@@ -240,6 +248,36 @@ class Recorder:
         if error is not None:
             m["error"] = error
         return m
+
+    def settle_batch(self) -> None:
+        """Check the row map fits some boundary; take the batch size from them if not given.
+
+        Raises
+        ------
+        CaptureError
+            The row map fits no boundary (wrong length), or a nested row map's batch
+            size disagrees with the ``[batch, seq, ...]`` boundaries.
+        """
+        if self.row_map is None:
+            return
+        mapped = [b for b in self.boundaries if b["row_dims"] is not None]
+        if not mapped:
+            shapes = sorted({tuple(b["shape"]) for b in self.boundaries}, key=len)[:4]
+            raise CaptureError(
+                f"row_map has {len(self.row_map)} rows but no boundary's leading dims flatten to "
+                f"{len(self.row_map)} (shapes seen: {[list(s) for s in shapes]}); expected one "
+                "entry per batch x sequence position",
+                path=self.path,
+            )
+        seen = sorted({b["shape"][0] for b in mapped if b["row_dims"] >= 2})
+        if self.row_map.batch is None and len(seen) == 1:
+            self.row_map.batch = seen[0]
+        elif self.row_map.batch is not None and seen and seen != [self.row_map.batch]:
+            raise CaptureError(
+                f"the nested row_map has {self.row_map.batch} batch rows but [batch, seq, ...] "
+                f"boundaries have {seen}",
+                path=self.path,
+            )
 
     def write_manifest(self, *, complete: bool, error: str | None = None) -> None:
         m = self.manifest(complete=complete, error=error)
@@ -279,8 +317,12 @@ def capture(
         module plus top-level blocks. ``""`` hooks the model itself.
     row_map
         One entry per physical row of the leading dimensions (batch x sequence, say):
-        ``(request_id, position)`` or ``None`` for padding. Boundaries whose leading
-        dimensions do not flatten to this many rows are hashed whole (``whole_only``).
+        ``(request_id, position)`` or ``None`` for padding; or a list of such lists, one
+        per batch row. Boundaries whose leading dimensions flatten to this many rows are
+        hashed per request (``row_dims``); the others are hashed whole and per index of
+        their first axis (``leading``), so that a per-sequence boundary (first axis =
+        batch, e.g. pooled outputs) is attributed to the request filling each batch row.
+        A row map that fits no boundary raises :class:`CaptureError`.
     block_rows
         Positions per block hash.
     dump
@@ -330,6 +372,11 @@ def capture(
     if not rec.boundaries:
         rec.write_manifest(complete=False, error="no hooked module ran inside the capture block")
         raise CaptureError("no hooked module ran inside the capture block", path=path)
+    try:
+        rec.settle_batch()
+    except CaptureError as err:
+        rec.write_manifest(complete=False, error=str(err))
+        raise
     rec.write_manifest(complete=True)
 
 

@@ -42,6 +42,11 @@ def request_key(request: Any) -> str:
     return str(request)
 
 
+def _is_entry(e: list[Any]) -> bool:
+    """Whether ``e`` is one ``[request, position]`` entry (as JSON writes a pair), not a batch row."""
+    return len(e) == 2 and not isinstance(e[0], (list, tuple)) and isinstance(e[1], int)
+
+
 def request_hashes(rows: np.ndarray, block_rows: int) -> tuple[str, list[str]]:
     """SHA-256 of a request's rows (position order) and of each block of ``block_rows`` rows.
 
@@ -66,11 +71,36 @@ class RowMap:
     entries
         One entry per physical row of the boundary tensors' leading dimensions
         flattened (batch x sequence, say): ``(request_id, position)`` or ``None``.
+        A list of lists (one list per batch row, all of one length) gives the same
+        entries and also the batch size, so per-sequence boundaries (one row per batch
+        row: a pooled representation, a classifier's logits) are attributed to the
+        request that fills each batch row. With a flat list the batch size is read from
+        the boundaries themselves (``[batch, seq, ...]`` tensors).
     """
 
     def __init__(
-        self, entries: Sequence[Any], *, path: str | os.PathLike[str] | None = None
+        self,
+        entries: Sequence[Any],
+        *,
+        path: str | os.PathLike[str] | None = None,
+        batch: int | None = None,
     ) -> None:
+        entries = list(entries)
+        if entries and all(isinstance(e, list) and (not e or not _is_entry(e)) for e in entries):
+            lengths = {len(e) for e in entries}
+            if len(lengths) != 1:
+                raise CaptureError(
+                    f"row map batch rows have lengths {sorted(lengths)}; every batch row must "
+                    "list one entry per sequence position",
+                    path=path,
+                )
+            batch = len(entries)
+            entries = [e for row in entries for e in row]
+        self.batch: int | None = None if batch is None else int(batch)
+        if self.batch is not None and (self.batch < 1 or len(entries) % self.batch):
+            raise CaptureError(
+                f"batch size {batch} does not divide the row map's {len(entries)} rows", path=path
+            )
         self.entries: list[tuple[str, int] | None] = []
         rows: dict[str, list[tuple[int, int]]] = {}
         for i, e in enumerate(entries):
@@ -101,6 +131,28 @@ class RowMap:
                 )
             self.requests[key] = np.array([i for _, i in pairs], dtype=np.int64)
 
+    def sequence_row(self, request: str, batch: int | None = None) -> tuple[int | None, str]:
+        """The batch row that request ``request`` alone fills, or (None, why not).
+
+        A per-sequence boundary (one row per batch row) can be attributed to a request
+        only when all of the request's positions lie in one batch row and no other
+        request has positions in that row.
+        """
+        batch = self.batch if batch is None else batch
+        if batch is None:
+            return None, "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)"
+        seq = len(self.entries) // batch
+        idx = self.requests[request]
+        rows = sorted({int(i) // seq for i in idx})
+        if len(rows) != 1:
+            return None, f"request {request!r} spans batch rows {rows[:6]}"
+        b = rows[0]
+        others = sorted(
+            {e[0] for e in self.entries[b * seq : (b + 1) * seq] if e is not None} - {request}
+        )
+        if others:
+            return None, f"batch row {b} also holds request(s) {others[:6]}: its one row mixes them"
+        return b, ""
     def __len__(self) -> int:
         return len(self.entries)
 
@@ -142,6 +194,7 @@ class Boundary:
     row_dims: int | None
     requests: dict[str, RequestHash] = field(default_factory=dict)
     dump: dict[str, Any] | None = None
+    leading: list[str] | None = None  # SHA-256 of each x[i] along axis 0 (not row-mapped)
 
     @property
     def row_mapped(self) -> bool:
@@ -171,6 +224,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path) -> Boundary:
                 for k, v in (d.get("requests") or {}).items()
             },
             dump=d.get("dump"),
+            leading=None if d.get("leading") is None else [str(h) for h in d["leading"]],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(
@@ -185,12 +239,20 @@ class Capture:
         self.path = path
         self.manifest = manifest
         self.block_rows: int = int(manifest["block_rows"])
+        batch = manifest.get("batch")
         self.row_map = (
-            RowMap(manifest["row_map"], path=path) if manifest.get("row_map") is not None else None
+            RowMap(manifest["row_map"], path=path, batch=batch)
+            if manifest.get("row_map") is not None
+            else None
         )
         self.boundaries: list[Boundary] = [
             _boundary(i, d, path) for i, d in enumerate(manifest["boundaries"])
         ]
+        if self.row_map is not None and self.row_map.batch is None:
+            # captures written before the batch size was recorded: the same rule as capture
+            seen = {b.shape[0] for b in self.boundaries if (b.row_dims or 0) >= 2}
+            if len(seen) == 1 and len(self.row_map) % min(seen) == 0:
+                self.row_map.batch = seen.pop()
         self._by_name = {b.name: b for b in self.boundaries}
         if len(self._by_name) != len(self.boundaries):
             raise CaptureError("boundary names repeat in the manifest", path=path)
@@ -217,6 +279,11 @@ class Capture:
         if self.row_map is None:
             return {}
         return {k: len(v) for k, v in self.row_map.requests.items()}
+
+    @property
+    def batch(self) -> int | None:
+        """Batch size of the row map (rows of a per-sequence boundary), None if unknown."""
+        return None if self.row_map is None else self.row_map.batch
 
     def boundary(self, name: str | Boundary) -> Boundary:
         if isinstance(name, Boundary):
@@ -360,6 +427,9 @@ def open_capture(path: str | os.PathLike[str] | Capture) -> Capture:
         raise CaptureError(
             f"block_rows is {manifest['block_rows']!r}; expected a positive integer", path=path
         )
+    batch = manifest.get("batch")
+    if batch is not None and (type(batch) is not int or batch < 1):
+        raise CaptureError(f"batch is {batch!r}; expected a positive integer or null", path=path)
     return Capture(path, manifest)
 
 

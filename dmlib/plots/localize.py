@@ -117,10 +117,10 @@ def block_heatmap(
     n_blocks
         Number of blocks (``len(df.attrs["block_index"])``).
     comparable
-        Rows where this column is missing (incomparable boundaries) are blank.
+        Rows where this column is missing (boundaries not judged) are blank.
 
     The image holds 0 (same), 1 (differs, inherited from an earlier boundary) and 2
-    (differs, new at this boundary), NaN for incomparable rows.
+    (differs, new at this boundary), NaN for rows not judged.
     """
     need(df, [row, blocks] + [c for c in (new, comparable) if c], "block_heatmap")
     import matplotlib.colors as mcolors
