@@ -3,8 +3,10 @@
 A *source* is a path (opened with :func:`dmlib.open_tensors`), a :class:`TensorSet`, or a
 mapping name -> array. :func:`opened` turns any of them into a TensorSet and closes
 afterwards only what it opened itself. *Patterns* choose tensors by name: a glob
-(``"*.u"``) or, prefixed ``"re:"``, a regular expression searched anywhere in the name;
-:func:`select` applies ``include``/``exclude`` lists of them.
+matched against the whole name when the pattern has ``*``, ``?`` or ``[`` (``"*.u"``), a
+substring of the name when it has none (``"attn"``), or, prefixed ``"re:"``, a regular
+expression searched anywhere in the name; :func:`select` applies ``include``/``exclude``
+lists of them, and :func:`check_selection` refuses a selection over nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import fnmatch
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +27,7 @@ __all__ = [
     "Patterns",
     "Source",
     "as_tensor_set",
+    "check_selection",
     "name_filter",
     "open_source",
     "opened",
@@ -84,8 +88,10 @@ def patterns(p: Patterns) -> list[str]:
 def select(names: Sequence[str], include: Patterns = None, exclude: Patterns = None) -> list[str]:
     """Names kept by ``include`` (any pattern matches; None keeps all) minus ``exclude``.
 
-    A pattern is a glob (``"*.u"``) or, prefixed ``"re:"``, a regular expression searched
-    anywhere in the name (``"re:^factors\\."``).
+    A pattern with glob characters (``*``, ``?``, ``[``) is matched against the whole
+    name (``"blocks.*.attn.*"``); one without them is a substring of the name
+    (``"attn"`` keeps every name containing ``attn``); prefixed ``"re:"``, it is a
+    regular expression searched anywhere in the name (``"re:^factors\\."``).
     """
     keep = name_filter(include, exclude)
     return [n for n in names if keep(n)]
@@ -102,6 +108,9 @@ def name_filter(include: Patterns = None, exclude: Patterns = None) -> Callable[
     return keep
 
 
+GLOB_CHARS = "*?["
+
+
 def _matcher(pattern: str) -> Callable[[str], bool]:
     if pattern.startswith("re:"):
         try:
@@ -109,4 +118,42 @@ def _matcher(pattern: str) -> Callable[[str], bool]:
         except re.error as err:
             raise DmlibError(f"bad regular expression {pattern!r}: {err}") from None
         return lambda name: rx.search(name) is not None
+    if not any(c in pattern for c in GLOB_CHARS):
+        return lambda name: pattern in name
     return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
+def check_selection(
+    names_a: Sequence[str],
+    names_b: Sequence[str],
+    include: Patterns,
+    exclude: Patterns,
+    path_a: Any = None,
+    path_b: Any = None,
+) -> None:
+    """Refuse an ``include`` pattern that matches no name, and a selection that keeps none.
+
+    Raises
+    ------
+    DmlibError
+        Naming the pattern and the closest names of either side.
+    """
+    from dmlib.names import closest
+
+    path_a, path_b = path_a or "set A", path_b or "set B"
+    every = list(dict.fromkeys([*names_a, *names_b]))
+    for p in patterns(include):
+        m = _matcher(p)
+        if not any(m(n) for n in every):
+            near = closest(p.removeprefix("re:"), every)
+            raise DmlibError(
+                f"--include {p!r} matches no tensor name in {path_a} or {path_b} "
+                f"(a pattern with * ? [ is matched against the whole name, one without them "
+                f"is a substring); closest names: {', '.join(near) or 'none (no tensors)'}"
+            )
+    if every and not select(every, include, exclude):
+        raise DmlibError(
+            f"the selection (--include {patterns(include)} --exclude {patterns(exclude)}) "
+            f"leaves no tensor of {path_a} or {path_b} to compare"
+        )
+

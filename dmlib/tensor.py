@@ -19,7 +19,7 @@ import numpy as np
 from dmlib import hashing
 from dmlib.errors import DmlibError, TensorNotFoundError
 
-Scalar = int | float | bool
+Scalar = int | float | bool | str | None
 
 
 class Tensor:
@@ -157,7 +157,8 @@ class TensorSet(Mapping[str, Tensor]):
     metadata
         str -> str metadata of the file (burnpack ``metadata``, safetensors ``__metadata__``).
     scalars
-        Named scalars (burnpack ``scalars``: training step counters and the like).
+        Named plain values (burnpack ``scalars``: training step counters and the like;
+        a torch checkpoint's non-tensor leaves: ``step``, an optimizer's ``lr``...).
     records
         For burnpack: one :class:`Record` per record image in the file (a plain file has
         one). Other formats: empty.

@@ -33,7 +33,7 @@ def test_compare_differs(files, capsys):
     assert lines[0].split()[:4] == ["name", "dtype", "numel", "n_diff"]
     assert lines[1].split()[:4] == ["w", "float32", "40", "1"]
     assert not any(line.startswith("i ") for line in lines)  # identical rows only with --all
-    assert "DIFFERENT: 1 of 2 tensors differ" in out and "max_ulp 3" in out
+    assert "DIFFERENT: 1 of 2 compared tensors differ; not compared: none;" in out and "max_ulp 3" in out
 
 
 def test_compare_identical_data_different_files(files, capsys):

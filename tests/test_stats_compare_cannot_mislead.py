@@ -106,7 +106,9 @@ def test_summarize_of_a_filtered_frame_is_not_identical() -> None:
 
 
 def test_summarize_of_an_empty_selection_is_not_identical() -> None:
-    """include/exclude that match nothing compared nothing: that is not "identical"."""
-    df = _cmp({"x": np.array([1, 2], np.float32)}, {"x": np.array([1, 3], np.float32)}, include="no-such-name")
-    assert len(df) == 0
-    assert dmlib.summarize(df)["identical"] is False
+    """include/exclude that match nothing would compare nothing: refused, never "identical"."""
+    x = {"x": np.array([1, 2], np.float32)}
+    with pytest.raises(dmlib.DmlibError, match="matches no tensor name"):
+        _cmp(x, x, include="no-such-name")
+    with pytest.raises(dmlib.DmlibError, match="leaves no tensor"):
+        _cmp(x, x, include="x", exclude="x")

@@ -14,7 +14,13 @@ from dmlib.errors import DmlibError
 def add_selection(p: argparse.ArgumentParser) -> None:
     """``--include`` / ``--exclude`` (glob or ``re:REGEX``, repeatable), as dmlib.compare takes them."""
     for opt in ("--include", "--exclude"):
-        p.add_argument(opt, action="append", metavar="PAT", help="glob, or re:REGEX; repeatable")
+        p.add_argument(
+            opt,
+            action="append",
+            metavar="PAT",
+            help="with * ? [ a glob on the whole name, else a substring of the name; or "
+            "re:REGEX; repeatable",
+        )
 
 
 def fmt(v: Any) -> str:

@@ -34,11 +34,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="compare the tensors of two checkpoints",
         description="Compare every tensor two checkpoints share: elements differing, max |a-b|, "
         "ULP distances, relative Frobenius error, cosine, first differing index. Prints the "
-        "tensors that differ (--all: every tensor) and a summary line.",
+        "tensors that differ (--all: every tensor) and a summary line, which always says what "
+        "was not compared (names only in A or B, dtype or shape mismatches). Patterns: with "
+        "* ? [ a glob matched against the whole name, without them a substring of the name, "
+        "re:REGEX a regular expression; an --include that matches no name is bad input "
+        "(exit 2). Two files that share no name are bad input too, with the prefix mapping "
+        "(--rename) that would pair them.",
     )
     p.add_argument("a", help="reference checkpoint")
     p.add_argument("b", help="checkpoint compared against it")
     add_selection(p)
+    p.add_argument(
+        "--rename",
+        action="append",
+        metavar="SIDE:OLD=NEW",
+        help="map names before comparing: replace the prefix OLD by NEW in side a's or b's "
+        "names, e.g. a:model.= strips 'model.' from A's names, b:=module. adds 'module.' to "
+        "B's; applied before --include/--exclude; repeatable",
+    )
+    p.add_argument(
+        "--cross-dtype",
+        action="store_true",
+        help="compare float tensors of different dtypes (f32 vs bf16...): the wider side is "
+        "rounded to the narrower dtype (round to nearest, ties to even) and ULP are counted "
+        "in the narrower dtype",
+    )
     p.add_argument("--all", action="store_true", help="list identical tensors too")
     p.add_argument(
         "--json", action="store_true", help="print one JSON document (rows, summary, attrs)"
@@ -69,6 +89,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=run_matrix)
 
 
+def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
+    """The one-line verdict of :func:`summarize`, which always says what was not compared."""
+    if s["n_tensors_diff"]:
+        word = "DIFFERENT"
+    elif s["n_not_compared"]:
+        word = "NOT ALL COMPARED"
+    elif s["identical"] and s["rounded"]:
+        word = "IDENTICAL AFTER ROUNDING"
+    else:
+        word = "IDENTICAL" if s["identical"] else "DIFFERENT"
+    gaps = [
+        f"{len(s['only_in_a'])} only in A" if s["only_in_a"] else "",
+        f"{len(s['only_in_b'])} only in B" if s["only_in_b"] else "",
+        f"{len(s['mismatched'])} with different dtype or shape" if s["mismatched"] else "",
+    ]
+    gaps = [g for g in gaps if g]
+    text = (
+        f"{word}: {s['n_tensors_diff']} of {s['n_tensors']} compared tensors differ; "
+        f"not compared: {', '.join(gaps) if gaps else 'none'}; n_diff {s['n_diff']} of numel "
+        f"{s['numel']} (frac_diff {fmt(s['frac_diff'])}); worst rel_fro {fmt(s['worst_rel_fro'])}"
+        f"{'' if s['worst_rel_fro_name'] is None else ' (' + s['worst_rel_fro_name'] + ')'}; "
+        f"max_ulp {fmt(s['max_ulp'])}"
+    )
+    if s["rounded"]:
+        r = attrs["rounded"][0]
+        text += (
+            f"; {len(s['rounded'])} compared after rounding the wider side to the narrower "
+            f"dtype (e.g. {r['name']}: {r['from']} -> {r['to']}, {r['rounding']}; ULP in {r['to']})"
+        )
+    return text
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
     from dmlib.stats.compare import compare, summarize
@@ -79,6 +131,8 @@ def run_compare(args: argparse.Namespace) -> int:
         include=args.include,
         exclude=args.exclude,
         file_hashes=args.file_hashes,
+        rename=args.rename,
+        cross_dtype=args.cross_dtype,
     )
     s = summarize(df)
     if args.json:
@@ -104,13 +158,13 @@ def run_compare(args: argparse.Namespace) -> int:
         print(
             f"data_section_hash_{side}: {at['data_section_hash_' + side]}  file_hash_{side}: {at['file_hash_' + side]}"
         )
-    verdict = "IDENTICAL" if s["identical"] else "DIFFERENT"
-    print(
-        f"{verdict}: {s['n_tensors_diff']} of {s['n_tensors']} tensors differ; n_diff {s['n_diff']} of "
-        f"numel {s['numel']} (frac_diff {fmt(s['frac_diff'])}); worst rel_fro {fmt(s['worst_rel_fro'])}"
-        f"{'' if s['worst_rel_fro_name'] is None else ' (' + s['worst_rel_fro_name'] + ')'}; "
-        f"max_ulp {fmt(s['max_ulp'])}"
-    )
+    if at["alignment_hint"]:
+        h = at["alignment_hint"]
+        print(
+            f"note: only {h['shared_before']} names are shared; mapping {h['spec']} would pair "
+            f"{h['shared_after']} (--rename {h['spec']})"
+        )
+    print(summary_line(s, at))
     return 0 if s["identical"] else 1
 
 

@@ -1,6 +1,12 @@
 """PyTorch state dicts (``.pt``, ``.pth``, ``.bin``), through torch when it is installed.
 
 Only ``weights_only=True`` loading: dmlib never unpickles arbitrary objects.
+
+Nested containers are flattened to dotted names (``{"model": {"fc.weight": t}}`` ->
+``model.fc.weight``); tensors become the set's tensors and plain values (numbers,
+strings, bools, None: a ``step``, an optimizer's ``lr`` and ``betas``) its ``scalars``.
+Optimizer state is named after the parameters where the file allows it (see
+``_optimizer_names``); ``metadata["optimizer_state_names"]`` says how.
 """
 
 from __future__ import annotations
@@ -23,17 +29,104 @@ def can_open(head: bytes, path: str) -> bool:
     return path.endswith(SUFFIXES) and (head.startswith(b"PK") or head[:2] == b"\x80\x02")
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+def _flatten(obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[str, str], path: str) -> None:
+    """Tensors and plain values (numbers, strings, bools, None) under dotted names.
+
+    ``where`` remembers each name's key path, so two leaves that flatten to one name
+    (``{"a.b": x, "a": {"b": y}}``, or keys ``0`` and ``"0"``) are refused, not overwritten.
+    """
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
+    if isinstance(obj, (torch.Tensor, bool, int, float, str)) or obj is None:
+        name = ".".join(map(str, keys))
+        keypath = "".join(f"[{k!r}]" for k in keys)
+        if name in out:
+            raise UnsupportedError(
+                f"entries {where[name]} and {keypath} both flatten to the name {name!r}; "
+                "dmlib names entries by joining keys with '.', so one would hide the other",
+                path=path,
+            )
+        out[name] = obj
+        where[name] = keypath
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+            _flatten(v, (*keys, k), out, where, path)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+            _flatten(v, (*keys, i), out, where, path)
+
+
+def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
+    """``{"<opt key>.state.<id>.": "<opt key>.state.<param name>."}`` and a note.
+
+    Optimizer state is keyed by parameter index. The parameter's name is known when the
+    param group lists ``param_names`` (written by recent PyTorch for optimizers built from
+    ``named_parameters()``), or when the file holds one model state dict beside the
+    optimizer whose floating tensors pair one to one, in order and shape, with the
+    indices (``model.parameters()`` order, no buffers). Otherwise the ids stay and the note
+    says why.
+    """
+    import torch
+
+    if not isinstance(obj, Mapping):
+        return {}, None
+    opts = [
+        k
+        for k, v in obj.items()
+        if isinstance(v, Mapping) and isinstance(v.get("state"), Mapping) and isinstance(v.get("param_groups"), list)
+    ]
+    models = [
+        k
+        for k, v in obj.items()
+        if isinstance(v, Mapping) and v and all(isinstance(t, torch.Tensor) for t in v.values())
+    ]
+    if isinstance(obj.get("state"), Mapping) and isinstance(obj.get("param_groups"), list):
+        opts = [None]  # the file is an optimizer's state dict itself
+    prefixes, notes = {}, []
+    for ok in opts:
+        opt = obj if ok is None else obj[ok]
+        head = "" if ok is None else f"{ok}."
+        try:
+            groups = [g for g in opt["param_groups"] if isinstance(g, Mapping)]
+            ids = [i for g in groups for i in g.get("params", [])]
+            named = [str(n) for g in groups for n in g.get("param_names", [])]
+        except TypeError:  # a malformed group: leave the ids alone
+            continue
+        how = "param_names"
+        if len(named) != len(ids):
+            named, how = [], None
+            if len(models) == 1 and ok is not None:
+                sd = obj[models[0]]
+                cand = [n for n, t in sd.items() if t.is_floating_point()]
+                if len(cand) == len(ids):
+                    named, how = cand, f"the order of {models[0]!r}"
+        if named and how != "param_names":
+            sd = obj[models[0]]
+            # every per-parameter state tensor (exp_avg...) has its parameter's shape
+            shapes_ok = all(
+                v.dim() == 0 or v.shape == sd[n].shape
+                for i, n in zip(ids, named, strict=True)
+                for v in (opt["state"].get(i) or {}).values()
+                if isinstance(v, torch.Tensor)
+            )
+            named = named if shapes_ok else []
+        if named and len(set(named)) == len(named):
+            for i, n in zip(ids, named, strict=True):
+                prefixes[f"{head}state.{i}."] = f"{head}state.{n}."
+            notes.append(f"{ok or 'optimizer'}: state named after parameters ({how})")
+            continue
+        notes.append(
+            f"{ok or 'optimizer'}: state keeps numeric parameter ids (no param_names, and no single model "
+            "state dict whose floating tensors pair with them in order and shape)"
+        )
+    return prefixes, "; ".join(notes) or None
+
+
+def _rename_state(name: str, prefixes: dict[str, str]) -> str:
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def _to_numpy(t: Any) -> np.ndarray:
@@ -98,14 +191,25 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
     except Exception as err:  # torch raises many types for corrupt or unsafe files
         raise FormatError(f"not a loadable PyTorch state dict ({_why(err)})", path=path) from None
     flat: dict[str, Any] = {}
-    _flatten(obj, "", flat)
-    if not flat and not isinstance(obj, Mapping):
+    _flatten(obj, (), flat, {}, path)
+    if not any(isinstance(v, torch.Tensor) for v in flat.values()) and not isinstance(obj, Mapping):
         raise UnsupportedError(f"holds a {type(obj).__name__}, not a state dict of tensors", path=path)
+    prefixes, note = _optimizer_names(obj, path)
+    if prefixes:
+        renamed = {_rename_state(k, prefixes): v for k, v in flat.items()}
+        if len(renamed) == len(flat):  # a parameter name that collides keeps the numeric ids
+            flat = renamed
+        else:
+            note = "optimizer state keeps numeric parameter ids (parameter names would collide)"
+    metadata = {} if note is None else {"optimizer_state_names": note}
+    scalars = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
     tensors = {}
     for name, t in flat.items():
+        if name in scalars:
+            continue
         try:
             arr = _to_numpy(t)
         except (TypeError, RuntimeError) as err:
             raise UnsupportedError(f"tensor {name!r}: dtype {t.dtype} has no numpy equivalent ({err})", path=path) from None
         tensors[name] = Tensor(name, arr.dtype, arr.shape, nbytes=arr.nbytes, source=arr, path=path, dtype_name=str(t.dtype).removeprefix("torch."))
-    return TensorSet(tensors, path=path, format="torch")
+    return TensorSet(tensors, path=path, format="torch", metadata=metadata, scalars=scalars)

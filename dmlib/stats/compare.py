@@ -62,7 +62,7 @@ import pandas as pd
 
 from dmlib import hashing
 from dmlib.errors import DmlibError
-from dmlib.sources import Patterns, Source, opened, patterns, select
+from dmlib.sources import Patterns, Source, check_selection, opened, patterns, select
 from dmlib.stats import _kernels as K
 from dmlib.stats._pair import (
     COLUMNS,
@@ -96,6 +96,8 @@ def compare(
     include: Patterns = None,
     exclude: Patterns = None,
     file_hashes: bool = False,
+    rename: Any = None,
+    cross_dtype: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK,
     progress: bool | None = None,
 ) -> pd.DataFrame:
@@ -107,8 +109,21 @@ def compare(
         Paths (opened with :func:`dmlib.open_tensors`) or TensorSets. ``a`` is the
         reference (the denominator of ``rel_fro``).
     include, exclude
-        Glob patterns or ``"re:<regex>"`` patterns (one or a list) applied to the names
-        of both sides.
+        Patterns (one or a list, see :func:`select`) applied to the names of both sides,
+        after ``rename``. An ``include`` pattern that matches no name raises
+        :class:`DmlibError` naming the closest names.
+    rename
+        Name mappings applied first (:mod:`dmlib.names`): ``"a:model.="`` strips
+        ``model.`` from ``a``'s names, ``"b:=module."`` adds ``module.`` to ``b``'s; a
+        string, a list of them, or ``(side, old, new)`` tuples. Two sets that share no
+        name raise :class:`DmlibError` suggesting the mapping that would pair them.
+    cross_dtype
+        Compare float tensors whose dtypes differ (an f32 checkpoint against its bf16
+        copy): the wider side is rounded to the narrower dtype (round to nearest, ties to
+        even, as numpy / ml_dtypes ``astype``; overflow becomes inf, or NaN where the
+        dtype has no inf) and every statistic, ULP included, is in the narrower dtype.
+        ``attrs["rounded"]`` lists these tensors. Default: such tensors are not compared
+        (``attrs["mismatched"]``).
     file_hashes
         Also fill ``attrs["file_hash_a"/"_b"]`` (whole file) and
         ``attrs["data_section_hash_a"/"_b"]`` (all tensor bytes in disk order, as
@@ -128,8 +143,18 @@ def compare(
     """
     if chunk_bytes < 1:
         raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+    from dmlib.names import apply_renames, parse_renames
+
+    renames = parse_renames(rename)
     with opened(a) as sa, opened(b) as sb:
-        return _compare_sets(sa, _pair_single_arrays(sa, sb), include, exclude, file_hashes, chunk_bytes, progress)
+        sa2 = apply_renames(sa, renames, "a")
+        sb2 = apply_renames(_pair_single_arrays(sa, sb), renames, "b")
+        df = _compare_sets(
+            sa2, sb2, include, exclude, file_hashes, chunk_bytes, progress,
+            cross_dtype=cross_dtype, check_names=True,
+        )  # fmt: skip
+        df.attrs["rename"] = [str(r) for r in renames]
+        return df
 
 
 def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
@@ -151,6 +176,8 @@ class _Pairing:
     only_b: list[str]
     pairs: list[tuple[Tensor, Tensor]]  # common tensors of the same dtype and shape
     mismatched: list[dict[str, Any]]  # common tensors whose dtype or shape differ
+    rounded: list[dict[str, Any]]  # common tensors compared after rounding (cross_dtype)
+    hint: dict[str, Any] | None  # a name mapping that would pair far more names
 
 
 def _compare_sets(
@@ -163,9 +190,12 @@ def _compare_sets(
     progress: bool | None,
     hash_pool: ThreadPoolExecutor | None = None,
     hash_cache: dict[int, Any] | None = None,
+    *,
+    cross_dtype: bool = False,
+    check_names: bool = False,
 ) -> pd.DataFrame:
     """:func:`compare` of two open sets; ``hash_pool``/``hash_cache`` are shared by a matrix."""
-    pairing = _pair_up(sa, sb, include, exclude)
+    pairing = _pair_up(sa, sb, include, exclude, cross_dtype=cross_dtype, check_names=check_names)
     own_pool = hash_pool is None
     if hash_pool is None:
         hash_pool = ThreadPoolExecutor(max_workers=2)
@@ -198,23 +228,41 @@ def _compare_sets(
     return df
 
 
-def _pair_up(sa: TensorSet, sb: TensorSet, include: Patterns, exclude: Patterns) -> _Pairing:
+def _pair_up(
+    sa: TensorSet,
+    sb: TensorSet,
+    include: Patterns,
+    exclude: Patterns,
+    *,
+    cross_dtype: bool = False,
+    check_names: bool = False,
+) -> _Pairing:
     order_a = [t.name for t in sa.disk_order()]
     order_b = [t.name for t in sb.disk_order()]
+    if check_names:
+        check_selection(order_a, order_b, include, exclude, sa.path, sb.path)
     keep_a = select(order_a, include, exclude)
     keep_b = set(select(order_b, include, exclude))
     common = [n for n in keep_a if n in keep_b]
-    pairs, mismatched = [], []
+    only_a = [n for n in keep_a if n not in keep_b]
+    only_b = [n for n in order_b if n in keep_b and n not in set(keep_a)]
+    hint = None
+    if check_names and (only_a or only_b):
+        hint = _alignment(keep_a, [n for n in order_b if n in keep_b], common, sa.path, sb.path)
+    pairs, mismatched, rounded = [], [], []
     for n in common:
         ta, tb = sa[n], sb[n]
         if same_layout(ta, tb):
             pairs.append((ta, tb))
+        elif cross_dtype and (r := _rounded_pair(ta, tb)) is not None:
+            pairs.append(r[:2])
+            rounded.append(r[2])
         else:
             mismatched.append(
                 {
                     "name": n,
-                    "dtype_a": ta.dtype_name,
-                    "dtype_b": tb.dtype_name,
+                    "dtype_a": _label(ta),
+                    "dtype_b": _label(tb),
                     "shape_a": list(ta.shape),
                     "shape_b": list(tb.shape),
                 }
@@ -223,10 +271,12 @@ def _pair_up(sa: TensorSet, sb: TensorSet, include: Patterns, exclude: Patterns)
         order_a=order_a,
         order_b=order_b,
         common=common,
-        only_a=[n for n in keep_a if n not in keep_b],
-        only_b=[n for n in order_b if n in keep_b and n not in set(keep_a)],
+        only_a=only_a,
+        only_b=only_b,
         pairs=pairs,
         mismatched=mismatched,
+        rounded=rounded,
+        hint=hint,
     )
 
 
@@ -292,6 +342,8 @@ def _attrs(
         "only_in_a": pairing.only_a,
         "only_in_b": pairing.only_b,
         "mismatched": pairing.mismatched,
+        "rounded": pairing.rounded,
+        "alignment_hint": pairing.hint,
         "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
         "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
         "param_id_diff": {
@@ -304,6 +356,63 @@ def _attrs(
         "data_section_hash_a": done.get("data_section_hash_a"),
         "data_section_hash_b": done.get("data_section_hash_b"),
     }
+
+
+def _label(t: Any) -> str:
+    """The one spelling of a dtype in dmlib's output: numpy's name (the format's for quantized)."""
+    from dmlib.dtypes import dtype_label
+
+    return t.dtype_name if t.quantized else dtype_label(t.dtype)
+
+
+ROUNDING = "round to nearest, ties to even"
+
+
+def _rounded_pair(ta: Any, tb: Any) -> tuple[Any, Any, dict[str, Any]] | None:
+    """(a, b, record) with the wider float side rounded to the narrower dtype, else None."""
+    from dmlib.dtypes import is_float
+    from dmlib.tensor import Tensor
+
+    if ta.quantized or tb.quantized or ta.shape != tb.shape:
+        return None
+    if not (is_float(ta.dtype) and is_float(tb.dtype)) or ta.dtype.itemsize == tb.dtype.itemsize:
+        return None
+    wide, narrow, side = (ta, tb, "a") if ta.dtype.itemsize > tb.dtype.itemsize else (tb, ta, "b")
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = np.ascontiguousarray(wide.load().astype(narrow.dtype))
+    t = Tensor(wide.name, arr.dtype, arr.shape, nbytes=arr.nbytes, source=arr)
+    record = {
+        "name": wide.name,
+        "rounded": side,
+        "from": _label(wide),
+        "to": _label(narrow),
+        "rounding": ROUNDING,
+    }
+    return (t, tb, record) if side == "a" else (ta, t, record)
+
+
+def _alignment(
+    names_a: list[str], names_b: list[str], common: list[str], path_a: Any, path_b: Any
+) -> dict[str, Any] | None:
+    """A better name mapping when few names are shared; refuse two sets sharing none."""
+    from dmlib.names import suggest_alignment
+
+    s = suggest_alignment(names_a, names_b)
+    path_a, path_b = path_a or "set A", path_b or "set B"
+    if not common and names_a and names_b:
+        hint = (
+            f"mapping {s['spec']} would pair {s['shared_after']} of them: pass --rename "
+            f"{' --rename '.join(s['spec'].split())} (API: rename={s['spec'].split()!r})"
+            if s
+            else "no prefix mapping pairs them (pass --rename SIDE:OLD=NEW)"
+        )
+        raise DmlibError(
+            f"{path_a} and {path_b} share no tensor name ({len(names_a)} vs {len(names_b)} "
+            f"names, e.g. {names_a[0]!r} vs {names_b[0]!r}); {hint}"
+        )
+    if s is None or s["shared_after"] < 2 * len(common):
+        return None
+    return {"spec": s["spec"], "shared_before": s["shared_before"], "shared_after": s["shared_after"]}
 
 
 def section_hash(ts: TensorSet, chunk_bytes: int = DEFAULT_CHUNK) -> str:
@@ -330,7 +439,9 @@ def summarize(df: pd.DataFrame) -> dict[str, Any]:
         ``n_tensors`` compared, ``numel`` (total slots), ``n_diff`` (slots differing),
         ``frac_diff``, ``n_tensors_diff``, ``worst_rel_fro`` and ``worst_rel_fro_name``,
         ``max_ulp`` and ``max_ulp_name``, ``max_abs``, ``only_in_a``, ``only_in_b``,
-        ``mismatched`` (names), ``complete`` (False when ``df`` lost rows of the
+        ``mismatched`` (names), ``rounded`` (names compared after rounding, see
+        ``cross_dtype``), ``n_not_compared`` (only in a + only in b + mismatched),
+        ``complete`` (False when ``df`` lost rows of the
         comparison, e.g. ``df[df.n_diff == 0]``), and ``identical``: True only when the
         frame is complete, every tensor the two sides share was compared and is
         bit-identical, no name, dtype or shape differs, and something was compared
@@ -368,6 +479,8 @@ def summarize(df: pd.DataFrame) -> dict[str, Any]:
         "only_in_a": list(attrs["only_in_a"]),
         "only_in_b": list(attrs["only_in_b"]),
         "mismatched": mismatched,
+        "rounded": [r["name"] for r in attrs.get("rounded", [])],
+        "n_not_compared": len(attrs["only_in_a"]) + len(attrs["only_in_b"]) + len(mismatched),
         "complete": complete,
         "identical": bool(
             complete

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.errors import DmlibError
-from dmlib.sources import Patterns, Source, opened
+from dmlib.sources import Patterns, Source, check_selection, opened
 from dmlib.stats.compare import COLUMNS, _compare_sets, summarize
 
 
@@ -65,6 +65,8 @@ def matrix(
     with contextlib.ExitStack() as stack:
         sets = {label: stack.enter_context(opened(src)) for label, src in runs.items()}
         stack.callback(hash_pool.shutdown, wait=True, cancel_futures=True)  # before closing
+        every = list(dict.fromkeys(n for ts in sets.values() for n in ts))
+        check_selection(every, [], include, exclude, "any run", "the others")
         for la, lb in itertools.combinations(labels, 2):
             df = _compare_sets(
                 sets[la],
