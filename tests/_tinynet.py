@@ -10,6 +10,7 @@ batch size). Tests therefore know the ground truth without trusting this machine
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -75,13 +76,13 @@ class PlantedHead(nn.Module):
 
 
 class TinyClassifier(nn.Module):
-    def __init__(self, *, planted: bool = True) -> None:
+    def __init__(self, *, planted: bool = True, d: int = D) -> None:
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.pos = nn.Embedding(MAX_LEN, D)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.tok = nn.Embedding(VOCAB, d)
+        self.pos = nn.Embedding(MAX_LEN, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
         self.pool = MeanPool()
-        self.head = PlantedHead(planted=planted)
+        self.head = PlantedHead(d, planted=planted)
 
     def forward(self, ids: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None, :])  # pos: [1, T, D]
@@ -112,6 +113,36 @@ def batch(seqs: list[list[tuple[str, list[int]]]], t: int):
     return ids, seg, rows
 
 
-def model(seed: int = 0, *, planted: bool = True) -> TinyClassifier:
+def model(seed: int = 0, *, planted: bool = True, d: int = D) -> TinyClassifier:
     torch.manual_seed(seed)
-    return TinyClassifier(planted=planted).eval()
+    return TinyClassifier(planted=planted, d=d).eval()
+
+
+def train(
+    seed: int, steps: int, save_at: list[int], *, nudge_at: int | None = None
+) -> dict[int, tuple[dict[str, torch.Tensor], dict]]:
+    """AdamW on random token classification; ``{step: (model state, optimizer state)}``.
+
+    ``nudge_at``: after that step's update, ``head.weight[0, 0]`` moves up one ULP (a
+    planted divergence between otherwise equal runs).
+    """
+    torch.manual_seed(seed)
+    m = TinyClassifier(planted=False).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1234)
+    out = {}
+    for step in range(1, steps + 1):
+        ids = torch.randint(1, VOCAB, (4, 8), generator=data)
+        seg = torch.ones(4, 8, dtype=torch.long)
+        labels = torch.randint(0, CLASSES, (4,), generator=data)
+        opt.zero_grad()
+        F.cross_entropy(m(ids, seg), labels).backward()
+        opt.step()
+        if step == nudge_at:
+            with torch.no_grad():
+                w = m.head.weight
+                w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
+        if step in save_at:
+            sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+            out[step] = (sd, copy.deepcopy(opt.state_dict()))  # the live state moves on
+    return out

@@ -60,8 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Compare same-seed runs checkpoint by checkpoint along a step ladder. Every "
         "checkpoint's recorded step is checked against the claimed one first; artifacts "
         "(e.g. a step-0 save claimed as step 50), missing and unreadable files are reported "
-        "and left out. Prints the fastest movers per step and the growth of rel_fro per step "
-        "(slope of log10 rel_fro). Exit 1 when any tensor differs or any checkpoint is flagged.",
+        "and left out. Prints one line per pair of runs: the first step at which it diverges "
+        "(or 'bit-identical at every step'), the fastest movers at the last step and the growth "
+        "of rel_fro per step (slope of log10 rel_fro of all tensors together); --details for "
+        "the per-step and per-tensor tables. Exit 1 when any tensor differs or any checkpoint "
+        "is flagged.",
     )
     lad.add_argument(
         "ckpts", nargs="+", metavar="LABEL:STEP=PATH", help="one checkpoint of one run"
@@ -80,7 +83,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="report missing or unreadable checkpoints as flagged rows (exit 1) instead of "
         "refusing the ladder (exit 2)",
     )
-    lad.add_argument("--top", type=int, default=5, help="fastest movers shown per step (default 5)")
+    lad.add_argument("--top", type=int, default=3, help="fastest movers named per pair (default 3)")
+    lad.add_argument(
+        "--details",
+        action="store_true",
+        help="also print the step check of every checkpoint, the fastest movers of every step "
+        "and the growth rate of every tensor",
+    )
     add_selection(lad)
     _group_arg(lad, required=False)
     lad.add_argument("--json", action="store_true", help="print one JSON document")
@@ -233,7 +242,7 @@ def run_firstcol(args: argparse.Namespace) -> int:
 
 
 def run_ladder(args: argparse.Namespace) -> int:
-    from dmlib.forensics.ladder import growth_rates, step_ladder
+    from dmlib.forensics.ladder import growth_rates, ladder_summary, step_ladder
 
     ladder = parse_ladder(args.ckpts)
     groups = [parse_group(g) for g in args.group] if args.group else None
@@ -259,35 +268,76 @@ def run_ladder(args: argparse.Namespace) -> int:
             )
     flagged = bool(checks["flagged"].any())
     code = 1 if flagged or bool((df["n_diff"] > 0).any()) else 0
+    summary = ladder_summary(df, top=args.top)
     if args.json:
-        _dump({"checks": checks, "rows": df, "growth": growth, "excluded": df.attrs["excluded"]})
+        _dump(
+            {
+                "checks": checks,
+                "pairs": summary,
+                "rows": df,
+                "growth": growth,
+                "excluded": df.attrs["excluded"],
+            }
+        )
         return code
-    print(table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
     for e in df.attrs["excluded"]:
         print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
-    if len(df):
-        top = df[df["rank"] <= args.top].sort_values(["step", "pair", "rank"])
-        print()
+    if args.details:
+        print(table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
+    else:
+        counts = checks["status"].value_counts()
         print(
-            table(
-                top,
-                [
-                    "step",
-                    "pair",
-                    "rank",
-                    "name",
-                    "kind",
-                    "numel",
-                    "norm",
-                    "rel_fro",
-                    "max_abs",
-                    "n_diff",
-                ],
-            )
+            f"checkpoints: {len(checks)}; "
+            + ", ".join(f"{n} {s}" for s, n in counts.items())
+            + " (recorded step against claimed)"
         )
+        for c in checks[checks["status"] != "ok"].itertuples(index=False):
+            print(f"  {c.status}: run {c.run} step {c.step}: {c.detail}")
+    for r in summary.itertuples(index=False):
+        print(_pair_line(r))
+    if args.details and len(df):
+        moved = df[(df["rank"] <= args.top) & (df["n_diff"] > 0)].sort_values(
+            ["step", "pair", "rank"]
+        )
+        cols = [
+            "step",
+            "pair",
+            "rank",
+            "name",
+            "kind",
+            "numel",
+            "norm",
+            "rel_fro",
+            "max_abs",
+            "n_diff",
+        ]
+        print()
+        print(table(moved, cols) if len(moved) else "no tensor differs at any step")
         print()
         print(table(growth.sort_values("slope", ascending=False), list(growth.columns)))
     return code
+
+
+def _pair_line(r: Any) -> str:
+    """One line for one pair of a ladder."""
+    steps = ", ".join(map(str, r.steps))
+    if r.identical:
+        return f"{r.pair}: bit-identical at every step ({steps})"
+    before = [s for s in r.steps if s < r.first_diff_step]
+    text = f"{r.pair}: first diverges at step {r.first_diff_step}"
+    text += (
+        f" (bit-identical at {', '.join(map(str, before))})"
+        if before
+        else " (the first step compared)"
+    )
+    movers = ", ".join(f"{n} {fmt(v)}" for n, v in r.movers)
+    text += f"; fastest movers at step {r.last_step} (rel_fro): {movers or '-'}"
+    slope = (
+        f"{r.slope:+.3g} decades of rel_fro per step over {r.n_steps_fit} steps"
+        if r.slope == r.slope
+        else f"no rate (rel_fro > 0 at {r.n_steps_fit} step{'s' if r.n_steps_fit != 1 else ''})"
+    )
+    return f"{text}; growth {slope}"
 
 
 def run_gapcheck(args: argparse.Namespace) -> int:

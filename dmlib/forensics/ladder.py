@@ -24,7 +24,7 @@ from dmlib.forensics.factors import FactorGroup, as_groups, layers_of
 from dmlib.sources import Patterns, Source, name_filter, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
-__all__ = ["check_steps", "growth_rates", "step_ladder"]
+__all__ = ["check_steps", "growth_rates", "ladder_summary", "step_ladder"]
 
 Ladder = Mapping[str, Mapping[Any, Source]]
 StepKey = str | Callable[[TensorSet], Any] | None
@@ -422,4 +422,69 @@ def growth_rates(df: pd.DataFrame, *, by: Any = "name") -> pd.DataFrame:
     out = pd.DataFrame(rows, columns=cols)
     out["step_min"] = out["step_min"].astype("Int64")
     out["step_max"] = out["step_max"].astype("Int64")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# one line per pair
+
+
+def ladder_summary(df: pd.DataFrame, *, top: int = 3) -> pd.DataFrame:
+    """Per pair of runs: where it first diverges, the fastest movers, the growth rate.
+
+    Parameters
+    ----------
+    df
+        A :func:`step_ladder` frame.
+    top
+        Fastest movers (largest rel_fro at the last compared step, rel_fro > 0) listed.
+
+    Returns
+    -------
+    DataFrame
+        One row per pair: ``pair``, ``steps`` (compared steps), ``identical`` (every
+        tensor bit-identical at every step), ``first_diff_step`` (first step at which
+        any tensor differs, else None), ``last_step``, ``movers`` (``[(name, rel_fro)]``
+        at the last step), ``slope`` (decades of rel_fro per step of all tensors taken
+        together, least squares over the steps where it is > 0; NaN with fewer than two),
+        ``n_steps_fit``.
+    """
+    rows = []
+    whole = growth_rates(df, by=lambda _: "all") if len(df) else None
+    for pair, g in df.groupby("pair", sort=False):
+        steps = sorted(int(s) for s in g["step"].unique())
+        per_step = g.groupby("step")["n_diff"].sum()
+        differ = [int(s) for s, n in per_step.items() if n > 0]
+        last = g[g["step"] == steps[-1]]
+        movers = last[last["rel_fro"] > 0].sort_values("rel_fro", ascending=False).head(top)
+        fit = whole[whole["pair"] == pair].iloc[0] if whole is not None else None
+        rows.append(
+            {
+                "pair": pair,
+                "steps": steps,
+                "identical": not differ,
+                "first_diff_step": differ[0] if differ else None,
+                "last_step": steps[-1],
+                "movers": [
+                    (str(n), float(r))
+                    for n, r in zip(movers["name"], movers["rel_fro"], strict=True)
+                ],
+                "slope": float("nan") if fit is None else float(fit["slope"]),
+                "n_steps_fit": 0 if fit is None else int(fit["n_steps"]),
+            }
+        )
+    out = pd.DataFrame(
+        rows,
+        columns=[
+            "pair",
+            "steps",
+            "identical",
+            "first_diff_step",
+            "last_step",
+            "movers",
+            "slope",
+            "n_steps_fit",
+        ],
+    )
+    out["first_diff_step"] = out["first_diff_step"].astype("Int64")
     return out
