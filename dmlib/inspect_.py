@@ -56,7 +56,8 @@ def describe(
             tensors.append(
                 {
                     "name": t.name,
-                    "dtype": t.dtype_name,
+                    "dtype": t.dtype_label,
+                    "format_dtype": t.dtype_name,
                     "shape": list(t.shape),
                     "numel": t.numel,
                     "offset": t.offset,

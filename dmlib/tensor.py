@@ -139,10 +139,18 @@ class Tensor:
         arr = self.load()
         return arr if dtype is None else arr.astype(dtype)
 
+    @property
+    def dtype_label(self) -> str:
+        """The one spelling dmlib prints: numpy's name (``float32``, ``bfloat16``...).
+
+        Quantized tensors keep the format's name (their numpy dtype is the packed bytes').
+        """
+        return self.dtype_name if self.quantized else self.dtype.name
+
     def __repr__(self) -> str:
         where = f" @ {self.offset}" if self.offset is not None else ""
         pid = f" param_id={self.param_id}" if self.param_id is not None else ""
-        return f"<Tensor {self.name!r} {self.dtype_name} {list(self.shape)}{where}{pid}>"
+        return f"<Tensor {self.name!r} {self.dtype_label} {list(self.shape)}{where}{pid}>"
 
 
 class TensorSet(Mapping[str, Tensor]):
@@ -296,13 +304,15 @@ class TensorSet(Mapping[str, Tensor]):
         return hashing.hash_chunks(t.raw() for t in self.disk_order())
 
     def table(self):  # -> pandas.DataFrame
-        """One row per tensor in disk order: name, dtype, shape, numel, offset, nbytes, param_id, record."""
+        """One row per tensor in disk order: name, dtype (numpy's name), format_dtype (the
+        format's own), shape, numel, offset, nbytes, param_id, record."""
         import pandas as pd
 
         rows = [
             {
                 "name": t.name,
-                "dtype": t.dtype_name,
+                "dtype": t.dtype_label,
+                "format_dtype": t.dtype_name,
                 "shape": list(t.shape),
                 "numel": t.numel,
                 "offset": t.offset,

@@ -283,3 +283,15 @@ def test_ladder_reads_the_step_of_torch_checkpoints(runs, capsys):
     assert main(["ladder", *wrong]) == 1
     out = capsys.readouterr().out
     assert "artifact: run copy step 5: artifact: recorded step 3, claimed 5" in out
+
+
+def test_one_dtype_spelling(runs, capsys):
+    root, _, _ = runs
+    assert main(["inspect", str(root / "base" / "s3.safetensors")]) == 0
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("tok.weight "))
+    assert row.split()[1] == "float32" and " F32 " not in out
+    assert main(["inspect", str(root / "base" / "s3.safetensors"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    t = next(t for t in doc["tensors"] if t["name"] == "tok.weight")
+    assert (t["dtype"], t["format_dtype"]) == ("float32", "F32")

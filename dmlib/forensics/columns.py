@@ -182,8 +182,8 @@ def _shared_tensors(
                 continue
             if ta.shape != tb.shape or ta.dtype != tb.dtype:
                 raise DmlibError(
-                    f"tensor {name!r}: {la} has {ta.dtype_name}{list(ta.shape)}, {lb} has "
-                    f"{tb.dtype_name}{list(tb.shape)}; runs of one model must agree",
+                    f"tensor {name!r}: {la} has {ta.dtype_label}{list(ta.shape)}, {lb} has "
+                    f"{tb.dtype_label}{list(tb.shape)}; runs of one model must agree",
                     path=_where(sb),
                 )
             yield la, lb, name, ta.load(), tb.load()

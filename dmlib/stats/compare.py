@@ -359,10 +359,7 @@ def _attrs(
 
 
 def _label(t: Any) -> str:
-    """The one spelling of a dtype in dmlib's output: numpy's name (the format's for quantized)."""
-    from dmlib.dtypes import dtype_label
-
-    return t.dtype_name if t.quantized else dtype_label(t.dtype)
+    return t.dtype_label
 
 
 ROUNDING = "round to nearest, ties to even"
