@@ -322,7 +322,10 @@ def capture(
         hashed per request (``row_dims``); the others are hashed whole and per index of
         their first axis (``leading``), so that a per-sequence boundary (first axis =
         batch, e.g. pooled outputs) is attributed to the request filling each batch row.
-        A row map that fits no boundary raises :class:`CaptureError`.
+        A row map that fits no boundary raises :class:`CaptureError`. A tensor whose
+        leading dims flatten to the row map's length is read per position even if it is
+        per sequence by meaning (``[batch, n]`` with ``n`` equal to the sequence length):
+        choose shapes, or ``modules``, that keep the two apart.
     block_rows
         Positions per block hash.
     dump
