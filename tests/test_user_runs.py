@@ -295,3 +295,11 @@ def test_one_dtype_spelling(runs, capsys):
     doc = json.loads(capsys.readouterr().out)
     t = next(t for t in doc["tensors"] if t["name"] == "tok.weight")
     assert (t["dtype"], t["format_dtype"]) == ("float32", "F32")
+
+
+def test_values_neither_tensor_nor_plain_are_named_not_dropped(tmp_path):
+    p = tmp_path / "odd.pt"
+    torch.save({"w": torch.ones(2), "dtype": torch.bfloat16, "z": 1 + 2j, "step": 4, "tag": "run-a"}, p)
+    ts = dmlib.open_tensors(p)
+    assert list(ts) == ["w"] and ts.scalars == {"step": 4, "tag": "run-a"}
+    assert ts.metadata["entries_not_read"] == "dtype (dtype), z (complex)"

@@ -54,6 +54,11 @@ def _flatten(obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[s
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             _flatten(v, (*keys, i), out, where, path)
+    else:  # a value of another type (bytes, complex, torch.dtype...): named, not dropped
+        out.setdefault(SKIPPED, []).append(f"{'.'.join(map(str, keys))} ({type(obj).__name__})")
+
+
+SKIPPED = "\0skipped"  # key of the list of values neither tensors nor plain (never a name)
 
 
 def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
@@ -202,6 +207,9 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
         else:
             note = "optimizer state keeps numeric parameter ids (parameter names would collide)"
     metadata = {} if note is None else {"optimizer_state_names": note}
+    skipped = flat.pop(SKIPPED, None)
+    if skipped:
+        metadata["entries_not_read"] = ", ".join(skipped)
     scalars = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
     tensors = {}
     for name, t in flat.items():
