@@ -140,20 +140,20 @@ def check_selection(
     """
     from dmlib.names import closest
 
-    path_a, path_b = path_a or "set A", path_b or "set B"
+    where = " or ".join(str(p) for p in (path_a, path_b) if p) or "either set"
     every = list(dict.fromkeys([*names_a, *names_b]))
     for p in patterns(include):
         m = _matcher(p)
         if not any(m(n) for n in every):
             near = closest(p.removeprefix("re:"), every)
             raise DmlibError(
-                f"--include {p!r} matches no tensor name in {path_a} or {path_b} "
+                f"--include {p!r} matches no tensor name in {where} "
                 f"(a pattern with * ? [ is matched against the whole name, one without them "
                 f"is a substring); closest names: {', '.join(near) or 'none (no tensors)'}"
             )
     if every and not select(every, include, exclude):
         raise DmlibError(
             f"the selection (--include {patterns(include)} --exclude {patterns(exclude)}) "
-            f"leaves no tensor of {path_a} or {path_b} to compare"
+            f"leaves no tensor of {where} to compare"
         )
 

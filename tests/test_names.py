@@ -56,3 +56,20 @@ def test_partial_overlap_gets_a_note(capsys, tmp_path):
     assert "not compared: 2 only in A, 2 only in B" in out.splitlines()[-1]
     assert main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--rename", "a:model.="]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("IDENTICAL: 0 of 3 compared")
+
+
+def test_cli_selection_errors(capsys, tmp_path):
+    x = np.arange(4, dtype=np.float32)
+    np.savez(tmp_path / "a.npz", fc_w=x, fc_b=x)
+    np.savez(tmp_path / "b.npz", fc_w=x, fc_b=x)
+    a, b = str(tmp_path / "a.npz"), str(tmp_path / "b.npz")
+    before = [(tmp_path / n).read_bytes() for n in ("a.npz", "b.npz")]
+    cases = [
+        (["compare", a, b, "--include", "fc", "--exclude", "fc_"], "leaves no tensor"),
+        (["matrix", f"p1={a}", f"p2={b}", "--include", "fc_q"], "'fc_q' matches no tensor name"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert [(tmp_path / n).read_bytes() for n in ("a.npz", "b.npz")] == before

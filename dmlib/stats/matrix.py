@@ -66,7 +66,7 @@ def matrix(
         sets = {label: stack.enter_context(opened(src)) for label, src in runs.items()}
         stack.callback(hash_pool.shutdown, wait=True, cancel_futures=True)  # before closing
         every = list(dict.fromkeys(n for ts in sets.values() for n in ts))
-        check_selection(every, [], include, exclude, "any run", "the others")
+        check_selection(every, [], include, exclude, f"any of the runs {labels}")
         for la, lb in itertools.combinations(labels, 2):
             df = _compare_sets(
                 sets[la],
