@@ -172,3 +172,37 @@ def test_nested_row_map_must_agree_with_the_batch(tmp_path):
     with pytest.raises(CaptureError, match="lengths"):
         with dmlib.capture(m, tmp_path / "y", row_map=[rows[0], rows[1][:3]]):
             pass
+
+
+class _FlatTokens(torch.nn.Module):
+    """Embeds the tokens flattened ([batch*seq] -> [batch*seq, D]): no [batch, seq] boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(tn.VOCAB, tn.D)
+        self.head = tn.PlantedHead(planted=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids.reshape(-1)).reshape(*ids.shape, tn.D)
+        return self.head(x.mean(1))
+
+
+def test_unknown_batch_whole_tensor_only_for_the_same_row_layout(tmp_path):
+    torch.manual_seed(0)
+    m = _FlatTokens().eval()
+    x, z = [3, 4, 5, 9], [6, 7, 8, 9]  # 4 positions: unlike the head's 3 classes
+    first = [("probe", p) for p in range(4)] + [("other", p) for p in range(4)]
+    swapped = [("other", p) for p in range(4)] + [("probe", p) for p in range(4)]
+    layouts = {"a": ([x, z], first), "b": ([z, x], swapped), "a2": ([x, z], first)}
+    for name, (ids, rows) in layouts.items():
+        with torch.no_grad(), dmlib.capture(m, tmp_path / name, row_map=rows):
+            m(torch.tensor(ids))
+    assert dmlib.open_capture(tmp_path / "a").batch is None  # flat map, no [batch, seq] tensor
+    df = dmlib.compare_captures(tmp_path / "a", tmp_path / "b", request="probe")
+    # the probe's tokens match; the head's [2, 3] rows are swapped, so the whole tensor
+    # says nothing about the probe: not judged, rather than "different" or "identical"
+    assert df.attrs["status"] == "inconclusive"
+    assert {u["boundary"] for u in df.attrs["unjudged"]} == {"head:input0", "head"}
+    assert "batch size unknown" in df.attrs["unjudged"][0]["reason"]
+    same = dmlib.compare_captures(tmp_path / "a", tmp_path / "a2", request="probe")
+    assert same.attrs["status"] == "identical" and same.attrs["unjudged"] == []

@@ -93,12 +93,13 @@ def _attribute(c: Capture, x: Boundary, r: str) -> tuple[str | None, Any]:
 
     ``("token", RequestHash)`` (rows per position), ``("sequence", (row, sha256))`` (first
     axis = batch: the row the request fills), ``("mixed", reason)`` (first axis = batch,
-    but no row belongs to the request alone) or ``(None, reason)`` (no batch axis).
+    but no row belongs to the request alone), ``("unknown", reason)`` (batch size unknown)
+    or ``(None, reason)`` (no batch axis).
     """
     if x.row_mapped:
         return "token", x.requests[r]
     if c.batch is None:
-        return None, "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)"
+        return "unknown", "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)"
     if not x.shape or x.shape[0] != c.batch:
         return None, f"first axis {list(x.shape[:1])} is not the batch ({c.batch})"
     if x.leading is None:
@@ -126,11 +127,16 @@ def _judge_request(
         if ba.dtype != bb.dtype or ba.shape[1:] != bb.shape[1:]:
             return False, [], f"{note}: row {ba.dtype}{list(ba.shape[1:])} vs {bb.dtype}{list(bb.shape[1:])}"
         return va[1] == vb[1], [], note
-    mixed = "mixed" in (ka, kb)
-    if not mixed and ba.shape == bb.shape and ba.dtype == bb.dtype:
+    # without the batch size, a first axis may be the batch: a whole tensor stands for the
+    # request only when both captures place every request on the same rows
+    same_rows = a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
+    blocked = "mixed" in (ka, kb) or ("unknown" in (ka, kb) and not same_rows)
+    if not blocked and ba.shape == bb.shape and ba.dtype == bb.dtype:
         return ba.sha256 == bb.sha256, [], "compared whole (no batch axis to attribute; shapes agree)"
     why = "; ".join(
-        f"in {side}: {v}" for side, k, v in (("A", ka, va), ("B", kb, vb)) if k in (None, "mixed")
+        f"in {side}: {v}"
+        for side, k, v in (("A", ka, va), ("B", kb, vb))
+        if k in (None, "mixed", "unknown")
     ) or "rows per position in one capture, per sequence in the other"
     shapes = (
         ""
