@@ -99,7 +99,7 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
             continue
         how = "param_names"
         if len(named) != len(ids):
-            named, how = [], None
+            named, how = [], ""
             if len(models) == 1 and ok is not None:
                 sd = obj[models[0]]
                 cand = [n for n, t in sd.items() if t.is_floating_point()]

@@ -98,7 +98,7 @@ def _attribute(c: Capture, x: Boundary, r: str) -> tuple[str | None, Any]:
     """
     if x.row_mapped:
         return "token", x.requests[r]
-    if c.batch is None:
+    if c.batch is None or c.row_map is None:
         return "unknown", "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)"
     if not x.shape or x.shape[0] != c.batch:
         return None, f"first axis {list(x.shape[:1])} is not the batch ({c.batch})"
