@@ -66,3 +66,23 @@ def test_patterns_and_selection_by_hand():
     assert [n for n in names if keep(n)] == ["head.w"]
     with pytest.raises(DmlibError, match="bad regular expression"):
         name_filter("re:(")
+
+
+def test_plain_patterns_are_substrings_and_globs_whole_names():
+    names = ["enc.0.w", "enc.0.b", "enc.10.w", "head.w"]
+    assert select(names, "enc.0") == ["enc.0.w", "enc.0.b"]  # no glob characters: substring
+    assert select(names, ".w") == ["enc.0.w", "enc.10.w", "head.w"]
+    assert select(names, "enc.?.w") == ["enc.0.w"]  # glob: the whole name
+    assert select(names, "enc") == ["enc.0.w", "enc.0.b", "enc.10.w"]
+    assert select(names, "enc*") == ["enc.0.w", "enc.0.b", "enc.10.w"]
+    assert select(names, "[eh]*.w", exclude="10") == ["enc.0.w", "head.w"]
+
+
+def test_a_selection_over_nothing_is_refused():
+    from dmlib.sources import check_selection
+
+    with pytest.raises(DmlibError, match="'atn' matches no tensor name in a.pt or b.pt .*closest names: attn.q"):
+        check_selection(["attn.q", "mlp.w"], ["attn.q"], "atn", None, "a.pt", "b.pt")
+    with pytest.raises(DmlibError, match="leaves no tensor"):
+        check_selection(["attn.q"], [], "attn", "q", "a.pt")
+    check_selection(["attn.q"], [], "attn", None, "a.pt")  # fine: returns quietly
