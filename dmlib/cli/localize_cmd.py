@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON document (rows and attrs)")
     add_common_epilog(p)
-    p.epilog = EXIT_CODES.replace("\n  2", INCONCLUSIVE_CODE + "\n  2")
+    p.epilog = EXIT_CODES + INCONCLUSIVE_CODE
     p.set_defaults(func=run_localize)
 
 
