@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dmlib.dtypes import bits_dtype, dtype_label, is_float
+from dmlib.dtypes import bits_dtype, dtype_label, is_float, native
 from dmlib.errors import DmlibError
 from dmlib.stats import _kernels as K
 from dmlib.stats.ulp import float_bits, ulp_bits
@@ -46,9 +46,17 @@ def kind_of(t: Tensor) -> str:
 
 
 def same_layout(ta: Tensor, tb: Tensor) -> bool:
-    """True when two tensors can be compared element by element (dtype, shape, size agree)."""
+    """True when two tensors can be compared element by element (dtype, shape, size agree).
+
+    Byte order does not count for floats and integers: a big-endian float32 holds float32
+    values, compared as such. Opaque bytes must match exactly.
+    """
+    if kind_of(ta) == "bytes" or kind_of(tb) == "bytes":
+        same_dtype = ta.dtype == tb.dtype
+    else:
+        same_dtype = native(ta.dtype) == native(tb.dtype)
     return (
-        ta.dtype == tb.dtype
+        same_dtype
         and ta.shape == tb.shape
         and ta.quantized == tb.quantized
         and ta.nbytes == tb.nbytes
@@ -59,19 +67,31 @@ def same_layout(ta: Tensor, tb: Tensor) -> bool:
 def _chunk_pairs(
     ta: Tensor, tb: Tensor, elem: np.dtype, chunk_bytes: int, rel: K.PageReleaser | None = None
 ) -> Iterator[tuple[int, Any, Any]]:
-    """(first element index, bytes of a, bytes of b) per chunk; pages released after use."""
+    """(first element index, bytes of a, bytes of b) per chunk; pages released after use.
+
+    ``elem`` is in this machine's byte order; a side stored in the other order is swapped
+    chunk by chunk (a copy), so the kernels always see native bit patterns.
+    """
     # plain ndarray views: np.memmap's per-slice bookkeeping costs more than the compare
     ra, rb = ta.raw().view(np.ndarray), tb.raw().view(np.ndarray)
     if ra.nbytes != ta.nbytes or rb.nbytes != tb.nbytes:
         raise DmlibError(f"tensor {ta.name!r}: stored bytes do not match its nbytes", path=ta.path)
     roots = (K.PageReleaser.root(ra), K.PageReleaser.root(rb)) if rel is not None else (None, None)
+    swap_a, swap_b = _swapped(ta, elem), _swapped(tb, elem)
     step = max(1, chunk_bytes // elem.itemsize) * elem.itemsize
     for off in range(0, ta.nbytes, step):
         ca, cb = ra[off : off + step], rb[off : off + step]
-        yield off // elem.itemsize, ca, cb
-        if rel is not None:
+        sa = ca.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_a else ca
+        sb = cb.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_b else cb
+        yield off // elem.itemsize, sa, sb
+        if rel is not None:  # the mapped chunks, not the swapped copies
             rel.add(ca, roots[0])
             rel.add(cb, roots[1])
+
+
+def _swapped(t: Tensor, elem: np.dtype) -> bool:
+    """True when ``t`` is stored in the other byte order than this machine's, as multi-byte elements."""
+    return elem.itemsize > 1 and not t.dtype.isnative
 
 
 def compare_pair(
@@ -96,12 +116,12 @@ def compare_pair(
         return cache[id(t)]
 
     kind = kind_of(ta)
-    elem = (
-        bits_dtype(ta.dtype) if kind == "float" else ta.dtype if kind == "int" else np.dtype("u1")
-    )
-    info = float_bits(ta.dtype) if kind == "float" else None
+    dtype = native(ta.dtype)
+    elem = bits_dtype(dtype) if kind == "float" else dtype if kind == "int" else np.dtype("u1")
+    info = float_bits(dtype) if kind == "float" else None
     hash_a = digest(ta)
-    hash_b = None  # stays None while b's bytes equal a's
+    # stays None while b's bytes equal a's; equal values in two byte orders are not equal bytes
+    hash_b = None if ta.dtype.isnative == tb.dtype.isnative else digest(tb)
     acc = K.Acc()
     differing = False
     bits = bits_dtype(elem)

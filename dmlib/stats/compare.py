@@ -33,7 +33,10 @@ Columns of :func:`compare` (one row per tensor present in both sets, same dtype 
 ``first_diff``
     Index tuple (C order) of the first differing element, or None.
 ``data_hash_a``, ``data_hash_b``
-    SHA-256 of each side's tensor bytes.
+    SHA-256 of each side's tensor bytes as stored in its file. Byte order belongs to the
+    file: a big-endian tensor is compared on its values (as if native), but hashed over its
+    big-endian bytes, so equal values stored in two byte orders have ``n_diff`` 0 and
+    different hashes (and :func:`summarize` does not call them identical).
 
 ULP columns, NaN/inf counts, ``rel_fro`` and ``cosine`` are null for integer, bool and
 quantized tensors. Quantized tensors are compared byte by byte: ``n_diff`` counts
