@@ -5,7 +5,9 @@ Each subcommand lives in its own module under ``dmlib.cli`` and exposes
 taking the parsed arguments and returning the exit status.
 
 Exit status, for every subcommand: 0 success (for comparisons: nothing differs),
-1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback).
+1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback),
+3 an internal error (an exception dmlib did not expect: one line naming the input files;
+never 1, which would read as a found difference).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +32,10 @@ _COMMAND_MODULES = (
 EXIT_CODES = """exit status:
   0  success (for comparisons: every compared tensor is bit-identical)
   1  a comparison found a difference
-  2  bad input or usage: one line on stderr naming the file and the problem"""
+  2  bad input or usage: one line on stderr naming the file and the problem
+  3  internal error (a bug in dmlib): one line on stderr naming the input files"""
+
+EXIT_INTERNAL = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,8 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    from dmlib.io import assumed_format
+
     try:
-        return int(args.func(args) or 0)
+        with assumed_format(getattr(args, "format", None)):
+            return int(args.func(args) or 0)
     except DmlibError as err:
         print(f"dmlib {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -74,6 +83,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dmlib: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a bug: say so in one line, and never exit 1 ("a difference")
+        text = " ".join(str(err).split())
+        text = text if len(text) <= 200 else text[:197] + "..."
+        files = ", ".join(_inputs(args)) or "no input file"
+        print(
+            f"dmlib {args.command}: internal error reading {files}: {type(err).__name__}: {text} "
+            "(a bug in dmlib; please report it with the file)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """The paths named on the command line (``LABEL=PATH`` and ``RUN:STEP=PATH`` included)."""
+    out: list[str] = []
+    for key, value in vars(args).items():
+        if key in ("func", "command"):
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if not isinstance(v, str):
+                continue
+            for cand in (v, v.partition("=")[2]):
+                if cand and os.path.exists(cand) and cand not in out:
+                    out.append(cand)
+                    break
+    return out
 
 
 def add_common_epilog(p: argparse.ArgumentParser) -> None:

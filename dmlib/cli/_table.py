@@ -23,6 +23,13 @@ def add_selection(p: argparse.ArgumentParser) -> None:
         )
 
 
+def add_format(p: argparse.ArgumentParser) -> None:
+    """``--format``: read every input checkpoint as this format instead of detecting it."""
+    from dmlib.io import FORMATS
+
+    p.add_argument("--format", choices=list(FORMATS), help="read every input as this format (skip detection)")
+
+
 def fmt(v: Any) -> str:
     """One table cell: '-' for missing, 4 significant digits, scientific for tiny or huge."""
     if v is None or v is pd.NA:

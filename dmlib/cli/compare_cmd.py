@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
-from dmlib.cli._table import add_selection, fmt, labelled_paths, table
+from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
 
 # columns of the readable table (the JSON output carries every column)
 _TABLE = [
@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also hash whole files and data sections (two more SHA-256 passes per file)",
     )
+    add_format(p)
     add_common_epilog(p)
     p.set_defaults(func=run_compare)
 
@@ -85,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--json", action="store_true", help="print one JSON document (verdict and every row)"
     )
+    add_format(m)
     add_common_epilog(m)
     m.set_defaults(func=run_matrix)
 

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from dmlib.cli import add_common_epilog
-from dmlib.cli._table import add_selection, fmt, labelled_paths, table
+from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
 from dmlib.errors import DmlibError
 
 
@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("b", help="checkpoint compared against it")
     _group_arg(f, required=True)
     f.add_argument("--json", action="store_true", help="print one JSON document")
+    add_format(f)
     add_common_epilog(f)
     f.set_defaults(func=run_factors)
 
@@ -51,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threshold", type=float, default=-0.9, help="cosine below which a column is flipped"
     )
     c.add_argument("--json", action="store_true", help="print one JSON document")
+    add_format(c)
     add_common_epilog(c)
     c.set_defaults(func=run_firstcol)
 
@@ -93,6 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_selection(lad)
     _group_arg(lad, required=False)
     lad.add_argument("--json", action="store_true", help="print one JSON document")
+    add_format(lad)
     add_common_epilog(lad)
     lad.set_defaults(func=run_ladder)
 
@@ -109,6 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--limit", type=int, default=40, help="slots listed (default 40; --json lists all)"
     )
     g.add_argument("--json", action="store_true", help="print one JSON document")
+    add_format(g)
     add_common_epilog(g)
     g.set_defaults(func=run_gapcheck)
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from dmlib.cli import add_common_epilog
-from dmlib.cli._table import table
+from dmlib.cli._table import add_format, table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "files, the padding census.",
     )
     p.add_argument("path", help="checkpoint file (burnpack, safetensors, .npy/.npz, torch)")
-    p.add_argument("--format", choices=["burnpack", "safetensors", "npy", "npz", "torch"], help="skip detection")
+    add_format(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--no-hash", action="store_true", help="skip per-tensor data hashes (faster on big files)")
     add_common_epilog(p)

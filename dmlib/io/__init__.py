@@ -4,8 +4,10 @@ first, then its suffix. ``format=`` overrides detection.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -34,6 +36,26 @@ _SUFFIX = {
     ".bin": "torch",
     ".ckpt": "torch",
 }
+
+
+# the format every open_tensors call without format= assumes (the CLI's --format)
+_ASSUMED: contextvars.ContextVar[str | None] = contextvars.ContextVar("dmlib_format", default=None)
+
+
+@contextlib.contextmanager
+def assumed_format(format: str | None) -> Iterator[None]:
+    """Within the block, :func:`open_tensors` calls that pass no ``format=`` read as ``format``.
+
+    The command line's ``--format`` applies to every file a command reads through this,
+    whichever library function opens them. ``None`` leaves detection on.
+    """
+    if format is not None and format not in FORMATS:
+        raise UnknownFormatError(f"unknown format {format!r}; expected one of {', '.join(FORMATS)}")
+    token = _ASSUMED.set(format)
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
 
 
 def _check_file(path: str) -> None:
@@ -83,7 +105,7 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         For burnpack files holding several records: open record ``record`` alone.
     """
     path = os.fspath(path)
-    fmt = format or detect_format(path)
+    fmt = format or _ASSUMED.get() or detect_format(path)
     if fmt not in FORMATS:
         raise UnknownFormatError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path)
     if record is not None and fmt != "burnpack":
@@ -112,4 +134,4 @@ def load(path: str | os.PathLike[str], names: Iterable[str] | None = None, *, fo
         return {n: np.array(ts[n].load()) for n in wanted}
 
 
-__all__ = ["FORMATS", "detect_format", "load", "open_tensors"]
+__all__ = ["FORMATS", "assumed_format", "detect_format", "load", "open_tensors"]
