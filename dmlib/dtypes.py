@@ -82,6 +82,12 @@ for _st, _dt in (
         SAFETENSORS_DTYPES[_st] = _dt
 
 
+#: safetensors' sub-byte dtypes: bits per element. ``F4`` is read (two values a byte, the
+#: first in the low nibble, as PyTorch's float4_e2m1fn_x2 writes it); safetensors defines
+#: no bit order for the 6-bit ones, so they stay opaque bytes with their size checked.
+SAFETENSORS_SUBBYTE: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
 def native(dtype: np.dtype) -> np.dtype:
     """``dtype`` in this machine's byte order (unchanged when it already is, or has none)."""
     dt = np.dtype(dtype)

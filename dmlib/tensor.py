@@ -22,6 +22,25 @@ from dmlib.errors import DmlibError, TensorNotFoundError
 Scalar = int | float | bool | str | None
 
 
+#: packing -> values per byte
+PACKINGS = {"fp4x2": 2}
+
+
+def unpack(raw: np.ndarray, packing: str) -> np.ndarray:
+    """Packed sub-byte values to one ``uint8`` bit pattern per element (a new array).
+
+    ``"fp4x2"``: two 4-bit values per byte, the first in the low nibble (PyTorch's
+    ``float4_e2m1fn_x2`` and safetensors' ``F4``, after the OCP MX spec, section 5.3.3).
+    """
+    if packing != "fp4x2":
+        raise DmlibError(f"unknown packing {packing!r}")
+    raw = np.asarray(raw, np.uint8).reshape(-1)
+    out = np.empty(2 * raw.size, np.uint8)
+    np.bitwise_and(raw, 0x0F, out=out[0::2])
+    np.right_shift(raw, 4, out=out[1::2])
+    return out
+
+
 class Tensor:
     """One named tensor of a file (or of memory).
 
@@ -41,6 +60,13 @@ class Tensor:
         Burn's per-process parameter id, where the format has one; otherwise None.
     record
         Index of the record (burnpack files may hold several back to back).
+    packing
+        ``"fp4x2"`` for float4 values stored two to a byte (first value in the low
+        nibble): ``raw()`` is the packed bytes, ``load()`` unpacks them to one
+        ``float4_e2m1fn`` per byte. None for one element per ``dtype.itemsize`` bytes.
+    opaque
+        The format names a dtype dmlib cannot interpret: ``dtype`` is ``uint8``,
+        ``load()`` returns the stored bytes, and comparisons are byte by byte.
     """
 
     __slots__ = (
@@ -53,6 +79,8 @@ class Tensor:
         "dtype_name",
         "record",
         "quantized",
+        "packing",
+        "opaque",
         "_source",
         "_path",
         "_in_buffer",
@@ -70,6 +98,8 @@ class Tensor:
         dtype_name: str | None = None,
         record: int = 0,
         quantized: bool = False,
+        packing: str | None = None,
+        opaque: bool = False,
         source: Any = None,
         path: str | None = None,
         in_buffer: bool | None = None,
@@ -82,7 +112,10 @@ class Tensor:
         self.param_id = param_id
         self.dtype_name = dtype_name or self.dtype.name
         self.record = record
-        self.quantized = quantized
+        self.opaque = opaque
+        # opaque bytes are compared the way quantized ones are: byte by byte
+        self.quantized = quantized or opaque
+        self.packing = packing
         self._source = source
         self._path = path
         # True: ``source`` is the whole file's uint8 map and the tensor is bytes
@@ -127,6 +160,10 @@ class Tensor:
         raw = self.raw()
         if self.quantized:
             return raw
+        if self.packing is not None:
+            arr = unpack(raw, self.packing).view(self.dtype).reshape(self.shape)
+            arr.flags.writeable = False
+            return arr
         arr = raw.view(self.dtype).reshape(self.shape)
         arr.flags.writeable = False
         return arr

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dmlib import _atomic
-from dmlib.dtypes import SAFETENSORS_DTYPES, safetensors_name
+from dmlib.dtypes import FLOAT4_E2M1FN, SAFETENSORS_DTYPES, SAFETENSORS_SUBBYTE, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io._checks import offsets_problem, shape_problem, short_repr
 from dmlib.tensor import Tensor, TensorSet
@@ -79,34 +79,52 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     tensors: dict[str, Tensor] = {}
     spans = []
+    opaque: list[str] = []
     for name, d in header.items():
         if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
             raise FormatError(f"tensor {name!r}: descriptor must have dtype, shape, data_offsets", path=path)
-        dt = SAFETENSORS_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
-        if dt is None:
-            raise UnsupportedError(
-                f"tensor {name!r}: unknown dtype {short_repr(d['dtype'])} (known: {', '.join(SAFETENSORS_DTYPES)})",
-                path=path,
-            )
+        dname = d["dtype"]
+        if not isinstance(dname, str) or not dname:
+            raise FormatError(f"tensor {name!r}: dtype {short_repr(dname)} is not a dtype name", path=path)
         shape, offs = d["shape"], d["data_offsets"]
-        problem = shape_problem(shape, dt.itemsize)
+        problem = shape_problem(shape, 1)
         if problem is not None:
             raise FormatError(f"tensor {name!r}: {problem}", path=path)
         problem = offsets_problem(offs)
         if problem is not None:
             raise FormatError(f"tensor {name!r}: {problem}", path=path)
-        need = math.prod(shape) * dt.itemsize
-        if offs[1] - offs[0] != need:
-            raise LayoutError(
-                f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {d['dtype']} x {shape} needs {need}", path=path
-            )
+        kind, dt, packing = _element(dname)
+        numel = math.prod(shape)
+        if kind != "unknown":
+            bits = numel * (dt.itemsize * 8 if kind == "plain" else SAFETENSORS_SUBBYTE[dname])
+            if bits % 8:
+                raise LayoutError(
+                    f"tensor {name!r}: {dname} x {shape} is {bits} bits, not a whole number of bytes", path=path
+                )
+            need = bits // 8
+            if offs[1] - offs[0] != need:
+                raise LayoutError(
+                    f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {dname} x {shape} needs {need}", path=path
+                )
         if base + offs[1] > size:
             raise TruncatedError(
                 f"tensor {name!r} ends at byte {base + offs[1]}, past the end of the file ({size} bytes)", path=path
             )
         spans.append((offs[0], offs[1], name))
+        if kind in ("opaque", "unknown"):
+            opaque.append(name)
         tensors[name] = Tensor(
-            name, dt, tuple(shape), nbytes=need, offset=base + offs[0], dtype_name=d["dtype"], source=buf, path=path, in_buffer=True
+            name,
+            dt,
+            tuple(shape),
+            nbytes=offs[1] - offs[0],
+            offset=base + offs[0],
+            dtype_name=dname,
+            source=buf,
+            path=path,
+            in_buffer=True,
+            packing=packing,
+            opaque=kind in ("opaque", "unknown"),
         )
     # Like the reference implementation: tensors tile the data section exactly, in
     # offset order, with no gap, no overlap and nothing after the last one. Bytes that
@@ -128,14 +146,27 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
             f"the file has {size})",
             path=path,
         )
-    return TensorSet(
-        tensors,
-        path=path,
-        format="safetensors",
-        metadata=meta,
-        layout={"data_base": base, "header_size": base - 8},
-        buffer=buf,
-    )
+    layout: dict[str, Any] = {"data_base": base, "header_size": base - 8}
+    if opaque:  # listed, hashed and compared byte by byte; never silently dropped
+        layout["opaque"] = opaque
+    return TensorSet(tensors, path=path, format="safetensors", metadata=meta, layout=layout, buffer=buf)
+
+
+def _element(dname: str) -> tuple[str, np.dtype, str | None]:
+    """(kind, numpy dtype, packing) of a safetensors dtype name.
+
+    kind: ``"plain"`` (one element per ``itemsize`` bytes), ``"packed"`` (F4: unpacked on
+    load), ``"opaque"`` (a known sub-byte dtype whose bit order is not defined: its size
+    is still checked) or ``"unknown"`` (a name this release does not know: its bytes are
+    kept as they are, so one new dtype never makes the other tensors unreadable).
+    """
+    if dname in SAFETENSORS_DTYPES:
+        return "plain", SAFETENSORS_DTYPES[dname], None
+    if dname == "F4" and FLOAT4_E2M1FN is not None:
+        return "packed", FLOAT4_E2M1FN, "fp4x2"
+    if dname in SAFETENSORS_SUBBYTE:
+        return "opaque", np.dtype("u1"), None
+    return "unknown", np.dtype("u1"), None
 
 
 def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:

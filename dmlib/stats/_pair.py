@@ -13,7 +13,7 @@ from dmlib.dtypes import bits_dtype, dtype_label, is_float, native
 from dmlib.errors import DmlibError
 from dmlib.stats import _kernels as K
 from dmlib.stats.ulp import float_bits, ulp_bits
-from dmlib.tensor import Tensor
+from dmlib.tensor import PACKINGS, Tensor, unpack
 
 DEFAULT_CHUNK = 4 << 20
 
@@ -35,14 +35,23 @@ NULLABLE_INT = ["max_ulp"] + ULP_COLUMNS + NAN_COLUMNS
 
 
 def kind_of(t: Tensor) -> str:
-    """One of ``"float"`` (ULP statistics), ``"int"`` (ints, bools) or ``"bytes"`` (quantized)."""
+    """One of ``"float"`` (ULP statistics; complex too, per component), ``"int"`` (ints,
+    bools) or ``"bytes"`` (quantized, opaque)."""
     if t.quantized:
         return "bytes"
-    if is_float(t.dtype):
+    if is_float(component(t.dtype)):
         return "float"
     if t.dtype.kind in "iub":
         return "int"
     return "bytes"
+
+
+def component(dtype: np.dtype) -> np.dtype:
+    """The float type of a complex dtype's real and imaginary parts; other dtypes unchanged."""
+    dt = np.dtype(dtype)
+    if dt.kind == "c":
+        return np.dtype(f"{dt.byteorder if dt.byteorder != '=' else ''}f{dt.itemsize // 2}")
+    return dt
 
 
 def same_layout(ta: Tensor, tb: Tensor) -> bool:
@@ -60,6 +69,7 @@ def same_layout(ta: Tensor, tb: Tensor) -> bool:
         and ta.shape == tb.shape
         and ta.quantized == tb.quantized
         and ta.nbytes == tb.nbytes
+        and ta.packing == tb.packing
         and (not ta.quantized or ta.dtype_name == tb.dtype_name)
     )
 
@@ -78,12 +88,16 @@ def _chunk_pairs(
         raise DmlibError(f"tensor {ta.name!r}: stored bytes do not match its nbytes", path=ta.path)
     roots = (K.PageReleaser.root(ra), K.PageReleaser.root(rb)) if rel is not None else (None, None)
     swap_a, swap_b = _swapped(ta, elem), _swapped(tb, elem)
+    # packed sub-byte values (fp4x2) are unpacked chunk by chunk to one per byte
+    per = PACKINGS[ta.packing] if ta.packing is not None else 1
     step = max(1, chunk_bytes // elem.itemsize) * elem.itemsize
     for off in range(0, ta.nbytes, step):
         ca, cb = ra[off : off + step], rb[off : off + step]
         sa = ca.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_a else ca
         sb = cb.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_b else cb
-        yield off // elem.itemsize, sa, sb
+        if per > 1:
+            sa, sb = unpack(sa, ta.packing), unpack(sb, tb.packing)
+        yield off // elem.itemsize * per, sa, sb
         if rel is not None:  # the mapped chunks, not the swapped copies
             rel.add(ca, roots[0])
             rel.add(cb, roots[1])
@@ -116,7 +130,9 @@ def compare_pair(
         return cache[id(t)]
 
     kind = kind_of(ta)
-    dtype = native(ta.dtype)
+    # complex tensors are compared component by component (real, imaginary, real...)
+    dtype = component(native(ta.dtype))
+    parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
     elem = bits_dtype(dtype) if kind == "float" else dtype if kind == "int" else np.dtype("u1")
     info = float_bits(dtype) if kind == "float" else None
     hash_a = digest(ta)
@@ -156,11 +172,11 @@ def compare_pair(
         "shape": list(ta.shape),
         "numel": numel,
         "n_diff": acc.n_diff,
-        "frac_diff": acc.n_diff / numel if numel else 0.0,
+        "frac_diff": acc.n_diff / (numel * parts) if numel else 0.0,
         "max_abs": acc.max_abs,
         "first_diff": None
         if acc.first is None
-        else tuple(int(i) for i in np.unravel_index(acc.first, ta.shape)),
+        else tuple(int(i) for i in np.unravel_index(acc.first // parts, ta.shape)),
     }
     if kind == "bytes":
         row["frac_diff"] = acc.n_diff / ta.nbytes if ta.nbytes else 0.0

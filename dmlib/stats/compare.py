@@ -38,8 +38,13 @@ Columns of :func:`compare` (one row per tensor present in both sets, same dtype 
     big-endian bytes, so equal values stored in two byte orders have ``n_diff`` 0 and
     different hashes (and :func:`summarize` does not call them identical).
 
-ULP columns, NaN/inf counts, ``rel_fro`` and ``cosine`` are null for integer, bool and
-quantized tensors. Quantized tensors are compared byte by byte: ``n_diff`` counts
+Complex tensors are compared component by component: ``n_diff`` counts differing real
+and imaginary parts, ``frac_diff`` is over ``2 * numel`` of them, ``first_diff`` is the
+element holding the first, and the ULP and norm columns are over the parts. Packed float4
+(safetensors ``F4``) is unpacked and compared as ``float4_e2m1fn`` values.
+
+ULP columns, NaN/inf counts, ``rel_fro`` and ``cosine`` are null for integer, bool,
+quantized and opaque (a dtype dmlib cannot interpret) tensors. Quantized tensors are compared byte by byte: ``n_diff`` counts
 differing bytes, ``frac_diff`` is over ``nbytes``, ``first_diff`` is ``(byte index,)``
 and ``max_abs`` is null.
 
