@@ -1,4 +1,4 @@
-"""Every checkpoint subcommand takes ``--format``; an unexpected exception exits 3 in one line."""
+"""Every checkpoint subcommand takes ``--format``; an unexpected exception exits 4 in one line."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_unexpected_exception_exits_internal_in_one_line(command, tmp_path, caps
     if command == "ladder":
         argv = [command, f"r:1={a}", f"r:2={b}", f"s:1={a}", f"s:2={b}"]
     rc, _, err = _run(argv, capsys)
-    assert rc == EXIT_INTERNAL == 3, (rc, err)
+    assert rc == EXIT_INTERNAL == 4, (rc, err)
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -81,4 +81,4 @@ def test_unexpected_exception_exits_internal_in_one_line(command, tmp_path, caps
 def test_help_documents_the_internal_error_code(capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
-    assert "3  internal error" in capsys.readouterr().out
+    assert "4  internal error" in capsys.readouterr().out

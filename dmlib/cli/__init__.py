@@ -6,8 +6,8 @@ taking the parsed arguments and returning the exit status.
 
 Exit status, for every subcommand: 0 success (for comparisons: nothing differs),
 1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback),
-3 an internal error (an exception dmlib did not expect: one line naming the input files;
-never 1, which would read as a found difference).
+4 an internal error (an exception dmlib did not expect: one line naming the input files;
+never 1, which would read as a found difference; 3 is left to "inconclusive").
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ EXIT_CODES = """exit status:
   0  success (for comparisons: every compared tensor is bit-identical)
   1  a comparison found a difference
   2  bad input or usage: one line on stderr naming the file and the problem
-  3  internal error (a bug in dmlib): one line on stderr naming the input files"""
+  4  internal error (a bug in dmlib): one line on stderr naming the input files"""
 
-EXIT_INTERNAL = 3
+EXIT_INTERNAL = 4
 
 
 class _Parser(argparse.ArgumentParser):
