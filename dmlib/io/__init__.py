@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
 from dmlib.errors import DmlibError, FormatError, TruncatedError, UnknownFormatError
-from dmlib.io import burnpack, numpy_, safetensors, torch_
+from dmlib.io import burnpack, numpy_, safetensors, sharded, torch_
 from dmlib.tensor import TensorSet
 
 FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch")
@@ -72,8 +73,9 @@ def _check_file(path: str) -> None:
 def detect_format(path: str | os.PathLike[str]) -> str:
     """The format of a file: by magic bytes, then by suffix."""
     path = os.fspath(path)
-    if path.endswith(".index.json"):
-        return "safetensors"
+    if sharded.can_open(path):
+        _check_file(path)
+        return sharded.shard_format(path)
     _check_file(path)
     try:
         with open(path, "rb") as f:
@@ -83,6 +85,10 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     for name, check in _MAGIC:
         if check(head, path):
             return name
+    if head.startswith(b"PK"):  # a zip under any name: torch.save's, or numpy's .npz
+        kind = _zip_kind(path)
+        if kind is not None:
+            return kind
     suffix = os.path.splitext(path)[1].lower()
     if suffix in _SUFFIX:
         return _SUFFIX[suffix]
@@ -91,14 +97,30 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     )
 
 
+def _zip_kind(path: str) -> str | None:
+    """``"torch"`` for a torch.save archive (``<name>/data.pkl``), ``"npz"`` for one of
+    ``.npy`` members only, None otherwise (or when the archive cannot be listed)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
+        return None
+    if torch_.is_torch_zip(names):
+        return "torch"
+    if names and all(n.endswith(".npy") for n in names):
+        return "npz"
+    return None
+
+
 def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, record: int | None = None) -> TensorSet:
     """Open a checkpoint as a lazy, read-only mapping name -> Tensor.
 
     Parameters
     ----------
     path
-        A burnpack, safetensors (or sharded ``*.safetensors.index.json``), ``.npy``,
-        ``.npz`` or PyTorch (``.pt``/``.pth``/``.bin``) file.
+        A burnpack, safetensors, ``.npy``, ``.npz`` or PyTorch file (a torch.save zip
+        is recognised by its content under any name), or a Hugging Face shard index
+        (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``).
     format
         Skip detection and read as this format.
     record
@@ -112,8 +134,8 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
     _check_file(path)
     try:
-        if fmt == "safetensors" and path.endswith(".index.json"):
-            return safetensors.open_sharded(path)
+        if fmt in ("safetensors", "torch") and sharded.can_open(path):
+            return sharded.open_index(path)
         if fmt == "burnpack":
             return burnpack.open_burnpack(path, record=record)
         if fmt == "safetensors":

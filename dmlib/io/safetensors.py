@@ -169,40 +169,6 @@ def _element(dname: str) -> tuple[str, np.dtype, str | None]:
     return "unknown", np.dtype("u1"), None
 
 
-def open_sharded(index_path: str | os.PathLike[str]) -> TensorSet:
-    """Open ``model.safetensors.index.json`` and its shards as one TensorSet."""
-    index_path = os.fspath(index_path)
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"corrupt shard index ({err})", path=index_path) from None
-    except RecursionError:
-        raise FormatError("shard index nests too deeply to be an index", path=index_path) from None
-    wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wmap, dict):
-        raise FormatError("shard index has no 'weight_map' object", path=index_path)
-    folder = os.path.dirname(index_path)
-    shards: dict[str, TensorSet] = {}
-    tensors: dict[str, Tensor] = {}
-    for name, shard in wmap.items():
-        if not isinstance(shard, str) or os.path.basename(shard) != shard:
-            raise FormatError(f"tensor {name!r}: shard {shard!r} is not a file name in the index's folder", path=index_path)
-        if shard not in shards:
-            spath = os.path.join(folder, shard)
-            if not os.path.isfile(spath):
-                raise FormatError(f"shard {shard!r} listed for {name!r} does not exist", path=index_path)
-            shards[shard] = open_safetensors(spath)
-        if name not in shards[shard]:
-            raise FormatError(f"tensor {name!r} is listed in shard {shard!r}, which does not hold it", path=index_path)
-        tensors[name] = shards[shard][name]
-    raw_meta = index.get("metadata") or {}
-    if not isinstance(raw_meta, dict):
-        raise FormatError(f"shard index 'metadata' is a {type(raw_meta).__name__}, not an object", path=index_path)
-    meta = {k: str(v) for k, v in raw_meta.items()}
-    return TensorSet(tensors, path=index_path, format="safetensors", metadata=meta, layout={"shards": sorted(shards)})
-
-
 def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
     header: dict[str, Any] = {}
     if metadata:

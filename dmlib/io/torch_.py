@@ -12,21 +12,33 @@ Optimizer state is named after the parameters where the file allows it (see
 from __future__ import annotations
 
 import os
+import warnings
 import zipfile
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from dmlib.errors import FormatError, MissingDependencyError, UnsupportedError
+from dmlib.io import _torch_parts
 from dmlib.tensor import Tensor, TensorSet
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
+# torch.save's legacy (non-zip) files open with the pickle (protocol 2) of its magic
+# number 0x1950a86a20f9469cfc6c: PROTO 2, LONG1 of 10 bytes, little-endian
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
 def can_open(head: bytes, path: str) -> bool:
+    if head.startswith(LEGACY_MAGIC):
+        return True
     return path.endswith(SUFFIXES) and (head.startswith(b"PK") or head[:2] == b"\x80\x02")
+
+
+def is_torch_zip(names: list[str]) -> bool:
+    """True for the member names of a ``torch.save`` zip: ``<archive>/data.pkl`` (any file name)."""
+    return any(n == "data.pkl" or (n.endswith("/data.pkl") and n.count("/") == 1) for n in names)
 
 
 def _flatten(obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[str, str], path: str) -> None:
@@ -134,20 +146,6 @@ def _rename_state(name: str, prefixes: dict[str, str]) -> str:
     return name
 
 
-def _to_numpy(t: Any) -> np.ndarray:
-    import ml_dtypes
-    import torch
-
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    if t.dtype == torch.float8_e5m2:
-        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e5m2)
-    return t.numpy()
-
-
 def _check_archive(path: str) -> None:
     """Refuse a damaged archive before torch reads it.
 
@@ -192,7 +190,11 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
     if is_zip:
         _check_archive(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        with warnings.catch_warnings():  # torch's own deprecation notes on quantized storages
+            warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated", category=UserWarning)
+            warnings.filterwarnings("ignore", message=".*[Ss]parse.* support is in beta", category=UserWarning)
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning)
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
         raise FormatError(f"not a loadable PyTorch state dict ({_why(err)})", path=path) from None
     flat: dict[str, Any] = {}
@@ -211,13 +213,12 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
     if skipped:
         metadata["entries_not_read"] = ", ".join(skipped)
     scalars = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-    tensors = {}
+    tensors: dict[str, Tensor] = {}
     for name, t in flat.items():
         if name in scalars:
             continue
-        try:
-            arr = _to_numpy(t)
-        except (TypeError, RuntimeError) as err:
-            raise UnsupportedError(f"tensor {name!r}: dtype {t.dtype} has no numpy equivalent ({err})", path=path) from None
-        tensors[name] = Tensor(name, arr.dtype, arr.shape, nbytes=arr.nbytes, source=arr, path=path, dtype_name=str(t.dtype).removeprefix("torch."))
+        for part, tensor in _torch_parts.entries(name, t, path).items():
+            if part in tensors or (part != name and part in flat):
+                raise FormatError(f"tensor {name!r}: its part {part!r} collides with another name", path=path)
+            tensors[part] = tensor
     return TensorSet(tensors, path=path, format="torch", metadata=metadata, scalars=scalars)
