@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from dmlib.errors import DmlibError, FormatError, TruncatedError, UnknownFormatError
-from dmlib.io import burnpack, numpy_, safetensors, sharded, torch_
+from dmlib.io import burnpack, dcp, numpy_, safetensors, sharded, torch_
 from dmlib.tensor import TensorSet
 
-FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch")
+FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp")
 
 # (format, magic check) in detection order; suffixes are the fallback
 _MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
@@ -73,6 +73,8 @@ def _check_file(path: str) -> None:
 def detect_format(path: str | os.PathLike[str]) -> str:
     """The format of a file: by magic bytes, then by suffix."""
     path = os.fspath(path)
+    if dcp.can_open(path):
+        return "dcp"
     if sharded.can_open(path):
         _check_file(path)
         return sharded.shard_format(path)
@@ -120,7 +122,8 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
     path
         A burnpack, safetensors, ``.npy``, ``.npz`` or PyTorch file (a torch.save zip
         is recognised by its content under any name), or a Hugging Face shard index
-        (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``).
+        (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), or a
+        PyTorch Distributed Checkpoint directory (``.metadata`` + ``*.distcp``).
     format
         Skip detection and read as this format.
     record
@@ -132,8 +135,14 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         raise UnknownFormatError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path)
     if record is not None and fmt != "burnpack":
         raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
-    _check_file(path)
+    if fmt == "dcp":
+        if not dcp.can_open(path):
+            raise FormatError(f"not a DCP checkpoint directory (no {dcp.METADATA} in it)", path=path)
+    else:
+        _check_file(path)
     try:
+        if fmt == "dcp":
+            return dcp.open_dcp(path)
         if fmt in ("safetensors", "torch") and sharded.can_open(path):
             return sharded.open_index(path)
         if fmt == "burnpack":
