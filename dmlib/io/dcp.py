@@ -21,6 +21,8 @@ import math
 import os
 import pickle
 import warnings
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -164,10 +166,23 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
     def load_obj(fqn: str, rel: str, off: int, length: int) -> Any:
         import torch
 
+        image = io.BytesIO(blob(rel, off, length))
+        # torch.load checks no CRC: a damaged byte would give a silently wrong value
+        try:
+            with zipfile.ZipFile(image) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError, RuntimeError, OSError):
+            bad = "(the archive itself)"
+        if bad is not None:
+            raise FormatError(
+                f"tensor {fqn!r}: chunk in {rel} at {off} is not a loadable torch.save image (damaged member {bad})",
+                path=path,
+            )
+        image.seek(0)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated", category=UserWarning)
-                return torch.load(io.BytesIO(blob(rel, off, length)), map_location="cpu", weights_only=True)
+                return torch.load(image, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises many types for damaged images
             raise FormatError(
                 f"tensor {fqn!r}: chunk in {rel} at {off} is not a loadable torch.save image ({type(err).__name__})", path=path
