@@ -195,3 +195,11 @@ def test_sparse_tensors_as_named_parts(tmp_path):
         np.testing.assert_array_equal(ts["emb.csr.crow_indices"].load(), csr.crow_indices().numpy())
         np.testing.assert_array_equal(ts["emb.csr.col_indices"].load(), csr.col_indices().numpy())
         np.testing.assert_array_equal(ts["emb.csr.values"].load(), csr.values().numpy())
+
+
+def test_zip_content_beats_the_suffix(tmp_path):
+    np.savez(tmp_path / "arrays.npz", w=np.arange(3.0))
+    (tmp_path / "arrays.npz").rename(tmp_path / "weights.bin")  # a torch suffix, numpy's archive
+    assert dmlib.detect_format(tmp_path / "weights.bin") == "npz"
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "model.npz")  # and the other way round
+    assert dmlib.detect_format(tmp_path / "model.npz") == "torch"

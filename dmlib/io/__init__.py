@@ -86,13 +86,13 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             head = f.read(64)
     except OSError as err:
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
-    for name, check in _MAGIC:
-        if check(head, path):
-            return name
     if head.startswith(b"PK"):  # a zip under any name: torch.save's, or numpy's .npz
         kind = _zip_kind(path)
         if kind is not None:
             return kind
+    for name, check in _MAGIC:
+        if check(head, path):
+            return name
     suffix = os.path.splitext(path)[1].lower()
     if suffix in _SUFFIX:
         return _SUFFIX[suffix]

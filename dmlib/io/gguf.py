@@ -262,9 +262,7 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
     layout: dict[str, Any] = {"version": version, "data_base": base, "alignment": alignment, "byte_order": order}
     if quant:
         layout["quantized" if not dequantize else "dequantized"] = quant
-    ts = TensorSet(tensors, path=path, format="gguf", metadata=metadata, layout=layout)
-    ts._buf = buf
-    return ts
+    return TensorSet(tensors, path=path, format="gguf", metadata=metadata, layout=layout, buffer=buf)
 
 
 def _dequantizer(buf: np.ndarray, start: int, nbytes: int, gtype: int, shape: tuple[int, ...], path: str, name: str) -> Any:
