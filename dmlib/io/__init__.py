@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from dmlib.errors import DmlibError, FormatError, TruncatedError, UnknownFormatError
-from dmlib.io import burnpack, dcp, gguf, numpy_, safetensors, sharded, torch_
+from dmlib.io import burn_mpk, burnpack, dcp, gguf, numpy_, safetensors, sharded, torch_
 from dmlib.tensor import TensorSet
 
-FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf")
+FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf", "burn-mpk")
 
 # (format, magic check) in detection order; suffixes are the fallback
 _MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
@@ -25,6 +25,7 @@ _MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
     ("npz", numpy_.can_open_npz),
     ("torch", torch_.can_open),
     ("gguf", gguf.can_open),
+    ("burn-mpk", burn_mpk.can_open),
     ("safetensors", safetensors.can_open),
 ]
 _SUFFIX = {
@@ -38,6 +39,7 @@ _SUFFIX = {
     ".bin": "torch",
     ".ckpt": "torch",
     ".gguf": "gguf",
+    ".mpk": "burn-mpk",
 }
 
 
@@ -126,7 +128,8 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         is recognised by its content under any name), or a Hugging Face shard index
         (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), or a
         PyTorch Distributed Checkpoint directory (``.metadata`` + ``*.distcp``), or a
-        GGUF file (quantized tensors as their blocks; see :func:`dmlib.io.gguf.open_gguf`).
+        GGUF file (quantized tensors as their blocks; see :func:`dmlib.io.gguf.open_gguf`),
+        or a Burn named MessagePack record (``.mpk``, ``.mpk.gz``).
     format
         Skip detection and read as this format.
     record
@@ -158,6 +161,8 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
             return numpy_.open_npz(path)
         if fmt == "gguf":
             return gguf.open_gguf(path)
+        if fmt == "burn-mpk":
+            return burn_mpk.open_mpk(path)
         return torch_.open_torch(path)
     except OSError as err:  # unreadable (permissions, I/O error): still one line naming the file
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None

@@ -1,0 +1,191 @@
+"""Burn's named MessagePack records (``NamedMpkFileRecorder``: ``.mpk``; gzip: ``.mpk.gz``).
+
+Layout, from Burn's source (``burn-core/src/record``): the file is one MessagePack value
+written with ``rmp_serde::encode::write_named`` (structs as maps keyed by field name):
+``{"metadata": {"float", "int", "format", "version", "settings"}, "item": <record>}``.
+The record mirrors the module tree (a struct's fields as map keys, a ``Vec`` of modules
+as an array); every parameter is ``{"id": <ParamId>, "param": <tensor>}`` and a tensor
+is Burn's ``TensorData``: ``{"bytes": <bin>, "shape": [...], "dtype": <DType>}`` (Burn
+0.14 and later; earlier records stored ``{"value": [numbers], "shape": [...]}``).
+
+dmlib names each tensor by its path (``encoder.layers.0.weight``), reads the bytes as
+the dtype says (little-endian, as Burn writes them), checks the byte length against the
+shape, and keeps a tensor whose dtype it cannot interpret (a quantized ``QFloat``, a
+variant given by index) as opaque bytes. Plain values elsewhere in the record (numbers,
+strings, bools) become ``scalars``. The whole record is decoded in memory (MessagePack
+has no index to seek by); a ``.mpk.gz`` is decompressed first, up to a size limit.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+
+from dmlib.dtypes import BFLOAT16
+from dmlib.errors import FormatError, MissingDependencyError, TruncatedError
+from dmlib.io._checks import shape_problem, short_repr
+from dmlib.tensor import Tensor, TensorSet
+
+SUFFIXES = (".mpk", ".mpk.gz")
+MAX_UNZIPPED = 64 << 30  # a record larger than this is refused rather than filling memory
+MAX_DEPTH = 64
+
+# Burn DType name -> numpy dtype (as burnpack names them)
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "Flex32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": BFLOAT16,
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "Bool": np.dtype("?"),
+}
+
+
+def can_open(head: bytes, path: str) -> bool:
+    low = path.lower()
+    if low.endswith(".mpk.gz"):
+        return head.startswith(b"\x1f\x8b")
+    # a fixmap/map16/map32 holding "metadata" and "item"
+    return low.endswith(".mpk") and head[:1] in (b"\x82", b"\xde", b"\xdf")
+
+
+def _decode(path: str) -> Any:
+    try:
+        import msgpack
+    except ImportError:
+        raise MissingDependencyError("reading Burn .mpk records needs msgpack: pip install 'dmlib[formats]'", path=path) from None
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.lower().endswith(".gz") or raw[:2] == b"\x1f\x8b":
+        try:
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            raw = d.decompress(raw, MAX_UNZIPPED)
+            if d.unconsumed_tail:
+                raise FormatError(f"decompresses to more than {MAX_UNZIPPED} bytes", path=path)
+            if not d.eof:
+                raise TruncatedError("gzip stream ends early", path=path)
+        except (zlib.error, gzip.BadGzipFile, EOFError) as err:
+            raise FormatError(f"damaged gzip stream ({err})", path=path) from None
+    try:
+        # strict: one value exactly; maps keyed by strings; bytes stay bytes
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, max_bin_len=len(raw))
+    except msgpack.ExtraData:
+        raise FormatError("bytes after the record's MessagePack value", path=path) from None
+    except (ValueError, msgpack.UnpackException, msgpack.FormatError, msgpack.StackError, TypeError) as err:
+        kind = TruncatedError if "incomplete" in str(err).lower() or "insufficient" in str(err).lower() else FormatError
+        raise kind(f"not a readable MessagePack record ({type(err).__name__}: {short_repr(str(err), 120)})", path=path) from None
+
+
+def _dtype_name(value: Any) -> str | None:
+    """A DType as rmp_serde writes it: the variant name, or a one-key map {name: payload}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value)), str):
+        return next(iter(value))
+    return None
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, dict) and "shape" in node and ("bytes" in node or "value" in node)
+
+
+def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
+    """Open a Burn NamedMpk record (``.mpk`` or ``.mpk.gz``) as a TensorSet."""
+    path = os.fspath(path)
+    doc = _decode(path)
+    if not isinstance(doc, dict) or "item" not in doc:
+        raise FormatError("not a Burn record (no top-level 'item')", path=path)
+    meta_raw = doc.get("metadata")
+    metadata: dict[str, str] = {}
+    if isinstance(meta_raw, dict):
+        metadata = {str(k): str(v) for k, v in meta_raw.items() if isinstance(v, (str, int, float, bool))}
+    elif meta_raw is not None:
+        raise FormatError(f"record metadata is a {type(meta_raw).__name__}, not a map", path=path)
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, Any] = {}
+    opaque: list[str] = []
+
+    def tensor(name: str, node: dict, pid: Any) -> None:
+        shape = node.get("shape")
+        problem = shape_problem(shape, 1)
+        if problem is not None:
+            raise FormatError(f"tensor {name!r}: {problem}", path=path)
+        numel = math.prod(shape)
+        if "bytes" in node:
+            blob, dname = node["bytes"], _dtype_name(node.get("dtype"))
+            if not isinstance(blob, bytes):
+                raise FormatError(f"tensor {name!r}: 'bytes' is a {type(blob).__name__}, not binary", path=path)
+            arr = np.frombuffer(blob, np.uint8)
+            dt = DTYPES.get(dname) if dname is not None else None
+            if dt is None:  # QFloat, or a variant we cannot name: its bytes, byte-wise
+                label = dname or f"DType{short_repr(node.get('dtype'), 40)}"
+                tensors[name] = Tensor(name, np.dtype("u1"), tuple(shape), nbytes=arr.nbytes, source=arr, path=path, dtype_name=label, opaque=True, param_id=pid)
+                opaque.append(name)
+                return
+            if arr.nbytes != numel * dt.itemsize:
+                raise FormatError(
+                    f"tensor {name!r}: {arr.nbytes} bytes but {dname} x {list(shape)} needs {numel * dt.itemsize}", path=path
+                )
+        else:  # Burn before 0.14: a list of numbers, element type from the record's settings
+            values = node["value"]
+            if not isinstance(values, list) or len(values) != numel:
+                got = len(values) if isinstance(values, list) else type(values).__name__
+                raise FormatError(f"tensor {name!r}: {got} values for shape {list(shape)}", path=path)
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and not all(isinstance(v, bool) for v in values):
+                raise FormatError(f"tensor {name!r}: values are not all numbers", path=path)
+            dname = _legacy_dtype(values, metadata)
+            dt = DTYPES[dname]
+            arr = np.asarray(values, dtype=np.float64 if dt.kind == "f" else None).astype(dt).view(np.uint8)
+            if dt.kind == "f" and not np.array_equal(arr.view(dt).astype(np.float64), np.asarray(values, np.float64), equal_nan=True):
+                raise FormatError(f"tensor {name!r}: values do not fit {dname} exactly", path=path)
+        tensors[name] = Tensor(name, dt, tuple(shape), nbytes=arr.nbytes, source=arr, path=path, dtype_name=dname, param_id=pid)
+
+    def walk(node: Any, name: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise FormatError(f"{name!r}: nested more than {MAX_DEPTH} deep", path=path)
+        if isinstance(node, dict) and set(node) >= {"id", "param"} and len(node) == 2:
+            param = node["param"]
+            if _is_tensor(param):
+                tensor(name, param, node["id"])
+                return
+            walk(param, name, depth + 1)
+            return
+        if _is_tensor(node):
+            tensor(name, node, None)
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{name}.{k}" if name else str(k), depth + 1)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{name}.{i}" if name else str(i), depth + 1)
+        elif isinstance(node, (int, float, bool, str)):
+            scalars[name] = node
+        # None (a unit / PhantomData field) carries nothing
+
+    walk(doc["item"], "", 0)
+    layout: dict[str, Any] = {"compressed": path.lower().endswith(".gz")}
+    if opaque:
+        layout["opaque"] = opaque
+    return TensorSet(tensors, path=path, format="burn-mpk", metadata=metadata, scalars=scalars, layout=layout)
+
+
+def _legacy_dtype(values: list, metadata: dict[str, str]) -> str:
+    if values and all(isinstance(v, bool) for v in values):
+        return "Bool"
+    if all(isinstance(v, int) for v in values):
+        return {"i32": "I32", "i16": "I16", "i8": "I8", "u8": "U8"}.get(metadata.get("int", ""), "I64")
+    return {"f64": "F64", "f16": "F16", "bf16": "BF16"}.get(metadata.get("float", ""), "F32")
