@@ -172,8 +172,9 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Parameters
     ----------
     a, b
-        Arrays of the same float dtype (float64/32/16, bfloat16, float8_e4m3fn,
-        float8_e5m2) and broadcast-compatible shapes.
+        Arrays of the same float dtype (float64/32/16, bfloat16, or any ml_dtypes
+        float8/float6/float4 format), in either byte order, with broadcast-compatible
+        shapes.
 
     Returns
     -------
