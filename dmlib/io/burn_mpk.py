@@ -119,10 +119,10 @@ def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     opaque: list[str] = []
 
     def tensor(name: str, node: dict, pid: Any) -> None:
-        shape = node.get("shape")
-        problem = shape_problem(shape, 1)
+        problem = shape_problem(node.get("shape"), 1)
         if problem is not None:
             raise FormatError(f"tensor {name!r}: {problem}", path=path)
+        shape: list[int] = node["shape"]
         numel = math.prod(shape)
         if "bytes" in node:
             blob, dname = node["bytes"], _dtype_name(node.get("dtype"))

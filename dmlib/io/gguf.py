@@ -24,7 +24,7 @@ import json
 import math
 import os
 import struct
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -157,7 +157,7 @@ class _Array:
         return f"<array of {self.n} {_TYPE_NAMES.get(self.etype, self.etype)}, sha256 {digest}>"
 
 
-def _byte_order(head: bytes, path: str) -> str:
+def _byte_order(head: bytes, path: str) -> Literal["<", ">"]:
     le, be = struct.unpack("<I", head[4:8])[0], struct.unpack(">I", head[4:8])[0]
     if le in (2, 3):
         return "<"
@@ -176,7 +176,7 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     if buf[:4].tobytes() != MAGIC:
         raise FormatError(f"not a GGUF file (magic {buf[:4].tobytes()!r})", path=path)
-    order = _byte_order(buf[:8].tobytes(), path)
+    order: Literal["<", ">"] = _byte_order(buf[:8].tobytes(), path)
     cur = _Cursor(buf, path, order)
     cur.pos = 4
     version = cur.scalar("I", "version")

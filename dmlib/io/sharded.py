@@ -44,11 +44,11 @@ def shard_format(index_path: str | os.PathLike[str]) -> str:
     """The format of the shards an index names (``"safetensors"`` or ``"torch"``)."""
     index_path = os.fspath(index_path)
     shards = sorted(set(_index(index_path)["weight_map"].values()))
-    kinds = {SHARD_FORMATS.get(os.path.splitext(s)[1].lower()) for s in shards}
-    if None in kinds:
-        odd = next(s for s in shards if os.path.splitext(s)[1].lower() not in SHARD_FORMATS)
+    odd = [s for s in shards if os.path.splitext(s)[1].lower() not in SHARD_FORMATS]
+    kinds = {SHARD_FORMATS[os.path.splitext(s)[1].lower()] for s in shards if s not in odd}
+    if odd:
         raise UnsupportedError(
-            f"shard {odd!r}: unknown shard type (expected {', '.join(SHARD_FORMATS)})", path=index_path
+            f"shard {odd[0]!r}: unknown shard type (expected {', '.join(SHARD_FORMATS)})", path=index_path
         )
     if len(kinds) > 1:
         raise FormatError(f"shards of more than one format: {', '.join(shards)}", path=index_path)

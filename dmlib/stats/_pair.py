@@ -95,7 +95,7 @@ def _chunk_pairs(
         ca, cb = ra[off : off + step], rb[off : off + step]
         sa = ca.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_a else ca
         sb = cb.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_b else cb
-        if per > 1:
+        if ta.packing is not None and tb.packing is not None:
             sa, sb = unpack(sa, ta.packing), unpack(sb, tb.packing)
         yield off // elem.itemsize * per, sa, sb
         if rel is not None:  # the mapped chunks, not the swapped copies
