@@ -45,9 +45,12 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.io import detect_format, load, open_tensors
     from dmlib.io.burnpack import write_burnpack
     from dmlib.io.safetensors import write_safetensors
+    from dmlib.localize.arbitrate import arbitrate
     from dmlib.localize.boundaries import compare_captures, repeat_control
     from dmlib.localize.capture import capture
     from dmlib.localize.captures import open_capture
+    from dmlib.localize.patch import patch_test
+    from dmlib.localize.rates import repeat_rates, repeat_study, wilson_interval
     from dmlib.padding import padding_across_runs, padding_census, padding_summary
     from dmlib.stats.compare import compare, summarize, ulp_long
     from dmlib.stats.matrix import matrix, verdict
@@ -94,6 +97,11 @@ _LAZY: dict[str, str] = {
     "open_capture": "dmlib.localize.captures",
     "compare_captures": "dmlib.localize.boundaries",
     "repeat_control": "dmlib.localize.boundaries",
+    "patch_test": "dmlib.localize.patch",
+    "arbitrate": "dmlib.localize.arbitrate",
+    "repeat_study": "dmlib.localize.rates",
+    "repeat_rates": "dmlib.localize.rates",
+    "wilson_interval": "dmlib.localize.rates",
 }
 
 __all__ = [
@@ -111,6 +119,7 @@ __all__ = [
     "FactorGroup",
     "Tensor",
     "TensorSet",
+    "arbitrate",
     "capture",
     "check_steps",
     "column_cosines",
@@ -131,7 +140,10 @@ __all__ = [
     "padding_across_runs",
     "padding_census",
     "padding_summary",
+    "patch_test",
     "repeat_control",
+    "repeat_rates",
+    "repeat_study",
     "sign_flip_table",
     "sign_flips",
     "step_ladder",
@@ -139,6 +151,7 @@ __all__ = [
     "ulp_distance",
     "ulp_long",
     "verdict",
+    "wilson_interval",
     "write_burnpack",
     "write_safetensors",
 ]

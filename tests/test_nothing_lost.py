@@ -67,6 +67,7 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
         "firstcol": [[f"a={a1}", f"b={b1}"]],
         "ladder": [[f"a:1={a1}", f"a:2={a2}", f"b:1={b1}", f"b:2={b2}"]],
         "gapcheck": [[f"a={a1}", f"b={b1}"], [m]],
+        "repeats": [[f"a={a1},{a2},{a1}", f"b={b1},{b1}"], ["--json", f"c={c},{c}", "--observer", a1]],
     }
     if command not in table:
         pytest.fail(f"new subcommand {command!r}: add how to call it to _argvs in {__file__}")
@@ -80,7 +81,7 @@ def _subcommands() -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("command", [c for c in _subcommands() if c != "localize"])
+@pytest.mark.parametrize("command", [c for c in _subcommands() if c not in ("localize", "arbitrate")])
 def test_cli_never_touches_its_inputs(command: str, inputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = _snapshot(inputs)
     for argv in _argvs(command, inputs):
@@ -105,6 +106,23 @@ def test_localize_never_touches_its_captures(tmp_path: Path, capsys: pytest.Capt
         assert rc in (0, 1), err
     assert _snapshot(caps) == before
     assert not list(caps.rglob("*.part"))
+
+
+@pytest.mark.skipif("arbitrate" not in _subcommands(), reason="no arbitrate subcommand")
+def test_arbitrate_never_touches_its_captures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+    caps = tmp_path / "caps"
+    for name, x in (("a", torch.ones(2, 3)), ("b", torch.ones(2, 3) * 1.001)):
+        with torch.no_grad(), dmlib.capture(model, caps / name, ops=True, dump="*"):
+            model(x)
+    before = _snapshot(caps)
+    op = "0/aten.addmm#0"
+    for argv in ([str(caps / "a"), str(caps / "b"), "--op", op], ["--json", str(caps / "a"), str(caps / "a"), "--op", op]):
+        rc = main(["arbitrate", *argv])
+        _, err = capsys.readouterr()
+        assert rc in (0, 1), err
+    assert _snapshot(caps) == before
 
 
 def test_readers_open_inputs_read_only(inputs: Path) -> None:

@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "dmlib.cli.compare_cmd",
     "dmlib.cli.forensics_cmd",
     "dmlib.cli.localize_cmd",
+    "dmlib.cli.why_cmd",
 )
 
 EXIT_CODES = """exit status:

@@ -175,7 +175,8 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[s
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     chunks, off = [], 0
     for name, arr in tensors.items():
-        a = np.ascontiguousarray(np.asarray(arr))
+        a = np.asarray(arr)
+        a = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes 0-d arrays 1-d
         try:
             dname = safetensors_name(a.dtype)
         except KeyError:

@@ -21,6 +21,7 @@ import pandas as pd
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
 from dmlib.localize.captures import Boundary, Capture, open_capture, request_hashes, request_key
+from dmlib.localize.ops import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
 
 CaptureLike = Capture | str | os.PathLike
 ROOT = "model"  # module label of the hooked model itself (``modules=[""]``): its outputs
@@ -319,10 +320,13 @@ def compare_captures(
     requests = _check_comparable(a, b, request)
     index = _block_index(a, requests)
     offsets = {r: i for i, (r, k, _, _) in enumerate(index) if k == 0}  # request -> first block id
-    rows = [_boundary_row(a, b, ba, requests, offsets) for ba in a.boundaries]
+    alignment = align(a, b)  # op boundaries pair by aligned op sequences, the rest by name
+    rows = [_boundary_row(a, b, ba, requests, offsets, alignment) for ba in a.boundaries]
     _roles(rows)
     df = _frame(rows)
-    df.attrs.update(_summary(a, b, requests, index, rows))
+    paired = {v for v in alignment.partner.values() if v is not None}
+    df.attrs.update(_summary(a, b, requests, index, rows, paired))
+    df.attrs.update(_op_summary(rows, alignment))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)
     rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
@@ -351,11 +355,22 @@ _NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_l2": Non
 
 
 def _boundary_row(
-    a: Capture, b: Capture, ba: Boundary, requests: list[str], offsets: dict[str, int]
+    a: Capture,
+    b: Capture,
+    ba: Boundary,
+    requests: list[str],
+    offsets: dict[str, int],
+    alignment: Alignment,
 ) -> dict[str, Any]:
-    """One boundary of ``a`` against its namesake in ``b``: identity, blocks, statistics."""
-    bb = b.boundary(ba.name) if ba.name in b else None
+    """One boundary of ``a`` against its partner in ``b`` (its namesake, or for an op
+    boundary the aligned op's): identity, blocks, statistics."""
+    name_b = alignment.name_in_b(ba.name)
+    bb = b.boundary(name_b) if name_b is not None and name_b in b else None
     same, diff, note = _compare_one(a, b, ba, bb, requests, offsets)
+    if bb is None:
+        note = alignment.notes.get(ba.name, note)
+    elif same is not None and layout_bound(a, b, ba, bb) and not _per_sequence(a, b, ba, bb, requests):
+        same, diff, note = None, [], LAYOUT_BOUND_NOTE
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
            "diff_blocks": sorted(diff), "note": note}  # fmt: skip
@@ -375,6 +390,23 @@ def _boundary_row(
     return row
 
 
+def _per_sequence(a: Capture, b: Capture, ba: Boundary, bb: Boundary, requests: list[str]) -> bool:
+    """Every request was found per sequence (first axis = batch) in both captures."""
+    return bool(requests) and all(
+        _attribute(a, ba, r)[0] == _attribute(b, bb, r)[0] == "sequence" for r in requests
+    )
+
+
+def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, Any]:
+    """First divergent op, culprit op, and where the op sequences part (None: no ops)."""
+    op_rows = [r for r in rows if "/" in r["module"]]  # op boundaries: module/aten.op#k
+    return {
+        "first_divergent_op": next((r["boundary"] for r in op_rows if r["identical"] is False), None),
+        "culprit_op": next((r["boundary"] for r in op_rows if r["role"] == "culprit"), None),
+        "op_alignment": alignment.summary(),
+    }
+
+
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The rows as the documented columns, with nullable dtypes."""
     df = pd.DataFrame(rows).drop(columns=["_stats", "call"])
@@ -392,6 +424,7 @@ def _summary(
     requests: list[str],
     index: list[tuple[str, int, int, int]],
     rows: list[dict[str, Any]],
+    paired: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The attrs that summarise a comparison: first divergence, culprits, counts."""
     stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
@@ -405,7 +438,7 @@ def _summary(
     unjudged += [
         {"boundary": x.name, "reason": "absent from the first capture"}
         for x in b.boundaries
-        if x.name not in a
+        if x.name not in a and x.name not in paired  # an aligned op's partner is judged
     ]
     outputs = [r for r in rows if r["module"] == ROOT and r["kind"] == "output"]
     outputs_match = bool(outputs) and all(r["identical"] is True for r in outputs)
@@ -512,7 +545,8 @@ def _roles(rows: list[dict[str, Any]]) -> None:
             seen_diff |= diff
     # a module whose inputs are clean but that contains a recorded culprit only encloses it
     for r in candidates:
-        if any(o is not r and o["module"].startswith(r["module"] + ".") for o in candidates):
+        inner = (r["module"] + ".", r["module"] + "/")
+        if any(o is not r and o["module"].startswith(inner) for o in candidates):
             r["role"] = "encloses-culprit"
 
 
@@ -547,8 +581,15 @@ def capture_verdict(df: pd.DataFrame) -> str:
         lines.append(f"culprit (inputs identical, output differs): {at['culprit']}")
         if len(at["culprits"]) > 1:
             lines.append(f"other entry points: {', '.join(at['culprits'][1:6])}")
+        if at.get("op_alignment") is not None:
+            lines.append(f"culprit op (inputs identical, output differs): {at['culprit_op']}")
         if n_un:
             lines.append(f"not judged ({n_un}): {unjudged_line(df)}")
+    oa = at.get("op_alignment")
+    if oa is not None:
+        fp = oa["first_parting"]
+        where = "no parting" if fp is None else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
+        lines.append(f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries paired; {where}")
     rc = at["repeat_control"]
     lines.append(
         "repeat control: not run"

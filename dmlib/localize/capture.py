@@ -35,6 +35,7 @@ from dmlib.localize.captures import (
     RowMap,
     request_hashes,
 )
+from dmlib.localize.ops import OpRecorder, quiet
 
 try:
     import torch
@@ -143,11 +144,29 @@ class Recorder:
         self.boundaries: list[dict[str, Any]] = []
         self.calls: dict[str, int] = {}
         self.whole_only: list[str] = []
+        self.layout: tuple[int, int] | None = None  # (batch, positions), from the first 2-d rows
+        # op-level capture (dmlib.localize.ops) lists each recorded op here
+        self.ops: list[dict[str, Any]] | None = None
 
     def _wants_dump(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.dump)
 
-    def record(self, module: str, call: int, kind: str, slot: str, t: Any) -> None:
+    def record(
+        self,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        t: Any,
+        *,
+        row_mapped: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Hash (and maybe dump) one boundary tensor; returns the boundary's name.
+
+        ``row_mapped=False`` hashes the tensor whole even where its leading dims fit the
+        row map (a parameter, say); ``extra`` adds keys to the manifest entry.
+        """
         arr = _to_numpy(t)
         suffix = "" if call == 0 else f"#{call}"
         name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
@@ -164,34 +183,60 @@ class Recorder:
             "requests": {},
             "dump": None,
             "leading": None,
+            **(extra or {}),
         }
         row_map = self.row_map
-        k = row_map.row_dims(arr.shape) if row_map is not None else None
-        if row_map is not None and k is not None:
+        k = row_map.row_dims(arr.shape) if row_map is not None and row_mapped else None
+        if self.layout is None and row_map is not None and row_map.batch:
+            self.layout = (row_map.batch, len(row_map) // row_map.batch)  # a nested row map
+        if k == 2 and self.layout is None:
+            self.layout = (int(arr.shape[0]), int(arr.shape[1]))  # (batch, positions)
+        axes = self._row_axes(arr.shape) if k is None and row_mapped and extra else None
+        if row_map is not None and (k is not None or axes is not None):
             entry["row_dims"] = k
+            if axes is not None:
+                entry["row_axes"] = list(axes)
             for rid in row_map.requests:
                 entry["requests"][rid] = None  # filled by _hash, in row-map order
         elif self.row_map is not None:
             self.whole_only.append(name)
-            if arr.ndim >= 1 and 1 <= arr.shape[0] <= len(self.row_map):
+            # (never for a parameter: its first axis is no batch)
+            if row_mapped and arr.ndim >= 1 and 1 <= arr.shape[0] <= len(self.row_map):
                 # one hash per index of axis 0: if that axis is the batch, the comparison
                 # attributes each row to the request filling that batch row
                 entry["leading"] = []
         if self._pool is not None:
             arr = np.array(arr, copy=True)
-        rows = (
-            None if row_map is None or k is None else arr.reshape((len(row_map), *arr.shape[k:]))
-        )
+        rows = None
+        if row_map is not None and axes is not None:
+            moved = np.moveaxis(arr, axes, (0, 1))
+            rows = moved.reshape((len(row_map), *moved.shape[2:]))
+        elif row_map is not None and k is not None:
+            rows = arr.reshape((len(row_map), *arr.shape[k:]))
         if self._wants_dump(name):
             entry["dump"] = self._write_dump(len(self.boundaries), arr, rows)
         self.boundaries.append(entry)
         if self._pool is None:
             self._hash(entry, arr, rows)
-            return
+            return name
         self._pending.append((self._pool.submit(self._hash, entry, arr, rows), arr.nbytes))
         self._pending_bytes += arr.nbytes
         while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
             self._wait_oldest()
+        return name
+
+    def _row_axes(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(0, j) when an op's tensor is (batch, ..., positions at j, ...), else None.
+
+        Only for op tensors, only once a boundary has shown the (batch, positions) layout,
+        and only when exactly one axis after the batch has the positions' size and it is
+        not axis 1 (attention's (batch, heads, positions, head_dim); scores with two
+        position-sized axes stay whole).
+        """
+        if self.layout is None or len(shape) < 3 or shape[0] != self.layout[0]:
+            return None
+        hits = [j for j in range(1, len(shape)) if shape[j] == self.layout[1]]
+        return (0, hits[0]) if len(hits) == 1 and hits[0] >= 2 else None
 
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         entry["sha256"] = hash_bytes(arr)
@@ -245,6 +290,8 @@ class Recorder:
             "metadata": self.metadata,
             "boundaries": self.boundaries,
         }
+        if self.ops is not None:
+            m["ops"] = self.ops
         if error is not None:
             m["error"] = error
         return m
@@ -302,6 +349,8 @@ def capture(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     hash_threads: int = 2,
+    ops: bool = False,
+    op_modules: str | Iterable[str] | None = None,
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -341,6 +390,12 @@ def capture(
     hash_threads
         Worker threads that hash boundaries while the forward pass runs (0: hash in
         the hook itself, with no copy of the tensor).
+    ops
+        Also record every ATen (or custom) operation run inside the hooked modules,
+        as boundaries named ``module/aten.addmm#0`` (see :mod:`dmlib.localize.ops`).
+    op_modules
+        Module names or glob patterns whose ops are recorded (default: ``modules``);
+        an op belongs to the innermost such module running it.
     """
     _require_torch()
     path = Path(path)
@@ -358,9 +413,19 @@ def capture(
     )
     rec.write_manifest(complete=False)  # marks the directory as a capture in progress
     handles: list[Any] = []
+    tracker = None
+    if ops:
+        tracker = OpRecorder(
+            rec, model, _select(model, modules if op_modules is None else op_modules)
+        )
     try:
         handles += _install_hooks(model, modules, rec)
-        yield rec
+        if tracker is None:
+            yield rec
+        else:
+            handles += tracker.install()
+            with tracker:
+                yield rec
     except BaseException as err:
         with contextlib.suppress(Exception):
             rec.finish()
@@ -410,10 +475,11 @@ def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:
 
     def hook(mod: Any, args: Any, kwargs: Any) -> None:
         call = rec.calls.get(name, 0)
-        for slot, t in _tensors(tuple(args), "input"):
-            rec.record(name, call, "input", slot, t)
-        for slot, t in _tensors(dict(kwargs), "input"):
-            rec.record(name, call, "input", slot, t)
+        with quiet():  # the recorder's own tensor calls are not the model's ops
+            for slot, t in _tensors(tuple(args), "input"):
+                rec.record(name, call, "input", slot, t)
+            for slot, t in _tensors(dict(kwargs), "input"):
+                rec.record(name, call, "input", slot, t)
 
     return hook
 
@@ -424,10 +490,11 @@ def _post_hook(rec: Recorder, name: str) -> Callable[..., None]:
     def hook(mod: Any, args: Any, kwargs: Any, output: Any) -> None:
         call = rec.calls.get(name, 0)
         rec.calls[name] = call + 1
-        for slot, t in _tensors(
-            output if isinstance(output, (tuple, list)) else (output,), "output"
-        ):
-            rec.record(name, call, "output", slot, t)
+        with quiet():
+            for slot, t in _tensors(
+                output if isinstance(output, (tuple, list)) else (output,), "output"
+            ):
+                rec.record(name, call, "output", slot, t)
 
     return hook
 

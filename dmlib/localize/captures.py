@@ -195,15 +195,36 @@ class Boundary:
     requests: dict[str, RequestHash] = field(default_factory=dict)
     dump: dict[str, Any] | None = None
     leading: list[str] | None = None  # SHA-256 of each x[i] along axis 0 (not row-mapped)
+    # (batch axis, position axis) of a tensor whose rows are not leading, e.g. attention's
+    # (batch, heads, positions, head_dim); row_dims is then None, so older readers that
+    # know only leading rows treat it as hashed whole
+    row_axes: tuple[int, int] | None = None
 
     @property
     def row_mapped(self) -> bool:
-        return self.row_dims is not None
+        return self.row_dims is not None or self.row_axes is not None
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        """Shape of one row (the dims after the row-mapped leading ones)."""
+        """Shape of one row (the dims after the row-mapped leading ones, or the others)."""
+        if self.row_axes is not None:
+            return tuple(d for i, d in enumerate(self.shape) if i not in self.row_axes)
         return self.shape[self.row_dims :] if self.row_dims is not None else self.shape
+
+    def physical_rows(self, whole: np.ndarray) -> np.ndarray:
+        """The whole tensor as ``(physical row, *row_shape)`` (a copy where axes move)."""
+        if self.row_axes is not None:
+            whole = np.moveaxis(whole, self.row_axes, (0, 1))
+        return whole.reshape((-1, *self.row_shape))
+
+
+def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
+    if v is None:
+        return None
+    axes = tuple(int(a) for a in v)
+    if len(axes) != 2 or not 0 <= axes[0] < axes[1] < ndim:
+        raise ValueError(f"row_axes {v!r} for a {ndim}-d tensor")
+    return axes[0], axes[1]
 
 
 def _boundary(i: int, d: dict[str, Any], path: Path) -> Boundary:
@@ -225,6 +246,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path) -> Boundary:
             },
             dump=d.get("dump"),
             leading=None if d.get("leading") is None else [str(h) for h in d["leading"]],
+            row_axes=_axes(d.get("row_axes"), len(d["shape"])),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(
@@ -339,7 +361,7 @@ class Capture:
                 if request is None:
                     out = whole
                 else:
-                    rows = whole.reshape((-1, *b.row_shape))
+                    rows = b.physical_rows(whole)
                     out = rows[cast(RowMap, self.row_map).requests[request_key(request)]]
             else:
                 key = REQUEST_PREFIX + request_key(request)
