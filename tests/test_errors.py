@@ -673,6 +673,7 @@ CKPT_ARGV: dict[str, Callable[[str, str], list[str]]] = {
     "firstcol": lambda bad, good: [f"a={bad}", f"b={good}"],
     "ladder": lambda bad, good: [f"r:1={bad}", f"r:2={_step2(good)}", f"s:1={good}", f"s:2={_step2(good)}"],
     "gapcheck": lambda bad, good: [f"a={bad}", f"b={good}"],
+    "repeats": lambda bad, good: [f"a={bad},{good}"],
 }
 # the same with the bad input second, where the command takes two or more inputs
 CKPT_ARGV_SECOND: dict[str, Callable[[str, str], list[str]]] = {
@@ -682,8 +683,9 @@ CKPT_ARGV_SECOND: dict[str, Callable[[str, str], list[str]]] = {
     "firstcol": lambda bad, good: [f"a={good}", f"b={bad}"],
     "ladder": lambda bad, good: [f"r:1={good}", f"r:2={_step2(good)}", f"s:1={good}", f"s:2={bad}"],
     "gapcheck": lambda bad, good: [f"a={good}", f"b={bad}"],
+    "repeats": lambda bad, good: [f"a={good},{bad}"],
 }
-CAPTURE_COMMANDS = {"localize"}  # inputs are capture directories
+CAPTURE_COMMANDS = {"localize", "arbitrate"}  # inputs are capture directories
 
 
 def _generic_argv(sub: argparse.ArgumentParser, bad: str, good: str) -> list[str]:

@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:
-    """The paths named on the command line (``LABEL=PATH`` and ``RUN:STEP=PATH`` included)."""
+    """The paths named on the command line (``LABEL=PATH``, ``RUN:STEP=PATH`` and
+    ``ARM=PATH,PATH`` included)."""
     out: list[str] = []
     for key, value in vars(args).items():
         if key in ("func", "command"):
@@ -105,10 +106,12 @@ def _inputs(args: argparse.Namespace) -> list[str]:
         for v in value if isinstance(value, list) else [value]:
             if not isinstance(v, str):
                 continue
-            for cand in (v, v.partition("=")[2]):
-                if cand and os.path.exists(cand) and cand not in out:
-                    out.append(cand)
-                    break
+            if os.path.exists(v):
+                cands = [v]
+            else:
+                tail = v.partition("=")[2]
+                cands = [tail] if os.path.exists(tail) else tail.split(",")
+            out += [c for c in cands if c and os.path.exists(c) and c not in out]
     return out
 
 

@@ -11,7 +11,7 @@ import json
 
 from dmlib._json import jsonable
 from dmlib.cli import add_common_epilog
-from dmlib.cli._table import fmt, table
+from dmlib.cli._table import add_format, fmt, table
 from dmlib.errors import DmlibError
 
 
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--observer", metavar="PATH,PATH,...", help="outputs made with capture on")
     r.add_argument("--observer-arm", metavar="ARM", help="arm the observer runs repeat")
     r.add_argument("--json", action="store_true", help="print one JSON document")
+    add_format(r)
     add_common_epilog(r)
     r.set_defaults(func=run_repeats)
 
