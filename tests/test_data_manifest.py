@@ -21,11 +21,12 @@ def test_every_committed_file_matches_its_manifest_hash():
             assert hashlib.sha256(data).hexdigest() == info["sha256"], rel
             assert len(data) == info["bytes"], rel
             listed.add(rel)
-    # nothing in a dataset folder escapes the manifest (READMEs are documentation)
+    # nothing in a dataset folder escapes the manifest (READMEs are documentation, and
+    # study.toml tells `dmlib report` what the dataset holds)
     on_disk = {
         str(p.relative_to(DATA))
         for d in doc["datasets"]
         for p in (DATA / d).rglob("*")
-        if p.is_file() and p.name != "README.md"
+        if p.is_file() and p.name not in ("README.md", "study.toml")
     }
     assert on_disk <= listed, sorted(on_disk - listed)[:5]

@@ -1,10 +1,10 @@
-"""Every report notebook runs headless (SMALL) and its numbers match an independent computation.
+"""The lab's studies (data/*/study.toml) reported headless; numbers match independent computations.
 
-The notebooks are executed once, sequentially in one process, by the same runner as
-``make report``; each test then checks one notebook's figures (PNG and PDF, non-empty)
-and compares the numbers it recorded with numpy computations over the raw files, or with
-what the dataset's generator knows to be true. A notebook whose dataset has no
-``index.json`` is skipped, naming the file.
+Each lab study is reported once (SMALL), by the same code as ``make report``; each test
+then checks one notebook's figures (PNG and PDF, non-empty) and compares the numbers it
+recorded with numpy computations over the raw files, or with what the dataset's
+generator knows to be true (its ``index.json``; the notebooks themselves read only the
+study). A study whose dataset is absent is skipped, naming the file.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import pytest
 
 import dmlib
 from dmlib.report import load_numbers
-from dmlib.report_runner import run_notebooks
+from dmlib.report.build import build_report
+from dmlib.report.runner import PACKAGE_NOTEBOOKS
+from dmlib.report.study import load_study
 
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOKS = REPO / "notebooks"
+NOTEBOOKS = PACKAGE_NOTEBOOKS
 # the datasets the notebooks read; another folder can stand in for data/ while developing
 DATA = Path(os.environ.get("DMLIB_TEST_DATA") or REPO / "data").resolve()
 
@@ -34,15 +36,17 @@ DATASET = {
     "qr_first_divergent_column": "qr_init",
     "run_matrix": "qr_init",
     "step_growth": "step_ladder",
-    "packed_vs_alone": "packed",
+    "capture_boundaries": "packed",
 }
+# which notebooks each lab study runs here (the others it would run are covered elsewhere)
+ONLY = {"qr_init": None, "step_ladder": ["step_growth"], "packed": ["capture_boundaries"]}
 FIGURES = {
-    "checkpoint_anatomy": ["anatomy_records_layout", "anatomy_records_slots"],
-    "ulp_distributions": ["ulp_histogram_same_vs_control"],
-    "qr_first_divergent_column": ["qr_first_divergent_column"],
-    "run_matrix": ["run_matrix_effective_rel_fro", "run_matrix_worst_rel_fro"],
+    "checkpoint_anatomy": ["anatomy_layout_0", "anatomy_slots_0", "anatomy_layout_1", "anatomy_slots_1"],
+    "ulp_distributions": ["ulp_histogram"],
+    "qr_first_divergent_column": ["first_divergent_column"],
+    "run_matrix": ["run_matrix_worst_rel_fro", "run_matrix_effective_rel_fro"],
     "step_growth": ["step_growth_rel_fro", "step_growth_rates"],
-    "packed_vs_alone": ["packed_boundary_profile", "packed_block_heatmap"],
+    "capture_boundaries": ["captures_boundary_profile", "captures_block_heatmap"],
 }
 
 
@@ -50,42 +54,40 @@ def _index(dataset: str) -> dict:
     return json.loads((DATA / dataset / "index.json").read_text())
 
 
-def _available() -> list[str]:
-    return [nb for nb, ds in DATASET.items() if (DATA / ds / "index.json").is_file()]
-
-
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    """Run every notebook whose data exists once; -> (output folder, {name: result}).
+    """Report every lab study whose data exists once; -> {notebook: (report folder, result)}.
 
     The kernels run with a ``torch`` package on their path that refuses to import:
     ``make report`` installs no torch, so no notebook may need it.
     """
-    names = _available()
     out = tmp_path_factory.mktemp("reports")
-    if not names:
-        return out, {}
     blocker = tmp_path_factory.mktemp("no_torch")
     (blocker / "torch").mkdir()
     (blocker / "torch" / "__init__.py").write_text(
         "raise ImportError('make report runs without torch')\n"
     )
+    done = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(
             "PYTHONPATH",
             os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])),
         )
-        results = run_notebooks(NOTEBOOKS, out, small=True, only=names, data_dir=DATA, timeout=300)
-    return out, {r.name: r for r in results}
+        for ds, only in ONLY.items():
+            if not (DATA / ds / "study.toml").is_file() or not (DATA / ds / "index.json").is_file():
+                continue
+            study = load_study(DATA / ds / "study.toml")
+            results = build_report(study, out / ds, only=only, small=True, jobs=2, timeout=300)
+            done.update({r.name: (out / ds, r) for r in results if not r.skipped})
+    return done
 
 
 def _numbers(executed, name: str) -> dict:
     ds = DATASET[name]
-    if not (DATA / ds / "index.json").is_file():
-        pytest.skip(f"dataset {ds} absent: {DATA / ds / 'index.json'} not found (make data)")
-    out, results = executed
-    res = results[name]
-    assert res.ok, f"notebook {name} failed at cell {res.failed_cell}: {res.error}"
+    if not (DATA / ds / "study.toml").is_file():
+        pytest.skip(f"dataset {ds} absent: {DATA / ds / 'study.toml'} not found (make data)")
+    out, res = executed[name]
+    assert res.ok, f"notebook {name} failed in cell {res.failed_cell}: {res.error}"
     for fig in FIGURES[name]:
         for ext in ("png", "pdf"):
             path = out / "figures" / f"{fig}.{ext}"
@@ -93,7 +95,9 @@ def _numbers(executed, name: str) -> dict:
                 f"{name}: figure {path.name} missing or empty"
             )
     assert (out / f"{name}.html").stat().st_size > 0
-    return load_numbers(out / "numbers" / f"{name}.json")
+    numbers = load_numbers(out / "numbers" / f"{name}.json")
+    assert numbers["figures"] == FIGURES[name]
+    return numbers
 
 
 def test_every_notebook_is_covered():
@@ -114,6 +118,10 @@ def test_notebook_stored_without_outputs(name):
         "notebooks are stored without outputs"
     )
     assert any("report.save_figure" in c.source for c in code)
+    # no notebook knows the lab's folders: only the parameters cell's default names a study
+    for c in code[1:]:
+        for folder in ("qr_init", "step_ladder", "packed", "index.json", "DATA_DIR"):
+            assert folder not in c.source, (name, folder)
 
 
 # ---------------------------------------------------------------------------
@@ -142,9 +150,10 @@ def test_checkpoint_anatomy(executed):
     n = _numbers(executed, "checkpoint_anatomy")
     index = _index("qr_init")
     path = DATA / "qr_init" / index["records_file"]
+    assert n["files"] == [index["records_file"], index["records_model_file"]]
     raw = np.fromfile(path, dtype=np.uint8)
     ts = dmlib.open_tensors(path)
-    got = {r["record"]: r for r in n["records_slots"]}
+    got = {r["record"]: r for r in n["slots"][index["records_file"]]}
     assert sorted(got) == list(range(len(ts.records)))
     for rec in ts.records:
         # a flat read: every 4-byte word from the record's data base to its end
@@ -167,19 +176,11 @@ def test_checkpoint_anatomy(executed):
     clean_path = DATA / "qr_init" / index["records_model_file"]
     model, clean = _arrays(path), _arrays(clean_path)
     same = all(np.array_equal(_bits(model[k]), _bits(clean[k])) for k in clean)
-    assert n["model_vs_clean_identical"] is same is True
     digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (path, clean_path)]
-    assert n["model_vs_clean_file_hash_equal"] is (digest[0] == digest[1]) is False
-
-
-def test_checkpoint_anatomy_real_burn_fixture(executed, burnpack_fixtures):
-    n = _numbers(executed, "checkpoint_anatomy")
-    # Burn's MNIST example (fixtures README): 18 F32 tensors, zero padding from Burn's writer
-    assert n["mnist_n_tensors"] == 18
-    (r,) = n["mnist_slots"]
-    ts = dmlib.open_tensors(burnpack_fixtures / "mnist-model.bpk")
-    assert r["named_slots"] == sum(t.numel for t in ts.values())
-    assert r["padding_nonzero_slots"] == r["nan"] == r["huge"] == 0
+    (fact,) = [f for f in n["same_names"] if f["b"] == index["records_model_file"]]
+    assert fact["a"] == f"{index['records_file']}#0"
+    assert fact["identical_tensors"] is same is True
+    assert fact["file_sha256_equal"] is (digest[0] == digest[1]) is False
 
 
 def _pair_facts(runs: dict[str, dict[str, np.ndarray]], control: str):
@@ -257,11 +258,18 @@ def test_run_matrix(executed):
             assert worst == pytest.approx(
                 index["pairs"][f"{a}/{b}"]["worst_rel_fro_W"], rel=1e-9, abs=1e-300
             )
-    assert n["effective_same_worst_rel_fro"] < 1e-4 < 0.1 < n["effective_control_min_rel_fro"]
+    control = index["control"]
+    eff = n["effective_rel_fro"]
+    assert max(v for k, v in eff.items() if control not in k.split("/")) < 1e-4
+    assert min(v for k, v in eff.items() if control in k.split("/")) > 0.1
+    # the stored tensors: worst rel_fro per pair, numpy on the raw arrays
+    for a, b in itertools.combinations(runs, 2):
+        worst = max(_rel_fro(runs[a][k], runs[b][k]) for k in runs[a])
+        assert n["worst_rel_fro"][f"{a}/{b}"] == pytest.approx(worst, rel=1e-9, abs=1e-300)
 
 
-def test_packed_vs_alone(executed):
-    n = _numbers(executed, "packed_vs_alone")
+def test_capture_boundaries(executed):
+    n = _numbers(executed, "capture_boundaries")
     index = _index("packed")
     request = index["request"]
     cap = {k: DATA / "packed" / v for k, v in index["captures"].items()}
@@ -276,7 +284,7 @@ def test_packed_vs_alone(executed):
                 break
     assert n["first_divergent_boundary"] == first
     assert n["repeat_control_held"] is True and n["negative_control_passed"] is True
-    assert n["first_divergent"]["alone vs alone_repeat"] is None
+    assert n["first_divergent"]["alone vs its repeat"] is None
 
     # the dumped rows: identical at the embedding output, different at the culprit
     def rows(capname, boundary):
@@ -324,4 +332,5 @@ def test_step_growth(executed):
     assert n["max_rel_fro_by_pair_and_step"] == pytest.approx(expected, rel=1e-9, abs=1e-300)
     # the repeat is the same configuration: the generator records whether it was bit-identical
     if index["repeat"] in runs:
-        assert (n["repeat_n_diff"] == 0) is index["repeat_bit_identical"]
+        pair = f"{base}/{index['repeat']}"
+        assert (n["repeat_n_diff"][pair] == 0) is index["repeat_bit_identical"]

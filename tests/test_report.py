@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import matplotlib
 
@@ -15,13 +14,15 @@ import numpy as np
 import pytest
 
 from dmlib import report
+from dmlib.cli import main as cli
 from dmlib.errors import DmlibError
-from dmlib.report_runner import inject_parameters, main, parse_param
+from dmlib.report import notebook as report_notebook
+from dmlib.report.runner import inject_parameters, notebook_parameters, parse_param
 
 
 @pytest.fixture(autouse=True)
 def _fresh_config(monkeypatch):
-    monkeypatch.setattr(report, "_config", {"figure_dir": None, "notebook": None})
+    monkeypatch.setattr(report_notebook, "_config", {"figure_dir": None, "notebook": None})
     monkeypatch.delenv("DMLIB_FIGURE_DIR", raising=False)
     monkeypatch.delenv("DMLIB_NOTEBOOK", raising=False)
 
@@ -141,20 +142,35 @@ def test_parse_param():
         parse_param("no_equals")
 
 
+def test_notebook_parameters_reads_the_parameters_cell():
+    nb = _notebook("#md t", "import os", "A = 1\nB: int = 2\nC, D = 3, 4", params_at=2)
+    assert notebook_parameters(nb) == ["A", "B"]
+    assert notebook_parameters(_notebook("x = 1")) == []
+
+
 # ---------------------------------------------------------------------------
 # the runner, end to end (one kernel per notebook)
 
 GOOD = (
     "#md # A tiny report",
-    "DATA_DIR = 'unset'\nFIGURE_DIR = 'unset'\nSMALL = False\nLABEL = 'default'",
-    "import sys\nimport matplotlib.pyplot as plt\nfrom dmlib import report\n"
-    "print('EXE', sys.executable)\nprint('PARAMS', SMALL, LABEL, DATA_DIR)\n"
+    "STUDY = 'unset'\nFIGURE_DIR = 'unset'\nSMALL = False\nLABEL = 'default'",
+    "import os, sys\nimport matplotlib.pyplot as plt\nfrom dmlib import report\n"
+    "study = report.load_study(STUDY)\n"
+    "print('EXE', sys.executable)\nprint('PARAMS', SMALL, LABEL, STUDY, list(study.runs))\n"
+    "print('MPL', os.environ.get('MPLBACKEND'))\n"
     "fig, ax = plt.subplots()\nax.plot([1, 2, 3])\nreport.save_figure(fig, 'tiny_line')\n"
-    "report.record('answer', 42)",
+    "report.record('answer', 42)\nreport.finding('the answer is 42')",
 )
 
 
-def test_runner_injects_writes_html_and_names_the_failing_cell(tmp_path, capsys):
+def _tiny_study(tmp_path):
+    np.save(tmp_path / "one.npy", np.arange(6, dtype=np.float32))
+    (tmp_path / "study.toml").write_text('title = "tiny"\n[runs]\nonly = "one.npy"\n')
+    return tmp_path / "study.toml"
+
+
+def test_runner_injects_writes_html_and_names_the_failing_cell(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # as `make` used to set it: figures must still show
     nbdir = tmp_path / "notebooks"
     nbdir.mkdir()
     nbformat.write(_notebook(*GOOD, params_at=1), nbdir / "good.ipynb")
@@ -163,39 +179,35 @@ def test_runner_injects_writes_html_and_names_the_failing_cell(tmp_path, capsys)
         nbdir / "bad.ipynb",
     )
     out = tmp_path / "reports"
-    # a number left by an earlier run must not survive into this one
-    (out / "numbers").mkdir(parents=True)
-    (out / "numbers" / "good.json").write_text('{"stale": 1}')
-    rc = main(
-        [
-            "--notebooks",
-            str(nbdir),
-            "--out",
-            str(out),
-            "--small",
-            "--param",
-            "LABEL=injected",
-            "--data",
-            str(tmp_path),
-        ]
+    rc = cli(
+        ["report", str(_tiny_study(tmp_path)), "--out", str(out), "--notebooks", str(nbdir),
+         "--small", "--param", "LABEL=injected"]
     )
     captured = capsys.readouterr()
     assert rc == 1
-    # the failure names the notebook, the cell (index 4 in the file) and the error
-    assert "notebook bad failed at cell 4" in captured.err
-    assert "planted failure" in captured.err
-    assert "good: ok" in captured.out
+    # the failure names the notebook, the cell (the 5th of 5 in the file) and the error
+    assert "bad: FAILED in cell 5 of 5: ValueError: planted failure" in captured.err
+    assert "good: ok" in captured.err
 
     executed = nbformat.read(out / "good.ipynb", as_version=4)
     text = "".join(
         o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs
     )
-    # the kernel runs this interpreter, with the injected values overriding the defaults
-    assert f"EXE {sys.executable}" in text
-    assert f"PARAMS True injected {tmp_path}" in text
+    # the kernel runs this interpreter (paths of this machine are replaced in what is kept),
+    # with the injected values overriding the defaults, relative to the report folder
+    assert "EXE <python>/" in text
+    assert "PARAMS True injected study.toml ['only']" in text
+    assert "MPL module://matplotlib_inline.backend_inline" in text
     assert (out / "figures" / "tiny_line.png").stat().st_size > 0
     assert (out / "figures" / "tiny_line.pdf").stat().st_size > 0
-    assert json.loads((out / "numbers" / "good.json").read_text()) == {"answer": 42}
+    numbers = json.loads((out / "numbers" / "good.json").read_text())
+    assert numbers == {"answer": 42, "figures": ["tiny_line"], "finding": "the answer is 42"}
+    # the figure is shown where the cell made it: the very PNG that was saved
+    shown = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(shown) == 1
+    import base64
+
+    assert base64.b64decode(shown[0]["data"]["image/png"]) == (out / "figures" / "tiny_line.png").read_bytes()
 
     for name in ("good", "bad"):
         html = (out / f"{name}.html").read_text()
@@ -203,13 +215,24 @@ def test_runner_injects_writes_html_and_names_the_failing_cell(tmp_path, capsys)
     assert "planted failure" in (out / "bad.html").read_text()
     index = (out / "index.html").read_text()
     assert 'href="good.html"' in index and 'href="bad.html"' in index
-    assert "FAILED at cell 4" in index
+    assert "cell 5: ValueError: planted failure" in index
+    assert "the answer is 42" in index
 
 
-def test_runner_only_unknown_name_is_bad_input(tmp_path, capsys):
+def test_runner_bad_input(tmp_path, capsys):
     nbdir = tmp_path / "nb"
     nbdir.mkdir()
     nbformat.write(_notebook("x = 1"), nbdir / "one.ipynb")
-    assert main(["--notebooks", str(nbdir), "--out", str(tmp_path / "o"), "--only", "two"]) == 2
+    study = str(_tiny_study(tmp_path))
+    out = str(tmp_path / "o")
+    assert cli(["report", study, "--out", out, "--notebooks", str(nbdir), "--only", "two"]) == 2
     assert "no notebook named two" in capsys.readouterr().err
-    assert main(["--notebooks", str(tmp_path / "absent"), "--out", str(tmp_path / "o")]) == 2
+    assert cli(["report", study, "--out", out, "--notebooks", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert f"looked in {tmp_path / 'absent'}" in err and "pass --notebooks FOLDER" in err
+    assert len(err.strip().splitlines()) == 1
+    # an existing folder that is not a report is never replaced
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "precious.txt").write_text("x")
+    assert cli(["report", study, "--out", str(tmp_path / "keep"), "--notebooks", str(nbdir)]) == 2
+    assert (tmp_path / "keep" / "precious.txt").read_text() == "x"

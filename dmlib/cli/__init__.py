@@ -28,6 +28,7 @@ _COMMAND_MODULES = (
     "dmlib.cli.forensics_cmd",
     "dmlib.cli.localize_cmd",
     "dmlib.cli.why_cmd",
+    "dmlib.cli.report_cmd",
 )
 
 EXIT_CODES = """exit status:

@@ -135,7 +135,11 @@ def run_matrix_heatmap(
             continue
         mat[idx[ra], idx[rb]] = mat[idx[rb], idx[ra]] = v
     pos = mat[np.isfinite(mat) & (mat > 0)]
-    norm = mcolors.LogNorm(vmin=pos.min(), vmax=pos.max()) if log and pos.size else None
+    # one distinct value (two runs: one pair) would give a degenerate log scale
+    lo, hi = (pos.min(), pos.max()) if pos.size else (None, None)
+    if lo is not None and hi <= lo:
+        lo, hi = lo / 10, hi * 10
+    norm = mcolors.LogNorm(vmin=lo, vmax=hi) if log and pos.size else None
     import matplotlib
 
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")

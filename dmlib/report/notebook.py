@@ -1,15 +1,15 @@
-"""Report plumbing used from inside notebooks: one folder for figures, one for numbers.
+"""Helpers called from inside report notebooks: figures, numbers, findings, notes.
 
 Every figure a report notebook draws goes through :func:`save_figure` (PNG and PDF into
-one configured folder); every number the prose quotes goes through :func:`record` (a
-JSON file per notebook), so tests can check the figures' numbers against dmlib directly.
+one configured folder, and shown inline where the notebook makes it); every number the
+prose quotes goes through :func:`record` (a JSON file per notebook), so tests can check
+the figures' numbers against dmlib directly. :func:`finding` states the notebook's
+one-line result (shown in the report's index), :func:`skip` a section the study has no
+data for, :func:`say` computed prose.
 
-The folder is, in order of precedence: the ``folder`` argument, :func:`configure`, the
-environment variable ``DMLIB_FIGURE_DIR``, then ``reports/figures``. Numbers go beside
-it, in ``<figure folder>/../numbers/<notebook>.json``.
-
-Run as ``python -m dmlib.report --notebooks notebooks --out reports`` this module
-executes every notebook headless (see :mod:`dmlib.report_runner`).
+The figure folder, the one rule: the ``folder`` argument, else :func:`configure`, else
+the environment variable ``DMLIB_FIGURE_DIR``, else ``reports/figures``. Numbers go
+beside it, in ``<figure folder>/../numbers/<notebook>.json``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,15 @@ __all__ = [
     "DEFAULT_FIGURE_DIR",
     "configure",
     "figure_dir",
+    "finding",
     "load_numbers",
-    "main",
+    "load_study",
     "notebook_name",
     "numbers_path",
     "record",
     "save_figure",
+    "say",
+    "skip",
 ]
 
 DEFAULT_FIGURE_DIR = Path("reports") / "figures"
@@ -84,11 +86,21 @@ def _check_name(name: str, what: str) -> None:
         )
 
 
-def save_figure(fig: Any, name: str, *, folder: str | os.PathLike[str] | None = None) -> list[Path]:
+def save_figure(
+    fig: Any,
+    name: str,
+    *,
+    folder: str | os.PathLike[str] | None = None,
+    show: bool | None = None,
+) -> list[Path]:
     """Save ``fig`` as ``<folder>/<name>.png`` (150 dpi) and ``<folder>/<name>.pdf``.
 
     Each file is written under a temporary name and renamed into place, so a figure on
-    disk is always complete.
+    disk is always complete. Inside a notebook (``show=None``: an IPython kernel is
+    running) the saved PNG itself is displayed where the cell makes the figure and the
+    figure is closed, so the notebook shows exactly the file on disk whatever matplotlib
+    backend the kernel has, and the notebook's numbers list the figure under
+    ``"figures"``.
 
     Returns
     -------
@@ -104,7 +116,75 @@ def save_figure(fig: Any, name: str, *, folder: str | os.PathLike[str] | None = 
         with atomic_write(path, "wb") as f:
             fig.savefig(f, format=ext, dpi=PNG_DPI if ext == "png" else None, bbox_inches="tight")
         paths.append(path)
+    ipython = _ipython()
+    if show if show is not None else ipython is not None:
+        _show_png(paths[0], fig)
+        _append(folder, "figures", name)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     return paths
+
+
+def _ipython() -> Any:
+    """The running IPython kernel's shell, or None outside a kernel."""
+    mod = sys.modules.get("IPython")
+    shell = mod.get_ipython() if mod is not None else None  # type: ignore[attr-defined]
+    return shell if shell is not None and hasattr(shell, "kernel") else None
+
+
+def _show_png(path: Path, fig: Any) -> None:
+    from IPython.display import Image, display
+
+    # shown at the figure's own size in inches at 100 px per inch, not at the 150 dpi of the file
+    width = int(round(fig.get_size_inches()[0] * 100))
+    display(Image(data=path.read_bytes(), format="png", width=width))
+
+
+def _display_markdown(text: str) -> None:
+    if _ipython() is not None:
+        from IPython.display import Markdown, display
+
+        display(Markdown(text))
+    else:
+        print(text)
+
+
+def _append(folder: str | os.PathLike[str] | None, key: str, value: Any) -> None:
+    path = numbers_path(folder)
+    numbers = load_numbers(path) if path.exists() else {}
+    items = list(numbers.get(key) or [])
+    if value not in items:
+        items.append(value)
+    record(key, items, folder=folder)
+
+
+def finding(text: str, *, folder: str | os.PathLike[str] | None = None) -> str:
+    """The notebook's one-line result, computed from the data (shown in the report's index)."""
+    text = " ".join(str(text).split())
+    record("finding", text, folder=folder)
+    _display_markdown(f"**Finding:** {text}")
+    return text
+
+
+def skip(reason: str, *, folder: str | os.PathLike[str] | None = None) -> None:
+    """Say, visibly and in one line, that a section is skipped and why (recorded under "skipped")."""
+    reason = " ".join(str(reason).split())
+    _append(folder, "skipped", reason)
+    _display_markdown(f"> *Skipped: {reason}*")
+
+
+def say(*lines: str) -> None:
+    """Computed prose: one paragraph, or a bulleted list when given several lines."""
+    text = lines[0] if len(lines) == 1 else "\n".join(f"* {ln}" for ln in lines)
+    _display_markdown(text)
+
+
+def load_study(path: str | os.PathLike[str]) -> Any:
+    """The :class:`~dmlib.report.study.Study` a notebook's ``STUDY`` parameter names."""
+    from dmlib.report.study import load_study as _load
+
+    return _load(path)
 
 
 def numbers_path(folder: str | os.PathLike[str] | None = None, notebook: str | None = None) -> Path:
@@ -150,14 +230,3 @@ def load_numbers(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DmlibError("recorded numbers must be a JSON object", path=path)
     return data
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: execute the report notebooks (see :mod:`dmlib.report_runner`)."""
-    from dmlib.report_runner import main as run_main
-
-    return run_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,224 @@
+"""``dmlib report`` (a study -> a report folder) and ``dmlib study init`` (write a study file)."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dmlib.cli import add_common_epilog
+from dmlib.errors import DmlibError
+
+REPORT_EXIT = """exit status:
+  0  every notebook ran (notebooks the study has no data for are skipped, and say so)
+  1  a notebook failed: named with its cell number and error; the report is still written
+  2  bad input: one line on stderr (a missing file, a bad study); nothing is written"""
+
+STUDY_HELP = """A study file (study.toml) says what to analyse: runs (label = a checkpoint, or a folder
+or glob of checkpoints forming a step ladder), the control, repeats, factor groups,
+parameter groups, captures. Its format is documented in dmlib.report.study
+(python -c 'import dmlib.report.study as s; help(s)') and in the README."""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        help="run the report notebooks on a study; write HTML, figures, numbers, one shareable file",
+        description="Run the notebook collection on a study (study.toml, or runs given with --run) "
+        "and write DIR/index.html, one HTML per notebook, figures (PNG + PDF), the numbers each "
+        "notebook quotes (JSON), DIR/report.html (everything in one self-contained file), "
+        "provenance.json and the resolved DIR/study.toml.\n\n" + STUDY_HELP,
+    )
+    p.add_argument("study", nargs="*", help="study.toml file(s) or folder(s) holding one")
+    p.add_argument("--out", required=True, metavar="DIR", help="report folder (replaced if it holds an earlier report)")
+    p.add_argument("--run", action="append", default=[], metavar="LABEL=PATH", help="a run: checkpoint file, folder or glob (instead of a study file)")
+    p.add_argument("--control", metavar="LABEL", help="with --run: the run expected to differ (another seed)")
+    p.add_argument("--repeat", action="append", default=[], metavar="LABEL=OF", help="with --run: run LABEL repeats run OF")
+    p.add_argument("--capture", action="append", default=[], metavar="LABEL=FOLDER", help="with --run: a capture folder (the first is the reference)")
+    p.add_argument("--request", metavar="ID", help="with --capture: the request to compare")
+    p.add_argument("--title", help="with --run: the report's title")
+    p.add_argument("--only", nargs="+", metavar="NOTEBOOK", help="run only these notebooks")
+    p.add_argument("--small", action="store_true", help="SMALL=True: a quick run on a subset of the runs")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="set a notebook parameter (must exist in a parameters cell)")
+    p.add_argument("--notebooks", metavar="FOLDER", help="a folder of notebooks (default: the collection shipped with dmlib)")
+    p.add_argument("--jobs", type=int, default=None, help="kernels run at once (default: min(4, CPUs))")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    add_common_epilog(p)
+    p.epilog = REPORT_EXIT
+    p.set_defaults(func=run_report)
+
+    s = sub.add_parser("study", help="write a study file (dmlib study init)")
+    ssub = s.add_subparsers(dest="study_command", metavar="SUBCOMMAND")
+    i = ssub.add_parser(
+        "init",
+        help="write study.toml from a folder it scans or from --run LABEL=PATH",
+        description="Write a study.toml. Given FOLDER, scan it: checkpoint files are runs, "
+        "subfolders of checkpoints are step ladders, capture folders are captures; every "
+        "guess (the control, repeats, the reference capture) is written as a comment to check. "
+        "Given --run, write those runs.\n\n" + STUDY_HELP,
+    )
+    i.add_argument("folder", nargs="?", help="folder to scan (the study file goes into it unless --out)")
+    i.add_argument("--run", action="append", default=[], metavar="LABEL=PATH")
+    i.add_argument("--control", metavar="LABEL")
+    i.add_argument("--capture", action="append", default=[], metavar="LABEL=FOLDER")
+    i.add_argument("--request", metavar="ID")
+    i.add_argument("--title")
+    i.add_argument("--out", metavar="FILE", help="where to write (default: FOLDER/study.toml, or ./study.toml)")
+    i.add_argument("--force", action="store_true", help="overwrite an existing file")
+    add_common_epilog(i)
+    i.set_defaults(func=run_init)
+    s.set_defaults(func=lambda a: _usage(s))
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        label, sep, value = item.partition("=")
+        if not sep or not label or not value:
+            raise DmlibError(f"{flag} {item!r}: expected LABEL=PATH")
+        if label in out:
+            raise DmlibError(f"{flag}: label {label!r} given twice")
+        out[label] = value
+    return out
+
+
+def _flag_study(args: argparse.Namespace) -> Any:
+    from dmlib.report.study import from_dict
+
+    data: dict[str, Any] = {"title": args.title or "dmlib report", "runs": _pairs(args.run, "--run")}
+    if args.control:
+        data["control"] = args.control
+    if args.repeat:
+        data["repeats"] = _pairs(args.repeat, "--repeat")
+    if args.capture:
+        data["captures"] = {"folders": _pairs(args.capture, "--capture")}
+        if args.request:
+            data["captures"]["request"] = args.request
+    return from_dict(data, root=Path.cwd())
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from dmlib.report.build import build_report
+    from dmlib.report.runner import parse_param
+    from dmlib.report.study import load_study
+
+    flags = args.run or args.capture
+    if flags and args.study:
+        raise DmlibError("give a study file or --run/--capture, not both")
+    if not flags and not args.study:
+        raise DmlibError("nothing to report: give a study.toml, or runs with --run LABEL=PATH")
+    if not flags and (args.control or args.repeat or args.request or args.title):
+        raise DmlibError("--control, --repeat, --request and --title go with --run; a study file says them itself")
+    params = dict(parse_param(p) for p in args.param)
+    for reserved in ("STUDY", "FIGURE_DIR"):
+        if reserved in params:
+            raise DmlibError(f"--param {reserved}: set by dmlib report itself (the study, the report folder)")
+    # every study is read and checked before anything is written
+    studies = [_flag_study(args)] if flags else [load_study(s) for s in args.study]
+    out = Path(args.out)
+    targets = [out] if len(studies) == 1 else [out / _name(s, studies) for s in studies]
+    for t in targets:
+        _check_out(t)
+    progress = sys.stderr
+    worst = 0
+    done = []
+    for study, target in zip(studies, targets, strict=True):
+        if len(studies) > 1:
+            print(f"== {study.title} -> {target}", file=progress, flush=True)
+        results = build_report(
+            study,
+            target,
+            notebooks=args.notebooks,
+            only=args.only,
+            small=args.small,
+            params=params,
+            jobs=args.jobs,
+            timeout=args.timeout,
+            log=progress,
+        )
+        failed = [r for r in results if r.status == "FAILED"]
+        for r in failed:
+            where = f"{target}: " if len(studies) > 1 else ""
+            print(f"dmlib report: {where}notebook {r.describe()}", file=sys.stderr)
+        worst = max(worst, 1 if failed else 0)
+        done.append((study, target, results))
+    if len(studies) > 1:
+        _write_collection(out, done)
+    return worst
+
+
+def _name(study: Any, studies: list[Any]) -> str:
+    base = study.path.parent.name if study.path is not None else "study"
+    names = [s.path.parent.name if s.path is not None else "study" for s in studies]
+    if names.count(base) > 1:
+        base = f"{base}-{studies.index(study) + 1}"
+    return base
+
+
+def _check_out(out: Path) -> None:
+    """Refuse to replace a folder that holds anything but an earlier report."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "summary.json").is_file() and not (out / "index.html").is_file())):
+        raise DmlibError(
+            "exists and does not hold a dmlib report; pass an empty or new folder to --out", path=out
+        )
+
+
+def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]]) -> None:
+    rows = []
+    for study, target, results in done:
+        rel = os.path.relpath(target, out).replace(os.sep, "/")
+        ran = [r for r in results if r.status != "skipped"]
+        ok = sum(r.status == "ok" for r in ran)
+        findings = "".join(
+            f"<li><b>{html.escape(r.name)}</b>: {html.escape(str(r.numbers.get('finding') or r.status))}</li>"
+            for r in ran
+        )
+        rows.append(
+            f'<h2><a href="{rel}/index.html">{html.escape(study.title)}</a></h2>'
+            f'<p>{ok} of {len(ran)} notebooks ran; one file: <a href="{rel}/report.html">{rel}/report.html</a></p>'
+            f"<ul>{findings}</ul>"
+        )
+    from dmlib.report.pages import _page
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "index.html").write_text(_page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8")
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from dmlib.report.studyfile import init_from_folder, init_from_runs
+
+    if args.folder and (args.run or args.capture):
+        raise DmlibError("give a folder to scan or --run LABEL=PATH, not both")
+    if args.folder:
+        target = Path(args.out) if args.out else Path(args.folder) / "study.toml"
+        if not Path(args.folder).is_dir():
+            raise DmlibError("not a folder", path=args.folder)
+        text = init_from_folder(Path(args.folder), title=args.title)
+        base = Path(args.folder)
+        if target.resolve().parent != base.resolve():
+            raise DmlibError("a scanned study must be written into the folder it describes (paths are relative to it)", path=target)
+    elif args.run or args.capture:
+        target = Path(args.out or "study.toml")
+        text = init_from_runs(
+            _pairs(args.run, "--run"),
+            target.resolve().parent,
+            control=args.control,
+            captures=_pairs(args.capture, "--capture"),
+            request=args.request,
+            title=args.title,
+        )
+    else:
+        raise DmlibError("give a folder to scan, or runs with --run LABEL=PATH")
+    if target.exists() and not args.force:
+        raise DmlibError("exists; pass --force to overwrite it", path=target)
+    target.write_text(text, encoding="utf-8")
+    print(f"wrote {target}; check the lines marked 'guessed', then: dmlib report {target} --out report")
+    return 0

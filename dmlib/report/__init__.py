@@ -1,0 +1,41 @@
+"""Reports: run the notebook collection on a study and write a report to share.
+
+Inside a notebook, ``from dmlib import report`` gives the helpers of
+:mod:`dmlib.report.notebook` (:func:`save_figure`, :func:`record`, :func:`finding`,
+:func:`skip`, :func:`say`, :func:`load_study`). The rest of the package:
+:mod:`~dmlib.report.study` (the ``study.toml`` format), :mod:`~dmlib.report.runner`
+(headless execution), :mod:`~dmlib.report.build` (``dmlib report``: the report folder),
+:mod:`~dmlib.report.pages` (HTML) and :mod:`~dmlib.report.provenance`.
+"""
+
+from __future__ import annotations
+
+from dmlib.report.notebook import (
+    DEFAULT_FIGURE_DIR,
+    configure,
+    figure_dir,
+    finding,
+    load_numbers,
+    load_study,
+    notebook_name,
+    numbers_path,
+    record,
+    save_figure,
+    say,
+    skip,
+)
+
+__all__ = [
+    "DEFAULT_FIGURE_DIR",
+    "configure",
+    "figure_dir",
+    "finding",
+    "load_numbers",
+    "load_study",
+    "notebook_name",
+    "numbers_path",
+    "record",
+    "save_figure",
+    "say",
+    "skip",
+]

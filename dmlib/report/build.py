@@ -1,0 +1,238 @@
+"""``dmlib report``: run the notebook collection on a study and write the report folder.
+
+The report folder holds ``index.html``, one ``<notebook>.html`` (and executed
+``.ipynb``) per notebook, ``figures/`` (PNG + PDF), ``numbers/<notebook>.json``,
+``report.html`` (everything in one file, figures embedded), ``provenance.json`` and the
+resolved ``study.toml``. It is built in a hidden sibling folder and renamed into place
+at the end, so an interrupted or refused run never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dmlib.errors import DmlibError
+from dmlib.report import notebook as nbhelp
+from dmlib.report import pages, provenance
+from dmlib.report.runner import (
+    NotebookResult,
+    find_notebooks,
+    read_notebook,
+    run_notebooks,
+    scrub,
+)
+from dmlib.report.study import Study
+from dmlib.report.studyfile import resolved_toml
+
+__all__ = ["NEEDS", "build_report", "missing"]
+
+# what a notebook needs from a study (notebook metadata "dmlib": {"needs": [...]}), and
+# the note the index shows when the study has none of it
+NEEDS: dict[str, Callable[[Study], str | None]] = {
+    "checkpoint": lambda s: None if s.runs or s.anatomy else "the study names no checkpoint ([runs] or [anatomy])",
+    "two_runs": lambda s: None if len(s.runs) >= 2 else "the study has fewer than two runs: nothing to compare",
+    "ladder": lambda s: None
+    if s.ladders()
+    else "no run has checkpoints at two or more steps (a step ladder)",
+    "factor_groups": lambda s: None
+    if s.factor_groups
+    else "the study declares no factor groups ([[factor_groups]])",
+    "captures": lambda s: None if s.captures is not None else "the study declares no captures ([captures])",
+}
+
+
+def missing(nb: Any, study: Study) -> str | None:
+    """Why ``study`` cannot feed notebook ``nb`` (its declared needs), or None."""
+    needs = nb.metadata.get("dmlib", {}).get("needs", [])
+    for need in needs:
+        if need not in NEEDS:
+            raise DmlibError(f"notebook needs {need!r}, which dmlib does not know; known: {', '.join(NEEDS)}")
+        reason = NEEDS[need](study)
+        if reason:
+            return reason
+    return None
+
+
+def build_report(
+    study: Study,
+    out: str | os.PathLike[str],
+    *,
+    notebooks: str | os.PathLike[str] | None = None,
+    only: Sequence[str] | None = None,
+    small: bool = False,
+    params: Mapping[str, Any] | None = None,
+    jobs: int | None = None,
+    timeout: int = 600,
+    log: Any = None,
+) -> list[NotebookResult]:
+    """Run the notebooks on ``study`` and write the report folder ``out`` (replaced if present)."""
+    t0 = time.perf_counter()
+    out = Path(out).resolve()
+    paths = find_notebooks(notebooks, only)
+    nbs = {p: read_notebook(p) for p in paths}
+    skipped = {p: missing(nbs[p], study) for p in paths}
+    to_run = [p for p in paths if skipped[p] is None]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (stage / "study.toml").write_text(resolved_toml(study, out), encoding="utf-8")
+        # torch's ISA is asked in a child process while the notebooks run
+        torch_box: dict[str, Any] = {}
+        probe = threading.Thread(target=lambda: torch_box.update(v=provenance.torch_facts()))
+        probe.start()
+        all_params = {"STUDY": "study.toml", "FIGURE_DIR": "figures", "SMALL": bool(small), **dict(params or {})}
+        done = [0]
+
+        def progress(res: NotebookResult) -> None:
+            done[0] += 1
+            if log is not None:
+                print(f"[{done[0]}/{len(to_run)}] {res.describe()}", file=log, flush=True)
+
+        if log is not None:
+            for p in paths:
+                if skipped[p]:
+                    print(f"{p.stem}: skipped ({skipped[p]})", file=log, flush=True)
+            print(f"running {len(to_run)} notebooks on {study.title!r} ...", file=log, flush=True)
+        results = run_notebooks(to_run, stage, all_params, jobs=jobs, timeout=timeout, progress=progress) if to_run else []
+        by_path = dict(zip(to_run, results, strict=True))
+        ordered = [
+            by_path.get(p) or NotebookResult(name=p.stem, ok=True, seconds=0.0, skipped=skipped[p])
+            for p in paths
+        ]
+        probe.join()
+        prov = provenance.collect(study.input_files(), study.root, torch=torch_box.get("v"))
+        _write_outputs(study, stage, out, ordered, prov)
+        _replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if log is not None:
+        failed = sum(r.status == "FAILED" for r in ordered)
+        print(
+            f"{len(to_run) - failed}/{len(to_run)} notebooks ok in {time.perf_counter() - t0:.1f} s; "
+            f"open {os.path.relpath(out / 'index.html')} (or the one file {os.path.relpath(out / 'report.html')})",
+            file=log,
+            flush=True,
+        )
+    return ordered
+
+
+def _machine_paths(study: Study, stage: Path, out: Path) -> list[tuple[str, str]]:
+    """Absolute paths that must not appear in a shared report, and what replaces them."""
+    pairs = [
+        (str(stage) + os.sep, ""),
+        (str(stage), "."),
+        (str(out) + os.sep, ""),
+        (str(study.root) + os.sep, "<study>/"),
+        (str(Path(nbhelp.__file__).resolve().parents[2]) + os.sep, "<dmlib>/"),
+        (sys.prefix + os.sep, "<python>/"),
+        (sys.base_prefix + os.sep, "<python>/"),
+        (str(Path.home()) + os.sep, "~/"),
+        (tempfile.gettempdir() + os.sep, "<tmp>/"),
+    ]
+    return [(a, b) for a, b in pairs if len(a) > 1]
+
+
+def _write_outputs(
+    study: Study, stage: Path, out: Path, results: list[NotebookResult], prov: dict[str, Any]
+) -> None:
+    import nbformat
+
+    figures = stage / "figures"
+    bodies: dict[str, str] = {}
+    rows = []
+    for r in results:
+        numbers_file = nbhelp.numbers_path(figures, r.name)
+        r.numbers = nbhelp.load_numbers(numbers_file) if numbers_file.is_file() else {}
+        if r.nb is not None:
+            scrub(r.nb, _machine_paths(study, stage, out))
+            (stage / f"{r.name}.ipynb").write_text(nbformat.writes(r.nb), encoding="utf-8")
+            body = pages.notebook_body(r.nb)
+            bodies[r.name] = body
+            (stage / f"{r.name}.html").write_text(pages.notebook_page(r.name, body), encoding="utf-8")
+        rows.append(
+            {
+                "name": r.name,
+                "status": r.status,
+                "skipped": r.skipped,
+                "seconds": round(r.seconds, 2),
+                "failed_cell": r.failed_cell,
+                "error": r.error,
+                "finding": r.numbers.get("finding"),
+                "figures": list(r.numbers.get("figures") or []),
+                "skipped_sections": list(r.numbers.get("skipped") or []),
+            }
+        )
+    summary = {
+        "title": study.title,
+        "dmlib": prov["versions"].get("dmlib"),
+        "control": study.control,
+        "runs": [_run_row(study, k) for k in study.runs],
+        "captures": _captures_row(study),
+        "results": rows,
+        "provenance": prov,
+    }
+    (stage / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n", encoding="utf-8")
+    (stage / "summary.json").write_text(
+        json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=2) + "\n",
+        encoding="utf-8",
+    )
+    (stage / "index.html").write_text(pages.index_page(summary, figures), encoding="utf-8")
+    (stage / "report.html").write_text(pages.single_page(summary, bodies, figures), encoding="utf-8")
+
+
+def _run_row(study: Study, label: str) -> dict[str, Any]:
+    run = study.runs[label]
+    roles = []
+    if label == study.control:
+        roles.append("control")
+    if label == study.reference and study.ladders():
+        roles.append("reference")
+    if label in study.repeats:
+        roles.append(f"repeat of {study.repeats[label]}")
+    steps = run.steps
+    shown = (
+        "not recorded"
+        if not steps
+        else str(steps[0])
+        if len(steps) == 1
+        else f"{', '.join(map(str, steps))}"
+        if len(steps) <= 8
+        else f"{steps[0]}..{steps[-1]} ({len(steps)})"
+    )
+    paths = list(run.checkpoints.values())
+    where = study.rel(paths[0]) if len(paths) == 1 else study.rel(paths[0].parent) + "/"
+    return {"label": label, "roles": roles, "n_checkpoints": len(paths), "steps": shown, "path": where}
+
+
+def _captures_row(study: Study) -> dict[str, Any] | None:
+    c = study.captures
+    if c is None:
+        return None
+    return {
+        "request": c.request or "(every request)",
+        "reference": c.reference,
+        "folders": {k: study.rel(v) for k, v in c.folders.items()},
+    }
+
+
+def _replace(stage: Path, out: Path) -> None:
+    """Move the finished report into place; an older report there goes only once it is done."""
+    old = None
+    if out.exists():
+        if not out.is_dir():
+            raise DmlibError("exists and is not a folder; pass another --out", path=out)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    stage.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

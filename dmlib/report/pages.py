@@ -1,0 +1,196 @@
+"""HTML of a report: one page per notebook, the index, and one self-contained file.
+
+Pages use nbconvert's ``basic`` template (the notebook's body, no scripts) inside a page
+of our own with a small inline stylesheet: nothing is fetched from the network, and a
+figure is the PNG the notebook saved, embedded as a ``data:`` URI where the notebook
+shows it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["index_page", "notebook_body", "notebook_page", "single_page"]
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1100px;
+margin:2em auto;padding:0 1em;color:#222;line-height:1.45}
+h1,h2,h3{line-height:1.2} a{color:#0645ad}
+table{border-collapse:collapse;margin:.6em 0;font-size:.9em}
+td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left;vertical-align:top}
+pre{background:#f6f8fa;padding:.5em;overflow-x:auto;font-size:.85em}
+.jp-InputArea-editor,.input_area{background:#f6f8fa}
+.jp-InputPrompt,.jp-OutputPrompt,.prompt{display:none}
+.jp-RenderedImage img,.output_png img{max-width:100%;height:auto}
+.thumbs img{height:110px;border:1px solid #ccc;margin:2px}
+.finding{margin:.2em 0 .6em 0} .status-FAILED{color:#b00;font-weight:bold}
+.status-skipped{color:#777} .note{color:#555;font-size:.9em}
+details{margin:.5em 0} code{background:#f6f8fa;padding:0 .2em}
+.nb{border-top:3px solid #ccc;margin-top:2.5em;padding-top:.5em}
+"""
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n"
+        f"<body>\n{body}\n</body></html>\n"
+    )
+
+
+def notebook_body(nb: Any) -> str:
+    """The executed notebook as HTML (nbconvert ``basic``: no scripts, images inline)."""
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name="basic", exclude_input_prompt=True, exclude_output_prompt=True)
+    # nbconvert gives an image without alt text a placeholder and logs a warning per page;
+    # every image here is a figure the notebook saved, and says so
+    exporter.log.setLevel(logging.ERROR)
+    body, _ = exporter.from_notebook_node(nb)
+    return body.replace('alt="No description has been provided for this image"', 'alt="figure"')
+
+
+def notebook_page(title: str, body: str) -> str:
+    nav = '<p><a href="index.html">&larr; index</a></p>'
+    return _page(title, nav + body)
+
+
+def _data_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _study_html(summary: Mapping[str, Any]) -> str:
+    rows = []
+    for r in summary["runs"]:
+        role = ", ".join(r["roles"]) or ""
+        rows.append(
+            f"<tr><td>{_esc(r['label'])}</td><td>{_esc(role)}</td><td>{r['n_checkpoints']}</td>"
+            f"<td>{_esc(r['steps'])}</td><td><code>{_esc(r['path'])}</code></td></tr>"
+        )
+    parts = [
+        "<h2>Runs</h2><table><tr><th>run</th><th>role</th><th>checkpoints</th><th>steps</th>"
+        "<th>path (relative to the study)</th></tr>",
+        *rows,
+        "</table>",
+    ]
+    if summary.get("captures"):
+        c = summary["captures"]
+        parts.append(
+            f"<p>Captures of request <code>{_esc(c['request'])}</code>: "
+            + ", ".join(f"{_esc(k)} (<code>{_esc(v)}</code>)" for k, v in c["folders"].items())
+            + f"; compared against <b>{_esc(c['reference'])}</b>.</p>"
+        )
+    return "\n".join(parts)
+
+
+def _notebooks_html(
+    results: Sequence[Mapping[str, Any]], thumbs: Mapping[str, list[str]], link: Any
+) -> str:
+    parts = ["<h2>Notebooks</h2>"]
+    for r in results:
+        status = r["status"]
+        head = f'<h3><a href="{link(r["name"])}">{_esc(r["name"])}</a>' if status != "skipped" else f"<h3>{_esc(r['name'])}"
+        head += f' <span class="status-{status}">{_esc(status)}</span></h3>'
+        parts.append(head)
+        if status == "skipped":
+            parts.append(f'<p class="note">Not run: {_esc(r["skipped"])}.</p>')
+            continue
+        if status == "FAILED":
+            parts.append(f'<p class="status-FAILED">cell {r["failed_cell"]}: {_esc(r["error"])}</p>')
+        if r.get("finding"):
+            parts.append(f'<p class="finding">{_esc(r["finding"])}</p>')
+        if r.get("skipped_sections"):
+            parts.append(
+                '<p class="note">Sections skipped: '
+                + "; ".join(_esc(s) for s in r["skipped_sections"])
+                + "</p>"
+            )
+        if thumbs.get(r["name"]):
+            imgs = "".join(
+                f'<a href="{link(r["name"])}"><img src="{src}" alt="{_esc(r["name"])} figure"></a>'
+                for src in thumbs[r["name"]]
+            )
+            parts.append(f'<div class="thumbs">{imgs}</div>')
+    return "\n".join(parts)
+
+
+def _provenance_html(prov: Mapping[str, Any]) -> str:
+    versions = ", ".join(f"{_esc(k)} {_esc(v)}" for k, v in prov["versions"].items())
+    torch = prov.get("torch")
+    if torch is None:
+        torch_line = "PyTorch: not installed"
+    elif "error" in torch:
+        torch_line = f"PyTorch: {_esc(torch['error'])}"
+    else:
+        torch_line = (
+            f"PyTorch {_esc(torch['torch'])}, ATen CPU capability {_esc(torch['cpu_capability'])}, "
+            f"{_esc(torch['threads'])} threads"
+        )
+    rows = "".join(
+        f"<tr><td><code>{_esc(f['path'])}</code></td><td>{f['bytes']:,}</td><td><code>{_esc(f['sha256'])}</code></td></tr>"
+        for f in prov["inputs"]
+    )
+    return (
+        "<h2>Provenance</h2>"
+        f"<p>{versions}.<br>{_esc(prov['platform'])}, CPU: {_esc(prov['cpu'])} "
+        f"({_esc(prov['cpu_count'])} logical). {torch_line}.</p>"
+        f"<details><summary>sha256 of the {len(prov['inputs'])} input files</summary>"
+        f"<table><tr><th>file</th><th>bytes</th><th>sha256</th></tr>{rows}</table></details>"
+    )
+
+
+def _header(summary: Mapping[str, Any]) -> str:
+    ok = sum(r["status"] == "ok" for r in summary["results"])
+    ran = sum(r["status"] != "skipped" for r in summary["results"])
+    return (
+        f"<h1>{_esc(summary['title'])}</h1>"
+        f"<p>{len(summary['runs'])} runs"
+        + (f", control <b>{_esc(summary['control'])}</b>" if summary.get("control") else ", no control declared")
+        + f". {ok} of {ran} notebooks ran without error"
+        + f"; study file <code>study.toml</code> (paths relative to it). Made by dmlib {_esc(summary['dmlib'])}.</p>"
+    )
+
+
+def index_page(summary: Mapping[str, Any], figures: Path) -> str:
+    """``index.html``: title, runs and control, per notebook its finding and thumbnails."""
+    thumbs = {
+        r["name"]: [f"figures/{f}.png" for f in r.get("figures", []) if (figures / f"{f}.png").is_file()]
+        for r in summary["results"]
+    }
+    body = (
+        _header(summary)
+        + '<p>The whole report in one file: <a href="report.html">report.html</a>.</p>'
+        + _study_html(summary)
+        + _notebooks_html(summary["results"], thumbs, lambda n: f"{n}.html")
+        + _provenance_html(summary["provenance"])
+    )
+    return _page(summary["title"], body)
+
+
+def single_page(summary: Mapping[str, Any], bodies: Mapping[str, str], figures: Path) -> str:
+    """``report.html``: the index and every notebook in one file, figures embedded."""
+    thumbs = {
+        r["name"]: [_data_uri(figures / f"{f}.png") for f in r.get("figures", []) if (figures / f"{f}.png").is_file()]
+        for r in summary["results"]
+    }
+    sections = [
+        f'<section class="nb" id="nb-{_esc(name)}">{body}</section>' for name, body in bodies.items()
+    ]
+    body = (
+        _header(summary)
+        + _study_html(summary)
+        + _notebooks_html(summary["results"], thumbs, lambda n: f"#nb-{n}")
+        + _provenance_html(summary["provenance"])
+        + "\n".join(sections)
+    )
+    return _page(summary["title"], body)

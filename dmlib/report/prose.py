@@ -1,0 +1,285 @@
+"""Sentences computed from results: the findings and conclusions the notebooks print.
+
+Every sentence here is built from the numbers it quotes (and the step they belong to);
+nothing is written in advance, so no sentence can be false for someone else's runs.
+Each function returns ``(finding, lines)``: the notebook's one-line result and the
+bullet points of its conclusion.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["captures", "columns", "fmt", "ladder", "matrix"]
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """A number for prose: ``0`` for zero, ``-`` for None/NaN, else ``digits`` significant."""
+    if x is None:
+        return "-"
+    try:
+        if pd.isna(x):
+            return "-"
+    except (TypeError, ValueError):
+        pass
+    if isinstance(x, (int,)) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
+        return str(int(x))
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{digits}g}"
+
+
+def _list(names: Sequence[str], n: int = 5) -> str:
+    shown = ", ".join(f"`{x}`" for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: Sequence[str]) -> tuple[str, list[str]]:
+    """Pairs of runs (``dmlib.matrix``'s verdict) ``when`` ("at step 20")."""
+    pairs = verdict["pairs"]
+    control = verdict["control"]
+    others = [p for p in pairs if not p["control"]]
+    k = len(verdict["identical_pairs"])
+    same, ctrl, sep = verdict["same_worst_rel_fro"], verdict["control_rel_fro"], verdict["separation_orders"]
+    lines = []
+    if control is None:
+        finding = (
+            f"{when.capitalize()}: worst rel_fro over {len(pairs)} pairs of runs {fmt(same)}; "
+            f"{k} of {len(pairs)} pairs bit-identical (no control declared)."
+        )
+        lines.append(
+            "No control is declared, so nothing here says how large a real difference would be; "
+            "declare a run that is expected to differ (another seed) as `control`."
+        )
+    elif not others:
+        finding = f"{when.capitalize()}: the only pair involves the control {control}, rel_fro {fmt(ctrl)}."
+    else:
+        body = (
+            "are all bit-identical"
+            if k == len(others)
+            else f"differ by at most rel_fro {fmt(same)} (max {fmt(verdict['same_max_ulp'])} ULP)"
+        )
+        sep_text = "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
+        finding = (
+            f"{when.capitalize()}: the {len(others)} pairs without the control {body}; "
+            f"every pair with {control} by at least {fmt(ctrl)}{sep_text}."
+        )
+        if sep is not None and not math.isinf(sep):
+            if sep >= 2:
+                lines.append(
+                    f"The least difference to the control is {sep:.1f} orders of magnitude above the "
+                    f"worst pair without it ({fmt(ctrl)} vs {fmt(same)}, {when}): those runs agree far "
+                    "more closely than a run expected to differ."
+                )
+            elif sep >= 1:
+                lines.append(
+                    f"The control is {sep:.1f} orders of magnitude above the worst pair without it "
+                    f"({fmt(ctrl)} vs {fmt(same)}, {when}): a clear but not wide separation."
+                )
+            else:
+                lines.append(
+                    f"The worst pair without the control ({fmt(same)}) is within an order of magnitude "
+                    f"of the control ({fmt(ctrl)}, {when}): those runs differ about as much as a run "
+                    "expected to differ."
+                )
+        elif sep is not None:
+            lines.append(f"Every pair without the control is bit-identical {when}; the control differs by {fmt(ctrl)}.")
+    if others or control is None:
+        group = others if control is not None else pairs
+        if 0 < k < len(group):
+            lines.append(
+                f"{k} of {len(group)} pairs are bit-identical ({', '.join(verdict['identical_pairs'][:6])}) "
+                "while the others differ: a difference between processes that some runs share and "
+                "others do not, rather than noise every run carries."
+            )
+        elif k == 0 and group:
+            lines.append(f"No pair{' without the control' if control else ''} is bit-identical {when}.")
+    if n_tensors:
+        if differing:
+            lines.append(
+                f"{n_tensors - len(differing)} of {n_tensors} tensors are bit-identical in every pair"
+                f"{' without the control' if control else ''}; the {len(differing)} that differ: {_list(list(differing))}."
+            )
+        else:
+            lines.append(f"All {n_tensors} tensors are bit-identical in every pair{' without the control' if control else ''}.")
+    mu, med = verdict.get("same_max_ulp"), verdict.get("same_worst_median_ulp")
+    if mu and med is not None and mu > 100 * max(med, 1):
+        lines.append(
+            f"max_ulp {fmt(mu)} is set by a few elements (the worst tensor's median is {fmt(med)} ULP): "
+            "near zero one ULP is tiny, so rel_fro is the measure of what a layer computes."
+        )
+    return finding, lines
+
+
+def effective(
+    eff: pd.DataFrame, stored: pd.DataFrame, control: str | None, when: str
+) -> list[str]:
+    """Effective weights (``factor_matrix`` pairs) against stored tensors, pair by pair."""
+    is_c = (eff["a"].eq(control) | eff["b"].eq(control)) if control else pd.Series(False, index=eff.index)
+    same_w = eff.loc[~is_c, "rel_fro"].max() if (~is_c).any() else None
+    s_is_c = (stored["a"].eq(control) | stored["b"].eq(control)) if control else pd.Series(False, index=stored.index)
+    same_s = stored.loc[~s_is_c, "worst_rel_fro"].max() if (~s_is_c).any() else None
+    line = (
+        f"Judged on the weight the factorised layers compute, pairs{' without the control' if control else ''} "
+        f"differ by at most rel_fro {fmt(same_w)} {when}, against {fmt(same_s)} for the worst stored tensor."
+    )
+    if control and is_c.any():
+        line += f" Pairs with the control: at least {fmt(eff.loc[is_c, 'rel_fro'].min())}."
+    return [line]
+
+
+def columns(summary: Mapping[str, Any], n_flipped: int, n_changed: int, when: str) -> tuple[str, list[str]]:
+    """First divergent columns of factor tensors (``first_divergent_columns`` summary)."""
+    n, ident = summary["n_pairs"], summary["n_identical"]
+    if n == ident:
+        finding = f"{when.capitalize()}: all {n} factor-tensor pairs are bit-identical; no column diverges."
+        return finding, [finding]
+    finding = (
+        f"{when.capitalize()}: the first divergent column ranges over {summary['first_col_min']}..{summary['first_col_max']} "
+        f"(median {fmt(summary['first_col_median'])}) across {n - ident} differing factor-tensor pairs; {ident} of {n} bit-identical."
+    )
+    lines = [
+        f"Every column before a pair's first divergent column is bit-identical {when}; where the factors "
+        "come from a Householder QR, that column is the iteration at which the two processes first rounded differently.",
+    ]
+    if summary["first_col_min"] == summary["first_col_max"]:
+        lines.append(f"Every differing pair first diverges at the same column, {summary['first_col_min']}: a fixed point, as a systematic cause would give.")
+    else:
+        lines.append("The first divergent column varies between pairs: the cause is not tied to one fixed column.")
+    if ident:
+        lines.append(f"{ident} of {n} factor-tensor pairs are bit-identical next to differing ones.")
+    lines.append(
+        f"{n_flipped} of {n_changed} changed columns have cosine below -0.9 (a negated column)"
+        + (": the differences are a sign-preserving scatter." if n_flipped == 0 else ".")
+    )
+    return finding, lines
+
+
+def ladder(
+    df: pd.DataFrame,
+    reference: str,
+    repeats: Mapping[str, pd.DataFrame],
+    rates: pd.DataFrame,
+    small: Sequence[str],
+    small_norm: float,
+) -> tuple[str, list[str]]:
+    """A step ladder against ``reference`` (``dmlib.step_ladder``) and its repeat pairs."""
+    steps = sorted(int(s) for s in df["step"].unique())
+    lines = []
+    for pair, sub in repeats.items():
+        lines.append(_pair_line(pair, sub, repeat=True))
+    rep_pairs = set(repeats)
+    earliest = None
+    n_div = 0
+    pairs = [p for p in dict.fromkeys(df["pair"]) if p not in rep_pairs]
+    for pair in pairs:
+        sub = df[df["pair"].eq(pair)]
+        lines.append(_pair_line(pair, sub))
+        first = _first(sub)
+        if first is not None:
+            n_div += 1
+            if earliest is None or first < earliest[0]:
+                earliest = (first, pair)
+    last = steps[-1] if steps else None
+    at_last = df[df["step"].eq(last)]
+    for pair, g in rates.dropna(subset=["slope"]).groupby("pair"):
+        med = float(g["slope"].median())
+        lines.append(
+            f"{pair}: rel_fro {'grows' if med > 0 else 'shrinks'} by a median {abs(med):.2g} decades per step "
+            f"over its groups (fit over steps {int(g['step_min'].min())}-{int(g['step_max'].max())} where rel_fro > 0)."
+        )
+    if small and len(at_last):
+        for pair, g in at_last.groupby("pair"):
+            is_small = g["name"].isin(small)
+            a, b = g.loc[is_small, "rel_fro"].median(), g.loc[~is_small, "rel_fro"].median()
+            if is_small.any() and (~is_small).any() and (a > 0 or b > 0):
+                lines.append(
+                    f"{pair} at step {last}: parameters of norm < {small_norm} have median rel_fro {fmt(a)}, "
+                    f"the others {fmt(b)}."
+                )
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no step"
+    if not pairs:
+        finding = f"Against {reference}, {span}: only repeat pairs to compare."
+    elif earliest is None:
+        finding = f"Against {reference}, {span}: every run is bit-identical at every step."
+    else:
+        top = at_last.loc[at_last["rel_fro"].idxmax()] if len(at_last) and at_last["rel_fro"].max() > 0 else None
+        finding = f"Against {reference}, {span}: {n_div} of {len(pairs)} runs diverge, the earliest from step {earliest[0]} ({earliest[1]})"
+        if top is not None:
+            finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} (`{top['name']}`, {top['pair']})"
+        finding += "."
+    for pair, sub in repeats.items():
+        first = _first(sub)
+        finding += (
+            f" Repeat {pair}: bit-identical at every step." if first is None else f" Repeat {pair}: differs from step {first}."
+        )
+    if not repeats:
+        lines.append(
+            "No repeat is declared ([repeats]): nothing shows whether a run of the same configuration "
+            "reproduces itself, so differences cannot be attributed to the configurations alone."
+        )
+    return finding, lines
+
+
+def _first(sub: pd.DataFrame) -> int | None:
+    per = sub.groupby("step")["n_diff"].sum()
+    nz = per[per > 0]
+    return int(nz.index.min()) if len(nz) else None
+
+
+def _pair_line(pair: str, sub: pd.DataFrame, *, repeat: bool = False) -> str:
+    steps = sorted(int(s) for s in sub["step"].unique())
+    first = _first(sub)
+    what = f"Repeat {pair}" if repeat else pair
+    if first is None:
+        text = f"{what}: bit-identical at every step compared ({', '.join(map(str, steps))})."
+        if repeat:
+            text += " The training loop reproduces itself here, so the other runs' differences come from what their configurations change."
+        return text
+    before = [s for s in steps if s < first]
+    worst = sub.loc[sub["rel_fro"].idxmax()]
+    text = (
+        f"{what}: "
+        + (f"bit-identical through step {before[-1]}, " if before else "")
+        + f"differs from step {first} on"
+        + ("" if before else " (the first step compared)")
+        + f"; max rel_fro {fmt(worst['rel_fro'])} at step {int(worst['step'])} (`{worst['name']}`)."
+    )
+    if repeat:
+        text += " Runs of the same configuration do not reproduce each other here, so a difference in another run cannot be put down to its configuration alone."
+    return text
+
+
+def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
+    """Capture comparisons (``compare_captures`` frames by label), first one leading."""
+    lines = []
+    finding = ""
+    for i, (label, df) in enumerate(results.items()):
+        at = df.attrs
+        n_inc = at["n_boundaries"] - at["n_comparable"]
+        if at["first_divergent_boundary"] is None:
+            text = f"{label}: no difference at the {at['n_comparable']} boundaries that could be compared"
+            text += (
+                f"; {n_inc} could not be compared, so this does not show the two identical."
+                if n_inc
+                else "."
+            )
+        else:
+            text = f"{label}: first divergent boundary `{at['first_divergent_boundary']}`"
+            text += f"; culprit (inputs identical, output differs): `{at['culprit']}`." if at["culprit"] else "; no culprit (no boundary with identical inputs and a differing output)."
+        rc, nc = at.get("repeat_control"), at.get("negative_control") or {}
+        if rc is not None:
+            text += " Repeat control held." if rc.get("held") else " Repeat control FAILED: the same layout captured twice differs, so this difference cannot be told from run-to-run noise."
+        if nc.get("passed") is not None:
+            text += " Negative control passed." if nc["passed"] else " Negative control FAILED: the comparison missed a planted difference."
+        lines.append(text)
+        if i == 0:
+            finding = text
+    first = next(iter(results.values()))
+    if first.attrs.get("repeat_control") is None:
+        lines.append("No repeat capture is declared for the first comparison ([captures.repeats]): a difference cannot be told from run-to-run noise.")
+    return finding, lines

@@ -1,0 +1,91 @@
+"""Where a report came from: library versions, the CPU, PyTorch's ISA, sha256 of every input."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from dmlib.hashing import hash_file
+
+__all__ = ["collect", "cpu_model", "torch_facts"]
+
+LIBRARIES = ("dmlib", "numpy", "pandas", "matplotlib", "seaborn", "ml_dtypes", "nbclient", "nbconvert", "ipykernel", "torch")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_TORCH_PROBE = (
+    "import json, torch; print(json.dumps({'torch': torch.__version__, "
+    "'cpu_capability': torch.backends.cpu.get_cpu_capability(), "
+    "'threads': torch.get_num_threads()}))"
+)
+
+
+def torch_facts(timeout: float = 120) -> dict[str, Any] | None:
+    """PyTorch's version and the ISA its ATen kernels dispatch to here; None without torch.
+
+    Asked in a child process, so the report's own process never imports torch.
+    """
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import json
+
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _TORCH_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, ValueError, IndexError) as err:
+        return {"error": f"could not ask torch: {type(err).__name__}"}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect(inputs: Iterable[Path], root: Path, *, torch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Provenance as a JSON-ready dict; input paths are relative to ``root`` (the study)."""
+    files = []
+    for p in inputs:
+        files.append(
+            {
+                "path": os.path.relpath(p, root).replace(os.sep, "/"),
+                "bytes": p.stat().st_size,
+                "sha256": hash_file(p),
+            }
+        )
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            **{k: v for k in LIBRARIES if (v := _version(k)) is not None},
+        },
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch,
+        "inputs": files,
+    }

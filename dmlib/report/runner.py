@@ -1,0 +1,358 @@
+"""Execute report notebooks headless, several kernels at a time.
+
+The first code cell tagged ``parameters`` keeps its defaults and a cell inserted after it
+(tagged ``injected-parameters``) overrides them: papermill's convention, so the same
+notebooks also run under ``papermill nb.ipynb out.ipynb -p STUDY study.toml``. A name
+that no notebook's parameters cell assigns is refused. Each notebook runs in a fresh
+kernel of *this* interpreter (a private kernelspec pointing at ``sys.executable``, IPC
+sockets in a private folder), with the report folder as its working directory, so that
+the parameters it sees are relative paths (``STUDY = "study.toml"``) and no absolute
+path of this machine appears in what it prints.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dmlib.errors import DmlibError
+
+__all__ = [
+    "NotebookResult",
+    "find_notebooks",
+    "inject_parameters",
+    "notebook_parameters",
+    "parse_param",
+    "run_notebooks",
+]
+
+KERNEL_NAME = "dmlib-python3"
+INJECTED_TAG = "injected-parameters"
+PACKAGE_NOTEBOOKS = Path(__file__).resolve().parent / "notebooks"
+# the inline backend: figures a notebook makes are shown in it even when the caller's
+# environment says MPLBACKEND=Agg (as `make` did)
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+
+
+@dataclass
+class NotebookResult:
+    """What happened to one notebook."""
+
+    name: str
+    ok: bool
+    seconds: float
+    nb: Any = None
+    failed_cell: int | None = None
+    n_cells: int | None = None
+    error: str | None = None
+    skipped: str | None = None
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        if self.skipped:
+            return "skipped"
+        return "ok" if self.ok else "FAILED"
+
+    def describe(self) -> str:
+        if self.skipped:
+            return f"{self.name}: skipped ({self.skipped})"
+        if self.ok:
+            return f"{self.name}: ok in {self.seconds:.1f} s"
+        where = (
+            f" in cell {self.failed_cell} of {self.n_cells}" if self.failed_cell is not None else ""
+        )
+        return f"{self.name}: FAILED{where}: {self.error}"
+
+
+# ---------------------------------------------------------------------------
+# parameters
+
+
+def _tags(cell: Any) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def notebook_parameters(nb: Any) -> list[str]:
+    """Names assigned in the first code cell tagged ``parameters`` (in order)."""
+    for c in nb.cells:
+        if c.cell_type == "code" and "parameters" in _tags(c):
+            try:
+                tree = ast.parse(c.source)
+            except SyntaxError:
+                return []
+            names = []
+            for node in tree.body:
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                names += [t.id for t in targets if isinstance(t, ast.Name)]
+            return list(dict.fromkeys(names))
+    return []
+
+
+def inject_parameters(nb: Any, params: Mapping[str, Any]) -> int:
+    """Insert a cell assigning ``params`` after the first code cell tagged ``parameters``.
+
+    Without such a cell the assignments go first. A previously injected cell is replaced.
+    Returns the index of the injected cell.
+    """
+    import nbformat
+
+    for k in params:
+        if not k.isidentifier():
+            raise DmlibError(f"parameter name {k!r} is not a Python identifier")
+    nb.cells = [c for c in nb.cells if INJECTED_TAG not in _tags(c)]
+    lines = ["# Parameters injected by dmlib report"]
+    lines += [f"{k} = {_literal(k, v)}" for k, v in params.items()]
+    cell = nbformat.v4.new_code_cell("\n".join(lines), metadata={"tags": [INJECTED_TAG]})
+    at = 0
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code" and "parameters" in _tags(c):
+            at = i + 1
+            break
+    nb.cells.insert(at, cell)
+    return at
+
+
+def _literal(name: str, value: Any) -> str:
+    text = repr(value)
+    try:
+        if ast.literal_eval(text) != value:
+            raise ValueError
+    except (ValueError, SyntaxError):
+        raise DmlibError(
+            f"parameter {name}={text} is not a Python literal; pass str, int, float, bool, None, list or dict"
+        ) from None
+    return text
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE``: VALUE as a Python literal where it parses as one, else as a string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise DmlibError(f"--param {text!r}: expected NAME=VALUE with NAME a Python identifier")
+    try:
+        return name, ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return name, raw
+
+
+# ---------------------------------------------------------------------------
+# finding notebooks
+
+
+def find_notebooks(
+    folder: str | os.PathLike[str] | None = None, only: Sequence[str] | None = None
+) -> list[Path]:
+    """The ``*.ipynb`` of ``folder`` (default: the collection shipped with dmlib), by name."""
+    folder = PACKAGE_NOTEBOOKS if folder is None else Path(folder)
+    if not folder.is_dir():
+        raise DmlibError(
+            f"notebook folder not found (looked in {folder}); pass --notebooks FOLDER, or leave "
+            "it out to use the notebooks shipped with dmlib",
+            path=folder,
+        )
+    found = sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith("."))
+    if only:
+        wanted = [Path(n).stem for n in only]
+        missing = sorted(set(wanted) - {p.stem for p in found})
+        if missing:
+            raise DmlibError(
+                f"no notebook named {', '.join(missing)}; available: {', '.join(p.stem for p in found)}",
+                path=folder,
+            )
+        found = [p for p in found if p.stem in wanted]
+    if not found:
+        raise DmlibError("no notebooks (*.ipynb) in this folder", path=folder)
+    return found
+
+
+def read_notebook(path: Path) -> Any:
+    import nbformat
+
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception as err:  # nbformat raises several unrelated types for a bad file
+        raise DmlibError(f"cannot read notebook: {err}", path=path) from None
+
+
+# ---------------------------------------------------------------------------
+# kernels
+
+
+def _kernel_dir(root: Path) -> Path:
+    """A kernelspec folder whose kernel is this interpreter (not whatever `python` is on PATH)."""
+    spec = root / "kernels" / KERNEL_NAME
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3 (dmlib)",
+                "language": "python",
+            }
+        )
+    )
+    return root / "kernels"
+
+
+def _kernel_manager(kernel_dir: Path, n: int) -> Any:
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    ksm = KernelSpecManager(kernel_dirs=[str(kernel_dir)], ensure_native_kernel=False)
+    # IPC sockets in the private kernel folder: nothing listens on the network
+    return AsyncKernelManager(
+        kernel_name=KERNEL_NAME,
+        kernel_spec_manager=ksm,
+        transport="ipc",
+        ip=str(kernel_dir.parent / f"ipc{n}"),
+    )
+
+
+# ---------------------------------------------------------------------------
+# running
+
+
+def _failed_cell(nb: Any) -> tuple[int | None, str | None]:
+    """(number of the failing cell in the notebook as stored, counting from 1; its error)."""
+    injected = 0
+    for i, c in enumerate(nb.cells):
+        if INJECTED_TAG in _tags(c):
+            injected = 1
+            continue
+        for out in c.get("outputs", []) if c.cell_type == "code" else []:
+            if out.get("output_type") == "error":
+                return i - injected + 1, f"{out.get('ename')}: {out.get('evalue')}"
+    return None, None
+
+
+async def _run_one(
+    path: Path,
+    cwd: Path,
+    params: Mapping[str, Any],
+    env: Mapping[str, str],
+    kernel_dir: Path,
+    n: int,
+    timeout: int,
+) -> NotebookResult:
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = read_notebook(path)
+    n_cells = len(nb.cells)
+    accepted = set(notebook_parameters(nb))
+    inject_parameters(nb, {k: v for k, v in params.items() if k in accepted})
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(kernel_dir, n),
+        timeout=timeout,
+        resources={"metadata": {"path": str(cwd)}},
+    )
+    t0 = time.perf_counter()
+    error = cell = None
+    try:
+        await client.async_execute(cleanup_kc=True, env=dict(env))
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
+        cell, error = _failed_cell(nb)
+        if error is None:
+            text = str(err).strip()
+            error = text.splitlines()[-1] if text else type(err).__name__
+    return NotebookResult(
+        name=path.stem,
+        ok=error is None,
+        seconds=time.perf_counter() - t0,
+        nb=nb,
+        failed_cell=cell,
+        n_cells=n_cells,
+        error=error,
+    )
+
+
+def run_notebooks(
+    paths: Sequence[Path],
+    cwd: str | os.PathLike[str],
+    params: Mapping[str, Any],
+    *,
+    jobs: int | None = None,
+    timeout: int = 600,
+    progress: Callable[[NotebookResult], None] | None = None,
+) -> list[NotebookResult]:
+    """Execute the notebooks (``jobs`` kernels at a time), working directory ``cwd``.
+
+    Every name in ``params`` must be assigned in the parameters cell of at least one of
+    the notebooks; each notebook receives the ones its own cell assigns. Results come back
+    in the order of ``paths``; ``progress`` is called as each one finishes.
+    """
+    known: set[str] = set()
+    for p in paths:
+        known |= set(notebook_parameters(read_notebook(p)))
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise DmlibError(
+            f"{', '.join(unknown)}: not a parameter of any notebook run; parameters: {', '.join(sorted(known))}"
+        )
+    cwd = Path(cwd)
+    env = dict(os.environ)
+    env["MPLBACKEND"] = INLINE_BACKEND
+    # the figure folder for notebooks that do not configure one (the rule in notebook.py)
+    env["DMLIB_FIGURE_DIR"] = str(params.get("FIGURE_DIR", "figures"))
+    jobs = max(1, min(jobs or min(4, os.cpu_count() or 1), len(paths)))
+    tmp = Path(tempfile.mkdtemp(prefix="dmlib-kernel-"))
+    try:
+        kernel_dir = _kernel_dir(tmp)
+
+        async def main() -> list[NotebookResult]:
+            gate = asyncio.Semaphore(jobs)
+
+            async def one(i: int, p: Path) -> NotebookResult:
+                async with gate:
+                    env_i = {**env, "DMLIB_NOTEBOOK": p.stem}
+                    res = await _run_one(p, cwd, params, env_i, kernel_dir, i, timeout)
+                if progress is not None:
+                    progress(res)
+                return res
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(paths))))
+
+        return asyncio.run(main())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# paths of this machine
+
+
+def scrub(nb: Any, replacements: Sequence[tuple[str, str]]) -> None:
+    """Replace absolute paths of this machine in every text output (tracebacks, warnings)."""
+    pairs = sorted({(a, b) for a, b in replacements if a and a != os.sep}, key=lambda x: -len(x[0]))
+    if not pairs:
+        return
+    rx = re.compile("|".join(re.escape(a) for a, _ in pairs))
+    table = dict(pairs)
+
+    def fix(text: str) -> str:
+        return rx.sub(lambda m: table[m.group(0)], text)
+
+    for c in nb.cells:
+        for out in c.get("outputs", []) if c.cell_type == "code" else []:
+            if "text" in out:
+                out["text"] = fix(out["text"])
+            if "traceback" in out:
+                out["traceback"] = [fix(t) for t in out["traceback"]]
+            if "evalue" in out:
+                out["evalue"] = fix(out["evalue"])
+            for mime, value in list(out.get("data", {}).items()):
+                if mime.startswith("text/") and isinstance(value, str):
+                    out["data"][mime] = fix(value)

@@ -1,0 +1,518 @@
+"""A study: what a report analyses, read from a small TOML file (``study.toml``).
+
+Every path in the file is relative to the file itself, so a study folder can be moved,
+mailed or committed. The format (every key optional, but a study names runs or captures)::
+
+    title = "Threads 1 vs 2, a repeat and a different-seed control"
+    root = "."               # the folder the paths below are relative to (default: this file's)
+    control = "seed8"        # a run expected to differ (another seed): the yardstick
+    reference = "base"       # the run step ladders are measured against (default: first run)
+
+    [runs]                   # label = a checkpoint file, a folder of them, or a glob
+    base = "runs/base/"      #   a folder or a glob is a step ladder: one checkpoint per step,
+    threads2 = "runs/t2/*.safetensors"  # the step recorded in the file, else the
+    seed8 = "runs/seed8/step20.pt"      # last number of its file name
+
+    [repeats]                # run = the run it repeats (same configuration, new process)
+    repeat = "base"
+
+    [[factor_groups]]        # factorised layers, judged on the weight they compute
+    kind = "svd"             # W = u diag(s) v^T  ("lowrank": W = a b, keys a and b)
+    u = "{prefix}.u"
+    s = "{prefix}.s"
+    v = "{prefix}.v"
+
+    [groups]                 # parameter groups for growth rates: name = regular expression
+    bias = "\\.bias$"
+
+    [names]                  # name mapping between runs (see below)
+    strip_prefix = "model."
+
+    [anatomy]                # extra files whose byte layout the anatomy notebook maps
+    files = ["records.bpk"]
+
+    [captures]               # forward-pass captures (dmlib.capture) of one request
+    request = "probe"
+    reference = "alone"      # default: the first folder
+    negative = "different"   # optional: a capture of another input, must differ
+    [captures.folders]
+    alone = "cap/alone"
+    packed = "cap/packed"
+    [captures.repeats]       # folder label = a second capture of that layout
+    alone = "cap/alone_repeat"
+
+``[names]`` is parsed and kept (:attr:`Study.names`) but this version of dmlib cannot
+apply a name mapping yet, so a study that declares one is refused rather than compared
+under the wrong names.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dmlib.errors import DmlibError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Capture", "Run", "Study", "load_study", "resolve_runs"]
+
+STUDY_FILE = "study.toml"
+_TOP_KEYS = {
+    "root",
+    "title",
+    "control",
+    "reference",
+    "runs",
+    "repeats",
+    "factor_groups",
+    "groups",
+    "names",
+    "anatomy",
+    "captures",
+}
+_GROUP_KEYS = {"svd": ("u", "s", "v"), "lowrank": ("a", "b")}
+_GLOB = re.compile(r"[*?\[]")
+_NUMBER = re.compile(r"(\d+)")
+
+
+@dataclass
+class Run:
+    """One run: its checkpoints by step (``None`` when a lone file records no step)."""
+
+    label: str
+    spec: str
+    checkpoints: dict[int | None, Path]
+    step_source: dict[int | None, str] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(s for s in self.checkpoints if s is not None)
+
+    @property
+    def is_ladder(self) -> bool:
+        return len(self.checkpoints) > 1
+
+    def last(self) -> tuple[int | None, Path]:
+        """The checkpoint at the highest step (the only one of a single-file run)."""
+        if self.steps:
+            return self.steps[-1], self.checkpoints[self.steps[-1]]
+        return next(iter(self.checkpoints.items()))
+
+
+@dataclass
+class Capture:
+    """The captures section: folders by label, the request, repeats and negative control."""
+
+    folders: dict[str, Path]
+    request: str | None = None
+    reference: str | None = None
+    repeats: dict[str, Path] = field(default_factory=dict)
+    negative: Path | None = None
+
+
+@dataclass
+class Study:
+    """A resolved study: every path absolute, every run's checkpoints found and stepped."""
+
+    path: Path | None
+    root: Path
+    title: str
+    runs: dict[str, Run]
+    control: str | None = None
+    reference: str | None = None
+    repeats: dict[str, str] = field(default_factory=dict)
+    factor_groups: list[dict[str, Any]] = field(default_factory=list)
+    groups: dict[str, str] = field(default_factory=dict)
+    names: dict[str, Any] = field(default_factory=dict)
+    anatomy: list[Path] = field(default_factory=list)
+    captures: Capture | None = None
+
+    # -- what notebooks ask -------------------------------------------------
+
+    def rel(self, path: str | os.PathLike[str]) -> str:
+        """``path`` relative to the study's folder, for display (never an absolute path)."""
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
+    def common_steps(self) -> list[int]:
+        """Steps at which every run has a checkpoint."""
+        sets = [set(r.steps) for r in self.runs.values()]
+        return sorted(set.intersection(*sets)) if sets and all(sets) else []
+
+    def at_last_step(self, labels: list[str] | None = None) -> tuple[dict[str, Path], str]:
+        """One checkpoint per run at the last step they share, and the phrase quoting it.
+
+        Runs without a common step contribute their last checkpoint each; the phrase
+        then lists every run's step ("steps 20 (a), 30 (b)") or says it is not recorded.
+        """
+        labels = list(self.runs) if labels is None else labels
+        sub = [self.runs[k] for k in labels]
+        shared = sorted(set.intersection(*(set(r.steps) for r in sub))) if sub else []
+        if shared:
+            return {r.label: r.checkpoints[shared[-1]] for r in sub}, f"at step {shared[-1]}"
+        picked = {r.label: r.last() for r in sub}
+        steps = {k: s for k, (s, _) in picked.items()}
+        files = {k: p for k, (_, p) in picked.items()}
+        if all(s is None for s in steps.values()):
+            return files, "with no step recorded"
+        if len({s for s in steps.values()}) == 1:
+            return files, f"at step {next(iter(steps.values()))}"
+        return files, "at steps " + ", ".join(
+            f"{'?' if s is None else s} ({k})" for k, s in steps.items()
+        )
+
+    def ladders(self) -> dict[str, dict[int, Path]]:
+        """Runs with two or more stepped checkpoints: ``{label: {step: path}}``."""
+        return {
+            k: {s: r.checkpoints[s] for s in r.steps} for k, r in self.runs.items() if len(r.steps) > 1
+        }
+
+    def factor_group_objects(self) -> list[Any]:
+        """:class:`dmlib.FactorGroup` objects for ``[[factor_groups]]``."""
+        from dmlib.forensics.factors import FactorGroup
+
+        out = []
+        for g in self.factor_groups:
+            keys = _GROUP_KEYS[g["kind"]]
+            maker = FactorGroup.svd if g["kind"] == "svd" else FactorGroup.lowrank
+            out.append(maker(*(g[k] for k in keys)))
+        return out
+
+    def group_of(self, names: list[str]) -> dict[str, str | None]:
+        """Parameter name -> its ``[groups]`` group (first match), else its last name part."""
+        out: dict[str, str | None] = {}
+        compiled = [(g, re.compile(rx)) for g, rx in self.groups.items()]
+        for n in names:
+            if compiled:
+                out[n] = next((g for g, rx in compiled if rx.search(n)), None)
+            else:
+                out[n] = n.rsplit(".", 1)[-1]
+        return out
+
+    def input_files(self) -> list[Path]:
+        """Every file the study reads (checkpoints, anatomy files, capture folders' files)."""
+        files: list[Path] = []
+        for r in self.runs.values():
+            files += r.checkpoints.values()
+        files += self.anatomy
+        if self.captures is not None:
+            folders = [*self.captures.folders.values(), *self.captures.repeats.values()]
+            if self.captures.negative is not None:
+                folders.append(self.captures.negative)
+            for folder in folders:
+                files += sorted(p for p in folder.rglob("*") if p.is_file())
+        return list(dict.fromkeys(files))
+
+
+# ---------------------------------------------------------------------------
+# reading
+
+
+def load_study(path: str | os.PathLike[str]) -> Study:
+    """Read and resolve ``study.toml`` (a file, or a folder holding one).
+
+    Raises
+    ------
+    DmlibError
+        Naming the study file and what is wrong: a TOML error, an unknown key, a run whose
+        path matches nothing, a control that is not a run, a missing capture folder...
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / STUDY_FILE
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DmlibError("study file not found", path=path) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DmlibError(f"cannot read the study file: {err}", path=path) from None
+    except tomllib.TOMLDecodeError as err:
+        raise DmlibError(f"not valid TOML: {err}", path=path) from None
+    return from_dict(data, root=path.resolve().parent, path=path)
+
+
+def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) -> Study:
+    """Resolve a study given as a dict (the parsed TOML), paths relative to ``root``."""
+    where = path if path is not None else root
+    if "root" in data:
+        root = (root / _str(data["root"], "root", where)).resolve()
+        if not root.is_dir():
+            raise DmlibError(f"root {data['root']!r} is not a folder (it is relative to the study file)", path=where)
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise DmlibError(
+            f"unknown key {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(_TOP_KEYS))}",
+            path=where,
+        )
+    runs_spec = _table(data, "runs", where)
+    if not runs_spec and not data.get("captures"):
+        raise DmlibError(
+            "nothing to analyse: name runs in [runs] (label = path) or captures in [captures]",
+            path=where,
+        )
+    runs = resolve_runs(
+        {
+            k: [_str(x, f"runs.{k}", where) for x in v] if isinstance(v, list) else _str(v, f"runs.{k}", where)
+            for k, v in runs_spec.items()
+        },
+        root,
+        where,
+    )
+    control = _label(data.get("control"), "control", runs, where)
+    reference = _label(data.get("reference"), "reference", runs, where)
+    if reference is None:
+        reference = next((k for k in runs if k != control), None)
+    repeats = {
+        _label(k, "repeats", runs, where): _label(v, f"repeats.{k}", runs, where)
+        for k, v in _table(data, "repeats", where).items()
+    }
+    names = dict(_table(data, "names", where))
+    if names:
+        raise DmlibError(
+            "[names] (name mapping between runs) is documented but this version of dmlib "
+            "cannot apply it; remove it, or rename the tensors so the runs share their names",
+            path=where,
+        )
+    anatomy_spec = _table(data, "anatomy", where)
+    bad = sorted(set(anatomy_spec) - {"files"})
+    if bad:
+        raise DmlibError(f"[anatomy]: unknown key {bad[0]!r}; valid: files", path=where)
+    anatomy = [
+        _existing(root, _str(f, "anatomy.files", where), where, "anatomy file")
+        for f in _list(anatomy_spec.get("files", []), "anatomy.files", where)
+    ]
+    return Study(
+        path=path.resolve() if path is not None else None,
+        root=root,
+        title=_str(data.get("title") or root.name, "title", where),
+        runs=runs,
+        control=control,
+        reference=reference,
+        repeats=repeats,
+        factor_groups=_factor_groups(data.get("factor_groups", []), where),
+        groups=_groups(_table(data, "groups", where), where),
+        names=names,
+        anatomy=anatomy,
+        captures=_captures(_table(data, "captures", where), root, where),
+    )
+
+
+def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -> dict[str, Run]:
+    """Run label -> :class:`Run`: a file, a folder of checkpoints, a glob, or a list of files."""
+    runs = {}
+    for label, text in spec.items():
+        if not label or any(c in label for c in "/\\ ="):
+            raise DmlibError(f"run label {label!r}: use a short name without / \\ = or spaces", path=where)
+        if isinstance(text, list):
+            if not text:
+                raise DmlibError(f"run {label!r}: the list of checkpoint files is empty", path=where)
+            files = [_existing(root, t, where, f"run {label!r}: checkpoint") for t in text]
+            runs[label] = _stepped(label, " ".join(text), files, where)
+            continue
+        target = Path(os.path.expanduser(text))
+        target = target if target.is_absolute() else root / target
+        if _GLOB.search(text):
+            files = sorted(Path(p) for p in glob.glob(str(target)) if Path(p).is_file())
+            if not files:
+                raise DmlibError(f"run {label!r}: the pattern {text!r} matches no file", path=where)
+        elif target.is_dir():
+            files = _checkpoints_in(target)
+            if not files:
+                raise DmlibError(
+                    f"run {label!r}: no checkpoint file in the folder {text!r}", path=where
+                )
+        elif target.is_file():
+            files = [target]
+        else:
+            raise DmlibError(f"run {label!r}: {text!r} not found (paths are relative to the study file)", path=where)
+        runs[label] = _stepped(label, text, files, where)
+    return runs
+
+
+def _checkpoints_in(folder: Path) -> list[Path]:
+    from dmlib.io import detect_format
+
+    out = []
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and not p.name.startswith("."):
+            try:
+                detect_format(p)
+            except DmlibError:
+                continue
+            out.append(p)
+    return out
+
+
+def _stepped(label: str, spec: str, files: list[Path], where: Path) -> Run:
+    """Give each checkpoint its step: the one it records, else the last number in its name."""
+    from dmlib.forensics.ladder import check_steps
+
+    named = {}
+    for f in files:
+        nums = _NUMBER.findall(f.stem)
+        # a lone file's name (seed7_p1.bpk) is no evidence of a step; a ladder's names are
+        named[f] = int(nums[-1]) if nums and len(files) > 1 else None
+    # check_steps reads each file's own record of its step; claim the file-name step (or
+    # a placeholder) so that the recorded one can be read beside it
+    checked = check_steps({label: dict(enumerate(files))})
+    bad = checked[checked["status"].isin(["missing", "unreadable"])]
+    if len(bad):
+        raise DmlibError(f"run {label!r}: {bad['detail'].iloc[0]}", path=where)
+    recorded = dict(zip(checked["step"], checked["recorded_step"], strict=True))
+    checkpoints: dict[int | None, Path] = {}
+    source: dict[int | None, str] = {}
+    for i, f in enumerate(files):
+        rec = recorded.get(i)
+        if rec is not None and not _isna(rec):
+            step, how = int(rec), "recorded"
+        elif named[f] is not None:
+            step, how = named[f], "file name"
+        elif len(files) == 1:
+            step, how = None, "none"
+        else:
+            raise DmlibError(
+                f"run {label!r}: {f.name} records no step and its name holds no number; "
+                "a ladder needs a step per checkpoint",
+                path=where,
+            )
+        if step in checkpoints:
+            raise DmlibError(
+                f"run {label!r}: {checkpoints[step].name} and {f.name} are both step {step}",
+                path=where,
+            )
+        checkpoints[step] = f
+        source[step] = how
+    order = sorted(checkpoints, key=lambda s: -1 if s is None else s)
+    return Run(label, spec, {s: checkpoints[s] for s in order}, {s: source[s] for s in order})
+
+
+def _isna(x: Any) -> bool:
+    try:
+        import pandas as pd
+
+        return bool(pd.isna(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | None:
+    if not spec:
+        return None
+    valid = {"folders", "request", "reference", "repeats", "negative"}
+    bad = sorted(set(spec) - valid)
+    if bad:
+        raise DmlibError(f"[captures]: unknown key {bad[0]!r}; valid: {', '.join(sorted(valid))}", path=where)
+    folders = {
+        k: _existing(root, _str(v, f"captures.folders.{k}", where), where, "capture folder", folder=True)
+        for k, v in _table(spec, "folders", where).items()
+    }
+    if len(folders) < 2:
+        raise DmlibError("[captures.folders] needs at least two capture folders to compare", path=where)
+    reference = spec.get("reference")
+    if reference is not None and reference not in folders:
+        raise DmlibError(
+            f"captures.reference {reference!r} is not one of [captures.folders] ({', '.join(folders)})",
+            path=where,
+        )
+    repeats = {}
+    for k, v in _table(spec, "repeats", where).items():
+        if k not in folders:
+            raise DmlibError(f"captures.repeats.{k}: {k!r} is not one of [captures.folders]", path=where)
+        repeats[k] = _existing(root, _str(v, f"captures.repeats.{k}", where), where, "capture folder", folder=True)
+    negative = spec.get("negative")
+    return Capture(
+        folders=folders,
+        request=None if spec.get("request") is None else str(spec["request"]),
+        reference=reference or next(iter(folders)),
+        repeats=repeats,
+        negative=None
+        if negative is None
+        else _existing(root, _str(negative, "captures.negative", where), where, "capture folder", folder=True),
+    )
+
+
+def _factor_groups(spec: Any, where: Path) -> list[dict[str, Any]]:
+    if isinstance(spec, dict):
+        spec = [spec]
+    out = []
+    for i, g in enumerate(_list(spec, "factor_groups", where)):
+        if not isinstance(g, dict) or g.get("kind") not in _GROUP_KEYS:
+            raise DmlibError(
+                f"factor_groups[{i}]: needs kind = 'svd' (keys u, s, v) or 'lowrank' (keys a, b)",
+                path=where,
+            )
+        keys = _GROUP_KEYS[g["kind"]]
+        missing = [k for k in keys if not isinstance(g.get(k), str)]
+        extra = sorted(set(g) - {"kind", *keys})
+        if missing or extra:
+            raise DmlibError(
+                f"factor_groups[{i}] ({g['kind']}): keys {', '.join(keys)} are name patterns "
+                f"holding {{prefix}}; missing {missing or 'none'}, unknown {extra or 'none'}",
+                path=where,
+            )
+        out.append({"kind": g["kind"], **{k: g[k] for k in keys}})
+    if out:  # build them once so that a bad pattern is named now, not in a notebook
+        from dmlib.forensics.factors import FactorGroup
+
+        for g in out:
+            try:
+                FactorGroup(g["kind"], tuple(g[k] for k in _GROUP_KEYS[g["kind"]]), (False,) * len(_GROUP_KEYS[g["kind"]]))
+            except DmlibError as err:
+                raise DmlibError(f"factor_groups: {err}", path=where) from None
+    return out
+
+
+def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
+    out = {}
+    for k, v in spec.items():
+        rx = _str(v, f"groups.{k}", where)
+        try:
+            re.compile(rx)
+        except re.error as err:
+            raise DmlibError(f"groups.{k}: {rx!r} is not a regular expression ({err})", path=where) from None
+        out[k] = rx
+    return out
+
+
+def _existing(root: Path, text: str, where: Path, what: str, *, folder: bool = False) -> Path:
+    p = Path(os.path.expanduser(text))
+    p = p if p.is_absolute() else root / p
+    if not (p.is_dir() if folder else p.is_file()):
+        raise DmlibError(f"{what} {text!r} not found (paths are relative to the study file)", path=where)
+    return p
+
+
+def _table(data: Mapping[str, Any], key: str, where: Path) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise DmlibError(f"{key} must be a table ([{key}]), got {type(value).__name__}", path=where)
+    return value
+
+
+def _list(value: Any, key: str, where: Path) -> list[Any]:
+    if not isinstance(value, list):
+        raise DmlibError(f"{key} must be a list, got {type(value).__name__}", path=where)
+    return value
+
+
+def _str(value: Any, key: str, where: Path) -> str:
+    if not isinstance(value, str) or not value:
+        raise DmlibError(f"{key} must be a non-empty string, got {value!r}", path=where)
+    return value
+
+
+def _label(value: Any, key: str, runs: Mapping[str, Run], where: Path) -> str | None:
+    if value is None:
+        return None
+    if value not in runs:
+        raise DmlibError(f"{key} {value!r} is not one of the runs ({', '.join(runs)})", path=where)
+    return str(value)

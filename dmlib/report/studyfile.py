@@ -1,0 +1,226 @@
+"""Writing study files: the resolved study of a report, and ``dmlib study init``.
+
+The TOML written here uses only what the study format needs (strings, lists of strings,
+tables), so a small writer of our own does, and the result is read back by
+:func:`dmlib.report.study.load_study` in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dmlib.errors import DmlibError
+from dmlib.report.study import Study
+
+__all__ = ["init_from_folder", "init_from_runs", "resolved_toml"]
+
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(k: str) -> str:
+    return k if _BARE.match(k) else json.dumps(k)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        if len(v) > 3:
+            return "[\n" + "".join(f"    {_value(x)},\n" for x in v) + "]"
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise DmlibError(f"cannot write {type(v).__name__} into a study file")
+
+
+def _rel(path: Path, base: Path) -> str:
+    return os.path.relpath(path, base).replace(os.sep, "/")
+
+
+def resolved_toml(study: Study, base: Path) -> str:
+    """The study with every path resolved to its exact files, for a study file in ``base``.
+
+    ``root`` (the original study's folder) is written relative to ``base``, and every
+    other path relative to ``root``, as the original study wrote them.
+    """
+    root = study.root
+    lines = [
+        "# The study this report was made from, every run resolved to the exact files read.",
+        "# Paths are relative to `root`, itself relative to this file.",
+        "# Re-run: dmlib report study.toml --out DIR",
+        f"title = {_value(study.title)}",
+        f"root = {_value(_rel(root, base))}",
+    ]
+    base = root
+    if study.control:
+        lines.append(f"control = {_value(study.control)}")
+    if study.reference:
+        lines.append(f"reference = {_value(study.reference)}")
+    lines += ["", "[runs]"]
+    for label, run in study.runs.items():
+        files = [_rel(p, base) for p in run.checkpoints.values()]
+        lines.append(f"{_key(label)} = {_value(files if len(files) > 1 else files[0])}")
+    if study.repeats:
+        lines += ["", "[repeats]", *(f"{_key(k)} = {_value(v)}" for k, v in study.repeats.items())]
+    for g in study.factor_groups:
+        lines += ["", "[[factor_groups]]", *(f"{_key(k)} = {_value(v)}" for k, v in g.items())]
+    if study.groups:
+        lines += ["", "[groups]", *(f"{_key(k)} = {_value(v)}" for k, v in study.groups.items())]
+    if study.anatomy:
+        lines += ["", "[anatomy]", f"files = {_value([_rel(p, base) for p in study.anatomy])}"]
+    c = study.captures
+    if c is not None:
+        lines += ["", "[captures]"]
+        if c.request is not None:
+            lines.append(f"request = {_value(c.request)}")
+        if c.reference is not None:
+            lines.append(f"reference = {_value(c.reference)}")
+        if c.negative is not None:
+            lines.append(f"negative = {_value(_rel(c.negative, base))}")
+        lines += ["", "[captures.folders]"]
+        lines += [f"{_key(k)} = {_value(_rel(v, base))}" for k, v in c.folders.items()]
+        if c.repeats:
+            lines += ["", "[captures.repeats]"]
+            lines += [f"{_key(k)} = {_value(_rel(v, base))}" for k, v in c.repeats.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# dmlib study init
+
+
+def init_from_runs(
+    runs: Mapping[str, str],
+    base: Path,
+    *,
+    control: str | None = None,
+    captures: Mapping[str, str] | None = None,
+    request: str | None = None,
+    title: str | None = None,
+) -> str:
+    """A study file from ``label=path`` pairs given on the command line (paths made relative)."""
+    def rel(p: str) -> str:
+        return _rel(Path(p).resolve(), base.resolve())
+
+    lines = [
+        "# study.toml: what `dmlib report` analyses; paths are relative to this file.",
+        f"title = {_value(title or 'A reproducibility study')}",
+    ]
+    guessed = control is None and _guess_control(list(runs))
+    if control:
+        lines.append(f"control = {_value(control)}")
+    elif guessed:
+        lines.append(f"# control = {_value(guessed)}  # guessed from its name: uncomment if it is another seed")
+    else:
+        lines.append('# control = "LABEL"  # the run expected to differ (a different seed), if any')
+    lines += ["", "[runs]", *(f"{_key(k)} = {_value(rel(v))}" for k, v in runs.items())]
+    lines += _repeat_guesses(list(runs))
+    if captures:
+        lines += ["", "[captures]"]
+        lines.append(f"request = {_value(request)}" if request else '# request = "ID"  # default: every request in both captures')
+        lines += ["", "[captures.folders]", *(f"{_key(k)} = {_value(rel(v))}" for k, v in captures.items())]
+    return "\n".join(lines) + "\n"
+
+
+def init_from_folder(folder: Path, *, title: str | None = None) -> str:
+    """A study file from what a folder holds, every guess written as a comment to check.
+
+    Checkpoint files directly in ``folder`` are single-checkpoint runs; a subfolder with
+    checkpoint files is a step ladder; a subfolder holding ``manifest.json`` of a dmlib
+    capture is a capture.
+    """
+    from dmlib.io import detect_format
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DmlibError("not a folder", path=folder)
+
+    def is_checkpoint(p: Path) -> bool:
+        if not p.is_file() or p.name.startswith("."):
+            return False
+        try:
+            detect_format(p)
+        except DmlibError:
+            return False
+        return True
+
+    runs: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    captures: dict[str, str] = {}
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_dir() and (p / "manifest.json").is_file():
+            captures[p.name] = p.name
+        elif p.is_dir():
+            n = sum(is_checkpoint(q) for q in p.iterdir())
+            if n:
+                runs[_label(p.name, runs)] = p.name + "/"
+                notes[p.name + "/"] = f"{n} checkpoint{'s' if n > 1 else ''}: a step ladder" if n > 1 else "1 checkpoint"
+        elif is_checkpoint(p):
+            runs[_label(p.stem, runs)] = p.name
+    if not runs and not captures:
+        raise DmlibError("no checkpoint files or capture folders found", path=folder)
+    lines = [
+        "# study.toml written by `dmlib study init`: check every line marked 'guessed'.",
+        "# Paths are relative to this file. Format: python -c 'import dmlib.report.study as s; help(s)'",
+        f"title = {_value(title or folder.resolve().name)}",
+    ]
+    guessed = _guess_control(list(runs))
+    if guessed:
+        lines.append(f"control = {_value(guessed)}  # guessed from its name: the run expected to differ")
+    else:
+        lines.append('# control = "LABEL"  # the run expected to differ (a different seed), if any')
+    if runs:
+        lines += ["", "[runs]"]
+        for k, v in runs.items():
+            lines.append(f"{_key(k)} = {_value(v)}" + (f"  # {notes[v]}" if v in notes else ""))
+        lines += _repeat_guesses(list(runs))
+    if captures:
+        lines += ["", "[captures]", '# request = "ID"  # default: every request present in both captures']
+        ref = next((k for k in captures if "alone" in k.lower()), next(iter(captures)))
+        lines.append(f"reference = {_value(ref)}  # guessed: the layout the others are compared with")
+        lines += ["", "[captures.folders]"]
+        repeats = {k for k in captures if _repeat_of(k, list(captures))}
+        lines += [f"{_key(k)} = {_value(v)}" for k, v in captures.items() if k not in repeats]
+        if repeats:
+            lines += ["", "[captures.repeats]  # guessed from the names"]
+            lines += [f"{_key(_repeat_of(k, list(captures)))} = {_value(captures[k])}" for k in sorted(repeats)]
+    return "\n".join(lines) + "\n"
+
+
+def _label(name: str, taken: Mapping[str, str]) -> str:
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "run"
+    out, i = label, 2
+    while out in taken:
+        out, i = f"{label}_{i}", i + 1
+    return out
+
+
+def _guess_control(labels: Sequence[str]) -> str | None:
+    hits = [k for k in labels if re.search(r"control|other[_-]?seed", k, re.I)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _repeat_of(label: str, labels: Sequence[str]) -> str | None:
+    m = re.match(r"^(.*?)[_-]?(repeat|rerun|again)\d*$", label, re.I)
+    if m and m.group(1) in labels:
+        return m.group(1)
+    return None
+
+
+def _repeat_guesses(labels: Sequence[str]) -> list[str]:
+    pairs = [(k, _repeat_of(k, labels)) for k in labels]
+    pairs = [(k, v) for k, v in pairs if v]
+    if not pairs:
+        return []
+    return ["", "[repeats]  # guessed from the names: run = the run it repeats"] + [
+        f"{_key(k)} = {_value(v)}" for k, v in pairs
+    ]

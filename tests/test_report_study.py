@@ -1,0 +1,426 @@
+"""``dmlib report`` end to end on a study made here from a tiny real torch training.
+
+The study is unlike the lab: other tensor names, no factorised layers, checkpoints at
+steps 3, 7 and 11 written as safetensors by hand (header JSON + raw bytes, not by
+dmlib), a repeat, a planted one-ULP difference from step 5 on, and a different-seed
+control. Expected numbers come from numpy on the raw file bytes (parsed here, not by
+dmlib's readers) and from what the generator planted.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from dmlib.cli import main as cli  # noqa: E402
+from dmlib.report.study import load_study  # noqa: E402
+
+STEPS = (3, 7, 11)
+# Burn's MNIST example checkpoint, mapped by the anatomy notebook when it is beside the checkout
+MNIST = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "burnpack" / "mnist-model.bpk"
+PLANT_AT = 5  # the planted run gets one ULP added to one weight after this step
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 12)
+        self.mixer = nn.Sequential(nn.Tanh(), nn.Linear(12, 12))
+        self.readout = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.readout(torch.tanh(self.mixer(self.stem(x))))
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], step: int) -> None:
+    header, blobs, offset = {"__metadata__": {"step": str(step)}}, [], 0
+    for name, arr in tensors.items():
+        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The oracle's reader: header length, JSON, little-endian float32 bytes."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
+    return {
+        k: np.frombuffer(body[v["data_offsets"][0] : v["data_offsets"][1]], dtype="<f4").reshape(v["shape"])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
+
+
+def _train(folder: Path, seed: int, *, plant: bool = False) -> None:
+    torch.manual_seed(seed)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(99)  # the same data for every run
+    folder.mkdir(parents=True)
+    for step in range(1, max(STEPS) + 1):
+        x = torch.randn(16, 6, generator=gen)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        if plant and step == PLANT_AT:
+            with torch.no_grad():
+                w = net.readout.weight
+                w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(np.inf))
+        if step in STEPS:
+            sd = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+            _write_safetensors(folder / f"ckpt-{step:04d}.safetensors", sd, step)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user_runs")
+    torch.set_num_threads(1)
+    _train(root / "runs" / "alpha", 0)
+    _train(root / "runs" / "alpha_again", 0)
+    _train(root / "runs" / "nudged", 0, plant=True)
+    _train(root / "runs" / "seed1", 1)
+    (root / "study.toml").write_text(
+        'title = "Tiny net: a repeat, a planted ULP and another seed"\n'
+        'control = "seed1"\nreference = "alpha"\n\n[runs]\n'
+        'alpha = "runs/alpha/"\nalpha_again = "runs/alpha_again/*.safetensors"\n'
+        'nudged = "runs/nudged/"\nseed1 = "runs/seed1/"\n\n[repeats]\nalpha_again = "alpha"\n'
+        + (f"\n[anatomy]\nfiles = [{json.dumps(MNIST.as_posix())}]\n" if MNIST.is_file() else "")
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(lab, tmp_path_factory):
+    out = tmp_path_factory.mktemp("shared") / "report"
+    rc = cli(["report", str(lab / "study.toml"), "--out", str(out), "--jobs", "2"])
+    return rc, out
+
+
+def _rel_fro(a, b) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a64 - b64) / np.linalg.norm(a64))
+
+
+def test_study_resolves_steps_from_the_files(lab):
+    study = load_study(lab / "study.toml")
+    assert list(study.runs) == ["alpha", "alpha_again", "nudged", "seed1"]
+    for run in study.runs.values():
+        assert run.steps == list(STEPS)
+        assert set(run.step_source.values()) == {"recorded"}
+    assert study.at_last_step()[1] == f"at step {STEPS[-1]}"
+
+
+def test_report_writes_every_part(report):
+    rc, out = report
+    assert rc == 0
+    for name in ("index.html", "report.html", "study.toml", "provenance.json", "summary.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    status = {r["name"]: r["status"] for r in summary["results"]}
+    # no factor groups and no captures: those notebooks are skipped, and say why
+    assert status == {
+        "capture_boundaries": "skipped",
+        "checkpoint_anatomy": "ok",
+        "qr_first_divergent_column": "skipped",
+        "run_matrix": "ok",
+        "step_growth": "ok",
+        "ulp_distributions": "ok",
+    }
+    skipped = {r["name"]: r["skipped"] for r in summary["results"] if r["skipped"]}
+    assert "factor groups" in skipped["qr_first_divergent_column"]
+    index = (out / "index.html").read_text()
+    assert "Tiny net: a repeat, a planted ULP and another seed" in index
+    assert "Not run: the study declares no captures" in index
+    for r in summary["results"]:
+        if r["status"] == "ok":
+            assert r["finding"], r["name"]
+            assert r["finding"] in index.replace("&#x27;", "'") or r["finding"][:40] in index
+            for fig in r["figures"]:
+                assert f'src="figures/{fig}.png"' in index  # thumbnails
+                for ext in ("png", "pdf"):
+                    assert (out / "figures" / f"{fig}.{ext}").stat().st_size > 1000
+
+
+def _images(html: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([^"]+)"', html)]
+
+
+def test_each_html_shows_exactly_the_figures_saved(report):
+    rc, out = report
+    summary = json.loads((out / "summary.json").read_text())
+    single = (out / "report.html").read_text()
+    for r in summary["results"]:
+        if r["status"] != "ok":
+            continue
+        page = (out / f"{r['name']}.html").read_text()
+        shown = [hashlib.sha256(b).hexdigest() for b in _images(page)]
+        saved = [hashlib.sha256((out / "figures" / f"{f}.png").read_bytes()).hexdigest() for f in r["figures"]]
+        assert shown == saved, r["name"]  # every saved figure inline, in order
+        section = single.split(f'id="nb-{r["name"]}"', 1)[1].split('<section class="nb"', 1)[0]
+        assert [hashlib.sha256(b).hexdigest() for b in _images(section)] == saved
+
+
+def test_nothing_names_this_machine(report, lab):
+    rc, out = report
+    for p in out.rglob("*"):
+        if p.suffix in (".html", ".ipynb", ".json", ".toml"):
+            text = p.read_text()
+            for machine in (str(out), str(lab), str(Path.home()), sys.prefix):
+                assert machine not in text, (p.name, machine)
+            # no absolute path at all in what a reader sees (PDF/PNG are binary)
+            assert not re.search(r"(?<![\w.~<])/(tmp|home|work|root|usr|opt)/", text), p.name
+    assert not re.search(r'(src|href)="(https?:)?//', (out / "report.html").read_text())
+
+
+def test_numbers_in_the_html_equal_numpy_on_the_raw_files(report, lab):
+    rc, out = report
+    study = load_study(lab / "study.toml")
+    last = {k: _read_safetensors(r.checkpoints[STEPS[-1]]) for k, r in study.runs.items()}
+    numbers = json.loads((out / "numbers" / "run_matrix.json").read_text())
+    page = (out / "run_matrix.html").read_text()
+    for a, b in itertools.combinations(last, 2):
+        worst = max(_rel_fro(last[a][k], last[b][k]) for k in last[a])
+        assert numbers["worst_rel_fro"][f"{a}/{b}"] == pytest.approx(worst, rel=1e-9, abs=1e-300)
+        assert f"{a}/{b}: worst rel_fro {worst:.6g}" in page
+    same = {
+        f"{a}/{b}"
+        for a, b in itertools.combinations(last, 2)
+        if all(np.array_equal(last[a][k].view("u4"), last[b][k].view("u4")) for k in last[a])
+    }
+    assert set(numbers["identical_pairs"]) == same == {"alpha/alpha_again"}
+
+
+def test_step_growth_quotes_the_planted_step(report, lab):
+    rc, out = report
+    study = load_study(lab / "study.toml")
+
+    def first_diff(a, b):
+        for s in STEPS:
+            x, y = (_read_safetensors(study.runs[r].checkpoints[s]) for r in (a, b))
+            if any(not np.array_equal(x[k].view("u4"), y[k].view("u4")) for k in x):
+                return s
+        return None
+
+    # the generator planted one ULP after step 5: identical at 3, different from 7 on
+    assert first_diff("alpha", "nudged") == 7
+    assert first_diff("alpha", "alpha_again") is None
+    page = (out / "step_growth.html").read_text()
+    assert "alpha/nudged: bit-identical through step 3, differs from step 7 on" in page
+    assert "Repeat alpha/alpha_again: bit-identical at every step compared (3, 7, 11)" in page
+    numbers = json.loads((out / "numbers" / "step_growth.json").read_text())
+    for s in STEPS:
+        x, y = (_read_safetensors(study.runs[r].checkpoints[s]) for r in ("alpha", "seed1"))
+        assert numbers["max_rel_fro_by_pair_and_step"][f"alpha/seed1@{s}"] == pytest.approx(
+            max(_rel_fro(x[k], y[k]) for k in x), rel=1e-9
+        )
+
+
+def test_provenance_hashes_every_input(report, lab):
+    rc, out = report
+    prov = json.loads((out / "provenance.json").read_text())
+    files = {f["path"]: f["sha256"] for f in prov["inputs"]}
+    on_disk = sorted(p for p in (lab / "runs").rglob("*.safetensors"))
+    assert len(on_disk) == 12 and len(files) == 12 + MNIST.is_file()
+    for p in on_disk:
+        assert files[p.relative_to(lab).as_posix()] == hashlib.sha256(p.read_bytes()).hexdigest()
+    assert prov["versions"]["dmlib"] and prov["versions"]["numpy"] and prov["cpu"]
+    assert prov["torch"]["cpu_capability"]  # torch is installed here: its ISA is stated
+
+
+def test_anatomy_maps_a_real_burn_file(report):
+    if not MNIST.is_file():
+        pytest.skip(f"real Burn fixture not found at {MNIST}")
+    rc, out = report
+    numbers = json.loads((out / "numbers" / "checkpoint_anatomy.json").read_text())
+    ((name, (r,)),) = numbers["slots"].items()
+    assert name.endswith("mnist-model.bpk") and not name.startswith("/")
+    # Burn's MNIST example (fixtures README): 18 F32 tensors, zero padding from Burn's writer;
+    # the tensors' element count from the CBOR header parsed here
+    import cbor2
+
+    raw = MNIST.read_bytes()
+    meta = cbor2.loads(raw[10 : 10 + struct.unpack("<I", raw[6:10])[0]])
+    assert len(meta["tensors"]) == 18
+    assert r["named_slots"] == sum(int(np.prod(t["shape"])) for t in meta["tensors"].values())
+    assert r["padding_nonzero_slots"] == r["nan"] == r["huge"] == 0
+    assert numbers["figures"] == ["anatomy_layout_0", "anatomy_slots_0"]
+
+
+def test_resolved_study_rebuilds_the_same_runs(report, lab):
+    rc, out = report
+    again = load_study(out / "study.toml")
+    orig = load_study(lab / "study.toml")
+    assert {k: list(r.checkpoints.items()) for k, r in again.runs.items()} == {
+        k: list(r.checkpoints.items()) for k, r in orig.runs.items()
+    }
+    assert (again.control, again.reference, again.repeats) == ("seed1", "alpha", {"alpha_again": "alpha"})
+
+
+def test_missing_file_is_bad_input_and_leaves_nothing(lab, tmp_path, capsys):
+    study = tmp_path / "study.toml"
+    text = (lab / "study.toml").read_text().replace('"runs/seed1/"', '"runs/seed2/step9.safetensors"')
+    study.write_text(text.replace("runs/", f"{lab.as_posix()}/runs/"))
+    out = tmp_path / "out"
+    assert cli(["report", str(study), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "seed1" in err[0] and "not found" in err[0]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["study.toml"]
+
+
+def test_flag_form_writes_the_resolved_study(lab, tmp_path, monkeypatch):
+    monkeypatch.chdir(lab)
+    out = tmp_path / "flags"
+    rc = cli(
+        ["report", "--run", "A=runs/alpha/", "--run", "S=runs/seed1", "--control", "S",
+         "--out", str(out), "--only", "run_matrix"]
+    )
+    assert rc == 0
+    resolved = load_study(out / "study.toml")
+    assert resolved.control == "S" and resolved.root == lab.resolve()
+    assert [p.name for p in resolved.runs["A"].checkpoints.values()] == [f"ckpt-{s:04d}.safetensors" for s in STEPS]
+
+
+def test_unknown_param_is_refused(lab, tmp_path, capsys):
+    assert cli(["report", str(lab / "study.toml"), "--out", str(tmp_path / "o"), "--param", "NOT_A_PARAM=1"]) == 2
+    err = capsys.readouterr().err
+    assert "NOT_A_PARAM: not a parameter of any notebook" in err and "SMALL" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_study_init_scans_a_folder(lab, tmp_path):
+    scan = tmp_path / "scan"
+    shutil.copytree(lab / "runs", scan)
+    assert cli(["study", "init", str(scan)]) == 0
+    text = (scan / "study.toml").read_text()
+    assert 'alpha = "alpha/"  # 3 checkpoints: a step ladder' in text
+    assert "# control" in text  # no run is named like a control: left for the user, commented
+    study = load_study(scan / "study.toml")
+    assert set(study.runs) == {"alpha", "alpha_again", "nudged", "seed1"}
+    assert cli(["study", "init", str(scan)]) == 2  # never overwrites without --force
+
+
+def test_browser_renders_every_figure_offline(report, tmp_path):
+    """Headless Chromium opens report.html: every image decodes, nothing is fetched."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no Chromium installed (Debian: apt-get install chromium)")
+    rc, out = report
+    page = tmp_path / "page.html"
+    probe = (
+        "<script>window.addEventListener('load',()=>{const im=[...document.images];"
+        "const bad=im.filter(i=>!(i.complete&&i.naturalWidth>0)).length;"
+        "const ext=performance.getEntriesByType('resource').filter(r=>!r.name.startsWith('data:')).length;"
+        "document.body.insertAdjacentHTML('beforeend',`<pre id=probe>IMAGES ${im.length} BAD ${bad} FETCHED ${ext}</pre>`);});</script>"
+    )
+    page.write_text((out / "report.html").read_text().replace("</body>", probe + "</body>"))
+    cmd = [
+        browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--dump-dom", page.as_uri(),
+    ]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    m = re.search(r"IMAGES (\d+) BAD (\d+) FETCHED (\d+)", dom)
+    assert m, dom[-500:]
+    summary = json.loads((out / "summary.json").read_text())
+    n_figures = sum(len(r["figures"]) for r in summary["results"])
+    # each figure appears twice: its thumbnail in the index part and inline in its notebook
+    assert (int(m[1]), int(m[2]), int(m[3])) == (2 * n_figures, 0, 0)
+
+
+# ---------------------------------------------------------------------------
+# a study of captures: one request, a planted weight change in one module
+
+
+class Tagger(nn.Module):
+    """Row-wise: every token row is mapped on its own, so only the planted change can differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.proj = nn.Linear(4, 8)
+        self.act = nn.Tanh()
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.mix(self.act(self.proj(x)))))
+
+
+def _capture(model, path, x):
+    rows = [("req", j) for j in range(x.shape[1])]
+    with torch.no_grad(), dmlib_capture(model, path, row_map=rows, block_rows=4, dump="*"):
+        model(x)
+
+
+def dmlib_capture(*args, **kwargs):
+    import dmlib
+
+    return dmlib.capture(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def capture_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captures")
+    torch.set_num_threads(1)
+    x = torch.randn(1, 12, 4, generator=torch.Generator().manual_seed(5))
+    other = torch.randn(1, 12, 4, generator=torch.Generator().manual_seed(6))
+    base = Tagger()
+    nudged = Tagger()
+    with torch.no_grad():
+        nudged.mix.weight[0, 0] += 1e-3
+    # the oracle: plain forward hooks on the planted module, no dmlib involved
+    seen = {}
+    for name, m in (("base", base), ("nudged", nudged)):
+        h = m.mix.register_forward_hook(lambda mod, i, o, name=name: seen.__setitem__(name, o.detach().numpy().copy()))
+        with torch.no_grad():
+            m(x)
+        h.remove()
+    _capture(base, root / "cap" / "base", x)
+    _capture(base, root / "cap" / "base_again", x)
+    _capture(nudged, root / "cap" / "nudged", x)
+    _capture(base, root / "cap" / "other_input", other)
+    (root / "study.toml").write_text(
+        'title = "A planted change in one module"\n\n[captures]\nrequest = "req"\nreference = "base"\n'
+        'negative = "cap/other_input"\n\n[captures.folders]\nbase = "cap/base"\nnudged = "cap/nudged"\n\n'
+        '[captures.repeats]\nbase = "cap/base_again"\n'
+    )
+    out = tmp_path_factory.mktemp("shared_captures") / "report"
+    rc = cli(["report", str(root / "study.toml"), "--out", str(out)])
+    return rc, out, seen
+
+
+def test_captures_study_names_the_planted_module(capture_report):
+    rc, out, seen = capture_report
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in summary["results"] if r["status"] == "ok"] == ["capture_boundaries"]
+    n = json.loads((out / "numbers" / "capture_boundaries.json").read_text())
+    # the generator planted the change in `mix`: its input is identical, its output differs
+    assert n["culprit"] == n["first_divergent_boundary"] == "mix"
+    assert n["repeat_control_held"] is True and n["negative_control_passed"] is True
+    a, b = seen["base"][0], seen["nudged"][0]
+    rel_l2 = float(np.linalg.norm((a - b).astype(np.float64)) / np.linalg.norm(a.astype(np.float64)))
+    assert rel_l2 > 0 and n["culprit_rel_l2"] == pytest.approx(rel_l2, rel=1e-9)
+    page = (out / "capture_boundaries.html").read_text()
+    assert "base vs nudged: first divergent boundary <code>mix</code>" in page
+    assert len(_images(page)) == len(n["figures"]) == 2
