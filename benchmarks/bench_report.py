@@ -25,14 +25,14 @@ from dmlib.report.runner import run_notebooks
 from dmlib.report.study import load_study
 
 RESULTS = Path(__file__).parent / "results"
-# 0.5M float32 parameters: two 512 x 384 matrices, a 384 x 128 head and their biases
+# 0.49M float32 parameters: two 512 x 384 matrices, a 256 x 384 head and their biases
 SHAPES = {
     "body.0.weight": (512, 384),
     "body.0.bias": (512,),
     "body.1.weight": (384, 512),
     "body.1.bias": (384,),
-    "head.weight": (128, 384),
-    "head.bias": (128,),
+    "head.weight": (256, 384),
+    "head.bias": (256,),
 }
 STEPS = (5, 10, 15, 20, 25, 30)
 

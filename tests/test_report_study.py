@@ -424,3 +424,15 @@ def test_captures_study_names_the_planted_module(capture_report):
     page = (out / "capture_boundaries.html").read_text()
     assert "base vs nudged: first divergent boundary <code>mix</code>" in page
     assert len(_images(page)) == len(n["figures"]) == 2
+
+
+def test_study_init_from_paths(lab, tmp_path, monkeypatch):
+    monkeypatch.chdir(lab)
+    target = tmp_path / "mine" / "study.toml"
+    target.parent.mkdir()
+    rc = cli(["study", "init", "--run", "a=runs/alpha/", "--run", "ctrl=runs/seed1/",
+              "--control", "ctrl", "--out", str(target)])
+    assert rc == 0
+    study = load_study(target)
+    assert study.control == "ctrl" and study.runs["a"].steps == list(STEPS)
+    assert study.runs["a"].checkpoints[STEPS[0]] == lab / "runs" / "alpha" / f"ckpt-{STEPS[0]:04d}.safetensors"

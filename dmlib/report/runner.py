@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dmlib.errors import DmlibError
+from dmlib.errors import DmlibError, MissingDependencyError
 
 __all__ = [
     "NotebookResult",
@@ -147,6 +147,17 @@ def parse_param(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+def require_jupyter() -> None:
+    """Refuse early, in one line, when the ``report`` extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in ("nbclient", "nbconvert", "nbformat", "ipykernel") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingDependencyError(
+            f"running the report notebooks needs {', '.join(missing)}: pip install 'dmlib[report]'"
+        )
+
+
 # ---------------------------------------------------------------------------
 # finding notebooks
 
@@ -155,6 +166,7 @@ def find_notebooks(
     folder: str | os.PathLike[str] | None = None, only: Sequence[str] | None = None
 ) -> list[Path]:
     """The ``*.ipynb`` of ``folder`` (default: the collection shipped with dmlib), by name."""
+    require_jupyter()
     folder = PACKAGE_NOTEBOOKS if folder is None else Path(folder)
     if not folder.is_dir():
         raise DmlibError(

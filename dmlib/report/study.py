@@ -237,14 +237,14 @@ def load_study(path: str | os.PathLike[str]) -> Study:
         raise DmlibError(f"cannot read the study file: {err}", path=path) from None
     except tomllib.TOMLDecodeError as err:
         raise DmlibError(f"not valid TOML: {err}", path=path) from None
-    return from_dict(data, root=path.resolve().parent, path=path)
+    return from_dict(data, root=Path(os.path.abspath(path)).parent, path=path)
 
 
 def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) -> Study:
     """Resolve a study given as a dict (the parsed TOML), paths relative to ``root``."""
     where = path if path is not None else root
     if "root" in data:
-        root = (root / _str(data["root"], "root", where)).resolve()
+        root = _under(root, _str(data["root"], "root", where))
         if not root.is_dir():
             raise DmlibError(f"root {data['root']!r} is not a folder (it is relative to the study file)", path=where)
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -291,7 +291,7 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         for f in _list(anatomy_spec.get("files", []), "anatomy.files", where)
     ]
     return Study(
-        path=path.resolve() if path is not None else None,
+        path=Path(os.path.abspath(path)) if path is not None else None,
         root=root,
         title=_str(data.get("title") or root.name, "title", where),
         runs=runs,
@@ -318,8 +318,7 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
             files = [_existing(root, t, where, f"run {label!r}: checkpoint") for t in text]
             runs[label] = _stepped(label, " ".join(text), files, where)
             continue
-        target = Path(os.path.expanduser(text))
-        target = target if target.is_absolute() else root / target
+        target = _under(root, text)
         if _GLOB.search(text):
             files = sorted(Path(p) for p in glob.glob(str(target)) if Path(p).is_file())
             if not files:
@@ -484,11 +483,17 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
 
 
 def _existing(root: Path, text: str, where: Path, what: str, *, folder: bool = False) -> Path:
-    p = Path(os.path.expanduser(text))
-    p = p if p.is_absolute() else root / p
+    p = _under(root, text)
     if not (p.is_dir() if folder else p.is_file()):
         raise DmlibError(f"{what} {text!r} not found (paths are relative to the study file)", path=where)
     return p
+
+
+def _under(root: Path, text: str) -> Path:
+    """``text`` (absolute, ``~``, or relative to ``root``) as a normalised absolute path."""
+    p = Path(os.path.expanduser(text))
+    # normpath, not resolve(): a symlinked data folder keeps the name the study gave it
+    return Path(os.path.normpath(p if p.is_absolute() else root / p))
 
 
 def _table(data: Mapping[str, Any], key: str, where: Path) -> Mapping[str, Any]:
