@@ -68,6 +68,8 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
         "ladder": [[f"a:1={a1}", f"a:2={a2}", f"b:1={b1}", f"b:2={b2}"]],
         "gapcheck": [[f"a={a1}", f"b={b1}"], [m]],
         "repeats": [[f"a={a1},{a2},{a1}", f"b={b1},{b1}"], ["--json", f"c={c},{c}", "--observer", a1]],
+        "report": [["--run", f"a={a1}", "--run", f"b={b1}", "--out", str(d.parent / "report"), "--only", "run_matrix"]],
+        "study": [["init", "--run", f"a={a1}", "--run", f"b={c}", "--out", str(d.parent / "study.toml")]],
     }
     if command not in table:
         pytest.fail(f"new subcommand {command!r}: add how to call it to _argvs in {__file__}")

@@ -13,9 +13,13 @@ from dmlib.cli import add_common_epilog
 from dmlib.errors import DmlibError
 
 REPORT_EXIT = """exit status:
-  0  every notebook ran (notebooks the study has no data for are skipped, and say so)
+  0  success: every notebook ran (those the study has no data for are skipped, and say so)
   1  a notebook failed: named with its cell number and error; the report is still written
   2  bad input: one line on stderr (a missing file, a bad study); nothing is written"""
+
+STUDY_EXIT = """exit status:
+  0  success: the study file was written
+  2  bad input: one line on stderr (a missing or unreadable checkpoint, an existing file)"""
 
 STUDY_HELP = """A study file (study.toml) says what to analyse: runs (label = a checkpoint, or a folder
 or glob of checkpoints forming a step ladder), the control, repeats, factor groups,
@@ -50,7 +54,12 @@ def register(sub: Any) -> None:
     p.epilog = REPORT_EXIT
     p.set_defaults(func=run_report)
 
-    s = sub.add_parser("study", help="write a study file (dmlib study init)")
+    s = sub.add_parser(
+        "study",
+        help="write a study file (dmlib study init)",
+        epilog=STUDY_EXIT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ssub = s.add_subparsers(dest="study_command", metavar="SUBCOMMAND")
     i = ssub.add_parser(
         "init",
@@ -69,6 +78,7 @@ def register(sub: Any) -> None:
     i.add_argument("--out", metavar="FILE", help="where to write (default: FOLDER/study.toml, or ./study.toml)")
     i.add_argument("--force", action="store_true", help="overwrite an existing file")
     add_common_epilog(i)
+    i.epilog = STUDY_EXIT
     i.set_defaults(func=run_init)
     s.set_defaults(func=lambda a: _usage(s))
 
@@ -106,7 +116,7 @@ def _flag_study(args: argparse.Namespace) -> Any:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from dmlib.report.build import build_report
+    from dmlib.report.build import build_report, check_out
     from dmlib.report.runner import parse_param
     from dmlib.report.study import load_study
 
@@ -126,7 +136,7 @@ def run_report(args: argparse.Namespace) -> int:
     out = Path(args.out)
     targets = [out] if len(studies) == 1 else [out / _name(s, studies) for s in studies]
     for t in targets:
-        _check_out(t)
+        check_out(t)
     progress = sys.stderr
     worst = 0
     done = []
@@ -161,14 +171,6 @@ def _name(study: Any, studies: list[Any]) -> str:
     if names.count(base) > 1:
         base = f"{base}-{studies.index(study) + 1}"
     return base
-
-
-def _check_out(out: Path) -> None:
-    """Refuse to replace a folder that holds anything but an earlier report."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "summary.json").is_file() and not (out / "index.html").is_file())):
-        raise DmlibError(
-            "exists and does not hold a dmlib report; pass an empty or new folder to --out", path=out
-        )
 
 
 def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]]) -> None:
@@ -206,7 +208,14 @@ def run_init(args: argparse.Namespace) -> int:
         if target.resolve().parent != base.resolve():
             raise DmlibError("a scanned study must be written into the folder it describes (paths are relative to it)", path=target)
     elif args.run or args.capture:
+        from dmlib.report.study import resolve_runs
+
         target = Path(args.out or "study.toml")
+        # every path must name readable checkpoints (or capture folders) before it is written
+        resolve_runs(_pairs(args.run, "--run"), Path.cwd(), Path.cwd())
+        for label, folder in _pairs(args.capture, "--capture").items():
+            if not Path(folder).is_dir():
+                raise DmlibError(f"capture {label!r}: not a folder", path=folder)
         text = init_from_runs(
             _pairs(args.run, "--run"),
             target.resolve().parent,

@@ -33,7 +33,7 @@ from dmlib.report.runner import (
 from dmlib.report.study import Study
 from dmlib.report.studyfile import resolved_toml
 
-__all__ = ["NEEDS", "build_report", "missing"]
+__all__ = ["NEEDS", "build_report", "check_out", "missing"]
 
 # what a notebook needs from a study (notebook metadata "dmlib": {"needs": [...]}), and
 # the note the index shows when the study has none of it
@@ -62,6 +62,17 @@ def missing(nb: Any, study: Study) -> str | None:
     return None
 
 
+def check_out(out: str | os.PathLike[str]) -> None:
+    """Refuse a report folder that holds anything but an earlier report (it is replaced)."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir() or (any(out.iterdir()) and not (out / "summary.json").is_file()):
+        raise DmlibError(
+            "exists and does not hold a dmlib report; pass an empty or new folder to --out", path=out
+        )
+
+
 def build_report(
     study: Study,
     out: str | os.PathLike[str],
@@ -77,6 +88,7 @@ def build_report(
     """Run the notebooks on ``study`` and write the report folder ``out`` (replaced if present)."""
     t0 = time.perf_counter()
     out = Path(out).resolve()
+    check_out(out)
     paths = find_notebooks(notebooks, only)
     nbs = {p: read_notebook(p) for p in paths}
     skipped = {p: missing(nbs[p], study) for p in paths}
@@ -229,8 +241,7 @@ def _replace(stage: Path, out: Path) -> None:
     """Move the finished report into place; an older report there goes only once it is done."""
     old = None
     if out.exists():
-        if not out.is_dir():
-            raise DmlibError("exists and is not a folder; pass another --out", path=out)
+        check_out(out)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
     stage.rename(out)

@@ -157,7 +157,7 @@ def _header(summary: Mapping[str, Any]) -> str:
         f"<p>{len(summary['runs'])} runs"
         + (f", control <b>{_esc(summary['control'])}</b>" if summary.get("control") else ", no control declared")
         + f". {ok} of {ran} notebooks ran without error"
-        + f"; study file <code>study.toml</code> (paths relative to it). Made by dmlib {_esc(summary['dmlib'])}.</p>"
+        + f"; the study: <code>study.toml</code> beside this page. Made by dmlib {_esc(summary['dmlib'])}.</p>"
     )
 
 
