@@ -136,10 +136,12 @@ def run_matrix_heatmap(
         mat[idx[ra], idx[rb]] = mat[idx[rb], idx[ra]] = v
     pos = mat[np.isfinite(mat) & (mat > 0)]
     # one distinct value (two runs: one pair) would give a degenerate log scale
-    lo, hi = (pos.min(), pos.max()) if pos.size else (None, None)
-    if lo is not None and hi <= lo:
-        lo, hi = lo / 10, hi * 10
-    norm = mcolors.LogNorm(vmin=lo, vmax=hi) if log and pos.size else None
+    norm = None
+    if log and pos.size:
+        lo, hi = float(pos.min()), float(pos.max())
+        if hi <= lo:
+            lo, hi = lo / 10, hi * 10
+        norm = mcolors.LogNorm(vmin=lo, vmax=hi)
     import matplotlib
 
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")

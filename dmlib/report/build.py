@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dmlib._json import jsonable
 from dmlib.errors import DmlibError
 from dmlib.report import notebook as nbhelp
 from dmlib.report import pages, provenance
@@ -193,11 +194,9 @@ def _write_outputs(
         "results": rows,
         "provenance": prov,
     }
-    (stage / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n", encoding="utf-8")
-    (stage / "summary.json").write_text(
-        json.dumps({k: v for k, v in summary.items() if k != "provenance"}, indent=2) + "\n",
-        encoding="utf-8",
-    )
+    (stage / "provenance.json").write_text(json.dumps(jsonable(prov), indent=2) + "\n", encoding="utf-8")
+    brief = {k: v for k, v in summary.items() if k != "provenance"}
+    (stage / "summary.json").write_text(json.dumps(jsonable(brief), indent=2) + "\n", encoding="utf-8")
     (stage / "index.html").write_text(pages.index_page(summary, figures), encoding="utf-8")
     (stage / "report.html").write_text(pages.single_page(summary, bodies, figures), encoding="utf-8")
 

@@ -129,7 +129,7 @@ def save_figure(
 def _ipython() -> Any:
     """The running IPython kernel's shell, or None outside a kernel."""
     mod = sys.modules.get("IPython")
-    shell = mod.get_ipython() if mod is not None else None  # type: ignore[attr-defined]
+    shell = mod.get_ipython() if mod is not None else None
     return shell if shell is not None and hasattr(shell, "kernel") else None
 
 

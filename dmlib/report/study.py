@@ -271,10 +271,9 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
     reference = _label(data.get("reference"), "reference", runs, where)
     if reference is None:
         reference = next((k for k in runs if k != control), None)
-    repeats = {
-        _label(k, "repeats", runs, where): _label(v, f"repeats.{k}", runs, where)
-        for k, v in _table(data, "repeats", where).items()
-    }
+    repeats: dict[str, str] = {}
+    for k, v in _table(data, "repeats", where).items():
+        repeats[_need(_label(k, "repeats", runs, where))] = _need(_label(v, f"repeats.{k}", runs, where))
     names = dict(_table(data, "names", where))
     if names:
         raise DmlibError(
@@ -371,6 +370,7 @@ def _stepped(label: str, spec: str, files: list[Path], where: Path) -> Run:
     source: dict[int | None, str] = {}
     for i, f in enumerate(files):
         rec = recorded.get(i)
+        step: int | None
         if rec is not None and not _isna(rec):
             step, how = int(rec), "recorded"
         elif named[f] is not None:
@@ -513,6 +513,11 @@ def _str(value: Any, key: str, where: Path) -> str:
     if not isinstance(value, str) or not value:
         raise DmlibError(f"{key} must be a non-empty string, got {value!r}", path=where)
     return value
+
+
+def _need(label: str | None) -> str:
+    assert label is not None  # _label returns None only for a None value
+    return label
 
 
 def _label(value: Any, key: str, runs: Mapping[str, Run], where: Path) -> str | None:

@@ -192,7 +192,7 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
         lines += [f"{_key(k)} = {_value(v)}" for k, v in captures.items() if k not in repeats]
         if repeats:
             lines += ["", "[captures.repeats]  # guessed from the names"]
-            lines += [f"{_key(_repeat_of(k, list(captures)))} = {_value(captures[k])}" for k in sorted(repeats)]
+            lines += [f"{_key(_repeat_of(k, list(captures)) or k)} = {_value(captures[k])}" for k in sorted(repeats)]
     return "\n".join(lines) + "\n"
 
 
