@@ -3,7 +3,8 @@
 The study is unlike the lab: other tensor names, no factorised layers, checkpoints at
 steps 3, 7 and 11 written as safetensors by hand (header JSON + raw bytes, not by
 dmlib), a repeat, a planted one-ULP difference from step 5 on, and a different-seed
-control. Expected numbers come from numpy on the raw file bytes (parsed here, not by
+control saved under a wrapper's ``net.`` prefix (the study maps it away with ``[names]``).
+Expected numbers come from numpy on the raw file bytes (parsed here, not by
 dmlib's readers) and from what the generator planted.
 """
 
@@ -58,19 +59,20 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], step: int) ->
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """The oracle's reader: header length, JSON, little-endian float32 bytes."""
+    """The oracle's reader: header length, JSON, little-endian float32 bytes; the control's
+    ``net.`` prefix is dropped, as its ``[names]`` mapping says."""
     data = path.read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8 : 8 + n])
     body = data[8 + n :]
     return {
-        k: np.frombuffer(body[v["data_offsets"][0] : v["data_offsets"][1]], dtype="<f4").reshape(v["shape"])
+        k.removeprefix("net."): np.frombuffer(body[v["data_offsets"][0] : v["data_offsets"][1]], dtype="<f4").reshape(v["shape"])
         for k, v in header.items()
         if k != "__metadata__"
     }
 
 
-def _train(folder: Path, seed: int, *, plant: bool = False) -> None:
+def _train(folder: Path, seed: int, *, plant: bool = False, prefix: str = "") -> None:
     torch.manual_seed(seed)
     net = Net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -87,7 +89,7 @@ def _train(folder: Path, seed: int, *, plant: bool = False) -> None:
                 w = net.readout.weight
                 w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(np.inf))
         if step in STEPS:
-            sd = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+            sd = {prefix + k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
             _write_safetensors(folder / f"ckpt-{step:04d}.safetensors", sd, step)
 
 
@@ -98,12 +100,13 @@ def lab(tmp_path_factory):
     _train(root / "runs" / "alpha", 0)
     _train(root / "runs" / "alpha_again", 0)
     _train(root / "runs" / "nudged", 0, plant=True)
-    _train(root / "runs" / "seed1", 1)
+    _train(root / "runs" / "seed1", 1, prefix="net.")
     (root / "study.toml").write_text(
         'title = "Tiny net: a repeat, a planted ULP and another seed"\n'
         'control = "seed1"\nreference = "alpha"\n\n[runs]\n'
         'alpha = "runs/alpha/"\nalpha_again = "runs/alpha_again/*.safetensors"\n'
         'nudged = "runs/nudged/"\nseed1 = "runs/seed1/"\n\n[repeats]\nalpha_again = "alpha"\n'
+        '\n[names]\nseed1 = "net.="\n'
         + (f"\n[anatomy]\nfiles = [{json.dumps(MNIST.as_posix())}]\n" if MNIST.is_file() else "")
     )
     return root
@@ -274,6 +277,7 @@ def test_resolved_study_rebuilds_the_same_runs(report, lab):
         k: list(r.checkpoints.items()) for k, r in orig.runs.items()
     }
     assert (again.control, again.reference, again.repeats) == ("seed1", "alpha", {"alpha_again": "alpha"})
+    assert again.names == {"seed1": ["net.="]}
 
 
 def test_missing_file_is_bad_input_and_leaves_nothing(lab, tmp_path, capsys):
@@ -291,7 +295,7 @@ def test_flag_form_writes_the_resolved_study(lab, tmp_path, monkeypatch):
     monkeypatch.chdir(lab)
     out = tmp_path / "flags"
     rc = cli(
-        ["report", "--run", "A=runs/alpha/", "--run", "S=runs/seed1", "--control", "S",
+        ["report", "--run", "A=runs/alpha/", "--run", "S=runs/nudged", "--control", "S",
          "--out", str(out), "--only", "run_matrix"]
     )
     assert rc == 0

@@ -260,17 +260,31 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
     finding = ""
     for i, (label, df) in enumerate(results.items()):
         at = df.attrs
-        n_inc = at["n_boundaries"] - at["n_comparable"]
-        if at["first_divergent_boundary"] is None:
-            text = f"{label}: no difference at the {at['n_comparable']} boundaries that could be compared"
+        unjudged = at.get("unjudged", [])
+        shown = "; ".join(f"`{u['boundary']}` ({u['reason']})" for u in unjudged[:4])
+        shown += f"; and {len(unjudged) - 4} more" if len(unjudged) > 4 else ""
+        if at["first_divergent_boundary"] is not None:
+            text = f"{label}: first divergent boundary `{at['first_divergent_boundary']}`"
             text += (
-                f"; {n_inc} could not be compared, so this does not show the two identical."
-                if n_inc
-                else "."
+                f"; culprit (inputs identical, output differs): `{at['culprit']}`."
+                if at["culprit"]
+                else "; no culprit (no boundary with identical inputs and a differing output)."
+            )
+            if unjudged:
+                text += f" {len(unjudged)} boundaries could not be judged: {shown}."
+        elif at.get("status") == "identical" and not unjudged:
+            text = f"{label}: identical at all {at['n_comparable']} boundaries."
+        elif at.get("status") == "identical":
+            text = (
+                f"{label}: identical: the model's outputs match and no judged boundary differs; "
+                f"{len(unjudged)} inner boundaries could not be judged: {shown}."
             )
         else:
-            text = f"{label}: first divergent boundary `{at['first_divergent_boundary']}`"
-            text += f"; culprit (inputs identical, output differs): `{at['culprit']}`." if at["culprit"] else "; no culprit (no boundary with identical inputs and a differing output)."
+            text = (
+                f"{label}: inconclusive: no difference at the {at['n_comparable']} boundaries judged, "
+                f"but {len(unjudged)} could not be judged and the model's outputs were not shown "
+                f"to match: {shown}."
+            )
         rc, nc = at.get("repeat_control"), at.get("negative_control") or {}
         if rc is not None:
             text += " Repeat control held." if rc.get("held") else " Repeat control FAILED: the same layout captured twice differs, so this difference cannot be told from run-to-run noise."

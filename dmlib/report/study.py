@@ -25,8 +25,8 @@ mailed or committed. The format (every key optional, but a study names runs or c
     [groups]                 # parameter groups for growth rates: name = regular expression
     bias = "\\.bias$"
 
-    [names]                  # name mapping between runs (see below)
-    strip_prefix = "model."
+    [names]                  # a run's tensor names, mapped before any comparison:
+    seed8 = "model.="        #   label = "OLD=NEW" (prefix OLD replaced by NEW), or a list
 
     [anatomy]                # extra files whose byte layout the anatomy notebook maps
     files = ["records.bpk"]
@@ -41,9 +41,9 @@ mailed or committed. The format (every key optional, but a study names runs or c
     [captures.repeats]       # folder label = a second capture of that layout
     alone = "cap/alone_repeat"
 
-``[names]`` is parsed and kept (:attr:`Study.names`) but this version of dmlib cannot
-apply a name mapping yet, so a study that declares one is refused rather than compared
-under the wrong names.
+``[names]`` maps one run's names onto the others' (a checkpoint saved under a wrapper's
+``model.``, ``module.`` or ``_orig_mod.``): the rule of :class:`dmlib.names.Rename`,
+applied to that run's checkpoints by :meth:`Study.sources`.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Study:
     repeats: dict[str, str] = field(default_factory=dict)
     factor_groups: list[dict[str, Any]] = field(default_factory=list)
     groups: dict[str, str] = field(default_factory=dict)
-    names: dict[str, Any] = field(default_factory=dict)
+    names: dict[str, list[str]] = field(default_factory=dict)
     anatomy: list[Path] = field(default_factory=list)
     captures: Capture | None = None
 
@@ -175,6 +175,24 @@ class Study:
         return {
             k: {s: r.checkpoints[s] for s in r.steps} for k, r in self.runs.items() if len(r.steps) > 1
         }
+
+    def sources(self, files: Mapping[str, Path]) -> dict[str, Any]:
+        """``{label: path}`` -> what the statistics take: the path, or for a run with a
+        ``[names]`` mapping its checkpoint opened with the names mapped."""
+        return {k: self._source(k, p) for k, p in files.items()}
+
+    def ladder_sources(self, ladder: Mapping[str, Mapping[int, Path]]) -> dict[str, dict[int, Any]]:
+        """:meth:`sources` for a ladder ``{label: {step: path}}``."""
+        return {k: {s: self._source(k, p) for s, p in steps.items()} for k, steps in ladder.items()}
+
+    def _source(self, label: str, path: Path) -> Any:
+        if label not in self.names:
+            return path
+        from dmlib.io import open_tensors
+        from dmlib.names import Rename, apply_renames
+
+        renames = [Rename.parse(f"a:{m}") for m in self.names[label]]
+        return apply_renames(open_tensors(path), renames, "a")
 
     def factor_group_objects(self) -> list[Any]:
         """:class:`dmlib.FactorGroup` objects for ``[[factor_groups]]``."""
@@ -274,13 +292,7 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
     repeats: dict[str, str] = {}
     for k, v in _table(data, "repeats", where).items():
         repeats[_need(_label(k, "repeats", runs, where))] = _need(_label(v, f"repeats.{k}", runs, where))
-    names = dict(_table(data, "names", where))
-    if names:
-        raise DmlibError(
-            "[names] (name mapping between runs) is documented but this version of dmlib "
-            "cannot apply it; remove it, or rename the tensors so the runs share their names",
-            path=where,
-        )
+    names = _names(_table(data, "names", where), runs, where)
     anatomy_spec = _table(data, "anatomy", where)
     bad = sorted(set(anatomy_spec) - {"files"})
     if bad:
@@ -467,6 +479,24 @@ def _factor_groups(spec: Any, where: Path) -> list[dict[str, Any]]:
                 FactorGroup(g["kind"], tuple(g[k] for k in _GROUP_KEYS[g["kind"]]), (False,) * len(_GROUP_KEYS[g["kind"]]))
             except DmlibError as err:
                 raise DmlibError(f"factor_groups: {err}", path=where) from None
+    return out
+
+
+def _names(spec: Mapping[str, Any], runs: Mapping[str, Run], where: Path) -> dict[str, list[str]]:
+    from dmlib.names import Rename
+
+    out = {}
+    for label, value in spec.items():
+        _label(label, "names", runs, where)
+        items = value if isinstance(value, list) else [value]
+        for m in items:
+            try:
+                Rename.parse(f"a:{_str(m, f'names.{label}', where)}")
+            except DmlibError:
+                raise DmlibError(
+                    f"names.{label}: {m!r} is not OLD=NEW (e.g. 'model.=' strips 'model.')", path=where
+                ) from None
+        out[label] = [str(m) for m in items]
     return out
 
 

@@ -71,6 +71,8 @@ def resolved_toml(study: Study, base: Path) -> str:
         lines += ["", "[repeats]", *(f"{_key(k)} = {_value(v)}" for k, v in study.repeats.items())]
     for g in study.factor_groups:
         lines += ["", "[[factor_groups]]", *(f"{_key(k)} = {_value(v)}" for k, v in g.items())]
+    if study.names:
+        lines += ["", "[names]", *(f"{_key(k)} = {_value(v)}" for k, v in study.names.items())]
     if study.groups:
         lines += ["", "[groups]", *(f"{_key(k)} = {_value(v)}" for k, v in study.groups.items())]
     if study.anatomy:
