@@ -58,14 +58,20 @@ def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: 
     elif not others:
         finding = f"{when.capitalize()}: the only pair involves the control {control}, rel_fro {fmt(ctrl)}."
     else:
+        one = len(others) == 1
         body = (
-            "are all bit-identical"
+            ("is bit-identical" if one else "are all bit-identical")
             if k == len(others)
-            else f"differ by at most rel_fro {fmt(same)} (max {fmt(verdict['same_max_ulp'])} ULP)"
+            else f"differ{'s' if one else ''} by at most rel_fro {fmt(same)} (max {fmt(verdict['same_max_ulp'])} ULP)"
+        )
+        subject = (
+            f"the one pair without the control ({others[0]['a']}/{others[0]['b']})"
+            if one
+            else f"the {len(others)} pairs without the control"
         )
         sep_text = "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
         finding = (
-            f"{when.capitalize()}: the {len(others)} pairs without the control {body}; "
+            f"{when.capitalize()}: {subject} {body}; "
             f"every pair with {control} by at least {fmt(ctrl)}{sep_text}."
         )
         if sep is not None and not math.isinf(sep):
@@ -166,8 +172,13 @@ def ladder(
     rates: pd.DataFrame,
     small: Sequence[str],
     small_norm: float,
+    control: str | None = None,
 ) -> tuple[str, list[str]]:
-    """A step ladder against ``reference`` (``dmlib.step_ladder``) and its repeat pairs."""
+    """A step ladder against ``reference`` (``dmlib.step_ladder``) and its repeat pairs.
+
+    Pairs with the ``control`` are described line by line but kept out of the finding's
+    summary of the other runs, and quoted after it.
+    """
     steps = sorted(int(s) for s in df["step"].unique())
     lines = []
     for pair, sub in repeats.items():
@@ -176,11 +187,12 @@ def ladder(
     earliest = None
     n_div = 0
     pairs = [p for p in dict.fromkeys(df["pair"]) if p not in rep_pairs]
+    ctrl_pairs = [p for p in pairs if control is not None and control in p.split("/")]
     for pair in pairs:
         sub = df[df["pair"].eq(pair)]
         lines.append(_pair_line(pair, sub))
         first = _first(sub)
-        if first is not None:
+        if first is not None and pair not in ctrl_pairs:
             n_div += 1
             if earliest is None or first < earliest[0]:
                 earliest = (first, pair)
@@ -202,16 +214,25 @@ def ladder(
                     f"the others {fmt(b)}."
                 )
     span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no step"
-    if not pairs:
-        finding = f"Against {reference}, {span}: only repeat pairs to compare."
+    others = [p for p in pairs if p not in ctrl_pairs]
+    if not others:
+        finding = f"Against {reference}, {span}: no run besides repeats and the control to compare."
     elif earliest is None:
-        finding = f"Against {reference}, {span}: every run is bit-identical at every step."
+        finding = f"Against {reference}, {span}: every run{' but the control' if ctrl_pairs else ''} is bit-identical at every step."
     else:
-        top = at_last.loc[at_last["rel_fro"].idxmax()] if len(at_last) and at_last["rel_fro"].max() > 0 else None
-        finding = f"Against {reference}, {span}: {n_div} of {len(pairs)} runs diverge, the earliest from step {earliest[0]} ({earliest[1]})"
+        at_o = at_last[at_last["pair"].isin(others)]
+        top = at_o.loc[at_o["rel_fro"].idxmax()] if len(at_o) and at_o["rel_fro"].max() > 0 else None
+        word = "run" if len(others) == 1 else "runs"
+        finding = (
+            f"Against {reference}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
+            f"{'diverges' if n_div == 1 else 'diverge'}, the earliest from step {earliest[0]} ({earliest[1]})"
+        )
         if top is not None:
             finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} (`{top['name']}`, {top['pair']})"
         finding += "."
+    for pair in ctrl_pairs:
+        first = _first(df[df["pair"].eq(pair)])
+        finding += f" Control {pair}: " + ("bit-identical at every step." if first is None else f"differs from step {first} on.")
     for pair, sub in repeats.items():
         first = _first(sub)
         finding += (
