@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,9 @@ def _notebooks_html(
         if status == "FAILED":
             parts.append(f'<p class="status-FAILED">cell {r["failed_cell"]}: {_esc(r["error"])}</p>')
         if r.get("finding"):
-            parts.append(f'<p class="finding">{_esc(r["finding"])}</p>')
+            # findings mark names as `code`, as the notebook's Markdown shows them
+            text = re.sub(r"`([^`]+)`", r"<code>\1</code>", _esc(r["finding"]))
+            parts.append(f'<p class="finding">{text}</p>')
         if r.get("skipped_sections"):
             parts.append(
                 '<p class="note">Sections skipped: '
