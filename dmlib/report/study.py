@@ -4,6 +4,7 @@ Every path in the file is relative to the file itself, so a study folder can be 
 mailed or committed. The format (every key optional, but a study names runs or captures)::
 
     title = "Threads 1 vs 2, a repeat and a different-seed control"
+    made_on = "Intel Xeon 8480+ (AVX-512, AMX), torch 2.13.0 CPU, 1 thread"  # the runs' machine
     root = "."               # the folder the paths below are relative to (default: this file's)
     control = "seed8"        # a run expected to differ (another seed): the yardstick
     reference = "base"       # the run step ladders are measured against (default: first run)
@@ -41,6 +42,10 @@ mailed or committed. The format (every key optional, but a study names runs or c
     [captures.repeats]       # folder label = a second capture of that layout
     alone = "cap/alone_repeat"
 
+``made_on`` names the machine (CPU, instruction set, library build, threads) that made the
+runs: floating-point results, and so every finding of the report, depend on it, and the
+report quotes it beside its findings (or says that the study does not record it).
+
 ``[names]`` maps one run's names onto the others' (a checkpoint saved under a wrapper's
 ``model.``, ``module.`` or ``_orig_mod.``): the rule of :class:`dmlib.names.Rename`,
 applied to that run's checkpoints by :meth:`Study.sources`.
@@ -70,6 +75,7 @@ STUDY_FILE = "study.toml"
 _TOP_KEYS = {
     "root",
     "title",
+    "made_on",
     "control",
     "reference",
     "runs",
@@ -136,6 +142,7 @@ class Study:
     names: dict[str, list[str]] = field(default_factory=dict)
     anatomy: list[Path] = field(default_factory=list)
     captures: Capture | None = None
+    made_on: str | None = None
 
     # -- what notebooks ask -------------------------------------------------
 
@@ -314,6 +321,7 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         names=names,
         anatomy=anatomy,
         captures=_captures(_table(data, "captures", where), root, where),
+        made_on=_str(data["made_on"], "made_on", where) if data.get("made_on") else None,
     )
 
 

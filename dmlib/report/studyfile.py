@@ -58,6 +58,8 @@ def resolved_toml(study: Study, base: Path) -> str:
         f"title = {_value(study.title)}",
         f"root = {_value(_rel(root, base))}",
     ]
+    if study.made_on:
+        lines.append(f"made_on = {_value(study.made_on)}")
     base = root
     if study.control:
         lines.append(f"control = {_value(study.control)}")
@@ -114,6 +116,7 @@ def init_from_runs(
     lines = [
         "# study.toml: what `dmlib report` analyses; paths are relative to this file.",
         f"title = {_value(title or 'A reproducibility study')}",
+        _made_on_guess(),
     ]
     guessed = control is None and _guess_control(list(runs))
     if control:
@@ -174,6 +177,7 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
         "# study.toml written by `dmlib study init`: check every line marked 'guessed'.",
         "# Paths are relative to this file. Format: python -c 'import dmlib.report.study as s; help(s)'",
         f"title = {_value(title or folder.resolve().name)}",
+        _made_on_guess(),
     ]
     guessed = _guess_control(list(runs))
     if guessed:
@@ -226,3 +230,13 @@ def _repeat_guesses(labels: Sequence[str]) -> list[str]:
     return ["", "[repeats]  # guessed from the names: run = the run it repeats"] + [
         f"{_key(k)} = {_value(v)}" for k, v in pairs
     ]
+
+
+def _made_on_guess() -> str:
+    """A commented ``made_on`` line naming this machine: right only if the runs were made here."""
+    from dmlib.machine import machine_line
+
+    return (
+        f"# made_on = {_value(machine_line())}"
+        "  # this machine: keep it only if the runs were made here"
+    )
