@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         numpy_script = [py, "-m", "benchmarks.bench_compare", "--child", "numpy", str(A), str(B)]
         result["differing"] = interleaved(
             {"dmlib compare": [*dm, "compare", str(A), str(B)], "numpy script": numpy_script},
-            repeat,
+            min(repeat, 2),  # the numpy script takes tens of seconds a run here
         )
         runs = [f"r{i}={c}" for i, c in enumerate([A, A2, *copies])] + [f"ctrl={B}"]
         warm(A, A2, B, *copies)
