@@ -25,12 +25,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks._proc import run
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -71,25 +71,12 @@ def warm(*paths: Path) -> None:
                 pass
 
 
-def run(cmd: list[str], ok: tuple[int, ...] = (0, 1)) -> tuple[float, float]:
-    """(seconds, peak RSS MiB) of one child process."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    dt = time.perf_counter() - t
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if proc.returncode not in ok:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}: {err.strip()[-500:]}")
-    return dt, usage.ru_maxrss / 1024
-
-
 def interleaved(cmds: dict[str, list[str]], repeat: int) -> dict[str, dict]:
     """Best-of-``repeat`` seconds and peak RSS of each command, runs interleaved."""
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in cmds}
     for _ in range(repeat):
         for k, cmd in cmds.items():
-            runs[k].append(run(cmd))
+            runs[k].append(run(cmd, cwd=ROOT))
     return {
         k: {
             "best_seconds": min(s for s, _ in v),

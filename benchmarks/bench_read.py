@@ -3,8 +3,8 @@
 The inner loop of an identical-pair comparison (compare two files chunk by chunk, hash one
 side) run with four reading strategies, each in its own child process (time from spawn to
 exit, peak RSS from ``wait4``), interleaved, best of N, on a warm and on a cold page cache
-(cold: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on both files before each run, which drops
-their clean cached pages without root):
+(cold: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on both files, written and synced first,
+before each run, which drops their cached pages without root):
 
 ``mmap``            memory map, pages released behind the cursor (``MADV_DONTNEED``): dmlib's way
 ``mmap+seq``        the same with ``MADV_SEQUENTIAL`` (kernel read-ahead hint)
@@ -21,10 +21,11 @@ import json
 import mmap
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks._proc import run
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -93,16 +94,22 @@ def _warm(*paths: Path) -> None:
 
 
 def _run(strategy: str, a: Path, b: Path) -> tuple[float, float]:
-    t = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_read", "--child", strategy, str(a), str(b)])
-    _, status, usage = os.wait4(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"strategy {strategy} failed")
-    return time.perf_counter() - t, usage.ru_maxrss / 1024
+    cmd = [sys.executable, "-m", "benchmarks.bench_read", "--child", strategy, str(a), str(b)]
+    return run(cmd, ok=(0,), cwd=ROOT)
+
+
+def _write(a: Path, b: Path, size: int) -> None:
+    """Two equal files of random bytes, written a block at a time and synced (so that
+    POSIX_FADV_DONTNEED can drop their pages: dirty pages stay cached)."""
+    rng = np.random.default_rng(0)
+    with open(a, "wb") as fa, open(b, "wb") as fb:
+        for off in range(0, size, 16 << 20):
+            block = rng.integers(0, 256, min(16 << 20, size - off), dtype=np.uint8).tobytes()
+            fa.write(block)
+            fb.write(block)
+        for f in (fa, fb):
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = WORK / "a.bin", WORK / "b.bin"
     result: dict = {"size_bytes": size, "repeat": repeat, "loadavg_before": os.getloadavg()}
     try:
-        data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-        a.write_bytes(data.tobytes())
-        b.write_bytes(data.tobytes())
-        del data
+        _write(a, b, size)
         for cache in ("warm", "cold"):
             runs: dict[str, list[tuple[float, float]]] = {s: [] for s in STRATEGIES}
             for _ in range(repeat):

@@ -62,9 +62,9 @@ class PageReleaser:
 
     @staticmethod
     def _sequential(mm: Any, lo: int, n: int) -> None:
-        # read-ahead hint for the span about to be walked: in benchmarks/bench_read.py a
-        # mapped pair read with it took 0.64x the time of a plain map (warm cache) and 0.75x
-        # (cold); readinto into reused buffers took 1.12x and 1.63x (0.91x, 0.81x with fadvise)
+        # read-ahead hint for the span about to be walked: in benchmarks/bench_read.py (two
+        # 512 MiB files, best of 3) a map with it took 0.97x the time of a plain map on a warm
+        # cache and 0.77x on a cold one; readinto into reused buffers 1.16x and 1.42x
         page = mmap.PAGESIZE
         lo_p = lo // page * page
         try:
