@@ -143,3 +143,12 @@ def test_cli_dask_address_prints_the_local_rows(client, tmp_path):
     assert json.loads(remote.stdout)["rows"] == json.loads(local.stdout)["rows"]
     bad = subprocess.run([*cmd, "--dask", "local:zero"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "local:N" in bad.stderr
+
+
+def test_big_endian_and_complex_are_refused_with_a_reason(tmp_path):
+    # the pieces compare native-order real elements; the local engine handles these
+    for name, arr in (("be", np.arange(6, dtype=">f4")), ("cx", np.arange(6).astype(np.complex64))):
+        np.save(tmp_path / f"{name}_a.npy", arr)
+        np.save(tmp_path / f"{name}_b.npy", arr)
+        with pytest.raises(DmlibError, match="engine='local'"):
+            dmlib.compare(tmp_path / f"{name}_a.npy", tmp_path / f"{name}_b.npy", engine="dask")
