@@ -23,9 +23,17 @@ never compare equal.
     provenance against published sums. SHA-256 is sequential: it is not combinable from
     pieces, so a distributed engine computes it in one task per tensor.
 
-Chosen over xxh3-128 (faster still, but not cryptographic): an identity hash that says
-"bit-identical" must not be forgeable or collide by construction, and BLAKE3 already
-runs faster than the comparison reads memory on this hardware.
+``cksum4-v1``
+    An integer checksum a GPU computes with torch ops (:func:`checksum_torch`), bit-exact
+    with the numpy host reference (:func:`checksum_host`); not cryptographic.
+
+BLAKE3 rather than xxh3-128 (faster still, but not cryptographic): ``dmlib.matrix``
+treats equal digests as equal bytes, so the hash must not collide or be forgeable by
+construction. Measured on this project's machine: BLAKE3 2.2 GB/s on one core against
+SHA-256's 0.84 GB/s; it runs on worker threads beside the comparison.
+
+The bare SHA-256 helpers at the end (:func:`hash_bytes`, :func:`hash_file`...) serve the
+formats that store plain hex SHA-256: the capture manifest, file manifests, ``inspect``.
 """
 
 from __future__ import annotations
