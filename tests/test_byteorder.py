@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from blake3 import blake3
 
 import dmlib
 from dmlib.cli import main
@@ -79,20 +80,20 @@ def test_compare_two_big_endian_npy(tmp_path):
     assert int(row["max_ulp"]) == max(oracle_ulp(a, b, 32))
     assert row["rel_fro"] == pytest.approx(np.linalg.norm(d) / np.linalg.norm(a.astype(np.float64)), rel=1e-12)
     # hashes are over the stored (big-endian) bytes
-    assert row["data_hash_a"] == hashlib.sha256(a.astype(">f4").tobytes()).hexdigest()
-    assert row["data_hash_b"] == hashlib.sha256(b.astype(">f4").tobytes()).hexdigest()
+    assert row["data_hash_a"] == "blake3-64MiB:" + blake3(a.astype(">f4").tobytes()).hexdigest()
+    assert row["data_hash_b"] == "blake3-64MiB:" + blake3(b.astype(">f4").tobytes()).hexdigest()
 
 
 def test_big_endian_against_little_endian_same_values(tmp_path):
     a, _, _ = _planted(1000, 2)
     np.save(tmp_path / "big.npy", a.astype(">f4"))
     np.save(tmp_path / "little.npy", a.astype("<f4"))
-    df = dmlib.compare(tmp_path / "big.npy", tmp_path / "little.npy")
+    df = dmlib.compare(tmp_path / "big.npy", tmp_path / "little.npy", hash="sha256")
     (row,) = df.to_dict("records")
     assert row["n_diff"] == 0 and int(row["max_ulp"]) == 0
     # same values, other bytes: never "identical", and each hash is of its own file's bytes
-    assert row["data_hash_a"] == hashlib.sha256(a.astype(">f4").tobytes()).hexdigest()
-    assert row["data_hash_b"] == hashlib.sha256(a.astype("<f4").tobytes()).hexdigest()
+    assert row["data_hash_a"] == "sha256:" + hashlib.sha256(a.astype(">f4").tobytes()).hexdigest()
+    assert row["data_hash_b"] == "sha256:" + hashlib.sha256(a.astype("<f4").tobytes()).hexdigest()
     assert dmlib.summarize(df)["identical"] is False
 
 

@@ -91,3 +91,26 @@ def test_matrix_cli(files, capsys):
 def test_matrix_bad_labels(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_hash_choice_is_named_in_every_hash(files, capsys):
+    import hashlib
+
+    import blake3
+
+    raw = {
+        "w": np.linspace(1, 2, 40, dtype=np.float32).tobytes(),
+        "i": np.arange(3, dtype=np.int32).tobytes(),
+    }
+    assert main(["compare", "--json", "--hash", "sha256", files["a"], files["c"]]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["attrs"]["hash"] == "sha256"
+    for r in doc["rows"]:
+        assert r["data_hash_a"] == r["data_hash_b"] == "sha256:" + hashlib.sha256(raw[r["name"]]).hexdigest()
+    assert main(["compare", "--json", files["a"], files["c"]]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for r in doc["rows"]:
+        assert r["data_hash_a"] == "blake3-64MiB:" + blake3.blake3(raw[r["name"]]).hexdigest()
+    assert main(["matrix", "--json", "--hash", "sha256", f"a={files['a']}", f"c={files['c']}"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(r["data_hash_a"].startswith("sha256:") for r in doc["rows"])

@@ -176,3 +176,39 @@ def test_bad_ladders():
     lad = {"A": {0: ArrayTensorSet({"x": np.ones(2)})}, "B": {0: ArrayTensorSet({"x": np.ones(2)})}}
     with pytest.raises(dmlib.DmlibError, match="reference run 'C' is not in the ladder"):
         dmlib.step_ladder(lad, reference="C")
+
+
+def test_ladder_compares_each_distinct_pair_of_contents_once(tmp_path, monkeypatch):
+    """Three runs at two steps, two runs bit-identical: rows as plain per-pair compares."""
+    import dmlib.stats.compare as cmp_mod
+
+    rng = np.random.default_rng(4)
+    lad: dict = {"base": {}, "copy": {}, "moved": {}}
+    for step in (10, 25):
+        w = {"model.enc.w": rng.standard_normal((6, 5)).astype(np.float32),
+             "model.head.b": rng.standard_normal(3).astype(np.float32)}  # fmt: skip
+        moved = {k: v.copy() for k, v in w.items()}
+        moved["model.enc.w"].view(np.uint32)[2, 3] += 5  # planted: 5 ULP
+        for run, tensors in (("base", w), ("copy", w), ("moved", moved)):
+            p = tmp_path / f"{run}_{step}.safetensors"
+            dmlib.write_safetensors(p, tensors, metadata={"step": str(step)})
+            lad[run][step] = p
+    calls = []
+    real = cmp_mod.compare_pair
+    monkeypatch.setattr(
+        cmp_mod, "compare_pair", lambda ta, tb, *a, **k: calls.append(ta.name) or real(ta, tb, *a, **k)
+    )
+    df = dmlib.step_ladder(lad)
+    monkeypatch.undo()
+    # per step, only model.enc.w differs, and only as (base content, moved content): once
+    assert sorted(calls) == ["model.enc.w", "model.enc.w"]
+    assert len(df) == 2 * 3 * 2  # steps x pairs x tensors
+    for (step, ra, rb), g in df.groupby(["step", "a", "b"]):
+        ref = dmlib.compare(lad[ra][step], lad[rb][step]).set_index("name")
+        for r in g.itertuples():
+            assert (r.n_diff, r.max_abs, r.numel) == (
+                ref.at[r.name, "n_diff"], float(ref.at[r.name, "max_abs"]), ref.at[r.name, "numel"]
+            )
+            assert r.rel_fro == float(ref.at[r.name, "rel_fro"])
+    moved = df[(df["pair"] == "base/moved") & (df["name"] == "model.enc.w")]
+    assert list(moved["n_diff"]) == [1, 1]

@@ -22,13 +22,13 @@ def _names(reqs: list[str]) -> dict[str, str]:
 def test_environment_yml_lists_the_same_packages_as_pyproject():
     py = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     wanted = list(py["dependencies"])
-    for extra in ("test", "lab", "formats", "report"):
+    for extra in ("test", "lab", "formats", "report", "dask"):
         wanted += py["optional-dependencies"][extra]
     yml = (REPO / "environment.yml").read_text()
     pip_section = yml.split("- pip:", 1)[1]
     pip_lines = re.findall(r"^\s+- (?!-e )(.+)$", pip_section, flags=re.M)
     assert _names(pip_lines) == _names(wanted)
-    assert "-e .[test,lab,formats,report]" in yml
+    assert "-e .[test,lab,formats,report,dask]" in yml
 
 
 def test_torch_is_pinned_to_the_cpu_build_on_disk():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 
+import blake3
 import ml_dtypes
 import numpy as np
 import pandas as pd
@@ -22,8 +23,10 @@ def f32(bits: int) -> float:
     return float(np.array([bits], np.uint32).view(np.float32)[0])
 
 
-def sha(x: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+def sha(x: np.ndarray | bytes) -> str:
+    """The default identity hash of small data: plain BLAKE3 (one piece), named."""
+    data = x if isinstance(x, bytes) else np.ascontiguousarray(x).tobytes()
+    return "blake3-64MiB:" + blake3.blake3(data).hexdigest()
 
 
 def one(a: np.ndarray, b: np.ndarray, **kw) -> dict:
@@ -381,12 +384,24 @@ def test_files_with_planted_differences(tmp_path):
         assert rows.loc[name, "data_hash_a"] == sha(tensors[name])
         assert rows.loc[name, "data_hash_b"] == sha(other[name])
     at = df.attrs
-    assert at["file_hash_a"] == hashlib.sha256(pa.read_bytes()).hexdigest()
-    assert at["file_hash_b"] == hashlib.sha256(pb.read_bytes()).hexdigest()
-    assert at["metadata_diff"] == {"run": ["a", "b"]}
+    assert at["file_hash_a"] == sha(pa.read_bytes())
+    assert at["file_hash_b"] == sha(pb.read_bytes())
+    assert at["metadata_diff"] == {"run": ["a", "b"]} and at["hash"] == "blake3-64MiB"
+    # SHA-256 on request: every hash against hashlib (and the bare sha256 of data_hash())
+    s256 = compare(pa, pb, chunk_bytes=1000, file_hashes=True, hash="sha256")
+    assert s256.attrs["hash"] == "sha256"
+    assert s256.attrs["file_hash_a"] == "sha256:" + hashlib.sha256(pa.read_bytes()).hexdigest()
+    assert s256.attrs["file_hash_b"] == "sha256:" + hashlib.sha256(pb.read_bytes()).hexdigest()
+    for r in s256.itertuples():
+        assert r.data_hash_a == "sha256:" + hashlib.sha256(tensors[r.name].tobytes()).hexdigest()
+        assert r.data_hash_b == "sha256:" + hashlib.sha256(other[r.name].tobytes()).hexdigest()
     with dmlib.open_tensors(pa) as ta, dmlib.open_tensors(pb) as tb:
-        assert at["data_section_hash_a"] == ta.data_hash()
-        assert at["data_section_hash_b"] == tb.data_hash()
+        assert s256.attrs["data_section_hash_a"] == "sha256:" + ta.data_hash()
+        assert s256.attrs["data_section_hash_b"] == "sha256:" + tb.data_hash()
+        section_a = b"".join(t.raw().tobytes() for t in ta.disk_order())
+        section_b = b"".join(t.raw().tobytes() for t in tb.disk_order())
+    assert at["data_section_hash_a"] == sha(section_a)
+    assert at["data_section_hash_b"] == sha(section_b)
     # a filtered comparison hashes the data section separately, with the same result
     sub = compare(pa, pb, include="layer.*", file_hashes=True)
     assert sub.attrs["data_section_hash_a"] == at["data_section_hash_a"]

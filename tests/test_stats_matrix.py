@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
+from blake3 import blake3
 
 import dmlib
 from dmlib.cli.compare_cmd import format_verdict
@@ -106,8 +107,8 @@ def test_six_runs_fifteen_pairs():
     assert v["same_worst_median_ulp"] == 5.0  # c's single 5-ULP plant, against a, b or d
     # data hashes: each run's tensors are hashed once and shared by its pairs
     for r in df.itertuples():
-        assert r.data_hash_a == hashlib.sha256(arrays[r.a][r.name].tobytes()).hexdigest()
-        assert r.data_hash_b == hashlib.sha256(arrays[r.b][r.name].tobytes()).hexdigest()
+        assert r.data_hash_a == "blake3-64MiB:" + blake3(arrays[r.a][r.name].tobytes()).hexdigest()
+        assert r.data_hash_b == "blake3-64MiB:" + blake3(arrays[r.b][r.name].tobytes()).hexdigest()
     text = format_verdict(v)
     assert "a/d" in text and "orders of magnitude" in text
 
@@ -132,3 +133,48 @@ def test_bad_runs():
         matrix({"a": ArrayTensorSet({})})
     with pytest.raises(dmlib.DmlibError, match="control 'z'"):
         matrix({"a": ArrayTensorSet({}), "b": ArrayTensorSet({})}, control="z")
+
+
+def _tiny_model_state(seed: int) -> dict[str, np.ndarray]:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(
+        torch.nn.Conv1d(3, 5, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool1d(1), torch.nn.Flatten(),
+        torch.nn.Linear(5, 2),
+    )
+    return {f"model.{k}": v.detach().numpy().copy() for k, v in net.state_dict().items()}
+
+
+def test_matrix_costs_distinct_contents(tmp_path, monkeypatch):
+    """Seven runs, five bit-identical: full statistics once per distinct pair of contents."""
+    import dmlib.stats.compare as cmp_mod
+
+    base = _tiny_model_state(0)
+    moved = {k: v.copy() for k, v in base.items()}
+    moved["model.4.weight"].view(np.uint32).reshape(-1)[3] += 2  # planted: 2 ULP
+    ctrl = _tiny_model_state(1)
+    paths = {}
+    for label, state in {**{f"r{i}": base for i in range(5)}, "moved": moved, "ctrl": ctrl}.items():
+        paths[label] = tmp_path / f"{label}.safetensors"
+        dmlib.write_safetensors(paths[label], state)
+    calls = []
+    real = cmp_mod.compare_pair
+    monkeypatch.setattr(
+        cmp_mod, "compare_pair", lambda ta, tb, *a, **k: calls.append(ta.name) or real(ta, tb, *a, **k)
+    )
+    df = matrix(paths, control="ctrl")
+    monkeypatch.undo()
+    # distinct (name, content a, content b) with different contents, counted by hand:
+    # model.4.weight (base, moved) for r_i/moved; every tensor (base, ctrl) for r_i/ctrl and
+    # moved/ctrl, whose other tensors hold base's bytes; model.4.weight (moved, ctrl)
+    n = len(base)
+    assert sorted(calls) == sorted(["model.4.weight", *base, "model.4.weight"])
+    assert len(df) == 21 * n
+    # every row equals a plain pairwise dmlib.compare of the two files (read in full)
+    for (la, lb), g in df.groupby(["a", "b"], sort=False):
+        ref = dmlib.compare(paths[la], paths[lb]).set_index("name")
+        got = g.drop(columns=["a", "b"]).set_index("name")
+        pd.testing.assert_frame_equal(got, ref[got.columns], check_dtype=True)
+    v = df.attrs["verdict"]
+    assert len(v["identical_pairs"]) == 10  # C(5, 2) among r0..r4
+    assert v["same_max_ulp"] == 2

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported by the commands that need it, not by the parser
+    import pandas as pd
 
 from dmlib.errors import DmlibError
 
@@ -30,9 +32,15 @@ def add_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=list(FORMATS), help="read every input as this format (skip detection)")
 
 
+def missing(v: Any) -> bool:
+    """True for None and pandas' NA (checked only when pandas is loaded: it made the NA)."""
+    pd = sys.modules.get("pandas")
+    return v is None or (pd is not None and v is pd.NA)
+
+
 def fmt(v: Any) -> str:
     """One table cell: '-' for missing, 4 significant digits, scientific for tiny or huge."""
-    if v is None or v is pd.NA:
+    if missing(v):
         return "-"
     if isinstance(v, float):
         if v != v:
@@ -47,7 +55,7 @@ def table(
     rows: pd.DataFrame | list[dict[str, Any]], cols: list[str], cell: Callable[[Any], str] = fmt
 ) -> str:
     """Left-aligned columns separated by two spaces, with a header line."""
-    recs = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
+    recs = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
     cells = [[cell(r.get(c)) for c in cols] for r in recs]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
-
-import pandas as pd
 
 from dmlib.cli import add_common_epilog
 from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
@@ -66,8 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--file-hashes",
         action="store_true",
-        help="also hash whole files and data sections (two more SHA-256 passes per file)",
+        help="also hash whole files and data sections (two more hash passes per file)",
     )
+    _add_hash(p)
+    _add_dask(p)
     add_format(p)
     add_common_epilog(p)
     p.set_defaults(func=run_compare)
@@ -86,9 +88,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--json", action="store_true", help="print one JSON document (verdict and every row)"
     )
+    _add_hash(m)
+    _add_dask(m)
     add_format(m)
     add_common_epilog(m)
     m.set_defaults(func=run_matrix)
+
+
+def _add_dask(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dask",
+        metavar="ADDRESS|local:N",
+        help="run on Dask: the scheduler at ADDRESS, or local:N (a LocalCluster of N worker "
+        "processes for this command); every worker must see the files at the same paths",
+    )
+
+
+@contextlib.contextmanager
+def _engine(args: argparse.Namespace) -> Iterator[str]:
+    if not getattr(args, "dask", None):
+        yield "local"
+        return
+    from dmlib.engine.dask import client_for, close_client
+
+    client = client_for(args.dask)
+    try:
+        yield "dask"
+    finally:
+        close_client(client)
+
+
+def _add_hash(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hash",
+        choices=["blake3", "sha256"],
+        default="blake3",
+        help="identity hash of each tensor: blake3 (fast; the default) or sha256 (to check "
+        "against published SHA-256 sums); printed as NAME:HEX",
+    )
 
 
 def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
@@ -124,27 +161,30 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    # plain records, not a DataFrame: the command starts without importing pandas
     from dmlib._json import jsonable
-    from dmlib.stats.compare import compare, summarize
+    from dmlib.stats.compare import compare_records, summarize_records
 
-    df = compare(
-        args.a,
-        args.b,
-        include=args.include,
-        exclude=args.exclude,
-        file_hashes=args.file_hashes,
-        rename=args.rename,
-        cross_dtype=args.cross_dtype,
-    )
-    s = summarize(df)
+    with _engine(args) as engine:
+        rows, at = compare_records(
+            args.a,
+            args.b,
+            include=args.include,
+            exclude=args.exclude,
+            file_hashes=args.file_hashes,
+            rename=args.rename,
+            cross_dtype=args.cross_dtype,
+            hash=args.hash,
+            engine=engine,
+        )
+    s = summarize_records(rows, at)
     if args.json:
-        doc = {"summary": s, "attrs": df.attrs, "rows": df}
+        doc = {"summary": s, "attrs": at, "rows": rows}
         print(json.dumps(jsonable(doc, default=str), indent=1))
         return 0 if s["identical"] else 1
-    shown = df if args.all else df[df["n_diff"] > 0]
-    if len(shown):
+    shown = rows if args.all else [r for r in rows if r["n_diff"] > 0]
+    if shown:
         print(table(shown, _TABLE))
-    at = df.attrs
     for key in ("only_in_a", "only_in_b"):
         if at[key]:
             print(f"{key}: {', '.join(at[key])}")
@@ -175,7 +215,15 @@ def run_matrix(args: argparse.Namespace) -> int:
     from dmlib.stats.matrix import matrix
 
     runs = labelled_paths(args.runs)
-    df = matrix(runs, control=args.control, include=args.include, exclude=args.exclude)
+    with _engine(args) as engine:
+        df = matrix(
+            runs,
+            control=args.control,
+            include=args.include,
+            exclude=args.exclude,
+            hash=args.hash,
+            engine=engine,
+        )
     v = df.attrs["verdict"]
     code = 0 if all(p["identical"] for p in v["pairs"]) else 1
     if args.json:
@@ -193,6 +241,8 @@ def run_matrix(args: argparse.Namespace) -> int:
         "max_ulp",
         "worst_rel_fro",
     ]
+    import pandas as pd
+
     print(table(pd.DataFrame(v["pairs"], columns=cols), cols))
     print(format_verdict(v))
     sys.stdout.flush()

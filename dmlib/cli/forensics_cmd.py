@@ -13,8 +13,6 @@ import json
 import sys
 from typing import Any
 
-import pandas as pd
-
 from dmlib.cli import add_common_epilog
 from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
 from dmlib.errors import DmlibError
@@ -259,6 +257,8 @@ def run_ladder(args: argparse.Namespace) -> int:
         step_key=args.step_key,
         keep_flagged=args.keep_flagged,
     )
+    import pandas as pd
+
     growth = growth_rates(df)
     checks = pd.DataFrame(df.attrs["checks"])
     if not args.allow_missing:

@@ -190,21 +190,61 @@ def _norm(arr: np.ndarray, chunk: int = 1 << 20) -> float:
     return float(np.sqrt(total))
 
 
-def _compare(sa: TensorSet, sb: TensorSet, kind: str) -> list[dict[str, Any]]:
-    """Rows of ``dmlib.compare`` for two sets, with each tensor's own norm."""
-    from dmlib.stats.compare import compare
+class _Shared:
+    """What every pair of a ladder shares: each tensor hashed once, each distinct pair of
+    contents compared once (as :func:`dmlib.matrix` does), each tensor's norm taken once."""
 
-    df = compare(sa, sb, file_hashes=False, progress=False)
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from dmlib.stats.matrix import _distinct_rows
+
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.cache: dict[int, Any] = {}
+        self.pair_row = _distinct_rows(self.cache)
+        self.norms: dict[int, float] = {}
+
+    def hash(self, tensors: Iterable[Any]) -> None:
+        from dmlib import hashing
+        from dmlib.engine.local import hash_tensors
+        from dmlib.stats._pair import DEFAULT_CHUNK
+
+        hash_tensors(self.pool, tensors, DEFAULT_CHUNK, hashing.DEFAULT, self.cache)
+
+    def norm(self, t: Any) -> float:
+        if id(t) not in self.norms:
+            self.norms[id(t)] = _norm(t.load())
+        return self.norms[id(t)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _compare(
+    sa: TensorSet, sb: TensorSet, kind: str, shared: _Shared | None = None
+) -> list[dict[str, Any]]:
+    """Rows of ``dmlib.compare`` for two sets, with each tensor's own norm."""
+    from dmlib.stats._pair import DEFAULT_CHUNK
+    from dmlib.stats.compare import _compare_sets, compare
+
+    if shared is None:
+        df = compare(sa, sb, file_hashes=False, progress=False)
+    else:
+        df = _compare_sets(
+            sa, sb, None, None, False, DEFAULT_CHUNK, False, shared.pool, shared.cache,
+            pair_row=shared.pair_row,
+        )  # fmt: skip
     rows = []
     for r in df.itertuples(index=False):
         t = sa[r.name]
         numeric = not t.quantized and t.dtype.kind in "fiub"
+        norm = (shared.norm(t) if shared is not None else _norm(t.load())) if numeric else None
         rows.append(
             {
                 "name": r.name,
                 "kind": kind,
                 "numel": int(r.numel),
-                "norm": _norm(t.load()) if numeric else float("nan"),
+                "norm": float("nan") if norm is None else norm,
                 "n_diff": int(r.n_diff),
                 # compare leaves max_abs null when no finite pair differs
                 "max_abs": float(r.max_abs)
@@ -217,7 +257,11 @@ def _compare(sa: TensorSet, sb: TensorSet, kind: str) -> list[dict[str, Any]]:
 
 
 def _pair_rows(
-    sa: TensorSet, sb: TensorSet, keep: Callable[[str], bool], groups: list[FactorGroup] | None
+    sa: TensorSet,
+    sb: TensorSet,
+    keep: Callable[[str], bool],
+    groups: list[FactorGroup] | None,
+    shared: _Shared | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     factor_names: set[str] = set()
@@ -234,8 +278,9 @@ def _pair_rows(
             rows += _compare(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b), "effective")
     plain = [n for n in sa if n not in factor_names and n in sb and keep(n)]
     rows += _compare(
-        TensorSet({n: sa[n] for n in plain}), TensorSet({n: sb[n] for n in plain}), "tensor"
-    )
+        TensorSet({n: sa[n] for n in plain}), TensorSet({n: sb[n] for n in plain}), "tensor",
+        shared,
+    )  # fmt: skip
     return rows
 
 
@@ -309,12 +354,19 @@ def _ladder(
     gs = as_groups(groups) if groups is not None else None
     steps = sorted({s for _, s in good})
     rows = []
-    for step in steps:
-        for ra, rb in pairs:
-            if (ra, step) not in good or (rb, step) not in good:
-                continue
-            for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs):
-                rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
+    # every checkpoint's tensors hashed once up front: pairs of equal contents (bit-identical
+    # runs) then cost no second read, and each distinct pair of contents is compared once
+    shared = _Shared()
+    try:
+        shared.hash(t for key in sorted(good) for t in sets[key].disk_order() if keep(t.name))
+        for step in steps:
+            for ra, rb in pairs:
+                if (ra, step) not in good or (rb, step) not in good:
+                    continue
+                for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
+                    rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
+    finally:
+        shared.close()
     df = pd.DataFrame(rows, columns=LADDER_COLUMNS)
     if len(df):
         df["rank"] = (

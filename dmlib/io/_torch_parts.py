@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from dmlib.errors import UnsupportedError
@@ -50,6 +49,7 @@ def _tensor(name: str, arr: np.ndarray, path: str, dname: str, **kw: Any) -> Ten
 
 
 def _dense(name: str, t: Any, path: str) -> Tensor:
+    import ml_dtypes  # here, not at import: only torch files need it
     import torch
 
     t = t.detach().cpu().contiguous()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dmlib.dtypes import BFLOAT16
+from dmlib.dtypes import LazyDtypes
 from dmlib.errors import FormatError, MissingDependencyError, TruncatedError
 from dmlib.io._checks import shape_problem, short_repr
 from dmlib.tensor import Tensor, TensorSet
@@ -36,12 +36,12 @@ MAX_UNZIPPED = 64 << 30  # a record larger than this is refused rather than fill
 MAX_DEPTH = 64
 
 # Burn DType name -> numpy dtype (as burnpack names them)
-DTYPES: dict[str, np.dtype] = {
+DTYPES = LazyDtypes({
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "Flex32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": BFLOAT16,
+    "BF16": "ml_dtypes:bfloat16",
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -51,7 +51,7 @@ DTYPES: dict[str, np.dtype] = {
     "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"),
     "Bool": np.dtype("?"),
-}
+})
 
 
 def can_open(head: bytes, path: str) -> bool:

@@ -39,12 +39,10 @@ ALIGN = 256
 PadFill = Callable[[int, int], bytes]
 
 # CBOR dtype text -> numpy dtype
-_SIMPLE_DTYPES: dict[str, np.dtype] = {
-    # Burn's dtype names are safetensors' for the types both have
-    **{k: v for k, v in SAFETENSORS_DTYPES.items() if k not in ("BOOL", "F8_E4M3", "F8_E5M2")},
-    "Flex32": np.dtype("<f4"),
-    "Bool": np.dtype("?"),  # files written by Burn up to v0.20
-}
+# (Burn's dtype names are safetensors' for the types both have; bf16 resolves lazily)
+_SIMPLE_DTYPES = SAFETENSORS_DTYPES.without("BOOL", "F8_E4M3", "F8_E5M2").extended(
+    {"Flex32": np.dtype("<f4"), "Bool": np.dtype("?")}  # Bool: files written by Burn up to v0.20
+)
 _BOOL_STORES: dict[str, np.dtype] = {"Native": np.dtype("?"), "U8": np.dtype("u1"), "U32": np.dtype("<u4")}
 
 
@@ -74,10 +72,10 @@ def dtype_value_for(dtype: np.dtype) -> Any:
     dtype = np.dtype(dtype)
     if dtype == np.dtype("?"):
         return {"Bool": "Native"}
-    for name, dt in _SIMPLE_DTYPES.items():
-        if dt == dtype and name not in ("Flex32", "Bool"):
-            return name
-    raise UnsupportedError(f"burnpack has no dtype for numpy {dtype}")
+    try:
+        return _SIMPLE_DTYPES.without("Flex32", "Bool").name_of(dtype)
+    except KeyError:
+        raise UnsupportedError(f"burnpack has no dtype for numpy {dtype}") from None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dmlib.dtypes import BFLOAT16
+from dmlib import dtypes as _dtypes
 from dmlib.errors import (
     FormatError,
     LayoutError,
@@ -234,7 +234,7 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
         spans.append((start, start + nbytes, name))
         shape = tuple(reversed(dims))  # ggml's first dim varies fastest: numpy's last
         if np_code is not None:
-            dt = (BFLOAT16 if np_code == "bf16" else np.dtype(np_code)).newbyteorder(order)
+            dt = (_dtypes.BFLOAT16 if np_code == "bf16" else np.dtype(np_code)).newbyteorder(order)
             tensors[name] = Tensor(name, dt, shape, nbytes=nbytes, offset=start, dtype_name=tname, source=buf, path=path, in_buffer=True)
         elif dequantize:
             tensors[name] = Tensor(

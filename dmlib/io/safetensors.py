@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from dmlib import _atomic
-from dmlib.dtypes import FLOAT4_E2M1FN, SAFETENSORS_DTYPES, SAFETENSORS_SUBBYTE, safetensors_name
+from dmlib import dtypes as _dtypes
+from dmlib.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_SUBBYTE, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io._checks import offsets_problem, shape_problem, short_repr
 from dmlib.tensor import Tensor, TensorSet
@@ -162,8 +163,8 @@ def _element(dname: str) -> tuple[str, np.dtype, str | None]:
     """
     if dname in SAFETENSORS_DTYPES:
         return "plain", SAFETENSORS_DTYPES[dname], None
-    if dname == "F4" and FLOAT4_E2M1FN is not None:
-        return "packed", FLOAT4_E2M1FN, "fp4x2"
+    if dname == "F4" and _dtypes.FLOAT4_E2M1FN is not None:
+        return "packed", _dtypes.FLOAT4_E2M1FN, "fp4x2"
     if dname in SAFETENSORS_SUBBYTE:
         return "opaque", np.dtype("u1"), None
     return "unknown", np.dtype("u1"), None

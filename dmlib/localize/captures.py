@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from dmlib import dtypes as _dtypes  # noqa: F401  (registers bfloat16/float8 names)
+from dmlib import dtypes as _dtypes
 from dmlib.errors import CaptureError, DmlibError
 from dmlib.hashing import hash_bytes
 
@@ -375,7 +375,7 @@ class Capture:
         expected = (
             b.shape if request is None else (self.requests[request_key(request)], *b.row_shape)
         )
-        if tuple(out.shape) != tuple(expected) or out.dtype != np.dtype(b.dtype):
+        if tuple(out.shape) != tuple(expected) or out.dtype != _dtypes.from_label(b.dtype):
             raise CaptureError(
                 f"dumped tensor of {b.name!r} is {out.dtype}{list(out.shape)}; the manifest says "
                 f"{b.dtype}{list(expected)}",

@@ -116,6 +116,7 @@ def compare_pair(
     progress: K.Progress,
     rel: K.PageReleaser,
     hash_cache: dict[int, Future[str]] | None = None,
+    hash_name: str | None = None,
 ) -> dict[str, Any]:
     """One row of :func:`dmlib.compare`; the two data hashes come back as futures in ``_hashes``.
 
@@ -126,7 +127,7 @@ def compare_pair(
 
     def digest(t: Tensor) -> Future[str]:
         if id(t) not in cache:
-            cache[id(t)] = pool.submit(K.hash_views, [t.raw()], chunk_bytes)
+            cache[id(t)] = pool.submit(K.hash_views, [t.raw()], chunk_bytes, hash_name)
         return cache[id(t)]
 
     kind = kind_of(ta)
@@ -165,6 +166,35 @@ def compare_pair(
             K.float_chunk(acc, va, vb, start, info, neq)
         else:
             K.int_chunk(acc, va, vb, start)
+    row = _row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
+    if hash_b is None:
+        cache.setdefault(id(tb), hash_a)  # same bytes, same digest
+    row["_hashes"] = (hash_a, hash_b)
+    return row
+
+
+def identical_row(ta: Tensor) -> dict[str, Any]:
+    """The row of a pair whose bytes are known to be identical (equal digests), read from nothing."""
+    kind = kind_of(ta)
+    dtype = component(native(ta.dtype))
+    parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
+    info = float_bits(dtype) if kind == "float" else None
+    return _row(K.Acc(), ta, ta, kind, info, 0, False, None, parts=parts)
+
+
+def _row(
+    acc: K.Acc,
+    ta: Tensor,
+    tb: Tensor,
+    kind: str,
+    info: Any,
+    chunk_bytes: int,
+    differing: bool,
+    rel: K.PageReleaser | None,
+    reread: Any = None,
+    parts: int = 1,
+) -> dict[str, Any]:
+    # parts: components per element (2 for complex, compared component by component)
     numel = ta.numel
     row: dict[str, Any] = {
         "name": ta.name,
@@ -184,10 +214,7 @@ def compare_pair(
         if acc.first is not None:
             row["first_diff"] = (acc.first,)  # byte index: the packed layout has no element grid
     if info is not None:
-        row.update(_float_columns(acc, ta, tb, info, chunk_bytes, differing, rel))
-    if hash_b is None:
-        cache.setdefault(id(tb), hash_a)  # same bytes, same digest
-    row["_hashes"] = (hash_a, hash_b)
+        row.update(_float_columns(acc, ta, tb, info, chunk_bytes, differing, rel, reread))
     return row
 
 
@@ -198,8 +225,11 @@ def _float_columns(
     info: Any,
     chunk_bytes: int,
     differing: bool,
-    rel: K.PageReleaser,
+    rel: K.PageReleaser | None,
+    reread: Any = None,
 ) -> dict:
+    # reread: an engine's ``rescan(lo, hi, shift)`` and ``sum_bb()`` over the same bytes
+    # (read where the bytes are); None reads them here
     c = acc.counts
     out: dict[str, Any] = {}
     for col, lo, hi in ULP_BUCKETS:
@@ -214,6 +244,8 @@ def _float_columns(
         out["max_ulp"] = acc.max_ulp
 
         def rescan(lo: int, hi: int, shift: int) -> np.ndarray:
+            if reread is not None:
+                return reread.rescan(lo, hi, shift)
             return _rescan(ta, tb, info, chunk_bytes, lo, hi, shift, rel)
 
         lo_k = K.kth_ulp(c, (n_fin - 1) // 2, rescan, acc.max_ulp)
@@ -228,7 +260,7 @@ def _float_columns(
     bb = acc.bb
     if bb <= 1e-9 * acc.aa:
         # b.b came out of a cancellation (b is nearly the zero vector): sum it directly
-        bb = _sum_bb(ta, tb, info, chunk_bytes, rel)
+        bb = reread.sum_bb() if reread is not None else _sum_bb(ta, tb, info, chunk_bytes, rel)
     na, nb = math.sqrt(acc.aa), math.sqrt(bb)
     nd = math.sqrt(acc.sdd)
     out["rel_fro"] = nd / na if na > 0 else (0.0 if nd == 0 else math.inf)
@@ -239,7 +271,9 @@ def _float_columns(
     return out
 
 
-def _sum_bb(ta: Tensor, tb: Tensor, info: Any, chunk_bytes: int, rel: K.PageReleaser) -> float:
+def _sum_bb(
+    ta: Tensor, tb: Tensor, info: Any, chunk_bytes: int, rel: K.PageReleaser | None
+) -> float:
     """sum b*b over pairs finite on both sides, read again (the rare near-zero-b case)."""
     acc = K.Acc()
     for _, ca, cb in _chunk_pairs(ta, tb, info.bits, chunk_bytes, rel):
@@ -255,7 +289,7 @@ def _rescan(
     lo: int,
     hi: int,
     shift: int,
-    rel: K.PageReleaser,
+    rel: K.PageReleaser | None,
 ) -> np.ndarray:
     """bincount of ``(u - lo) >> shift`` over finite differing ULP distances ``u`` in [lo, hi]."""
     nb = ((hi - lo) >> shift) + 1

@@ -33,7 +33,9 @@ Columns of :func:`compare` (one row per tensor present in both sets, same dtype 
 ``first_diff``
     Index tuple (C order) of the first differing element, or None.
 ``data_hash_a``, ``data_hash_b``
-    SHA-256 of each side's tensor bytes as stored in its file. Byte order belongs to the
+    Identity hash of each side's tensor bytes as stored in its file, as ``"<scheme>:<hex>"``:
+    ``blake3-64MiB`` by default, ``sha256`` with ``hash="sha256"`` (both defined in
+    :mod:`dmlib.hashing`); a bit-identical pair is hashed on one side only. Byte order belongs to the
     file: a big-endian tensor is compared on its values (as if native), but hashed over its
     big-endian bytes, so equal values stored in two byte orders have ``n_diff`` 0 and
     different hashes (and :func:`summarize` does not call them identical).
@@ -60,13 +62,13 @@ here; both pairs filled with ``file_hashes=True``, else None), ``path_a``/``_b``
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from dmlib import hashing
 from dmlib.errors import DmlibError
@@ -83,6 +85,9 @@ from dmlib.stats._pair import (
     same_layout,
 )
 from dmlib.tensor import Tensor, TensorSet
+
+if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: the CLI starts without it
+    import pandas as pd
 
 __all__ = [
     "COLUMNS",
@@ -108,6 +113,8 @@ def compare(
     cross_dtype: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK,
     progress: bool | None = None,
+    hash: str | None = None,
+    engine: str = "local",
 ) -> pd.DataFrame:
     """Divergence statistics of every tensor two checkpoints (or TensorSets) share.
 
@@ -135,13 +142,21 @@ def compare(
     file_hashes
         Also fill ``attrs["file_hash_a"/"_b"]`` (whole file) and
         ``attrs["data_section_hash_a"/"_b"]`` (all tensor bytes in disk order, as
-        ``TensorSet.data_hash()``): two more SHA-256 passes per side, on worker threads.
+        ``TensorSet.data_hash()``): two more hash passes per side, on worker threads.
         Off by default, where they are None: per-tensor hashes already say which tensors
         hold the same bytes, and hashing, not comparing, is what limits the speed.
     chunk_bytes
         Bytes per side held at once; bounds the memory whatever the file size.
     progress
         Byte counter on stderr; None shows it only when stderr is a terminal.
+    hash
+        Scheme of every hash: ``"blake3"`` (``blake3-64MiB``, the default: fast and
+        combinable from pieces) or ``"sha256"`` (to check against published SHA-256 sums).
+    engine
+        ``"local"`` (threads of this process) or ``"dask"``: tensors cut into 64 MiB
+        pieces, each read and compared by a task on Dask's current scheduler (the active
+        ``distributed.Client``), from paths every worker can see; the rows are the local
+        engine's, bit for bit (:mod:`dmlib.engine.dask`).
 
     Returns
     -------
@@ -149,20 +164,76 @@ def compare(
         One row per compared tensor, columns as described in this module's docstring,
         in ``a``'s disk order; everything else in ``df.attrs``.
     """
-    if chunk_bytes < 1:
-        raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+    return _compare(
+        a, b, include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
+        cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
+        engine=engine, frame=True,
+    )  # fmt: skip
+
+
+def compare_records(
+    a: Source,
+    b: Source,
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    file_hashes: bool = False,
+    rename: Any = None,
+    cross_dtype: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK,
+    progress: bool | None = None,
+    hash: str | None = None,
+    engine: str = "local",
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`compare` as ``(rows, attrs)``: plain dicts (every column, None where null),
+    without importing pandas (the command line's fast start)."""
+    return _compare(
+        a, b, include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
+        cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
+        engine=engine, frame=False,
+    )  # fmt: skip
+
+
+def _compare(
+    a: Source,
+    b: Source,
+    *,
+    include: Patterns,
+    exclude: Patterns,
+    file_hashes: bool,
+    rename: Any,
+    cross_dtype: bool,
+    chunk_bytes: int,
+    progress: bool | None,
+    hash: str | None,
+    engine: str,
+    frame: bool,
+) -> Any:
+    from dmlib.engine import check_engine
     from dmlib.names import apply_renames, parse_renames
 
+    if chunk_bytes < 1:
+        raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+    hash_name = hashing.algorithm(hash)
+    pair_row = None
+    if check_engine(engine) == "dask":
+        if file_hashes:
+            raise DmlibError("file_hashes=True reads whole files here: use engine='local'")
+        from dmlib.engine.dask import DaskPairs
+
+        pair_row = DaskPairs(chunk_bytes, hash_name)
     renames = parse_renames(rename)
     with opened(a) as sa, opened(b) as sb:
         sa2 = apply_renames(sa, renames, "a")
         sb2 = apply_renames(_pair_single_arrays(sa, sb), renames, "b")
-        df = _compare_sets(
+        out = _compare_sets(
             sa2, sb2, include, exclude, file_hashes, chunk_bytes, progress,
-            cross_dtype=cross_dtype, check_names=True,
+            cross_dtype=cross_dtype, check_names=True, hash_name=hash_name,
+            pair_row=pair_row, frame=frame,
         )  # fmt: skip
-        df.attrs["rename"] = [str(r) for r in renames]
-        return df
+        attrs = out.attrs if frame else out[1]
+        attrs["rename"] = [str(r) for r in renames]
+        return out
 
 
 def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
@@ -201,27 +272,46 @@ def _compare_sets(
     *,
     cross_dtype: bool = False,
     check_names: bool = False,
-) -> pd.DataFrame:
-    """:func:`compare` of two open sets; ``hash_pool``/``hash_cache`` are shared by a matrix."""
+    hash_name: str = hashing.DEFAULT,
+    pair_row: Any = None,
+    frame: bool = True,
+) -> Any:
+    """:func:`compare` of two open sets; ``hash_pool``/``hash_cache`` are shared by a matrix.
+
+    ``pair_row(ta, tb, compute) -> row`` lets a caller that knows contents (matrix) or
+    runs the work elsewhere (an engine) supply rows; its ``prepare(pairs)``, if any,
+    sees every pair first. ``frame=False`` returns ``(records, attrs)`` without pandas.
+    """
     pairing = _pair_up(sa, sb, include, exclude, cross_dtype=cross_dtype, check_names=check_names)
+    if hasattr(pair_row, "prepare"):
+        pair_row.prepare(pairing.pairs)
     own_pool = hash_pool is None
     if hash_pool is None:
         hash_pool = ThreadPoolExecutor(max_workers=2)
     # whole-file and data-section hashes run beside the comparison, only when asked for
     side = ThreadPoolExecutor(max_workers=3) if file_hashes else None
-    futures = {} if side is None else _start_file_hashes(side, sa, sb, chunk_bytes)
+    futures = {} if side is None else _start_file_hashes(side, sa, sb, chunk_bytes, hash_name)
     K.prime_allocator(4 * chunk_bytes)
     prog = K.Progress(sum(t.nbytes for t, _ in pairing.pairs), progress)
     rel = K.PageReleaser()
     try:
         with np.errstate(over="ignore", invalid="ignore"):
-            rows = [
-                compare_pair(ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache)
-                for ta, tb in pairing.pairs
-            ]
+            rows = []
+            for ta, tb in pairing.pairs:
+
+                def compute(ta: Tensor = ta, tb: Tensor = tb) -> dict[str, Any]:
+                    return compare_pair(
+                        ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache, hash_name
+                    )
+
+                rows.append(compute() if pair_row is None else pair_row(ta, tb, compute))
         prog.finish()
         _collect_data_hashes(rows)
-        done = {} if side is None else _finish_file_hashes(side, futures, sb, pairing, rows, chunk_bytes)
+        done = (
+            {}
+            if side is None
+            else _finish_file_hashes(side, futures, sb, pairing, rows, chunk_bytes, hash_name)
+        )
     finally:
         rel.flush()
         prog.finish()
@@ -229,10 +319,16 @@ def _compare_sets(
             hash_pool.shutdown(wait=True, cancel_futures=True)
         if side is not None:
             side.shutdown(wait=True, cancel_futures=True)
+    attrs = _attrs(sa, sb, include, exclude, pairing, rows, done)
+    attrs["hash"] = hash_name
+    if not frame:  # (records, attrs): what the command line prints, without pandas
+        return [{c: r.get(c) for c in COLUMNS} for r in rows], attrs
+    import pandas as pd
+
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in NULLABLE_INT:
         df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
-    df.attrs.update(_attrs(sa, sb, include, exclude, pairing, rows, done))
+    df.attrs.update(attrs)
     return df
 
 
@@ -289,14 +385,14 @@ def _pair_up(
 
 
 def _start_file_hashes(
-    side: ThreadPoolExecutor, sa: TensorSet, sb: TensorSet, chunk_bytes: int
+    side: ThreadPoolExecutor, sa: TensorSet, sb: TensorSet, chunk_bytes: int, hash_name: str
 ) -> dict[str, Future]:
     """Whole-file hashes of both sides and a's data-section hash, started on ``side``."""
     futures: dict[str, Future] = {}
     for key, ts in (("a", sa), ("b", sb)):
         if ts.path is not None and os.path.isfile(ts.path):
-            futures["file_hash_" + key] = side.submit(hashing.hash_file, ts.path)
-    futures["data_section_hash_a"] = side.submit(section_hash, sa, chunk_bytes)
+            futures["file_hash_" + key] = side.submit(hashing.digest_file, ts.path, hash_name)
+    futures["data_section_hash_a"] = side.submit(section_hash, sa, chunk_bytes, hash_name)
     return futures
 
 
@@ -315,6 +411,7 @@ def _finish_file_hashes(
     pairing: _Pairing,
     rows: list[dict[str, Any]],
     chunk_bytes: int,
+    hash_name: str,
 ) -> dict[str, Any]:
     """The file and data-section hashes; b's section is hashed only when it can differ."""
     # b's data section is a's when both hold the same tensors, in the same disk order,
@@ -323,7 +420,7 @@ def _finish_file_hashes(
         r["n_diff"] == 0 and r["data_hash_a"] == r["data_hash_b"] for r in rows
     )
     if not same_section:
-        futures["data_section_hash_b"] = side.submit(section_hash, sb, chunk_bytes)
+        futures["data_section_hash_b"] = side.submit(section_hash, sb, chunk_bytes, hash_name)
     done = {k: f.result() for k, f in futures.items()}
     done.setdefault("data_section_hash_b", done["data_section_hash_a"])
     return done
@@ -420,9 +517,11 @@ def _alignment(
     return {"spec": s["spec"], "shared_before": s["shared_before"], "shared_after": s["shared_after"]}
 
 
-def section_hash(ts: TensorSet, chunk_bytes: int = DEFAULT_CHUNK) -> str:
-    """``ts.data_hash()`` (tensor bytes in disk order), read chunk by chunk with bounded residency."""
-    return K.hash_views((t.raw() for t in ts.disk_order()), chunk_bytes)
+def section_hash(
+    ts: TensorSet, chunk_bytes: int = DEFAULT_CHUNK, hash_name: str | None = None
+) -> str:
+    """Hash of the tensor bytes in disk order (``ts.data_hash()``'s bytes), chunk by chunk."""
+    return K.hash_views((t.raw() for t in ts.disk_order()), chunk_bytes, hash_name)
 
 
 def _dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
@@ -452,35 +551,64 @@ def summarize(df: pd.DataFrame) -> dict[str, Any]:
         bit-identical, no name, dtype or shape differs, and something was compared
         (a selection that matched nothing on non-empty sets is not "identical").
     """
-    attrs = df.attrs
+    return summarize_records(df.to_dict("records"), df.attrs)
+
+
+def _num(v: Any) -> float | None:
+    """A cell as a float, None when null (None, NaN, pandas' NA)."""
+    if v is None or isinstance(v, str):
+        return None
+    try:
+        f = float(v)
+    except TypeError:  # pandas.NA
+        return None
+    return None if math.isnan(f) else f
+
+
+def _argmax(vals: list[float | None]) -> int | None:
+    """Index of the first largest non-null value (pandas' idxmax), None when all are null."""
+    best: int | None = None
+    top = 0.0
+    for i, v in enumerate(vals):
+        if v is not None and (best is None or v > top):
+            best, top = i, v
+    return best
+
+
+def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any]:
+    """:func:`summarize` of :func:`compare_records`' ``(rows, attrs)`` (no pandas needed)."""
     if "only_in_a" not in attrs:
         raise DmlibError(
             "summarize takes the DataFrame returned by dmlib.compare (its attrs are missing)"
         )
-    numel = int(df["numel"].sum())
-    n_diff = int(df["n_diff"].sum())
-    rel = df["rel_fro"].astype("float64")
-    ulp = df["max_ulp"]
+    numel = sum(int(r["numel"]) for r in rows)
+    n_diff = sum(int(r["n_diff"]) for r in rows)
+    rel = [_num(r.get("rel_fro")) for r in rows]
+    ulp = [_num(r.get("max_ulp")) for r in rows]
     # no tensor is "worst" when nothing differs: the names stay None then
-    worst_i = rel.idxmax() if rel.notna().any() else None
-    ulp_i = ulp.astype("float64").idxmax() if ulp.notna().any() else None
-    worst_name = None if worst_i is None or not rel[worst_i] > 0 else df.at[worst_i, "name"]
-    ulp_name = None if ulp_i is None or not ulp[ulp_i] > 0 else df.at[ulp_i, "name"]
+    worst_i, ulp_i = _argmax(rel), _argmax(ulp)
+    worst = None if worst_i is None else rel[worst_i]
+    top_ulp = None if ulp_i is None else ulp[ulp_i]
+    worst_name = None if worst_i is None or not (worst or 0) > 0 else rows[worst_i]["name"]
+    ulp_name = None if ulp_i is None or not (top_ulp or 0) > 0 else rows[ulp_i]["name"]
+    abs_vals = [v for v in (_num(r.get("max_abs")) for r in rows) if v is not None]
     mismatched = [m["name"] for m in attrs.get("mismatched", [])]
     # pandas copies attrs onto filtered frames: check the rows are all of the comparison
-    complete = sorted(map(str, df["name"])) == sorted(attrs.get("compared", []))
-    nothing_selected = len(df) == 0 and (attrs.get("n_tensors_a", 0) or attrs.get("n_tensors_b", 0))
+    complete = sorted(str(r["name"]) for r in rows) == sorted(attrs.get("compared", []))
+    nothing_selected = len(rows) == 0 and (
+        attrs.get("n_tensors_a", 0) or attrs.get("n_tensors_b", 0)
+    )
     return {
-        "n_tensors": len(df),
+        "n_tensors": len(rows),
         "numel": numel,
         "n_diff": n_diff,
         "frac_diff": n_diff / numel if numel else 0.0,
-        "n_tensors_diff": int((df["n_diff"] > 0).sum()),
-        "worst_rel_fro": None if worst_i is None else float(rel[worst_i]),
+        "n_tensors_diff": sum(1 for r in rows if int(r["n_diff"]) > 0),
+        "worst_rel_fro": worst,
         "worst_rel_fro_name": worst_name,
-        "max_ulp": None if ulp_i is None else int(ulp[ulp_i]),
+        "max_ulp": None if ulp_i is None else int(rows[ulp_i]["max_ulp"]),
         "max_ulp_name": ulp_name,
-        "max_abs": float(df["max_abs"].max()) if df["max_abs"].notna().any() else None,
+        "max_abs": max(abs_vals) if abs_vals else None,
         "only_in_a": list(attrs["only_in_a"]),
         "only_in_b": list(attrs["only_in_b"]),
         "mismatched": mismatched,
@@ -491,7 +619,7 @@ def summarize(df: pd.DataFrame) -> dict[str, Any]:
             complete
             and not nothing_selected
             and n_diff == 0
-            and bool((df["data_hash_a"] == df["data_hash_b"]).all())  # bytes too, not just values
+            and all(r["data_hash_a"] == r["data_hash_b"] for r in rows)  # bytes too, not values
             and not attrs["only_in_a"]
             and not attrs["only_in_b"]
             and not mismatched
@@ -507,6 +635,8 @@ def ulp_long(df: pd.DataFrame) -> pd.DataFrame:
     open bucket and ``ulp_nonfinite``) and ``count``. Rows of tensors without ULP
     statistics (integers, bools) are dropped.
     """
+    import pandas as pd
+
     ids = [c for c in ("a", "b", "name", "dtype") if c in df.columns]
     long = df.dropna(subset=["ulp_0"]).melt(
         id_vars=ids, value_vars=ULP_COLUMNS, var_name="bucket", value_name="count"

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-from dmlib.dtypes import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT_BITS, native
+from dmlib import dtypes as _dt
+from dmlib.dtypes import native
 from dmlib.errors import DmlibError, UnsupportedError
 
 #: Distance returned for a pair involving a NaN whose bit patterns differ.
@@ -84,53 +84,61 @@ def _ieee(dtype: np.dtype, exp_bits: int, man_bits: int) -> FloatBits:
     nbits = 1 + exp_bits + man_bits
     inf_mag = ((1 << exp_bits) - 1) << man_bits
     return FloatBits(
-        dtype, FLOAT_BITS[dtype], 1 << (nbits - 1), (1 << (nbits - 1)) - 1, inf_mag, inf_mag + 1
+        dtype, _dt.bits_dtype(dtype), 1 << (nbits - 1), (1 << (nbits - 1)) - 1, inf_mag, inf_mag + 1
     )
 
 
 def _u8(name: str, **facts: int | None) -> tuple[np.dtype, FloatBits] | None:
-    t = getattr(ml_dtypes, name, None)
+    t = _dt._ml(name)
     if t is None:  # an older ml_dtypes release
         return None
-    return np.dtype(t), FloatBits(np.dtype(t), np.dtype("u1"), **facts)  # type: ignore[arg-type]
+    return t, FloatBits(t, np.dtype("u1"), **facts)  # type: ignore[arg-type]
 
 
 _INFO: dict[np.dtype, FloatBits] = {
     np.dtype("<f8"): _ieee(np.dtype("<f8"), 11, 52),
     np.dtype("<f4"): _ieee(np.dtype("<f4"), 8, 23),
     np.dtype("<f2"): _ieee(np.dtype("<f2"), 5, 10),
-    BFLOAT16: _ieee(BFLOAT16, 8, 7),
-    FLOAT8_E5M2: _ieee(FLOAT8_E5M2, 5, 2),
-    # e4m3fn ("finite"): no infinities; S.1111.111 is the only NaN, 448 = 0x7E the largest value
-    FLOAT8_E4M3FN: FloatBits(FLOAT8_E4M3FN, np.dtype("u1"), 0x80, 0x7F, None, 0x7F),
 }
-# The formats of the OCP microscaling spec, AMD/Graphcore's fnuz and ml_dtypes' own; facts
-# from each format's definition (ml_dtypes' README): IEEE-like ones have inf = all-ones
-# exponent, "fn" ones no inf, "fnuz" ones no inf, no -0, and 0x80 as their one NaN,
-# "fnu" ones no sign bit and 0xFF as their one NaN; float6/float4 have no inf and no NaN.
-for _entry in (
-    _u8("float8_e3m4", sign=0x80, mag_mask=0x7F, inf_mag=0x70, nan_min=0x71),
-    _u8("float8_e4m3", sign=0x80, mag_mask=0x7F, inf_mag=0x78, nan_min=0x79),
-    _u8("float8_e4m3fnuz", sign=0x80, mag_mask=0x7F, inf_mag=None, nan_min=0x80, nan_bits=0x80),
-    _u8("float8_e4m3b11fnuz", sign=0x80, mag_mask=0x7F, inf_mag=None, nan_min=0x80, nan_bits=0x80),
-    _u8("float8_e5m2fnuz", sign=0x80, mag_mask=0x7F, inf_mag=None, nan_min=0x80, nan_bits=0x80),
-    _u8("float8_e5m3fnu", sign=0, mag_mask=0xFF, inf_mag=None, nan_min=0xFF),
-    _u8("float8_e8m0fnu", sign=0, mag_mask=0xFF, inf_mag=None, nan_min=0xFF),
-    _u8("float6_e2m3fn", sign=0x20, mag_mask=0x1F, inf_mag=None, nan_min=0x20, width=6),
-    _u8("float6_e3m2fn", sign=0x20, mag_mask=0x1F, inf_mag=None, nan_min=0x20, width=6),
-    _u8("float4_e2m1fn", sign=0x8, mag_mask=0x7, inf_mag=None, nan_min=0x8, width=4),
-):
-    if _entry is not None:
-        _INFO[_entry[0]] = _entry[1]
+
+
+def _ml_info() -> None:
+    """Add the ml_dtypes formats to _INFO (the first time such a dtype is seen)."""
+    bf16, e5m2, e4m3fn = _dt.BFLOAT16, _dt.FLOAT8_E5M2, _dt.FLOAT8_E4M3FN
+    _INFO[bf16] = _ieee(bf16, 8, 7)
+    _INFO[e5m2] = _ieee(e5m2, 5, 2)
+    # e4m3fn ("finite"): no infinities; S.1111.111 is the only NaN, 448 = 0x7E the largest value
+    _INFO[e4m3fn] = FloatBits(e4m3fn, np.dtype("u1"), 0x80, 0x7F, None, 0x7F)
+    # The formats of the OCP microscaling spec, AMD/Graphcore's fnuz and ml_dtypes' own;
+    # facts from each format's definition (ml_dtypes' README): IEEE-like ones have inf =
+    # all-ones exponent, "fn" ones no inf, "fnuz" ones no inf, no -0, and 0x80 as their
+    # one NaN, "fnu" ones no sign bit and 0xFF as their one NaN; float6/float4 have no inf
+    # and no NaN.
+    for entry in (
+        _u8("float8_e3m4", sign=0x80, mag_mask=0x7F, inf_mag=0x70, nan_min=0x71),
+        _u8("float8_e4m3", sign=0x80, mag_mask=0x7F, inf_mag=0x78, nan_min=0x79),
+        _u8("float8_e4m3fnuz", sign=0x80, mag_mask=0x7F, inf_mag=None, nan_min=0x80, nan_bits=0x80),
+        _u8("float8_e4m3b11fnuz", sign=0x80, mag_mask=0x7F, inf_mag=None, nan_min=0x80, nan_bits=0x80),
+        _u8("float8_e5m2fnuz", sign=0x80, mag_mask=0x7F, inf_mag=None, nan_min=0x80, nan_bits=0x80),
+        _u8("float8_e5m3fnu", sign=0, mag_mask=0xFF, inf_mag=None, nan_min=0xFF),
+        _u8("float8_e8m0fnu", sign=0, mag_mask=0xFF, inf_mag=None, nan_min=0xFF),
+        _u8("float6_e2m3fn", sign=0x20, mag_mask=0x1F, inf_mag=None, nan_min=0x20, width=6),
+        _u8("float6_e3m2fn", sign=0x20, mag_mask=0x1F, inf_mag=None, nan_min=0x20, width=6),
+        _u8("float4_e2m1fn", sign=0x8, mag_mask=0x7, inf_mag=None, nan_min=0x8, width=4),
+    ):
+        if entry is not None:
+            _INFO[entry[0]] = entry[1]
 
 
 def float_bits(dtype: np.dtype) -> FloatBits:
     """Bit facts of a float dtype (either byte order); :class:`UnsupportedError` for anything else."""
     dt = native(dtype)
+    if dt not in _INFO and _dt.is_float(dt):
+        _ml_info()
     try:
         return _INFO[dt]
     except KeyError:
-        names = ", ".join(d.name for d in _INFO)
+        names = "float64, float32, float16, bfloat16 and the ml_dtypes floats"
         raise UnsupportedError(
             f"ULP distance is defined for float dtypes ({names}), not {dt.name}"
         ) from None
