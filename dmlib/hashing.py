@@ -106,15 +106,20 @@ def piece_digest(data: bytes | memoryview | np.ndarray) -> bytes:
 
 
 class Hasher:
-    """Streaming hash in one scheme: ``update`` with consecutive bytes, then ``hexdigest``."""
+    """Streaming hash in one scheme: ``update`` with consecutive bytes, then ``hexdigest``.
 
-    def __init__(self, name: str | None = None) -> None:
+    ``threads`` > 1 lets BLAKE3 hash each update on that many threads (the digest does
+    not depend on it); SHA-256 is sequential and ignores it.
+    """
+
+    def __init__(self, name: str | None = None, threads: int = 1) -> None:
         self.name = algorithm(name)
         self.nbytes = 0
         if self.name == SHA256:
             self._h: Any = hashlib.sha256()
         else:
-            self._b3 = _blake3()
+            b3 = _blake3()
+            self._b3 = (lambda: b3(max_threads=threads)) if threads > 1 else b3
             self._h = self._b3()
             self._fill = 0  # bytes in the current piece
             self._pieces: list[bytes] = []

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from dmlib import hashing
 from dmlib.dtypes import bits_dtype, dtype_label, is_float, native
 from dmlib.errors import DmlibError
 from dmlib.stats import _kernels as K
@@ -75,12 +77,19 @@ def same_layout(ta: Tensor, tb: Tensor) -> bool:
 
 
 def _chunk_pairs(
-    ta: Tensor, tb: Tensor, elem: np.dtype, chunk_bytes: int, rel: K.PageReleaser | None = None
+    ta: Tensor,
+    tb: Tensor,
+    elem: np.dtype,
+    chunk_bytes: int,
+    rel: K.PageReleaser | None = None,
+    on_raw_a: Callable[[np.ndarray], None] | None = None,
 ) -> Iterator[tuple[int, Any, Any]]:
     """(first element index, bytes of a, bytes of b) per chunk; pages released after use.
 
     ``elem`` is in this machine's byte order; a side stored in the other order is swapped
-    chunk by chunk (a copy), so the kernels always see native bit patterns.
+    chunk by chunk (a copy), so the kernels always see native bit patterns. ``on_raw_a``
+    sees each chunk of a's stored bytes (before any swap) once the chunk has been used,
+    in order, before its pages are released.
     """
     # plain ndarray views: np.memmap's per-slice bookkeeping costs more than the compare
     ra, rb = ta.raw().view(np.ndarray), tb.raw().view(np.ndarray)
@@ -98,6 +107,8 @@ def _chunk_pairs(
         if ta.packing is not None and tb.packing is not None:
             sa, sb = unpack(sa, ta.packing), unpack(sb, tb.packing)
         yield off // elem.itemsize * per, sa, sb
+        if on_raw_a is not None:
+            on_raw_a(ca)
         if rel is not None:  # the mapped chunks, not the swapped copies
             rel.add(ca, roots[0])
             rel.add(cb, roots[1])
@@ -136,18 +147,25 @@ def compare_pair(
     parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
     elem = bits_dtype(dtype) if kind == "float" else dtype if kind == "int" else np.dtype("u1")
     info = float_bits(dtype) if kind == "float" else None
-    hash_a = digest(ta)
+    inline = _inline_hasher(ta, cache, hash_name)
+    hash_a = digest(ta) if inline is None else None
     # stays None while b's bytes equal a's; equal values in two byte orders are not equal bytes
     hash_b = None if ta.dtype.isnative == tb.dtype.isnative else digest(tb)
     acc = K.Acc()
     differing = False
     bits = bits_dtype(elem)
-    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel):
+    feed = None if inline is None else inline.update
+    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel, feed):
         va, vb = ca.view(elem), cb.view(elem)
-        # integer compare first: the fast path, and the mask the float statistics reuse
+        progress.advance(ca.nbytes)
+        # equal bytes first, at memcmp speed on the widest words (no mask is built)
+        if _same_bytes(ca, cb):
+            if differing and info is not None:
+                K.add_aa(acc, va, vb, info)
+            continue
+        # the integer mask the float statistics reuse
         neq = np.not_equal(ca.view(bits), cb.view(bits))
         same = not neq.any()
-        progress.advance(ca.nbytes)
         if same:
             if differing and info is not None:
                 K.add_aa(acc, va, vb, info)
@@ -166,11 +184,43 @@ def compare_pair(
             K.float_chunk(acc, va, vb, start, info, neq)
         else:
             K.int_chunk(acc, va, vb, start)
+    if hash_a is None:  # hashed inline: every chunk of a went through the loop above
+        hash_a = cache[id(ta)] = Future()
+        hash_a.set_result(inline.hexdigest())
     row = _row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
     if hash_b is None:
         cache.setdefault(id(tb), hash_a)  # same bytes, same digest
     row["_hashes"] = (hash_a, hash_b)
     return row
+
+
+def _inline_hasher(ta: Tensor, cache: dict[int, Future[str]], hash_name: str | None) -> Any:
+    """A BLAKE3 hasher fed with a's chunks by the comparison loop itself, or None.
+
+    Hashing each chunk right after comparing it reads pages the comparison has just
+    mapped; on a worker thread the hash trailed the comparison, found its pages already
+    released and faulted them in again. BLAKE3 hashes each chunk on every core, so the
+    loop costs about compare + hash / cores (benchmarks/README.md). SHA-256 is
+    sequential: it stays on the worker pool, beside the comparison.
+    """
+    if id(ta) in cache or hashing.algorithm(hash_name) != hashing.BLAKE3:
+        return None
+    return hashing.Hasher(hash_name, threads=_HASH_THREADS)
+
+
+#: Threads BLAKE3 uses per chunk hashed inside the comparison loop.
+_HASH_THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+def _same_bytes(ca: np.ndarray, cb: np.ndarray) -> bool:
+    """True when two chunks hold the same bytes (compared as 8-byte words where they divide)."""
+    if ca.nbytes != cb.nbytes:
+        return False
+    n8 = ca.nbytes // 8 * 8
+    ua, ub = ca.view(np.uint8).reshape(-1), cb.view(np.uint8).reshape(-1)
+    if n8 and not np.array_equal(ua[:n8].view(np.uint64), ub[:n8].view(np.uint64)):
+        return False
+    return bool(np.array_equal(ua[n8:], ub[n8:]))
 
 
 def identical_row(ta: Tensor) -> dict[str, Any]:
