@@ -23,7 +23,8 @@ if pid == 0:
 _, status, usage = os.wait4(pid, 0)
 dt = time.perf_counter() - t
 with open(out, "w") as f:
-    f.write(f"{dt} {usage.ru_maxrss} {os.waitstatus_to_exitcode(status)}")
+    cpu = usage.ru_utime + usage.ru_stime
+    f.write(f"{dt} {usage.ru_maxrss} {os.waitstatus_to_exitcode(status)} {cpu}")
 """
 
 
@@ -31,6 +32,18 @@ def run(
     cmd: list[str], ok: tuple[int, ...] = (0, 1), cwd: str | Path | None = None
 ) -> tuple[float, float]:
     """(seconds from fork to exit, peak RSS MiB) of one command, through the launcher."""
+    dt, rss, _ = run_cpu(cmd, ok, cwd)
+    return dt, rss
+
+
+def run_cpu(
+    cmd: list[str], ok: tuple[int, ...] = (0, 1), cwd: str | Path | None = None
+) -> tuple[float, float, float]:
+    """(seconds from fork to exit, peak RSS MiB, CPU seconds user + system) of one command.
+
+    On a machine shared with other jobs the wall time depends on how much of the CPUs the
+    command got; the CPU seconds it used do not (much), so both are reported.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "launch.txt"
         proc = subprocess.run(
@@ -41,9 +54,9 @@ def run(
         )
         if proc.returncode != 0:
             raise SystemExit(f"launcher failed: {proc.stderr.decode()[-500:]}")
-        dt, rss_kib, code = out.read_text().split()
+        dt, rss_kib, code, cpu = out.read_text().split()
     if int(code) not in ok:
         raise SystemExit(f"{' '.join(cmd)} exited {code}: {proc.stderr.decode().strip()[-500:]}")
-    return float(dt), int(rss_kib) / 1024
+    return float(dt), int(rss_kib) / 1024, float(cpu)
 
 

@@ -1,7 +1,7 @@
 """Whole ``dmlib`` processes next to their baselines, as a user runs them, in one run.
 
-Every measurement is a child process timed from spawn to exit, its peak RSS taken from
-``wait4`` (``ru_maxrss``); the programs of one row run interleaved (dmlib, baseline,
+Every measurement is a child process timed from spawn to exit, its peak RSS and CPU
+seconds (user + system, all threads) taken from ``wait4``; the programs of one row run interleaved (dmlib, baseline,
 dmlib, ...) so that load from other processes falls on both alike, and the best of N
 runs is kept for each. Page cache warm unless said otherwise.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._proc import run
+from benchmarks._proc import run_cpu
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -73,15 +73,18 @@ def warm(*paths: Path) -> None:
 
 def interleaved(cmds: dict[str, list[str]], repeat: int) -> dict[str, dict]:
     """Best-of-``repeat`` seconds and peak RSS of each command, runs interleaved."""
-    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in cmds}
+    runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cmds}
     for _ in range(repeat):
         for k, cmd in cmds.items():
-            runs[k].append(run(cmd, cwd=ROOT))
+            runs[k].append(run_cpu(cmd, cwd=ROOT))
     return {
         k: {
-            "best_seconds": min(s for s, _ in v),
-            "runs_seconds": [round(s, 4) for s, _ in v],
-            "peak_rss_mib": max(m for _, m in v),
+            "best_seconds": min(s for s, _, _ in v),
+            "runs_seconds": [round(s, 4) for s, _, _ in v],
+            "peak_rss_mib": max(m for _, m, _ in v),
+            # CPU seconds (user + system, every thread): what a loaded machine does not inflate
+            "best_cpu_seconds": min(c for _, _, c in v),
+            "runs_cpu_seconds": [round(c, 4) for _, _, c in v],
         }
         for k, v in runs.items()
     }
@@ -155,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         ("  python -c pass / import numpy (s)", s["python -c pass"]["best_seconds"], s["python -c 'import numpy'"]["best_seconds"], "floor"),
         ("identical: seconds (cmp)", i["cmp"]["best_seconds"], i["dmlib compare"]["best_seconds"], "<= 1.2x"),
         ("15% differ: seconds (numpy script)", d["numpy script"]["best_seconds"], d["dmlib compare"]["best_seconds"], ">= 15x faster"),
+        ("identical: CPU seconds (cmp)", i["cmp"]["best_cpu_seconds"], i["dmlib compare"]["best_cpu_seconds"], "<= 1.2x"),
+        ("15% differ: CPU seconds (numpy script)", d["numpy script"]["best_cpu_seconds"], d["dmlib compare"]["best_cpu_seconds"], ">= 15x faster"),
         ("15% differ: peak RSS MiB (numpy script)", d["numpy script"]["peak_rss_mib"], d["dmlib compare"]["peak_rss_mib"], "<= 0.1"),
         ("matrix 7 runs vs one differing compare (s)", m["dmlib compare (differing pair)"]["best_seconds"], m["dmlib matrix (7 runs, 6 identical)"]["best_seconds"], "<= 3x"),
     ]
     result["ratios"] = {
         "identical_vs_cmp": i["dmlib compare"]["best_seconds"] / i["cmp"]["best_seconds"],
         "differing_speedup_vs_numpy": d["numpy script"]["best_seconds"] / d["dmlib compare"]["best_seconds"],
+        "identical_cpu_vs_cmp": i["dmlib compare"]["best_cpu_seconds"] / i["cmp"]["best_cpu_seconds"],
+        "differing_cpu_speedup_vs_numpy": d["numpy script"]["best_cpu_seconds"]
+        / d["dmlib compare"]["best_cpu_seconds"],
         "differing_memory_vs_numpy": d["dmlib compare"]["peak_rss_mib"] / d["numpy script"]["peak_rss_mib"],
         "matrix_vs_one_compare": m["dmlib matrix (7 runs, 6 identical)"]["best_seconds"]
         / m["dmlib compare (differing pair)"]["best_seconds"],

@@ -139,6 +139,15 @@ class Hasher:
                 self._pieces.append(self._h.digest())
                 self._h, self._fill = self._b3(), 0
 
+    def copy(self) -> Hasher:
+        """An independent hasher in this one's state (the bytes fed so far, and the scheme)."""
+        other = Hasher.__new__(Hasher)
+        other.__dict__.update(self.__dict__)
+        other._h = self._h.copy()
+        if self.name != SHA256:
+            other._pieces = list(self._pieces)
+        return other
+
     def hexdigest(self) -> str:
         """``"<name>:<hex>"`` of everything fed so far."""
         if self.name == SHA256:

@@ -38,6 +38,16 @@ def test_piece_rule_with_small_pieces(monkeypatch, n):
     assert hashing.combine(parts, n) == expect
 
 
+def test_threads_do_not_change_the_digest(monkeypatch):
+    # the comparison loop hashes with BLAKE3 on several threads: the digest is the rule's
+    monkeypatch.setattr(hashing, "PIECE", 1 << 16)
+    data = np.random.default_rng(5).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    h = hashing.Hasher("blake3", threads=3)
+    for i in range(0, len(data), 70_001):
+        h.update(data[i : i + 70_001])
+    assert h.hexdigest() == pieces_by_hand(data, 1 << 16)
+
+
 def test_real_piece_size_across_one_boundary():
     data = (np.arange((64 << 20) + 100, dtype=np.uint64) % 251).astype(np.uint8)
     raw = data.tobytes()

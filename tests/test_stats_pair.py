@@ -93,15 +93,27 @@ def test_inline_hash_spans_pieces(monkeypatch):
     from dmlib import hashing
 
     monkeypatch.setattr(hashing, "PIECE", 1024)
+
+    def by_hand(arr: np.ndarray) -> str:
+        raw = arr.tobytes()
+        head = b"dmlib-pieces-v1" + (1024).to_bytes(8, "little") + len(raw).to_bytes(8, "little")
+        digests = b"".join(blake3(raw[i : i + 1024]).digest() for i in range(0, len(raw), 1024))
+        return "blake3-64MiB:" + blake3(head + digests).hexdigest()
+
     a = np.arange(5000, dtype=np.float32)
-    raw = a.tobytes()
-    head = b"dmlib-pieces-v1" + (1024).to_bytes(8, "little") + len(raw).to_bytes(8, "little")
-    digests = b"".join(blake3(raw[i : i + 1024]).digest() for i in range(0, len(raw), 1024))
-    want = "blake3-64MiB:" + blake3(head + digests).hexdigest()
     (row,) = dmlib.compare(
         ArrayTensorSet({"w": a}), ArrayTensorSet({"w": a.copy()}), chunk_bytes=1500
     ).to_dict("records")
-    assert row["data_hash_a"] == row["data_hash_b"] == want
+    assert row["data_hash_a"] == row["data_hash_b"] == by_hand(a)
+    # b differs only after many equal chunks and pieces: its hash goes on from a's state
+    for where in (0, 2999, 4999):
+        b = a.copy()
+        b[where] = -1.0
+        (row,) = dmlib.compare(
+            ArrayTensorSet({"w": a}), ArrayTensorSet({"w": b}), chunk_bytes=1500
+        ).to_dict("records")
+        assert row["n_diff"] == 1 and row["first_diff"] == (where,)
+        assert row["data_hash_a"] == by_hand(a) and row["data_hash_b"] == by_hand(b)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 16, 23])

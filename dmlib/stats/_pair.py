@@ -82,14 +82,14 @@ def _chunk_pairs(
     elem: np.dtype,
     chunk_bytes: int,
     rel: K.PageReleaser | None = None,
-    on_raw_a: Callable[[np.ndarray], None] | None = None,
+    on_raw: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> Iterator[tuple[int, Any, Any]]:
     """(first element index, bytes of a, bytes of b) per chunk; pages released after use.
 
     ``elem`` is in this machine's byte order; a side stored in the other order is swapped
-    chunk by chunk (a copy), so the kernels always see native bit patterns. ``on_raw_a``
-    sees each chunk of a's stored bytes (before any swap) once the chunk has been used,
-    in order, before its pages are released.
+    chunk by chunk (a copy), so the kernels always see native bit patterns. ``on_raw``
+    sees each chunk of a's and b's stored bytes (before any swap) once the chunk has been
+    used, in order, before its pages are released.
     """
     # plain ndarray views: np.memmap's per-slice bookkeeping costs more than the compare
     ra, rb = ta.raw().view(np.ndarray), tb.raw().view(np.ndarray)
@@ -107,8 +107,8 @@ def _chunk_pairs(
         if ta.packing is not None and tb.packing is not None:
             sa, sb = unpack(sa, ta.packing), unpack(sb, tb.packing)
         yield off // elem.itemsize * per, sa, sb
-        if on_raw_a is not None:
-            on_raw_a(ca)
+        if on_raw is not None:
+            on_raw(ca, cb)
         if rel is not None:  # the mapped chunks, not the swapped copies
             rel.add(ca, roots[0])
             rel.add(cb, roots[1])
@@ -154,8 +154,14 @@ def compare_pair(
     acc = K.Acc()
     differing = False
     bits = bits_dtype(elem)
-    feed = None if inline is None else inline.update
-    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel, feed):
+    inline_b: Any = None  # b's hasher, once b is known to differ (a copy of a's state then)
+
+    def feed(raw_a: np.ndarray, raw_b: np.ndarray) -> None:
+        inline.update(raw_a)
+        if inline_b is not None:
+            inline_b.update(raw_b)
+
+    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel, None if inline is None else feed):
         va, vb = ca.view(elem), cb.view(elem)
         progress.advance(ca.nbytes)
         # equal bytes first, at memcmp speed on the widest words (no mask is built)
@@ -177,8 +183,13 @@ def compare_pair(
                     break
                 K.add_aa(acc, pa.view(elem), pb.view(elem), info)
         differing = True
-        if hash_b is None:
-            hash_b = digest(tb)
+        if hash_b is None and inline_b is None:
+            # b equals a up to this chunk: b's hash continues from a's state, in the loop,
+            # instead of reading b again on a worker thread
+            if inline is not None and id(tb) not in cache:
+                inline_b = inline.copy()
+            else:
+                hash_b = digest(tb)
         if info is not None:
             K.add_aa(acc, va, vb, info)
             K.float_chunk(acc, va, vb, start, info, neq)
@@ -187,6 +198,9 @@ def compare_pair(
     if hash_a is None:  # hashed inline: every chunk of a went through the loop above
         hash_a = cache[id(ta)] = Future()
         hash_a.set_result(inline.hexdigest())
+    if inline_b is not None:
+        hash_b = cache[id(tb)] = Future()
+        hash_b.set_result(inline_b.hexdigest())
     row = _row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
     if hash_b is None:
         cache.setdefault(id(tb), hash_a)  # same bytes, same digest
