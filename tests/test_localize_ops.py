@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
+from blake3 import blake3
 
 torch = pytest.importorskip("torch")
 import opsmodel  # noqa: E402
@@ -67,16 +66,16 @@ def test_op_names_hashes_and_rows(tmp_path):
     assert quirk_ops[0].inputs == [QUIRK_OP + ":input0"] and quirk_ops[0].outputs == [QUIRK_OP]
     b = c.boundary(QUIRK_OP)
     out = seen["out"].numpy()
-    assert b.sha256 == hashlib.sha256(out.tobytes()).hexdigest()
+    assert b.digest == blake3(out.tobytes()).hexdigest()
     assert b.row_dims == 2 and b.shape == (3, S, F)
     q_rows = out[1, :S]  # request q is batch row 1
-    assert b.requests["q"].sha256 == hashlib.sha256(q_rows.tobytes()).hexdigest()
+    assert b.requests["q"].digest == blake3(q_rows.tobytes()).hexdigest()
     assert b.requests["q"].blocks == [
-        hashlib.sha256(q_rows[i : i + 4].tobytes()).hexdigest() for i in range(0, S, 4)
+        blake3(q_rows[i : i + 4].tobytes()).hexdigest() for i in range(0, S, 4)
     ]
     assert (
-        c.boundary(QUIRK_OP + ":input0").sha256
-        == hashlib.sha256(seen["in"].numpy().tobytes()).hexdigest()
+        c.boundary(QUIRK_OP + ":input0").digest
+        == blake3(seen["in"].numpy().tobytes()).hexdigest()
     )
     # stage1 is x * weight + bias: aten.mul then aten.add, inputs by slot
     s1 = [o for o in ops if o.owner == "model.stage1"]
@@ -117,7 +116,7 @@ def test_ops_without_row_layout_are_hashed_whole_and_listed(tmp_path):
     assert "model/aten.sum#0" in c.manifest["whole_only"]
     assert c.boundary("model/aten.sum#0:input0").row_dims == 2  # its input keeps the rows
     assert (
-        c.boundary("model/aten.mul#0").sha256 == hashlib.sha256(out.numpy().tobytes()).hexdigest()
+        c.boundary("model/aten.mul#0").digest == blake3(out.numpy().tobytes()).hexdigest()
     )
 
 
@@ -315,7 +314,7 @@ def test_head_major_rows_are_attributed(heads):
     x, _ = layout("packed")
     # oracle: request q is batch row 1, positions 0..S-1, taken by hand from the input
     by_hand = x.view(3, S, 2, F // 2)[1].numpy()  # (positions, heads, head_dim)
-    assert t.requests["q"].sha256 == hashlib.sha256(by_hand.tobytes()).hexdigest()
+    assert t.requests["q"].digest == blake3(by_hand.tobytes()).hexdigest()
     np.testing.assert_array_equal(c.tensor(t, "q"), by_hand)
     entry = c.manifest["boundaries"][t.index]
     assert entry["row_axes"] == [0, 2] and entry["row_dims"] is None

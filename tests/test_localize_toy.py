@@ -10,13 +10,13 @@ positions 5 and 20, and ``blocks.2.mix`` spreads it to every later position.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from blake3 import blake3
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -171,12 +171,14 @@ def test_manifest_order_names_and_hashes(tmp_path):
     b = cap.boundary("blocks.1.quirk")
     out = seen["out"].numpy()
     assert (b.dtype, b.shape, b.kind, b.row_dims) == ("float32", (3, 30, F), "output", 2)
-    assert b.sha256 == hashlib.sha256(out.tobytes()).hexdigest()
+    # version-2 captures name their scheme: BLAKE3 of the bytes (oracle: the blake3 package)
+    assert b.hash == "blake3-64MiB" and cap.manifest["hash"] == "blake3-64MiB"
+    assert b.digest == blake3(out.tobytes()).hexdigest()
     # oracle for the per-request rule: r sits in batch row 1, positions 0..23
     r_rows = out[1, :N_REQ]
-    assert b.requests["r"].sha256 == hashlib.sha256(r_rows.tobytes()).hexdigest()
+    assert b.requests["r"].digest == blake3(r_rows.tobytes()).hexdigest()
     expect_blocks = [
-        hashlib.sha256(r_rows[i : i + BLOCK_ROWS].tobytes()).hexdigest() for i in (0, 8, 16)
+        blake3(r_rows[i : i + BLOCK_ROWS].tobytes()).hexdigest() for i in (0, 8, 16)
     ]
     assert b.requests["r"].blocks == expect_blocks
     assert b.requests["b"].n_rows == 11 and len(b.requests["b"].blocks) == 2

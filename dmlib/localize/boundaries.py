@@ -20,7 +20,14 @@ import pandas as pd
 
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
-from dmlib.localize.captures import Boundary, Capture, open_capture, request_hashes, request_key
+from dmlib.localize.captures import (
+    Boundary,
+    Capture,
+    open_capture,
+    request_hashes,
+    request_key,
+    same_scheme,
+)
 from dmlib.localize.ops import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
 
 CaptureLike = Capture | str | os.PathLike
@@ -92,7 +99,7 @@ def _block_index(a: Capture, requests: list[str]) -> list[tuple[str, int, int, i
 def _attribute(c: Capture, x: Boundary, r: str) -> tuple[str | None, Any]:
     """How boundary ``x`` of capture ``c`` holds request ``r``.
 
-    ``("token", RequestHash)`` (rows per position), ``("sequence", (row, sha256))`` (first
+    ``("token", RequestHash)`` (rows per position), ``("sequence", (row, digest))`` (first
     axis = batch: the row the request fills), ``("mixed", reason)`` (first axis = batch,
     but no row belongs to the request alone), ``("unknown", reason)`` (batch size unknown)
     or ``(None, reason)`` (no batch axis).
@@ -122,7 +129,7 @@ def _judge_request(
             blocks = [offsets[r] + k for k in range(len(va.blocks))]
             return False, blocks, f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}"
         diff = [offsets[r] + k for k, (x, y) in enumerate(zip(va.blocks, vb.blocks, strict=True)) if x != y]
-        return va.sha256 == vb.sha256, diff, None
+        return va.digest == vb.digest, diff, None
     if ka == kb == "sequence":
         note = f"per sequence (batch row {va[0]} vs {vb[0]})"
         if ba.dtype != bb.dtype or ba.shape[1:] != bb.shape[1:]:
@@ -133,7 +140,7 @@ def _judge_request(
     same_rows = a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
     blocked = "mixed" in (ka, kb) or ("unknown" in (ka, kb) and not same_rows)
     if not blocked and ba.shape == bb.shape and ba.dtype == bb.dtype:
-        return ba.sha256 == bb.sha256, [], "compared whole (no batch axis to attribute; shapes agree)"
+        return ba.digest == bb.digest, [], "compared whole (no batch axis to attribute; shapes agree)"
     why = "; ".join(
         f"in {side}: {v}"
         for side, k, v in (("A", ka, va), ("B", kb, vb))
@@ -158,6 +165,9 @@ def _compare_one(
     """(identical or None, differing global block ids, note)."""
     if bb is None:
         return None, [], "not judged: absent from the second capture"
+    if not same_scheme(ba, bb):
+        # digests of two schemes say nothing about the bytes: never "identical"
+        return None, [], f"not judged: hashed with {ba.hash} in A, {bb.hash} in B"
     if requests:
         verdicts, diff, notes = [], [], []
         for r in requests:
@@ -170,7 +180,7 @@ def _compare_one(
         return same, diff, "; ".join(notes) or None
     if ba.shape != bb.shape or ba.dtype != bb.dtype:
         return False, [], f"{ba.dtype}{list(ba.shape)} vs {bb.dtype}{list(bb.shape)}"
-    return ba.sha256 == bb.sha256, [], None
+    return ba.digest == bb.digest, [], None
 
 
 def _rows_of(c: Capture, x: Boundary, requests: list[str]) -> np.ndarray | None:
@@ -202,29 +212,35 @@ def _stats(
 def repeat_control(a: CaptureLike, a_repeat: CaptureLike) -> dict[str, Any]:
     """Two captures of one layout must be byte-identical at every boundary.
 
-    Returns ``{"a", "repeat", "held", "n_boundaries", "n_differing", "differing"}``.
+    Returns ``{"a", "repeat", "held", "n_boundaries", "n_differing", "differing",
+    "n_incomparable", "incomparable"}``; a boundary hashed with two schemes cannot show
+    that the repeat held, so it counts against it (listed under ``incomparable``).
     """
     ca, cr = open_capture(a), open_capture(a_repeat)
     names_a = [x.name for x in ca.boundaries]
     names_r = [x.name for x in cr.boundaries]
-    differing = []
+    differing, incomparable = [], []
     for x in ca.boundaries:
         y = cr.boundary(x.name) if x.name in cr else None
-        if (
+        if y is not None and not same_scheme(x, y):
+            incomparable.append(x.name)
+        elif (
             y is None
-            or (x.sha256, x.shape, x.dtype) != (y.sha256, y.shape, y.dtype)
-            or {k: v.sha256 for k, v in x.requests.items()}
-            != {k: v.sha256 for k, v in y.requests.items()}
+            or (x.digest, x.shape, x.dtype) != (y.digest, y.shape, y.dtype)
+            or {k: v.digest for k, v in x.requests.items()}
+            != {k: v.digest for k, v in y.requests.items()}
         ):
             differing.append(x.name)
     missing = sorted(set(names_r) - set(names_a))
     return {
         "a": str(ca.path),
         "repeat": str(cr.path),
-        "held": not differing and not missing,
+        "held": not differing and not missing and not incomparable,
         "n_boundaries": len(names_a),
         "n_differing": len(differing) + len(missing),
         "differing": (differing + missing)[:20],
+        "n_incomparable": len(incomparable),
+        "incomparable": incomparable[:20],
     }
 
 
@@ -257,15 +273,16 @@ def planted_control(
         }
     x, r = candidates[0]
     rows = np.array(c.tensor(x, r))
-    sha, blocks = request_hashes(rows, c.block_rows)
-    matches = sha == x.requests[r].sha256 and blocks == x.requests[r].blocks
+    scheme = x.hash
+    sha, blocks = request_hashes(rows, c.block_rows, scheme)
+    matches = sha == x.requests[r].digest and blocks == x.requests[r].blocks
     k = len(blocks) // 2
     pos = min(k * c.block_rows, rows.shape[0] - 1)
     flat = rows.reshape(rows.shape[0], -1).view(
         bits_dtype(rows.dtype) if rows.dtype != np.bool_ else np.uint8
     )
     flat[pos, 0] ^= 1
-    sha2, blocks2 = request_hashes(rows, c.block_rows)
+    sha2, blocks2 = request_hashes(rows, c.block_rows, scheme)
     flagged = [i for i, (p, q) in enumerate(zip(blocks, blocks2, strict=True)) if p != q]
     n_diff = element_stats(np.asarray(c.tensor(x, r)), rows)["n_diff"]
     passed = bool(matches and sha2 != sha and flagged == [k] and n_diff == 1)
@@ -495,10 +512,12 @@ def _negatives(
             if x.name not in n:
                 continue
             y = n.boundary(x.name)
+            if not same_scheme(x, y):  # two schemes' digests differ whatever the bytes
+                continue
             if common and x.row_mapped and y.row_mapped:
-                found |= any(x.requests[r].sha256 != y.requests[r].sha256 for r in common)
+                found |= any(x.requests[r].digest != y.requests[r].digest for r in common)
             else:
-                found |= x.sha256 != y.sha256
+                found |= x.digest != y.digest
         checks.append({"kind": "different-input", "capture": str(n.path), "passed": bool(found)})
     verdicts = [c["passed"] for c in checks if c["passed"] is not None]
     return {"passed": (all(verdicts) if verdicts else None), "checks": checks}

@@ -3,9 +3,23 @@
 ``with dmlib.capture(model, path, row_map=...): model(x)`` installs forward hooks,
 hashes every boundary tensor (whole, and per logical request in blocks of positions),
 optionally dumps selected boundaries in full, and writes ``path/manifest.json`` last.
-Hooks return nothing and only read: each tensor is detached, moved to the CPU (a copy for
-device tensors; a read-only view for CPU tensors, hashed before the hook returns, which
-halves the overhead) and never written, so the model's outputs are unchanged.
+Hooks return nothing and only read: each tensor is detached and never written, so the
+model's outputs are unchanged.
+
+Where the time goes, and what is done about it (``benchmarks/bench_capture.py``):
+
+- Host tensors are hashed with BLAKE3 (``blake3-64MiB``, about 2.6x SHA-256's speed on one
+  core) on worker threads, each from a private copy taken in the hook (a later in-place op
+  may change the memory). A request that fits in one block is hashed once: its block's
+  bytes are all of its bytes.
+- One tensor object passed on unchanged (a block's output is the next block's input, the
+  input of query, key and value) is hashed, copied and dumped once: a boundary that
+  records the same live tensor object at the same version counter (torch bumps it on
+  every in-place write) takes the first recording's digests and dump file.
+- Device tensors are checksummed where they live (``cksum4-v1``, torch integer ops): only
+  a few bytes per digest cross to the host, and nothing is copied unless dumped. Where
+  the device checksum fails, the host hash of a copy is the fallback; each boundary names
+  the scheme it was hashed with.
 """
 
 from __future__ import annotations
@@ -15,16 +29,16 @@ import contextlib
 import fnmatch
 import json
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from dmlib import _atomic
+from dmlib import _atomic, hashing
 from dmlib.errors import CaptureError, MissingDependencyError
-from dmlib.hashing import hash_bytes
 from dmlib.localize.captures import (
     FORMAT,
     MANIFEST,
@@ -33,6 +47,7 @@ from dmlib.localize.captures import (
     VERSION,
     WHOLE_KEY,
     RowMap,
+    digest_hex,
     request_hashes,
 )
 from dmlib.localize.ops import OpRecorder, quiet
@@ -68,6 +83,58 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
         view, np_dtype = special[t.dtype]
         return t.view(view).numpy().view(np_dtype)
     return t.numpy()
+
+
+_NP_DTYPES: dict[Any, np.dtype] = {}
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype :func:`_to_numpy` gives a tensor of this torch dtype."""
+    if dtype not in _NP_DTYPES:
+        _NP_DTYPES[dtype] = _to_numpy(torch.empty(0, dtype=dtype)).dtype
+    return _NP_DTYPES[dtype]
+
+
+def _device_checksums(
+    t: Any,
+    k: int | None,
+    axes: tuple[int, int] | None,
+    leading: bool,
+    row_map: RowMap | None,
+    block_rows: int,
+) -> tuple[str, list[str] | None, dict[str, Any] | None]:
+    """``cksum4-v1`` digests (whole, per index of axis 0, per request) with torch ops.
+
+    The same bytes and the same rules as the host path (:meth:`Recorder._hash`): the whole
+    tensor in C order, a request's rows in position order and its blocks of
+    ``block_rows`` rows; only the checksums' words leave the device.
+    """
+
+    def ck(x: Any) -> str:
+        return hashing.checksum_torch(x).split(":", 1)[1]
+
+    t = t.contiguous()
+    whole = ck(t)
+    lead = [ck(x) for x in t] if leading else None
+    if row_map is None or (k is None and axes is None):
+        return whole, lead, None
+    if axes is not None:
+        moved = t.movedim(axes, (0, 1))
+        rows = moved.reshape((len(row_map), *moved.shape[2:]))
+    else:
+        rows = t.reshape((len(row_map), *t.shape[cast(int, k) :]))
+    requests: dict[str, Any] = {}
+    for rid, idx in row_map.requests.items():
+        span = row_map.spans.get(rid)
+        mine = (
+            rows[span[0] : span[1]]
+            if span is not None
+            else rows[torch.as_tensor(idx, device=t.device)]
+        )
+        blocks = [ck(mine[i : i + block_rows]) for i in range(0, int(mine.shape[0]), block_rows)]
+        digest = blocks[0] if len(blocks) == 1 else ck(mine)
+        requests[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
+    return whole, lead, requests
 
 
 def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -128,11 +195,13 @@ class Recorder:
         dump_requests: set[str] | None,
         metadata: dict[str, Any],
         hash_threads: int = 2,
+        device_hash: bool = True,
     ) -> None:
         self.path = path
-        # SHA-256 releases the GIL, so boundaries are hashed on worker threads while the
-        # forward pass goes on; each hashes a private copy of the tensor, taken in the hook,
-        # because a later in-place op may change the module's output after the hook returns.
+        # BLAKE3 and SHA-256 release the GIL, so boundaries are hashed (and dumped) on
+        # worker threads while the forward pass goes on; each works on a private copy of
+        # the tensor, taken in the hook, because a later in-place op may change the
+        # module's output after the hook returns.
         self._pool = ThreadPoolExecutor(max_workers=hash_threads) if hash_threads > 0 else None
         self._pending: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._pending_bytes = 0
@@ -141,12 +210,20 @@ class Recorder:
         self.dump = dump
         self.dump_requests = dump_requests
         self.metadata = metadata
+        self.scheme = hashing.BLAKE3  # the host's hash
+        self.device_hash = device_hash
+        self._device_path_on_cpu = False  # tests: take the device path with CPU tensors
         self.boundaries: list[dict[str, Any]] = []
         self.calls: dict[str, int] = {}
         self.whole_only: list[str] = []
         self.layout: tuple[int, int] | None = None  # (batch, positions), from the first 2-d rows
         # op-level capture (dmlib.localize.ops) lists each recorded op here
         self.ops: list[dict[str, Any]] | None = None
+        # (id, version, pointer, shape, strides, dtype, how rows are read) -> (a weak
+        # reference to the tensor, its first entry): the same live tensor object at the
+        # same version holds the same bytes
+        self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
+        self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
 
     def _wants_dump(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.dump)
@@ -167,7 +244,8 @@ class Recorder:
         ``row_mapped=False`` hashes the tensor whole even where its leading dims fit the
         row map (a parameter, say); ``extra`` adds keys to the manifest entry.
         """
-        arr = _to_numpy(t)
+        t = t.detach()
+        shape = tuple(int(d) for d in t.shape)
         suffix = "" if call == 0 else f"#{call}"
         name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
         entry: dict[str, Any] = {
@@ -176,9 +254,10 @@ class Recorder:
             "call": call,
             "kind": kind,
             "slot": slot,
-            "dtype": arr.dtype.name,
-            "shape": list(arr.shape),
-            "sha256": None,
+            "dtype": _np_dtype(t.dtype).name,
+            "shape": list(shape),
+            "hash": self.scheme,
+            "digest": None,
             "row_dims": None,
             "requests": {},
             "dump": None,
@@ -186,12 +265,12 @@ class Recorder:
             **(extra or {}),
         }
         row_map = self.row_map
-        k = row_map.row_dims(arr.shape) if row_map is not None and row_mapped else None
+        k = row_map.row_dims(shape) if row_map is not None and row_mapped else None
         if self.layout is None and row_map is not None and row_map.batch:
             self.layout = (row_map.batch, len(row_map) // row_map.batch)  # a nested row map
         if k == 2 and self.layout is None:
-            self.layout = (int(arr.shape[0]), int(arr.shape[1]))  # (batch, positions)
-        axes = self._row_axes(arr.shape) if k is None and row_mapped and extra else None
+            self.layout = (shape[0], shape[1])  # (batch, positions)
+        axes = self._row_axes(shape) if k is None and row_mapped and extra else None
         if row_map is not None and (k is not None or axes is not None):
             entry["row_dims"] = k
             if axes is not None:
@@ -201,29 +280,64 @@ class Recorder:
         elif self.row_map is not None:
             self.whole_only.append(name)
             # (never for a parameter: its first axis is no batch)
-            if row_mapped and arr.ndim >= 1 and 1 <= arr.shape[0] <= len(self.row_map):
+            if row_mapped and len(shape) >= 1 and 1 <= shape[0] <= len(self.row_map):
                 # one hash per index of axis 0: if that axis is the batch, the comparison
                 # attributes each row to the request filling that batch row
                 entry["leading"] = []
+        wants_dump = self._wants_dump(name)
+        self.boundaries.append(entry)
+        key = self._identity(t, (k, axes, entry["leading"] is not None))
+        first = self._seen.get(key) if key is not None else None
+        if first is not None and first[0]() is t and (first[1]["dump"] or not wants_dump):
+            self._same.append((entry, first[1]))  # the same bytes: digests filled in finish()
+            if wants_dump:
+                entry["dump"] = first[1]["dump"]
+            return name
+        if key is not None:
+            self._seen[key] = (weakref.ref(t), entry)
+        on_device = t.device.type != "cpu" or self._device_path_on_cpu
+        index = len(self.boundaries) - 1
+        if wants_dump:  # planned now, so that a later boundary of this tensor can share it
+            entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
+        if on_device and self.device_hash and self._device_digests(entry, t, k, axes):
+            if wants_dump:
+                arr = _to_numpy(t)
+                self._write_dump(entry["dump"], arr, self._rows(arr, k, axes))
+            return name
+        entry["hash"] = self.scheme  # (a failed device checksum falls back to the host)
+        arr = _to_numpy(t)
         if self._pool is not None:
             arr = np.array(arr, copy=True)
-        rows = None
-        if row_map is not None and axes is not None:
-            moved = np.moveaxis(arr, axes, (0, 1))
-            rows = moved.reshape((len(row_map), *moved.shape[2:]))
-        elif row_map is not None and k is not None:
-            rows = arr.reshape((len(row_map), *arr.shape[k:]))
-        if self._wants_dump(name):
-            entry["dump"] = self._write_dump(len(self.boundaries), arr, rows)
-        self.boundaries.append(entry)
+        rows = self._rows(arr, k, axes)
         if self._pool is None:
             self._hash(entry, arr, rows)
             return name
-        self._pending.append((self._pool.submit(self._hash, entry, arr, rows), arr.nbytes))
+        fut = self._pool.submit(self._hash, entry, arr, rows)
+        self._pending.append((fut, arr.nbytes))
         self._pending_bytes += arr.nbytes
         while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
             self._wait_oldest()
         return name
+
+    def _identity(self, t: Any, how: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The key under which a tensor counts as already recorded, None: never shared."""
+        try:
+            version = t._version  # inference tensors have no version counter
+        except (RuntimeError, AttributeError):
+            return None
+        return (id(t), version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                t.device, how)  # fmt: skip
+
+    def _rows(self, arr: np.ndarray, k: int | None, axes: tuple[int, int] | None) -> np.ndarray | None:
+        """The tensor as (physical row, ...) when it is read per request, else None."""
+        if self.row_map is None:
+            return None
+        if axes is not None:
+            moved = np.moveaxis(arr, axes, (0, 1))
+            return moved.reshape((len(self.row_map), *moved.shape[2:]))
+        if k is not None:
+            return arr.reshape((len(self.row_map), *arr.shape[k:]))
+        return None
 
     def _row_axes(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """(0, j) when an op's tensor is (batch, ..., positions at j, ...), else None.
@@ -239,13 +353,38 @@ class Recorder:
         return (0, hits[0]) if len(hits) == 1 and hits[0] >= 2 else None
 
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
-        entry["sha256"] = hash_bytes(arr)
+        """Digests of one boundary on the host (and its dump file, if planned)."""
+        scheme = entry["hash"]
+        entry["digest"] = digest_hex(arr, scheme)
         if entry["leading"] is not None:
-            entry["leading"] = [hash_bytes(np.ascontiguousarray(x)) for x in arr]
+            entry["leading"] = [digest_hex(x, scheme) for x in arr]
         if rows is not None and self.row_map is not None:
+            spans = self.row_map.spans
             for rid, idx in self.row_map.requests.items():
-                sha, blocks = request_hashes(rows[idx], self.block_rows)
-                entry["requests"][rid] = {"sha256": sha, "n_rows": int(len(idx)), "blocks": blocks}
+                span = spans.get(rid)
+                # consecutive rows are read in place; others are gathered (a copy)
+                mine = rows[span[0] : span[1]] if span is not None else rows[idx]
+                digest, blocks = request_hashes(mine, self.block_rows, scheme)
+                entry["requests"][rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
+        if entry["dump"] is not None:
+            self._write_dump(entry["dump"], arr, rows)
+
+    def _device_digests(
+        self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
+    ) -> bool:
+        """``cksum4-v1`` digests computed where ``t`` lives; False (nothing set): use the host."""
+        try:
+            digests = _device_checksums(t, k, axes, entry["leading"] is not None, self.row_map,
+                                        self.block_rows)  # fmt: skip
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+        entry["hash"] = hashing.CHECKSUM
+        entry["digest"], leading, requests = digests
+        if entry["leading"] is not None:
+            entry["leading"] = leading
+        if requests is not None:
+            entry["requests"] = requests
+        return True
 
     def _wait_oldest(self) -> None:
         fut, nbytes = self._pending.popleft()
@@ -261,28 +400,40 @@ class Recorder:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
+        for entry, first in self._same:
+            entry["hash"], entry["digest"] = first["hash"], first["digest"]
+            entry["leading"] = None if first["leading"] is None else list(first["leading"])
+            entry["requests"] = {r: dict(v, blocks=list(v["blocks"])) for r, v in first["requests"].items()}
+        self._same.clear()
+        self._seen.clear()
 
-    def _write_dump(self, index: int, arr: np.ndarray, rows: np.ndarray | None) -> dict[str, Any]:
+    def _dump_plan(self, index: int, per_request: bool) -> dict[str, Any]:
+        """The manifest's ``dump`` entry of boundary ``index`` (the file is written later)."""
+        (self.path / TENSOR_DIR).mkdir(exist_ok=True)
+        rel = f"{TENSOR_DIR}/{index:05d}.safetensors"
+        if not per_request or self.dump_requests is None or self.row_map is None:
+            return {"file": rel, "whole": True}
+        wanted = [r for r in self.row_map.requests if r in self.dump_requests]
+        return {"file": rel, "whole": False, "requests": wanted}
+
+    def _write_dump(self, plan: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         from dmlib.io.safetensors import write_safetensors
 
-        rel = f"{TENSOR_DIR}/{index:05d}.safetensors"
-        (self.path / TENSOR_DIR).mkdir(exist_ok=True)
-        if rows is None or self.dump_requests is None or self.row_map is None:
-            write_safetensors(self.path / rel, {WHOLE_KEY: arr})
-            return {"file": rel, "whole": True}
-        requests = self.row_map.requests
-        wanted = [r for r in requests if r in self.dump_requests]
+        if plan["whole"]:
+            write_safetensors(self.path / plan["file"], {WHOLE_KEY: arr})
+            return
+        requests = cast(RowMap, self.row_map).requests
         write_safetensors(
-            self.path / rel,
-            {REQUEST_PREFIX + r: np.ascontiguousarray(rows[requests[r]]) for r in wanted},
+            self.path / plan["file"],
+            {REQUEST_PREFIX + r: np.ascontiguousarray(cast(np.ndarray, rows)[requests[r]]) for r in plan["requests"]},
         )
-        return {"file": rel, "whole": False, "requests": wanted}
 
     def manifest(self, *, complete: bool, error: str | None = None) -> dict[str, Any]:
         m: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
             "complete": complete,
+            "hash": self.scheme,  # the host's scheme; each boundary names its own
             "block_rows": self.block_rows,
             "row_map": None if self.row_map is None else self.row_map.to_json(),
             "batch": None if self.row_map is None else self.row_map.batch,
@@ -349,6 +500,7 @@ def capture(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     hash_threads: int = 2,
+    device_hash: bool = True,
     ops: bool = False,
     op_modules: str | Iterable[str] | None = None,
 ) -> Iterator[Recorder]:
@@ -388,8 +540,14 @@ def capture(
     overwrite
         Replace an existing capture at ``path``.
     hash_threads
-        Worker threads that hash boundaries while the forward pass runs (0: hash in
-        the hook itself, with no copy of the tensor).
+        Worker threads that hash (and dump) host tensors while the forward pass runs
+        (0: hash in the hook itself, with no copy of the tensor). Host digests are
+        BLAKE3 (``blake3-64MiB``).
+    device_hash
+        Checksum tensors on a GPU (any non-CPU device) where they live, with torch ops
+        (``cksum4-v1``, bit-exact with :func:`dmlib.hashing.checksum_host`); False: copy
+        them to the host and hash there. Each boundary names its scheme (``hash``);
+        captures compare only digests of one scheme.
     ops
         Also record every ATen (or custom) operation run inside the hooked modules,
         as boundaries named ``module/aten.addmm#0`` (see :mod:`dmlib.localize.ops`).
@@ -410,6 +568,7 @@ def capture(
         dump_requests=None if dump_requests is None else {str(r) for r in dump_requests},
         metadata=dict(metadata or {}),
         hash_threads=int(hash_threads),
+        device_hash=bool(device_hash),
     )
     rec.write_manifest(complete=False)  # marks the directory as a capture in progress
     handles: list[Any] = []

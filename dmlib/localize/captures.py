@@ -6,15 +6,21 @@ A capture is a directory::
     tensors/00012.safetensors  full tensors of the boundaries selected for dumping
 
 ``manifest.json`` lists the boundaries (a tensor entering or leaving a named module) in
-execution order with dtype, shape, the SHA-256 of the whole physical tensor and, when
-the tensor's leading dimensions match the row map, per logical request: the SHA-256 of
+execution order with dtype, shape, the digest of the whole physical tensor and, when
+the tensor's leading dimensions match the row map, per logical request: the digest of
 the request's rows in position order and of each block of ``block_rows`` positions.
 Hashing per logical request makes the hashes comparable between layouts that place the
 same request at different physical rows (alone, padded, packed with others).
+
+Every boundary names its hash scheme (``hash``): ``blake3-64MiB`` (what version 2 writes
+for host tensors), ``cksum4-v1`` (computed on the device for GPU tensors) or ``sha256``
+(every version-1 capture). Digests of different schemes are never compared: such a
+boundary is not judged (:func:`same_scheme`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -26,11 +32,14 @@ from typing import Any, cast
 import numpy as np
 
 from dmlib import dtypes as _dtypes
+from dmlib import hashing
 from dmlib.errors import CaptureError, DmlibError
-from dmlib.hashing import hash_bytes
 
 FORMAT = "dmlib-capture"
-VERSION = 1
+VERSION = 2  # 2: digests under a named scheme ("hash"); 1: bare SHA-256 ("sha256" fields)
+READS = (1, 2)  # manifest versions this reader opens
+#: Hash schemes a capture may name; the first is what the host writes.
+SCHEMES = (hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
 MANIFEST = "manifest.json"
 TENSOR_DIR = "tensors"
 WHOLE_KEY = "tensor"  # safetensors key of a whole physical tensor
@@ -47,11 +56,28 @@ def _is_entry(e: list[Any]) -> bool:
     return len(e) == 2 and not isinstance(e[0], (list, tuple)) and isinstance(e[1], int)
 
 
-def request_hashes(rows: np.ndarray, block_rows: int) -> tuple[str, list[str]]:
-    """SHA-256 of a request's rows (position order) and of each block of ``block_rows`` rows.
+def digest_hex(data: np.ndarray | np.generic | memoryview | bytes, scheme: str) -> str:
+    """Bare hex digest of exactly these bytes (an ndarray as its C-order bytes) in ``scheme``."""
+    if not isinstance(data, (bytes, memoryview)):  # an array, or a numpy scalar (x[i] of 1-d)
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    if scheme == hashing.BLAKE3:
+        if memoryview(data).nbytes <= hashing.PIECE:  # the plain digest: skip the piece logic
+            return hashing._blake3()(data).hexdigest()
+        return hashing.digest_bytes(data, scheme).split(":", 1)[1]
+    if scheme == hashing.SHA256:
+        return hashlib.sha256(data).hexdigest()
+    if scheme == hashing.CHECKSUM:
+        return hashing.checksum_host(data).split(":", 1)[1]
+    raise CaptureError(f"unknown hash scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+
+
+def request_hashes(
+    rows: np.ndarray, block_rows: int, scheme: str = hashing.SHA256
+) -> tuple[str, list[str]]:
+    """Digest of a request's rows (position order) and of each block of ``block_rows`` rows.
 
     ``rows`` has one leading entry per position; a block's bytes are those positions'
-    C-order bytes, so the hash does not depend on where the rows sat physically.
+    C-order bytes, so the digest does not depend on where the rows sat physically.
     """
     rows = np.ascontiguousarray(rows)
     flat = (
@@ -59,8 +85,11 @@ def request_hashes(rows: np.ndarray, block_rows: int) -> tuple[str, list[str]]:
         if rows.size
         else rows.reshape(rows.shape[0], 0)
     )
-    blocks = [hash_bytes(flat[i : i + block_rows]) for i in range(0, rows.shape[0], block_rows)]
-    return hash_bytes(flat), blocks
+    blocks = [
+        digest_hex(flat[i : i + block_rows], scheme) for i in range(0, rows.shape[0], block_rows)
+    ]
+    # one block holds every byte of the request: its digest is the request's
+    return (blocks[0] if len(blocks) == 1 else digest_hex(flat, scheme)), blocks
 
 
 class RowMap:
@@ -130,6 +159,12 @@ class RowMap:
                     path=path,
                 )
             self.requests[key] = np.array([i for _, i in pairs], dtype=np.int64)
+        # requests whose rows are consecutive physical rows: (start, stop), read as views
+        self.spans: dict[str, tuple[int, int]] = {
+            k: (int(v[0]), int(v[-1]) + 1)
+            for k, v in self.requests.items()
+            if len(v) and int(v[-1]) - int(v[0]) == len(v) - 1
+        }
 
     def sequence_row(self, request: str, batch: int | None = None) -> tuple[int | None, str]:
         """The batch row that request ``request`` alone fills, or (None, why not).
@@ -173,7 +208,9 @@ class RowMap:
 
 @dataclass(frozen=True)
 class RequestHash:
-    sha256: str
+    """A request's rows at one boundary: digest of all rows, their count, per-block digests."""
+
+    digest: str
     n_rows: int
     blocks: list[str]
 
@@ -190,15 +227,16 @@ class Boundary:
     slot: str
     dtype: str
     shape: tuple[int, ...]
-    sha256: str
+    digest: str  # of the whole physical tensor, in scheme ``hash``
     row_dims: int | None
     requests: dict[str, RequestHash] = field(default_factory=dict)
     dump: dict[str, Any] | None = None
-    leading: list[str] | None = None  # SHA-256 of each x[i] along axis 0 (not row-mapped)
+    leading: list[str] | None = None  # digest of each x[i] along axis 0 (not row-mapped)
     # (batch axis, position axis) of a tensor whose rows are not leading, e.g. attention's
     # (batch, heads, positions, head_dim); row_dims is then None, so older readers that
     # know only leading rows treat it as hashed whole
     row_axes: tuple[int, int] | None = None
+    hash: str = hashing.SHA256  # the scheme of every digest of this boundary
 
     @property
     def row_mapped(self) -> bool:
@@ -227,7 +265,21 @@ def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
     return axes[0], axes[1]
 
 
-def _boundary(i: int, d: dict[str, Any], path: Path) -> Boundary:
+def same_scheme(x: Boundary, y: Boundary) -> bool:
+    """Whether the two boundaries' digests are of one scheme, hence comparable at all."""
+    return x.hash == y.hash
+
+
+def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
+    # version 1 stored bare SHA-256 under "sha256"; version 2 names the scheme ("hash")
+    key = "sha256" if version == 1 else "digest"
+    scheme = hashing.SHA256 if version == 1 else d.get("hash")
+    if scheme not in SCHEMES:
+        raise CaptureError(
+            f"boundary {i} of {MANIFEST} names hash {scheme!r}; this dmlib knows "
+            f"{', '.join(SCHEMES)}",
+            path=path,
+        )
     try:
         return Boundary(
             index=i,
@@ -238,15 +290,16 @@ def _boundary(i: int, d: dict[str, Any], path: Path) -> Boundary:
             slot=str(d["slot"]),
             dtype=str(d["dtype"]),
             shape=tuple(int(s) for s in d["shape"]),
-            sha256=str(d["sha256"]),
+            digest=str(d[key]),
             row_dims=None if d.get("row_dims") is None else int(d["row_dims"]),
             requests={
-                k: RequestHash(str(v["sha256"]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
+                k: RequestHash(str(v[key]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
                 for k, v in (d.get("requests") or {}).items()
             },
             dump=d.get("dump"),
             leading=None if d.get("leading") is None else [str(h) for h in d["leading"]],
             row_axes=_axes(d.get("row_axes"), len(d["shape"])),
+            hash=str(scheme),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(
@@ -268,7 +321,8 @@ class Capture:
             else None
         )
         self.boundaries: list[Boundary] = [
-            _boundary(i, d, path) for i, d in enumerate(manifest["boundaries"])
+            _boundary(i, d, path, int(manifest["version"]))
+            for i, d in enumerate(manifest["boundaries"])
         ]
         if self.row_map is not None and self.row_map.batch is None:
             # captures written before the batch size was recorded: the same rule as capture
@@ -397,7 +451,8 @@ class Capture:
                     "shape": list(b.shape),
                     "row_mapped": b.row_mapped,
                     "dumped": bool(b.dump),
-                    "sha256": b.sha256,
+                    "hash": b.hash,
+                    "digest": b.digest,
                 }
                 for b in self.boundaries
             ]
@@ -434,9 +489,10 @@ def open_capture(path: str | os.PathLike[str] | Capture) -> Capture:
         raise CaptureError(f"{MANIFEST} is not valid JSON ({err})", path=path) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CaptureError(f"{MANIFEST} is not a {FORMAT} manifest", path=path)
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READS or type(manifest.get("version")) is not int:
         raise CaptureError(
-            f"capture version {manifest.get('version')!r}; this dmlib reads version {VERSION}",
+            f"capture version {manifest.get('version')!r}; this dmlib reads versions "
+            f"{', '.join(map(str, READS))}",
             path=path,
         )
     if manifest.get("complete") is not True:
@@ -459,4 +515,7 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
     return math.ceil(n_rows / block_rows)
 
 
-__all__ = ["Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "FORMAT", "VERSION"]
+__all__ = [
+    "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex",
+    "same_scheme", "FORMAT", "VERSION", "SCHEMES",
+]  # fmt: skip

@@ -60,9 +60,11 @@ def _feed(h: Any, obj: Any) -> None:
 
             c = open_capture(p)
             for b in c.boundaries:
-                h.update(f"{b.name}\0{b.sha256}\0".encode())
+                # SHA-256 captures feed as they always did; other schemes carry their name
+                tag = "" if b.hash == "sha256" else f"{b.hash}:"
+                h.update(f"{b.name}\0{tag}{b.digest}\0".encode())
                 for r, v in sorted(b.requests.items()):
-                    h.update(f"{r}\0{v.sha256}\0".encode())
+                    h.update(f"{r}\0{tag}{v.digest}\0".encode())
             return
         from dmlib.io import open_tensors
 
