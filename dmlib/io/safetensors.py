@@ -170,7 +170,8 @@ def _element(dname: str) -> tuple[str, np.dtype, str | None]:
     return "unknown", np.dtype("u1"), None
 
 
-def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
+def _encoded(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None) -> tuple[bytes, list[np.ndarray]]:
+    """The file's length prefix and header, and each tensor's little-endian C-order bytes (views where possible)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -182,15 +183,24 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[s
             dname = safetensors_name(a.dtype)
         except KeyError:
             raise UnsupportedError(f"tensor {name!r}: safetensors has no dtype for numpy {a.dtype}") from None
-        b = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": dname, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        b = a.astype(a.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+        header[name] = {"dtype": dname, "shape": list(a.shape), "data_offsets": [off, off + b.size]}
         chunks.append(b)
-        off += len(b)
+        off += b.size
     hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hb += b" " * (-len(hb) % 8)  # keep the data section 8-byte aligned
-    return struct.pack("<Q", len(hb)) + hb + b"".join(chunks)
+    return struct.pack("<Q", len(hb)) + hb, chunks
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
+    head, chunks = _encoded(tensors, metadata)
+    return head + b"".join(c.tobytes() for c in chunks)
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> None:
-    """Write a safetensors file atomically."""
-    _atomic.atomic_write_bytes(path, encode_safetensors(tensors, metadata=metadata))
+    """Write a safetensors file atomically, each tensor's bytes straight from its array (no copy)."""
+    head, chunks = _encoded(tensors, metadata)
+    with _atomic.atomic_write(path) as f:
+        f.write(head)
+        for c in chunks:
+            f.write(c.data)

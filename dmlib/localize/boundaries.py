@@ -610,10 +610,12 @@ def capture_verdict(df: pd.DataFrame) -> str:
         where = "no parting" if fp is None else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
         lines.append(f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries paired; {where}")
     rc = at["repeat_control"]
+    n_inc = 0 if rc is None else sum(c.get("n_incomparable", 0) for c in rc["checks"])
     lines.append(
         "repeat control: not run"
         if rc is None
         else f"repeat control: {'held' if rc['held'] else 'FAILED'}"
+        + (f" ({n_inc} boundaries hashed with two schemes: not comparable)" if n_inc else "")
     )
     nc = at["negative_control"]
     lines.append(

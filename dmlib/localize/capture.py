@@ -202,7 +202,9 @@ class Recorder:
         # worker threads while the forward pass goes on; each works on a private copy of
         # the tensor, taken in the hook, because a later in-place op may change the
         # module's output after the hook returns.
-        self._pool = ThreadPoolExecutor(max_workers=hash_threads) if hash_threads > 0 else None
+        # writing a dump mostly waits on the disk (fsync): two more threads hide that wait
+        workers = hash_threads + (2 if dump else 0)
+        self._pool = ThreadPoolExecutor(max_workers=workers) if hash_threads > 0 else None
         self._pending: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._pending_bytes = 0
         self.row_map = row_map
@@ -244,7 +246,7 @@ class Recorder:
         ``row_mapped=False`` hashes the tensor whole even where its leading dims fit the
         row map (a parameter, say); ``extra`` adds keys to the manifest entry.
         """
-        t = t.detach()
+        original, t = t, t.detach()  # detach() makes a new object: identity is the original's
         shape = tuple(int(d) for d in t.shape)
         suffix = "" if call == 0 else f"#{call}"
         name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
@@ -286,15 +288,15 @@ class Recorder:
                 entry["leading"] = []
         wants_dump = self._wants_dump(name)
         self.boundaries.append(entry)
-        key = self._identity(t, (k, axes, entry["leading"] is not None))
+        key = self._identity(original, (k, axes, entry["leading"] is not None))
         first = self._seen.get(key) if key is not None else None
-        if first is not None and first[0]() is t and (first[1]["dump"] or not wants_dump):
+        if first is not None and first[0]() is original and (first[1]["dump"] or not wants_dump):
             self._same.append((entry, first[1]))  # the same bytes: digests filled in finish()
             if wants_dump:
                 entry["dump"] = first[1]["dump"]
             return name
         if key is not None:
-            self._seen[key] = (weakref.ref(t), entry)
+            self._seen[key] = (weakref.ref(original), entry)
         on_device = t.device.type != "cpu" or self._device_path_on_cpu
         index = len(self.boundaries) - 1
         if wants_dump:  # planned now, so that a later boundary of this tensor can share it
@@ -541,8 +543,9 @@ def capture(
         Replace an existing capture at ``path``.
     hash_threads
         Worker threads that hash (and dump) host tensors while the forward pass runs
-        (0: hash in the hook itself, with no copy of the tensor). Host digests are
-        BLAKE3 (``blake3-64MiB``).
+        (0: hash and write in the hook itself, with no copy of the tensor; with ``dump``,
+        two more threads, which mostly wait on the disk). Host digests are BLAKE3
+        (``blake3-64MiB``).
     device_hash
         Checksum tensors on a GPU (any non-CPU device) where they live, with torch ops
         (``cksum4-v1``, bit-exact with :func:`dmlib.hashing.checksum_host`); False: copy
