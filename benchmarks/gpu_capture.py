@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     captured = model(**b)
             same = torch.equal(plain.contiguous().view(torch.uint8), captured.contiguous().view(torch.uint8))
             res.setdefault("outputs_unchanged_by_capture", {})[name] = bool(same)
+            schemes = sorted({x.hash for x in dmlib.open_capture(work / f"{tag}_{name}")})
+            res.setdefault("hash_schemes", {})[name] = schemes  # cksum4-v1: hashed on the device
         for other in ("padded", "packed"):
             df = dmlib.compare_captures(
                 work / f"{tag}_alone", work / f"{tag}_{other}", request="probe", repeat=work / f"{tag}_alone_repeat"

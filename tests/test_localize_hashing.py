@@ -197,3 +197,28 @@ def test_version_1_sha256_capture_still_reads_and_compares(tmp_path):
     (tmp_path / "new" / "manifest.json").write_text(json.dumps(m2))
     with pytest.raises(dmlib.errors.CaptureError, match="md5"):
         dmlib.open_capture(tmp_path / "new")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int16, torch.float64, torch.bool]
+)
+def test_row_sums_give_the_host_checksum_of_any_run_of_rows(dtype):
+    from dmlib.hashing import checksum_of_rows, row_moments_torch
+
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randint(0, 256, (9, 4 * 8), generator=gen, dtype=torch.uint8)
+    rows = (raw % 2).bool() if dtype == torch.bool else raw.view(dtype)
+    m = row_moments_torch(rows)
+    by_row = [rows[i].numpy().tobytes() if dtype == torch.bool else raw[i].numpy().tobytes()
+              for i in range(9)]  # fmt: skip
+    row_bytes = len(by_row[0])
+    for idx in ([0, 1, 2, 3, 4, 5, 6, 7, 8], [7, 2, 2, 5], [3], []):
+        expect = checksum_host(b"".join(by_row[i] for i in idx))
+        assert checksum_of_rows(m[idx], row_bytes) == expect, idx
+
+
+def test_row_sums_refuse_rows_of_odd_bytes():
+    from dmlib.hashing import row_moments_torch
+
+    with pytest.raises(ValueError, match="odd"):
+        row_moments_torch(torch.zeros((2, 3), dtype=torch.uint8))

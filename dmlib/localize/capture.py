@@ -16,10 +16,11 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
   input of query, key and value) is hashed, copied and dumped once: a boundary that
   records the same live tensor object at the same version counter (torch bumps it on
   every in-place write) takes the first recording's digests and dump file.
-- Device tensors are checksummed where they live (``cksum4-v1``, torch integer ops): only
-  a few bytes per digest cross to the host, and nothing is copied unless dumped. Where
-  the device checksum fails, the host hash of a copy is the fallback; each boundary names
-  the scheme it was hashed with.
+- Device tensors are checksummed where they live (``cksum4-v1``, torch integer ops):
+  three sums per row cross to the host, which assembles every digest from them, and
+  nothing else is copied unless dumped. Where the device checksum cannot be taken (a row
+  of an odd number of bytes, an op the device lacks), the host hash of a copy is the
+  fallback; each boundary names the scheme it was hashed with.
 """
 
 from __future__ import annotations
@@ -103,38 +104,44 @@ def _device_checksums(
     row_map: RowMap | None,
     block_rows: int,
 ) -> tuple[str, list[str] | None, dict[str, Any] | None]:
-    """``cksum4-v1`` digests (whole, per index of axis 0, per request) with torch ops.
+    """``cksum4-v1`` digests (whole, per index of axis 0, per request) of a device tensor.
 
     The same bytes and the same rules as the host path (:meth:`Recorder._hash`): the whole
     tensor in C order, a request's rows in position order and its blocks of
-    ``block_rows`` rows; only the checksums' words leave the device.
+    ``block_rows`` rows. Three sums per row are taken where the tensor lives
+    (:func:`dmlib.hashing.row_moments_torch`, one transfer of a few bytes per row); every
+    digest is assembled from them on the host. ValueError where a row has an odd number
+    of bytes.
     """
-
-    def ck(x: Any) -> str:
-        return hashing.checksum_torch(x).split(":", 1)[1]
-
+    size = t.element_size()
     t = t.contiguous()
-    whole = ck(t)
-    lead = [ck(x) for x in t] if leading else None
+    lead_rows = t.reshape((int(t.shape[0]) if t.dim() else 1, -1))
+    m_lead = hashing.row_moments_torch(lead_rows)
+    lead_bytes = int(lead_rows.shape[1]) * size
+    whole = _ck(m_lead, lead_bytes)
+    lead = [_ck(m_lead[i : i + 1], lead_bytes) for i in range(len(m_lead))] if leading else None
     if row_map is None or (k is None and axes is None):
         return whole, lead, None
     if axes is not None:
-        moved = t.movedim(axes, (0, 1))
-        rows = moved.reshape((len(row_map), *moved.shape[2:]))
+        rows = t.movedim(axes, (0, 1)).reshape((len(row_map), -1))
+        m = hashing.row_moments_torch(rows)
+    elif k == 1:
+        rows, m = lead_rows, m_lead
     else:
-        rows = t.reshape((len(row_map), *t.shape[cast(int, k) :]))
+        rows = t.reshape((len(row_map), -1))
+        m = hashing.row_moments_torch(rows)
+    row_bytes = int(rows.shape[1]) * size
     requests: dict[str, Any] = {}
     for rid, idx in row_map.requests.items():
-        span = row_map.spans.get(rid)
-        mine = (
-            rows[span[0] : span[1]]
-            if span is not None
-            else rows[torch.as_tensor(idx, device=t.device)]
-        )
-        blocks = [ck(mine[i : i + block_rows]) for i in range(0, int(mine.shape[0]), block_rows)]
-        digest = blocks[0] if len(blocks) == 1 else ck(mine)
+        mine = m[idx]
+        blocks = [_ck(mine[i : i + block_rows], row_bytes) for i in range(0, len(idx), block_rows)]
+        digest = blocks[0] if len(blocks) == 1 else _ck(mine, row_bytes)
         requests[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
     return whole, lead, requests
+
+
+def _ck(moments: np.ndarray, row_bytes: int) -> str:
+    return hashing.checksum_of_rows(moments, row_bytes).split(":", 1)[1]
 
 
 def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -378,8 +385,8 @@ class Recorder:
         try:
             digests = _device_checksums(t, k, axes, entry["leading"] is not None, self.row_map,
                                         self.block_rows)  # fmt: skip
-        except (RuntimeError, TypeError, NotImplementedError):
-            return False
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            return False  # the host hashes it instead
         entry["hash"] = hashing.CHECKSUM
         entry["digest"], leading, requests = digests
         if entry["leading"] is not None:
