@@ -10,6 +10,7 @@ study). A study whose dataset is absent is skipped, naming the file.
 from __future__ import annotations
 
 import hashlib
+import html
 import itertools
 import json
 import math
@@ -302,6 +303,37 @@ def test_capture_boundaries(executed):
         a, b = rows("alone", culprit), rows("packed", culprit)
         assert not np.array_equal(a, b)
         assert n["culprit_rel_l2"] == pytest.approx(_rel_fro(a, b), rel=1e-9)
+
+
+def test_capture_boundaries_op_level(executed):
+    """The op level of the committed captures: what compare_captures and arbitrate (numpy
+    replay, as in the torch-less kernel) return here, and the recorded patch test quoted."""
+    n = _numbers(executed, "capture_boundaries")
+    study = load_study(DATA / "packed" / "study.toml")
+    if not study.captures.ops:
+        pytest.skip("the packed study declares no op-level captures")
+    request = study.captures.request
+    (_, a), (_, b) = study.captures.ops.items()
+    at = dmlib.compare_captures(a, b, request=request).attrs
+    assert n["op_first_divergent"] == at["first_divergent_op"]
+    assert n["op_culprit"] == at["culprit_op"]
+    recorded = json.loads(study.captures.op_findings.read_text())
+    assert n["op_machine"] == recorded["machine"] and recorded["machine"]
+    patch = recorded["findings"]["patch"]
+    assert n["op_patch_confirmed"] == (None if patch is None else patch["confirmed"])
+    page = (executed["capture_boundaries"][0] / "capture_boundaries.html").read_text()
+    assert html.escape(recorded["machine"]) in page
+    if at["culprit_op"] is None:
+        return
+    arb = dmlib.arbitrate(a, b, at["culprit_op"], request=request, backend="numpy")
+    assert n["op_arbitration_verdict"] == arb.verdict
+    for row in arb.table.to_dict(orient="records"):
+        assert n[f"op_arbitration_{row['run']}_max_ulp"] == row["max_ulp"]
+        assert n[f"op_arbitration_{row['run']}_rel_err"] == row["rel_err"]
+    pytest.importorskip("torch")
+    by_torch = dmlib.arbitrate(a, b, at["culprit_op"], request=request, backend="torch").table
+    assert list(by_torch["max_ulp"]) == list(arb.table["max_ulp"])
+    assert np.allclose(by_torch["rel_err"], arb.table["rel_err"], rtol=1e-6)
 
 
 def test_step_growth(executed):

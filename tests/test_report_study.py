@@ -182,6 +182,15 @@ def test_each_html_shows_exactly_the_figures_saved(report):
         assert shown == saved, r["name"]  # every saved figure inline, in order
         section = single.split(f'id="nb-{r["name"]}"', 1)[1].split('<section class="nb"', 1)[0]
         assert [hashlib.sha256(b).hexdigest() for b in _images(section)] == saved
+    # report.html carries each figure's bytes once; the index part links to the inline figure
+    every = [hashlib.sha256(b).hexdigest() for b in _images(single)]
+    saved_all = [f for r in summary["results"] if r["status"] == "ok" for f in r["figures"]]
+    assert len(every) == len(saved_all) == len(set(every))
+    for f in saved_all:
+        assert f'href="#fig-{f}"' in single
+        anchored = re.search(rf'<img id="fig-{re.escape(f)}"[^>]*src="data:image/png;base64,([^"]+)"', single)
+        png = (out / "figures" / f"{f}.png").read_bytes()
+        assert anchored and base64.b64decode(anchored[1]) == png, f
 
 
 def test_nothing_names_this_machine(report, lab):
@@ -348,8 +357,8 @@ def test_browser_renders_every_figure_offline(report, tmp_path):
     assert m, dom[-500:]
     summary = json.loads((out / "summary.json").read_text())
     n_figures = sum(len(r["figures"]) for r in summary["results"])
-    # each figure appears twice: its thumbnail in the index part and inline in its notebook
-    assert (int(m[1]), int(m[2]), int(m[3])) == (2 * n_figures, 0, 0)
+    # each figure appears once, inline in its notebook (the index part links to it)
+    assert (int(m[1]), int(m[2]), int(m[3])) == (n_figures, 0, 0)
 
 
 # ---------------------------------------------------------------------------

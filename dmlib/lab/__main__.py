@@ -2,7 +2,10 @@
 
 Each dataset module exposes ``generate(out_dir, *, small=False) -> dict`` returning its
 manifest section; this entry point runs the ones asked for and rewrites
-``<out>/MANIFEST.json`` with the sha256 of every file, the library versions and the CPU.
+``<out>/MANIFEST.json`` with the sha256 of every file, the library versions and the CPU,
+then each touched dataset's ``study.toml`` (:mod:`dmlib.lab.studies`; ``made_on`` from that
+manifest). ``packed_ops`` adds the op level to the ``packed`` folder and leaves its
+module-boundary captures as they are.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import time
 from pathlib import Path
 
 from dmlib.lab.manifest import update_manifest
+from dmlib.lab.studies import write_studies
 
 DATASETS = {
     "qr_init": "dmlib.lab.qr_init",
     "step_ladder": "dmlib.lab.train_ladder",
     "packed": "dmlib.lab.packed",
+    "packed_ops": "dmlib.lab.packed_ops",
 }
 
 
@@ -41,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(section)
         print(f"[dmlib.lab] {name}: {len(section.get('files', []))} files in {section['seconds']} s", file=sys.stderr)
     update_manifest(args.out, sections)
+    write_studies(args.out, [s["name"] for s in sections])
     return 0
 
 

@@ -8,10 +8,21 @@ where the op sequences of the two layouts part, a patch test at the culprit op, 
 with that op patched in every layer, and, as a control, at the last op before it whose
 output still matches, and each run's distance to the float64 replay of the culprit op. Nothing is stated in advance: which op diverges
 depends on the CPU (ISA, oneDNN/MKL kernels, threads), which the result names.
+
+:func:`generate` (``python -m dmlib.lab packed_ops --out data``) commits the op level of
+the ``packed`` dataset beside its module-boundary captures: ``packed/ops/alone`` and
+``packed/ops/packed``, captured with the ops of one encoder layer only (the layer of the
+culprit op, layer 0 when there is none) and whole dumps of the culprit op's inputs and
+output only (what the fp64 replay needs; everything else is hashes), and
+``packed/ops/op_findings.json``: :func:`op_findings` (its patch tests need the live
+model, so they are computed here and recorded with the machine), what the committed
+captures show, and the machine, CPU flags and the ISA torch dispatched to.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -175,4 +186,89 @@ def _last_matching_op_before(df: Any, op: str, source: Any) -> str | None:
     return None
 
 
-__all__ = ["op_findings", "OP_MODULES", "DUMP"]
+OPS_DIR = "ops"
+FINDINGS = "op_findings.json"
+_LAYER = re.compile(r"^(.*?\.layers?\.\d+)(?:\.|/|$)")
+
+
+def committed_scope(culprit_op: str | None) -> tuple[list[str], list[str]]:
+    """(op_modules, dump) for the committed captures: the culprit op's layer, its tensors."""
+    m = _LAYER.match(culprit_op or "")
+    layer = m.group(1) if m else "encoder.layer.0"
+    dump = [] if culprit_op is None else [culprit_op, f"{culprit_op}:*"]
+    return [layer, f"{layer}.*"], dump
+
+
+def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
+    """Write ``<out>/packed/ops/{alone,packed,op_findings.json}``; return the manifest section.
+
+    The module-boundary captures of :mod:`dmlib.lab.packed` are left as they are.
+    """
+    import torch
+
+    from dmlib import _atomic, _json
+    from dmlib.lab.manifest import describe_machine, environment
+    from dmlib.lab.minilm import load_minilm, tokenize
+    from dmlib.localize.boundaries import compare_captures
+    from dmlib.localize.capture import capture
+
+    out_dir = Path(out_dir)
+    ds = out_dir / packed.DATASET / OPS_DIR
+    ds.mkdir(parents=True, exist_ok=True)
+    found = op_findings()
+    op_modules, dump = committed_scope(found["culprit_op"])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(packed.THREADS)
+    try:
+        model = load_minilm()
+        layouts = packed._layouts(small=True)
+        for name in ("alone", "packed"):
+            texts, probe, pad_to = layouts[name]
+            batch = tokenize(texts, pad_to=pad_to)
+            rows = packed.row_map(batch["attention_mask"], probe)
+            meta = {"layout": name, "probe_index": probe, "torch_threads": packed.THREADS}
+            with torch.no_grad(), capture(model, ds / name, modules="*", ops=True,
+                                          op_modules=op_modules, row_map=rows,
+                                          block_rows=packed.BLOCK_ROWS, overwrite=True,
+                                          dump=dump, metadata=meta):  # fmt: skip
+                model(**batch)
+        env = environment()
+    finally:
+        torch.set_num_threads(previous)
+    at = compare_captures(ds / "alone", ds / "packed", request=packed.REQUEST).attrs
+    committed = {
+        "op_modules": op_modules,
+        "dump": dump,
+        "first_divergent_op": at["first_divergent_op"],
+        "culprit_op": at["culprit_op"],
+    }
+    doc = {
+        "request": packed.REQUEST,
+        "machine": describe_machine(env),
+        "environment": env,
+        "computed_by": "python -m dmlib.lab packed_ops --out data",
+        "lab_capture": "alone and packed recaptured in the same process with the ops of "
+        f"every {found['op_modules']} module and the attention ops dumped whole",
+        "findings": found,
+        "committed": committed,
+    }
+    _atomic.atomic_write_text(ds / FINDINGS, json.dumps(_json.jsonable(doc), indent=1) + "\n")
+    files = [str((ds / FINDINGS).relative_to(out_dir))]
+    for name in ("alone", "packed"):
+        files += sorted(str(p.relative_to(out_dir)) for p in (ds / name).rglob("*") if p.is_file())
+    size = sum((out_dir / f).stat().st_size for f in files)
+    return {
+        "name": "packed_ops",
+        "description": (
+            "op level of the packed dataset: MiniLM's probe alone and packed, ops of "
+            f"{op_modules[0]} recorded, the culprit op's tensors dumped whole ({size} bytes); "
+            f"op_findings.json: first divergent op {found['first_divergent_op']}, culprit op "
+            f"{found['culprit_op']}, patch test confirmed="
+            f"{(found['patch'] or {}).get('confirmed')}, on {doc['machine']}"
+        ),
+        "command": "python -m dmlib.lab packed_ops --out data",
+        "files": files,
+    }
+
+
+__all__ = ["op_findings", "generate", "committed_scope", "OP_MODULES", "DUMP", "OPS_DIR", "FINDINGS"]

@@ -13,6 +13,10 @@ bmm, attention, softmax, layer_norm, sum / mean, convolution); any other op, a c
 operator included, needs a float64 ``reference`` callable. Float64 is not exact either:
 its own error (about 1e-16 relative) is far below one float32 or float16 ULP, which is
 what the comparison needs.
+
+The replay runs through ``torch.ops`` where torch is importable and otherwise in numpy
+(:mod:`dmlib.localize.replay_np`: the same ops but convolution), so a report kernel
+without torch can arbitrate committed dumps; ``backend=`` chooses explicitly.
 """
 
 from __future__ import annotations
@@ -89,6 +93,41 @@ def _decode(v: Any, tensors: Callable[[str], Any]) -> Any:
     raise CaptureError(f"argument {v!r} cannot be replayed")
 
 
+def _decode_np(v: Any, tensors: Callable[[str], Any]) -> Any:
+    if isinstance(v, list):
+        return [_decode_np(x, tensors) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if "tensor" in v:
+        if v["tensor"] is None:
+            raise CaptureError("an argument tensor was not recorded")
+        return tensors(v["tensor"])
+    if "float" in v:
+        return float(v["float"])
+    if any(k in v for k in ("dtype", "device", "layout", "memory_format")):
+        return None  # float64 throughout; where and how the run stored it does not matter
+    raise CaptureError(f"argument {v!r} cannot be replayed")
+
+
+def _np64(arr: np.ndarray) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.dtype.kind == "f" or a.dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return a.astype(np.float64)
+    return np.array(a, copy=True)
+
+
+def _backend(backend: str) -> str:
+    if backend not in ("auto", "torch", "numpy"):
+        raise CaptureError(f"backend {backend!r}: expected 'auto', 'torch' or 'numpy'")
+    if backend != "auto":
+        return backend
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "numpy"
+    return "torch"
+
+
 def _torch64(arr: np.ndarray) -> Any:
     import torch
 
@@ -98,8 +137,21 @@ def _torch64(arr: np.ndarray) -> Any:
     return torch.from_numpy(np.array(a, copy=True))
 
 
-def replay64(cap: Capture, op: OpInfo, reference: Callable[..., Any] | None = None) -> np.ndarray:
-    """The op's first output recomputed in float64 from this capture's whole dumps."""
+def replay64(
+    cap: Capture,
+    op: OpInfo,
+    reference: Callable[..., Any] | None = None,
+    *,
+    backend: str = "auto",
+) -> np.ndarray:
+    """The op's first output recomputed in float64 from this capture's whole dumps.
+
+    ``backend``: ``"torch"`` (``torch.ops``), ``"numpy"`` (:mod:`~dmlib.localize.replay_np`)
+    or ``"auto"`` (torch where importable). A ``reference`` callable gets numpy arrays
+    under the numpy backend, torch tensors otherwise.
+    """
+    if _backend(backend) == "numpy":
+        return _replay_numpy(cap, op, reference)
     import torch
 
     def tensor(name: str) -> Any:
@@ -128,6 +180,30 @@ def replay64(cap: Capture, op: OpInfo, reference: Callable[..., Any] | None = No
     if isinstance(out, (tuple, list)):
         out = out[0]
     return out.detach().to(torch.float64).numpy()
+
+
+def _replay_numpy(cap: Capture, op: OpInfo, reference: Callable[..., Any] | None) -> np.ndarray:
+    from dmlib.localize.replay_np import replay_numpy
+
+    def tensor(name: str) -> np.ndarray:
+        if not cap.dumped(name):
+            raise CaptureError(
+                f"input {name!r} was not dumped whole; fp64 replay needs the op's whole "
+                "inputs (capture with dump= matching them and no dump_requests)",
+                path=cap.path,
+            )
+        return _np64(cap.tensor(name))
+
+    args = [_decode_np(a, tensor) for a in op.args]
+    kwargs = {k: _decode_np(v, tensor) for k, v in op.kwargs.items()}
+    if reference is not None:
+        out = reference(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return np.asarray(out, dtype=np.float64)
+    try:
+        return replay_numpy(op.op, args, kwargs)
+    except CaptureError as err:
+        raise CaptureError(err.message, path=cap.path) from None
 
 
 def distances(out: np.ndarray, ref64: np.ndarray) -> dict[str, Any]:
@@ -169,6 +245,7 @@ def arbitrate(
     request: Any = None,
     reference: Mapping[str, Callable[..., Any]] | None = None,
     factor: float = 10.0,
+    backend: str = "auto",
 ) -> Arbitration:
     """Measure both runs of one op against its float64 replay.
 
@@ -188,7 +265,11 @@ def arbitrate(
     factor
         A run "departs" when its relative error exceeds the other's by this factor and
         it is not within one ULP everywhere.
+    backend
+        Where the float64 replay runs: ``"torch"``, ``"numpy"`` (no torch needed; no
+        convolution) or ``"auto"`` (torch where importable).
     """
+    _backend(backend)
     ca = a if isinstance(a, Capture) else open_capture(a)
     cb = b if isinstance(b, Capture) else open_capture(b)
     key = None if request is None else request_key(request)
@@ -212,7 +293,7 @@ def arbitrate(
     rows = []
     for label, cap, o in (("a", ca, oa), ("b", cb, ob)):
         try:
-            ref64 = replay64(cap, o, ref)
+            ref64 = replay64(cap, o, ref, backend=backend)
             out = cap.tensor(o.outputs[0])
         except CaptureError as err:
             return Arbitration(op, "inconclusive", f"run {label}: {err.message}",

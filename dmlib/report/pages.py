@@ -95,7 +95,11 @@ def _study_html(summary: Mapping[str, Any]) -> str:
 
 
 def _notebooks_html(
-    results: Sequence[Mapping[str, Any]], thumbs: Mapping[str, list[str]], link: Any
+    results: Sequence[Mapping[str, Any]],
+    thumbs: Mapping[str, list[str]],
+    link: Any,
+    *,
+    figure_links: Mapping[str, list[str]] | None = None,
 ) -> str:
     parts = ["<h2>Notebooks</h2>"]
     for r in results:
@@ -124,6 +128,9 @@ def _notebooks_html(
                 for src in thumbs[r["name"]]
             )
             parts.append(f'<div class="thumbs">{imgs}</div>')
+        if (figure_links or {}).get(r["name"]):
+            refs = ", ".join(f'<a href="#fig-{_esc(f)}">{_esc(f)}</a>' for f in figure_links[r["name"]])
+            parts.append(f'<p class="figlinks">Figures: {refs}</p>')
     return "\n".join(parts)
 
 
@@ -196,19 +203,46 @@ def index_page(summary: Mapping[str, Any], figures: Path) -> str:
 
 
 def single_page(summary: Mapping[str, Any], bodies: Mapping[str, str], figures: Path) -> str:
-    """``report.html``: the index and every notebook in one file, figures embedded."""
-    thumbs = {
-        r["name"]: [_data_uri(figures / f"{f}.png") for f in r.get("figures", []) if (figures / f"{f}.png").is_file()]
-        for r in summary["results"]
-    }
-    sections = [
-        f'<section class="nb" id="nb-{_esc(name)}">{body}</section>' for name, body in bodies.items()
-    ]
+    """``report.html``: the index and every notebook in one file, figures embedded once.
+
+    Each figure's bytes appear once, inline where its notebook shows it; the index part
+    links to it by name (``#fig-NAME``) instead of repeating it as a thumbnail, which
+    would double the file's size.
+    """
+    links: dict[str, list[str]] = {}
+    sections = []
+    for name, body in bodies.items():
+        result = next((r for r in summary["results"] if r["name"] == name), {})
+        body, anchored = _anchor_figures(body, result.get("figures", []), figures)
+        links[name] = anchored
+        sections.append(f'<section class="nb" id="nb-{_esc(name)}">{body}</section>')
     body = (
         _header(summary)
         + _study_html(summary)
-        + _notebooks_html(summary["results"], thumbs, lambda n: f"#nb-{n}")
+        + _notebooks_html(summary["results"], {}, lambda n: f"#nb-{n}", figure_links=links)
         + _provenance_html(summary["provenance"])
         + "\n".join(sections)
     )
     return _page(summary["title"], body)
+
+
+_IMG = re.compile(r'<img\b([^>]*?)src="data:image/png;base64,([^"]+)"')
+
+
+def _anchor_figures(body: str, names: Sequence[str], figures: Path) -> tuple[str, list[str]]:
+    """Give each inline image that is one of ``names``' PNG files the id ``fig-NAME``."""
+    by_bytes = {}
+    for f in names:
+        path = figures / f"{f}.png"
+        if path.is_file():
+            by_bytes.setdefault(path.read_bytes(), f)
+    anchored: list[str] = []
+
+    def tag(m: re.Match[str]) -> str:
+        name = by_bytes.get(base64.b64decode(m.group(2)))
+        if name is None or name in anchored:
+            return m.group(0)
+        anchored.append(name)
+        return f'<img id="fig-{_esc(name)}"{m.group(1)}src="data:image/png;base64,{m.group(2)}"'
+
+    return _IMG.sub(tag, body), anchored

@@ -41,6 +41,10 @@ mailed or committed. The format (every key optional, but a study names runs or c
     packed = "cap/packed"
     [captures.repeats]       # folder label = a second capture of that layout
     alone = "cap/alone_repeat"
+    [captures.ops]           # optional: op-level captures (capture(..., ops=True)) of two
+    alone = "cap/ops/alone"  #   layouts, reference first, the culprit op's tensors dumped
+    packed = "cap/ops/packed"
+    findings = "cap/ops/op_findings.json"  # optional: what was computed with the live model
 
 ``made_on`` names the machine (CPU, instruction set, library build, threads) that made the
 runs: floating-point results, and so every finding of the report, depend on it, and the
@@ -124,6 +128,8 @@ class Capture:
     reference: str | None = None
     repeats: dict[str, Path] = field(default_factory=dict)
     negative: Path | None = None
+    ops: dict[str, Path] = field(default_factory=dict)
+    op_findings: Path | None = None
 
 
 @dataclass
@@ -230,11 +236,14 @@ class Study:
             files += r.checkpoints.values()
         files += self.anatomy
         if self.captures is not None:
-            folders = [*self.captures.folders.values(), *self.captures.repeats.values()]
-            if self.captures.negative is not None:
-                folders.append(self.captures.negative)
+            c = self.captures
+            folders = [*c.folders.values(), *c.repeats.values(), *c.ops.values()]
+            if c.negative is not None:
+                folders.append(c.negative)
             for folder in folders:
                 files += sorted(p for p in folder.rglob("*") if p.is_file())
+            if c.op_findings is not None:
+                files.append(c.op_findings)
         return list(dict.fromkeys(files))
 
 
@@ -426,7 +435,7 @@ def _isna(x: Any) -> bool:
 def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | None:
     if not spec:
         return None
-    valid = {"folders", "request", "reference", "repeats", "negative"}
+    valid = {"folders", "request", "reference", "repeats", "negative", "ops"}
     bad = sorted(set(spec) - valid)
     if bad:
         raise DmlibError(f"[captures]: unknown key {bad[0]!r}; valid: {', '.join(sorted(valid))}", path=where)
@@ -448,6 +457,7 @@ def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | Non
             raise DmlibError(f"captures.repeats.{k}: {k!r} is not one of [captures.folders]", path=where)
         repeats[k] = _existing(root, _str(v, f"captures.repeats.{k}", where), where, "capture folder", folder=True)
     negative = spec.get("negative")
+    ops, op_findings = _op_captures(_table(spec, "ops", where), root, where)
     return Capture(
         folders=folders,
         request=None if spec.get("request") is None else str(spec["request"]),
@@ -456,7 +466,29 @@ def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | Non
         negative=None
         if negative is None
         else _existing(root, _str(negative, "captures.negative", where), where, "capture folder", folder=True),
+        ops=ops,
+        op_findings=op_findings,
     )
+
+
+def _op_captures(spec: Mapping[str, Any], root: Path, where: Path) -> tuple[dict[str, Path], Path | None]:
+    """[captures.ops]: label = op-level capture folder (two, reference first), findings = file."""
+    if not spec:
+        return {}, None
+    findings = spec.get("findings")
+    ops = {
+        k: _existing(root, _str(v, f"captures.ops.{k}", where), where, "capture folder", folder=True)
+        for k, v in spec.items()
+        if k != "findings"
+    }
+    if len(ops) != 2:
+        raise DmlibError(
+            f"[captures.ops] needs two op-level capture folders (reference first), found {len(ops)}",
+            path=where,
+        )
+    if findings is not None:
+        findings = _existing(root, _str(findings, "captures.ops.findings", where), where, "op findings file")
+    return ops, findings
 
 
 def _factor_groups(spec: Any, where: Path) -> list[dict[str, Any]]:

@@ -93,6 +93,11 @@ def resolved_toml(study: Study, base: Path) -> str:
         if c.repeats:
             lines += ["", "[captures.repeats]"]
             lines += [f"{_key(k)} = {_value(_rel(v, base))}" for k, v in c.repeats.items()]
+        if c.ops:
+            lines += ["", "[captures.ops]"]
+            lines += [f"{_key(k)} = {_value(_rel(v, base))}" for k, v in c.ops.items()]
+            if c.op_findings is not None:
+                lines.append(f"findings = {_value(_rel(c.op_findings, base))}")
     return "\n".join(lines) + "\n"
 
 
