@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from dmlib.cli import main as cli  # noqa: E402
+from dmlib.errors import DmlibError  # noqa: E402
 from dmlib.report.study import load_study  # noqa: E402
 
 STEPS = (3, 7, 11)
@@ -418,13 +419,28 @@ def capture_report(tmp_path_factory):
         'negative = "cap/other_input"\n\n[captures.folders]\nbase = "cap/base"\nnudged = "cap/nudged"\n\n'
         '[captures.repeats]\nbase = "cap/base_again"\n'
     )
+    for name, m in (("base", base), ("nudged", nudged)):  # op level: every op, mix's dumped
+        rows = [("req", j) for j in range(x.shape[1])]
+        with torch.no_grad(), dmlib_capture(m, root / "ops" / name, row_map=rows, block_rows=4,
+                                            ops=True, dump="mix/*"):  # fmt: skip
+            m(x)
     out = tmp_path_factory.mktemp("shared_captures") / "report"
     rc = cli(["report", str(root / "study.toml"), "--out", str(out)])
-    return rc, out, seen
+    return rc, out, seen, root
+
+
+@pytest.fixture(scope="module")
+def op_capture_report(capture_report):
+    root = capture_report[3]
+    text = (root / "study.toml").read_text()
+    (root / "study_ops.toml").write_text(text + '\n[captures.ops]\nbase = "ops/base"\nnudged = "ops/nudged"\n')
+    out = root / "report_ops"
+    rc = cli(["report", str(root / "study_ops.toml"), "--out", str(out)])
+    return rc, out, root
 
 
 def test_captures_study_names_the_planted_module(capture_report):
-    rc, out, seen = capture_report
+    rc, out, seen, _ = capture_report
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [r["name"] for r in summary["results"] if r["status"] == "ok"] == ["capture_boundaries"]
@@ -438,6 +454,44 @@ def test_captures_study_names_the_planted_module(capture_report):
     page = (out / "capture_boundaries.html").read_text()
     assert "base vs nudged: first divergent boundary <code>mix</code>" in page
     assert len(_images(page)) == len(n["figures"]) == 2
+    # no [captures.ops]: the op-level section says so in one line
+    (result,) = [r for r in summary["results"] if r["name"] == "capture_boundaries"]
+    assert any("no op-level captures" in s for s in result["skipped_sections"])
+    assert "op_first_divergent" not in n
+
+
+def test_op_level_of_a_planted_change(op_capture_report):
+    """[captures.ops]: the notebook's op-level numbers are compare_captures' (called here);
+    the plant (one weight of `mix`) makes the first divergent op one of mix's, and no op
+    qualifies as culprit (the differing weight is an input of mix's ops)."""
+    import dmlib
+
+    rc, out, root = op_capture_report
+    assert rc == 0
+    n = json.loads((out / "numbers" / "capture_boundaries.json").read_text())
+    at = dmlib.compare_captures(root / "ops" / "base", root / "ops" / "nudged", request="req").attrs
+    assert n["op_first_divergent"] == at["first_divergent_op"]
+    assert n["op_first_divergent"].startswith("mix/")
+    assert n["op_culprit"] == at["culprit_op"]
+    assert n["op_machine"] is None and n["op_patch_confirmed"] is None
+    text = re.sub(r"<[^>]+>", "", html.unescape((out / "capture_boundaries.html").read_text()))
+    assert f"the first divergent op is {at['first_divergent_op']}" in text
+    assert "captured on a machine the study does not record" in text
+    assert "No patch test is recorded" in text
+    resolved = load_study(out / "study.toml")  # the report's own study keeps the op level
+    assert [p.name for p in resolved.captures.ops.values()] == ["base", "nudged"]
+
+
+def test_op_captures_need_two_folders(capture_report, tmp_path):
+    root = capture_report[3]
+    text = (root / "study.toml").read_text()
+    bad = root / "study_one_op.toml"
+    bad.write_text(text + '\n[captures.ops]\nbase = "ops/base"\n')
+    with pytest.raises(DmlibError, match=r"\[captures.ops\] needs two"):
+        load_study(bad)
+    bad.write_text(text + '\n[captures.ops]\nbase = "ops/base"\nnudged = "ops/nudged"\nfindings = "nope.json"\n')
+    with pytest.raises(DmlibError, match="op findings file 'nope.json' not found"):
+        load_study(bad)
 
 
 def test_study_init_from_paths(lab, tmp_path, monkeypatch):

@@ -128,8 +128,9 @@ def _notebooks_html(
                 for src in thumbs[r["name"]]
             )
             parts.append(f'<div class="thumbs">{imgs}</div>')
-        if (figure_links or {}).get(r["name"]):
-            refs = ", ".join(f'<a href="#fig-{_esc(f)}">{_esc(f)}</a>' for f in figure_links[r["name"]])
+        linked = (figure_links or {}).get(r["name"])
+        if linked:
+            refs = ", ".join(f'<a href="#fig-{_esc(f)}">{_esc(f)}</a>' for f in linked)
             parts.append(f'<p class="figlinks">Figures: {refs}</p>')
     return "\n".join(parts)
 
@@ -212,7 +213,7 @@ def single_page(summary: Mapping[str, Any], bodies: Mapping[str, str], figures: 
     links: dict[str, list[str]] = {}
     sections = []
     for name, body in bodies.items():
-        result = next((r for r in summary["results"] if r["name"] == name), {})
+        result: Mapping[str, Any] = next((r for r in summary["results"] if r["name"] == name), {})
         body, anchored = _anchor_figures(body, result.get("figures", []), figures)
         links[name] = anchored
         sections.append(f'<section class="nb" id="nb-{_esc(name)}">{body}</section>')
@@ -231,7 +232,7 @@ _IMG = re.compile(r'<img\b([^>]*?)src="data:image/png;base64,([^"]+)"')
 
 def _anchor_figures(body: str, names: Sequence[str], figures: Path) -> tuple[str, list[str]]:
     """Give each inline image that is one of ``names``' PNG files the id ``fig-NAME``."""
-    by_bytes = {}
+    by_bytes: dict[bytes, str] = {}
     for f in names:
         path = figures / f"{f}.png"
         if path.is_file():
