@@ -546,3 +546,36 @@ def test_study_init_offers_this_machine_as_a_commented_guess(lab, tmp_path):
     if model:
         assert model in guess[0]
     assert load_study(scan / "study.toml").made_on is None  # a comment, not a claim
+
+
+def test_recorded_patch_test_is_quoted_with_its_machine(op_capture_report, tmp_path):
+    from dmlib.report.oplevel import op_level
+
+    root = op_capture_report[2]
+    recorded = {
+        "machine": "Planted CPU (avx2), torch dispatching to AVX2",
+        "findings": {
+            "culprit_op": "elsewhere/aten.addmm#0", "torch": "2.13.0", "threads": 2,
+            "patch": {"boundary": "elsewhere/aten.addmm#0", "confirmed": True, "reason": None,
+                      "first_still_differing": None},
+            "patch_every_layer": {"boundary": "a/aten.mm#0, b/aten.mm#0, c/aten.mm#0",
+                                  "confirmed": False, "reason": "2 later boundaries still differ",
+                                  "first_still_differing": "d"},
+        },
+    }  # fmt: skip
+    (tmp_path / "f.json").write_text(json.dumps(recorded))
+    study = load_study(root / "study_ops.toml")
+    study.captures.op_findings = tmp_path / "f.json"
+    res = op_level(study.captures)
+    assert res.numbers["op_machine"] == recorded["machine"] and res.numbers["op_patch_confirmed"] is True
+    text = "\n".join(res.lines)
+    assert (
+        "Patch test, recorded on Planted CPU (avx2), torch dispatching to AVX2 (torch 2.13.0, 2 threads): "
+        "patching the reference's rows at `elsewhere/aten.addmm#0`: confirmed; the same op in every "
+        "layer at `a/aten.mm#0` and 2 more: not confirmed (first boundary still differing: `d`); "
+        "2 later boundaries still differ."
+    ) in text
+    assert "The recorded patch test concerns `elsewhere/aten.addmm#0`, while these captures name" in text
+    (tmp_path / "f.json").write_text("{not json")
+    with pytest.raises(DmlibError, match="op findings unreadable"):
+        op_level(study.captures)

@@ -120,6 +120,7 @@ def op_level(captures: Any, *, backend: str = "auto") -> OpLevel:
         if found.get("culprit_op") != culprit:
             lines.append(
                 f"The recorded patch test concerns `{found.get('culprit_op')}`, while these "
-                f"captures name `{culprit}`: they were not made on the same machine or settings."
+                + (f"captures name `{culprit}`" if culprit else "captures name no culprit op")
+                + ": they were not made on the same machine or settings."
             )
     return OpLevel(numbers, lines, table)
