@@ -57,6 +57,20 @@ def test_arbitrate_departure_exit_1_and_json(mms, capsys):
     assert [r["run"] for r in doc["rows"]] == ["a", "b"] and doc["rows"][1]["max_abs"] > 9e-3
 
 
+def test_arbitrate_numpy_backend_gives_the_same_verdict(mms, capsys):
+    """The planted 1e-2 on run b's output is found by the numpy float64 replay too."""
+    root, op = mms
+    assert main(["arbitrate", str(root / "a"), str(root / "bad"), "--op", op, "--json",
+                 "--backend", "numpy"]) == 1  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "b-departs"
+    by_torch = dmlib.arbitrate(root / "a", root / "bad", op, backend="torch").table
+    assert [r["max_ulp"] for r in doc["rows"]] == list(by_torch["max_ulp"])
+    wrong = np.asarray(dmlib.open_capture(root / "bad").tensor(op))
+    right = np.asarray(dmlib.open_capture(root / "a").tensor(op))
+    assert doc["rows"][1]["max_abs"] == pytest.approx(np.abs(wrong.astype(np.float64) - right).max(), abs=1e-6)
+
+
 def test_arbitrate_custom_op_is_inconclusive_exit_1(tmp_path, capsys):
     model = Net()
     for kind in ("alone", "packed"):

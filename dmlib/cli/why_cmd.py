@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request", metavar="ID", help="measure only this request's rows")
     p.add_argument("--factor", type=float, default=10.0,
                    help="a run departs when its relative error is this many times the other's")  # fmt: skip
+    p.add_argument("--backend", choices=("auto", "torch", "numpy"), default="auto",
+                   help="where the float64 replay runs (auto: torch if installed, else numpy)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document")
     add_common_epilog(p)
     p.set_defaults(func=run_arbitrate)
@@ -56,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_arbitrate(args: argparse.Namespace) -> int:
     from dmlib.localize.arbitrate import COLUMNS, arbitrate
 
-    res = arbitrate(args.a, args.b, args.op, request=args.request, factor=args.factor)
+    res = arbitrate(args.a, args.b, args.op, request=args.request, factor=args.factor,
+                    backend=args.backend)
     if args.json:
         doc = {"op": res.op, "verdict": res.verdict, "reason": res.reason, "rows": res.table}
         print(json.dumps(jsonable(doc), indent=1))
