@@ -234,6 +234,7 @@ def _captures_row(study: Study) -> dict[str, Any] | None:
         "request": c.request or "(every request)",
         "reference": c.reference,
         "folders": {k: study.rel(v) for k, v in c.folders.items()},
+        "ops": {k: study.rel(v) for k, v in c.ops.items()},
     }
 
 

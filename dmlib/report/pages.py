@@ -89,7 +89,13 @@ def _study_html(summary: Mapping[str, Any]) -> str:
         parts.append(
             f"<p>Captures of request <code>{_esc(c['request'])}</code>: "
             + ", ".join(f"{_esc(k)} (<code>{_esc(v)}</code>)" for k, v in c["folders"].items())
-            + f"; compared against <b>{_esc(c['reference'])}</b>.</p>"
+            + f"; compared against <b>{_esc(c['reference'])}</b>"
+            + (
+                "; op level: " + " vs ".join(f"{_esc(k)} (<code>{_esc(v)}</code>)" for k, v in c["ops"].items())
+                if c.get("ops")
+                else ""
+            )
+            + ".</p>"
         )
     return "\n".join(parts)
 
