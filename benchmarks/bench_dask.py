@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         ib = write_sharded(WORK / "b", size, seed=1, moved=True)
         t0 = time.perf_counter()
         cluster = distributed.LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         )
         client = distributed.Client(cluster)
         result["cluster_start_seconds"] = time.perf_counter() - t0

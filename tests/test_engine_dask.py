@@ -25,7 +25,7 @@ CHUNK = 1 << 18
 @pytest.fixture(scope="module")
 def client():
     cluster = distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
     )
     c = distributed.Client(cluster)
     yield c

@@ -262,7 +262,7 @@ def client_for(spec: str) -> Any:
         if n < 1:
             raise DmlibError(f"--dask local:N needs a positive number of workers, got {spec!r}")
         cluster = LocalCluster(
-            n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None
+            n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
         )
         client = Client(cluster)
         setattr(client, "_dmlib_cluster", cluster)  # noqa: B010 (closed with the client)
