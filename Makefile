@@ -51,8 +51,9 @@ bench: $(VENV)/.full  ## speed and memory, side by side with the baselines (minu
 data: $(VENV)/.full
 	$(PY) -m dmlib.lab all --out data
 
-lint: $(VENV)/.full  ## ruff, then mypy on dmlib/ (settings in pyproject.toml)
+lint: $(VENV)/.full  ## ruff (lint and format check), then mypy on dmlib/ (settings in pyproject.toml)
 	$(PY) -m ruff check dmlib tests benchmarks
+	$(PY) -m ruff format --check dmlib tests benchmarks
 	$(PY) -m mypy
 
 clean:

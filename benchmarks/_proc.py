@@ -58,5 +58,3 @@ def run_cpu(
     if int(code) not in ok:
         raise SystemExit(f"{' '.join(cmd)} exited {code}: {proc.stderr.decode().strip()[-500:]}")
     return float(dt), int(rss_kib) / 1024, float(cpu)
-
-

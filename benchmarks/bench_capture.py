@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
                 times[name].append(time.perf_counter() - t0)
                 if name == "full_dump":
-                    dump_bytes = sum(f.stat().st_size for f in (WORK / "c").rglob("*") if f.is_file())
+                    dump_bytes = sum(
+                        f.stat().st_size for f in (WORK / "c").rglob("*") if f.is_file()
+                    )
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
 

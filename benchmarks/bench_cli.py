@@ -44,7 +44,11 @@ def write_pair(path_a: Path, path_b: Path, nbytes: int, seed: int, frac: float =
     per = max(4, nbytes // N_TENSORS // 4 * 4)
     header, off = {}, 0
     for i in range(N_TENSORS):
-        header[f"blocks.{i}.weight"] = {"dtype": "F32", "shape": [per // 4], "data_offsets": [off, off + per]}
+        header[f"blocks.{i}.weight"] = {
+            "dtype": "F32",
+            "shape": [per // 4],
+            "data_offsets": [off, off + per],
+        }
         off += per
     hb = json.dumps(header).encode()
     hb += b" " * (-len(hb) % 8)
@@ -91,10 +95,16 @@ def interleaved(cmds: dict[str, list[str]], repeat: int) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=512, help="size of each checkpoint (default 512)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--size-mib", type=int, default=512, help="size of each checkpoint (default 512)"
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs per command (best of)")
-    p.add_argument("--quick", action="store_true", help="tiny files: a smoke test, not a measurement")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny files: a smoke test, not a measurement"
+    )
     args = p.parse_args(argv)
     size = (4 << 20) if args.quick else args.size_mib << 20
     repeat = 1 if args.quick else args.repeat
@@ -104,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     A, B, A2 = WORK / "a.safetensors", WORK / "b.safetensors", WORK / "a_copy.safetensors"
     T1, T2 = WORK / "tiny_a.safetensors", WORK / "tiny_b.safetensors"
     copies = [WORK / f"run{i}.safetensors" for i in range(5)]
-    result: dict = {"size_bytes": size, "repeat": repeat, "cpus": os.cpu_count(), "quick": args.quick}
+    result: dict = {
+        "size_bytes": size,
+        "repeat": repeat,
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+    }
     result["loadavg_before"] = os.getloadavg()
     try:
         write_pair(A, B, size, seed=1)
@@ -115,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         hdr = b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
         hdr += b" " * (-len(hdr) % 8)
         for t in (T1, T2):
-            t.write_bytes(len(hdr).to_bytes(8, "little") + hdr + np.arange(4, dtype=np.float32).tobytes())
+            t.write_bytes(
+                len(hdr).to_bytes(8, "little") + hdr + np.arange(4, dtype=np.float32).tobytes()
+            )
         warm(A, A2, B, *copies, T1, T2)
 
         r = interleaved(
@@ -130,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
         warm(A, A2)
         result["identical"] = interleaved(
-            {"dmlib compare": [*dm, "compare", str(A), str(A2)], "cmp": ["cmp", str(A), str(A2)]}, repeat
+            {"dmlib compare": [*dm, "compare", str(A), str(A2)], "cmp": ["cmp", str(A), str(A2)]},
+            repeat,
         )
         warm(A, B)
         numpy_script = [py, "-m", "benchmarks.bench_compare", "--child", "numpy", str(A), str(B)]
@@ -154,36 +172,83 @@ def main(argv: list[str] | None = None) -> int:
 
     s, i, d, m = result["startup"], result["identical"], result["differing"], result["matrix"]
     rows = [
-        ("start-up: dmlib compare, 64-byte files (s)", None, s["dmlib compare (64-byte files)"]["best_seconds"], "<= 0.35 s"),
-        ("  python -c pass / import numpy (s)", s["python -c pass"]["best_seconds"], s["python -c 'import numpy'"]["best_seconds"], "floor"),
-        ("identical: seconds (cmp)", i["cmp"]["best_seconds"], i["dmlib compare"]["best_seconds"], "<= 1.2x"),
-        ("15% differ: seconds (numpy script)", d["numpy script"]["best_seconds"], d["dmlib compare"]["best_seconds"], ">= 15x faster"),
-        ("identical: CPU seconds (cmp)", i["cmp"]["best_cpu_seconds"], i["dmlib compare"]["best_cpu_seconds"], "<= 1.2x"),
-        ("15% differ: CPU seconds (numpy script)", d["numpy script"]["best_cpu_seconds"], d["dmlib compare"]["best_cpu_seconds"], ">= 15x faster"),
-        ("15% differ: peak RSS MiB (numpy script)", d["numpy script"]["peak_rss_mib"], d["dmlib compare"]["peak_rss_mib"], "<= 0.1"),
-        ("matrix 7 runs vs one differing compare (s)", m["dmlib compare (differing pair)"]["best_seconds"], m["dmlib matrix (7 runs, 6 identical)"]["best_seconds"], "<= 3x"),
+        (
+            "start-up: dmlib compare, 64-byte files (s)",
+            None,
+            s["dmlib compare (64-byte files)"]["best_seconds"],
+            "<= 0.35 s",
+        ),
+        (
+            "  python -c pass / import numpy (s)",
+            s["python -c pass"]["best_seconds"],
+            s["python -c 'import numpy'"]["best_seconds"],
+            "floor",
+        ),
+        (
+            "identical: seconds (cmp)",
+            i["cmp"]["best_seconds"],
+            i["dmlib compare"]["best_seconds"],
+            "<= 1.2x",
+        ),
+        (
+            "15% differ: seconds (numpy script)",
+            d["numpy script"]["best_seconds"],
+            d["dmlib compare"]["best_seconds"],
+            ">= 15x faster",
+        ),
+        (
+            "identical: CPU seconds (cmp)",
+            i["cmp"]["best_cpu_seconds"],
+            i["dmlib compare"]["best_cpu_seconds"],
+            "<= 1.2x",
+        ),
+        (
+            "15% differ: CPU seconds (numpy script)",
+            d["numpy script"]["best_cpu_seconds"],
+            d["dmlib compare"]["best_cpu_seconds"],
+            ">= 15x faster",
+        ),
+        (
+            "15% differ: peak RSS MiB (numpy script)",
+            d["numpy script"]["peak_rss_mib"],
+            d["dmlib compare"]["peak_rss_mib"],
+            "<= 0.1",
+        ),
+        (
+            "matrix 7 runs vs one differing compare (s)",
+            m["dmlib compare (differing pair)"]["best_seconds"],
+            m["dmlib matrix (7 runs, 6 identical)"]["best_seconds"],
+            "<= 3x",
+        ),
     ]
     result["ratios"] = {
         "identical_vs_cmp": i["dmlib compare"]["best_seconds"] / i["cmp"]["best_seconds"],
-        "differing_speedup_vs_numpy": d["numpy script"]["best_seconds"] / d["dmlib compare"]["best_seconds"],
-        "identical_cpu_vs_cmp": i["dmlib compare"]["best_cpu_seconds"] / i["cmp"]["best_cpu_seconds"],
+        "differing_speedup_vs_numpy": d["numpy script"]["best_seconds"]
+        / d["dmlib compare"]["best_seconds"],
+        "identical_cpu_vs_cmp": i["dmlib compare"]["best_cpu_seconds"]
+        / i["cmp"]["best_cpu_seconds"],
         "differing_cpu_speedup_vs_numpy": d["numpy script"]["best_cpu_seconds"]
         / d["dmlib compare"]["best_cpu_seconds"],
-        "differing_memory_vs_numpy": d["dmlib compare"]["peak_rss_mib"] / d["numpy script"]["peak_rss_mib"],
+        "differing_memory_vs_numpy": d["dmlib compare"]["peak_rss_mib"]
+        / d["numpy script"]["peak_rss_mib"],
         "matrix_vs_one_compare": m["dmlib matrix (7 runs, 6 identical)"]["best_seconds"]
         / m["dmlib compare (differing pair)"]["best_seconds"],
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
-    print(f"whole processes, {size >> 20} MiB per checkpoint, best of {repeat}"
-          f"{' (QUICK: not a measurement)' if args.quick else ''}")
+    print(
+        f"whole processes, {size >> 20} MiB per checkpoint, best of {repeat}"
+        f"{' (QUICK: not a measurement)' if args.quick else ''}"
+    )
     print(f"{'measurement':<46} {'baseline':>10} {'dmlib':>10} {'ratio':>8}  target")
     for name, base, val, target in rows:
         ratio = "" if base is None else f"{(base / val if 'faster' in target else val / base):8.3g}"
         b = "" if base is None else f"{base:10.3f}"
         print(f"{name:<46} {b:>10} {val:>10.3f} {ratio:>8}  {target}")
     la, lb = result["loadavg_before"][0], result["loadavg_after"][0]
-    print(f"load average before/after: {la:.1f} / {lb:.1f} (a shared machine: ratios, not absolutes)")
+    print(
+        f"load average before/after: {la:.1f} / {lb:.1f} (a shared machine: ratios, not absolutes)"
+    )
     return 0
 
 

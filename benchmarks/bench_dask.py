@@ -58,7 +58,9 @@ def write_sharded(folder: Path, nbytes: int, seed: int, moved: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size-mib", type=int, default=1024, help="size of each checkpoint")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true")
@@ -113,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             ta, tb = sa[name], sb[name]
             n = min(hashing.PIECE, ta.nbytes)
             for label, other in (("identical", ta), ("differing", tb)):
-                spec = P.PieceSpec(side_of(ta), side_of(other), 0, n, "float", "float32", 4 << 20, hashing.BLAKE3)
+                spec = P.PieceSpec(
+                    side_of(ta), side_of(other), 0, n, "float", "float32", 4 << 20, hashing.BLAKE3
+                )
                 P.compare_piece(spec)  # page cache warm
                 best = min(
-                    (lambda t: (P.compare_piece(spec), time.perf_counter() - t)[1])(time.perf_counter())
+                    (lambda t: (P.compare_piece(spec), time.perf_counter() - t)[1])(
+                        time.perf_counter()
+                    )
                     for _ in range(repeat)
                 )
                 result[f"piece_gbps_{label}"] = 2 * n / best / 1e9  # both sides read
@@ -126,17 +132,27 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
     c = result["compare"]
-    print(f"sharded pair, {size >> 20} MiB per checkpoint ({SHARDS} shards), best of {repeat}"
-          f"{' (QUICK: not a measurement)' if args.quick else ''}")
+    print(
+        f"sharded pair, {size >> 20} MiB per checkpoint ({SHARDS} shards), best of {repeat}"
+        f"{' (QUICK: not a measurement)' if args.quick else ''}"
+    )
     print(f"local engine                 {c['local']['best_seconds']:8.3f} s")
-    print(f"dask, LocalCluster 2 procs   {c['dask']['best_seconds']:8.3f} s   "
-          f"ratio {c['dask']['best_seconds'] / c['local']['best_seconds']:.2f}x (rows identical)")
-    print(f"cluster start-up             {result['cluster_start_seconds']:8.3f} s (not in the ratio)")
+    print(
+        f"dask, LocalCluster 2 procs   {c['dask']['best_seconds']:8.3f} s   "
+        f"ratio {c['dask']['best_seconds'] / c['local']['best_seconds']:.2f}x (rows identical)"
+    )
+    print(
+        f"cluster start-up             {result['cluster_start_seconds']:8.3f} s (not in the ratio)"
+    )
     print(f"dask per-task overhead       {result['dask_seconds_per_task'] * 1e3:8.3f} ms")
-    print(f"one piece task, per core     {result['piece_gbps_identical']:8.2f} GB/s identical, "
-          f"{result['piece_gbps_differing']:.2f} GB/s differing (input bytes, both sides)")
+    print(
+        f"one piece task, per core     {result['piece_gbps_identical']:8.2f} GB/s identical, "
+        f"{result['piece_gbps_differing']:.2f} GB/s differing (input bytes, both sides)"
+    )
     la, lb = result["loadavg_before"][0], result["loadavg_after"][0]
-    print(f"load average before/after: {la:.1f} / {lb:.1f} (a shared machine: ratios, not absolutes)")
+    print(
+        f"load average before/after: {la:.1f} / {lb:.1f} (a shared machine: ratios, not absolutes)"
+    )
     return 0
 
 

@@ -113,7 +113,9 @@ def _write(a: Path, b: Path, size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size-mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true")
@@ -145,17 +147,25 @@ def main(argv: list[str] | None = None) -> int:
     result["loadavg_after"] = os.getloadavg()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
-    print(f"reading two {size >> 20} MiB files side by side (compare + hash one side), best of {repeat}"
-          f"{' (QUICK: not a measurement)' if args.quick else ''}")
-    print(f"{'strategy':<16} {'warm s':>8} {'warm RSS MiB':>13} {'cold s':>8} {'cold RSS MiB':>13}  (ratio to mmap)")
+    print(
+        f"reading two {size >> 20} MiB files side by side (compare + hash one side), best of {repeat}"
+        f"{' (QUICK: not a measurement)' if args.quick else ''}"
+    )
+    print(
+        f"{'strategy':<16} {'warm s':>8} {'warm RSS MiB':>13} {'cold s':>8} {'cold RSS MiB':>13}  (ratio to mmap)"
+    )
     for s in STRATEGIES:
         w, c = result["warm"][s], result["cold"][s]
         rw = w["best_seconds"] / result["warm"]["mmap"]["best_seconds"]
         rc = c["best_seconds"] / result["cold"]["mmap"]["best_seconds"]
-        print(f"{s:<16} {w['best_seconds']:>8.3f} {w['peak_rss_mib']:>13.0f} {c['best_seconds']:>8.3f}"
-              f" {c['peak_rss_mib']:>13.0f}  warm {rw:.2f}x, cold {rc:.2f}x")
+        print(
+            f"{s:<16} {w['best_seconds']:>8.3f} {w['peak_rss_mib']:>13.0f} {c['best_seconds']:>8.3f}"
+            f" {c['peak_rss_mib']:>13.0f}  warm {rw:.2f}x, cold {rc:.2f}x"
+        )
     la, lb = result["loadavg_before"][0], result["loadavg_after"][0]
-    print(f"load average before/after: {la:.1f} / {lb:.1f} (a shared machine: ratios, not absolutes)")
+    print(
+        f"load average before/after: {la:.1f} / {lb:.1f} (a shared machine: ratios, not absolutes)"
+    )
     return 0
 
 

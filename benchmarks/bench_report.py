@@ -53,7 +53,9 @@ def make_study(root: Path, n_runs: int = 4) -> Path:
                     hit = noise.random(v.shape) < 0.01 * (i + 1)
                     v[hit] = np.nextafter(v[hit], np.float32(np.inf))
                 out[k] = v
-            write_safetensors(root / f"run{r}" / f"step{step:03d}.safetensors", out, metadata={"step": str(step)})
+            write_safetensors(
+                root / f"run{r}" / f"step{step:03d}.safetensors", out, metadata={"step": str(step)}
+            )
     runs = "\n".join(f'run{r} = "run{r}/"' for r in range(n_runs))
     (root / "study.toml").write_text(
         f'title = "benchmark"\ncontrol = "run{n_runs - 1}"\n\n[runs]\n{runs}\n\n[repeats]\nrun1 = "run0"\n'
@@ -64,7 +66,10 @@ def make_study(root: Path, n_runs: int = 4) -> Path:
 def floor_notebook(path: Path) -> None:
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell('STUDY = "study.toml"\nFIGURE_DIR = "figures"\nSMALL = False', metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            'STUDY = "study.toml"\nFIGURE_DIR = "figures"\nSMALL = False',
+            metadata={"tags": ["parameters"]},
+        ),
         nbformat.v4.new_code_cell(
             "import matplotlib.pyplot as plt\nimport pandas as pd\nimport dmlib\n"
             "from dmlib import plots, report\nfrom dmlib.report import prose\nstudy = report.load_study(STUDY)"

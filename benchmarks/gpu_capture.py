@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     cfg = Config(json.loads(Path(args.config).read_text()))
     base = MiniLM(cfg).eval()
-    report: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__}
+    report: dict = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     for dtype in (torch.float32, torch.bfloat16):
         model = MiniLM(cfg).eval()
         model.load_state_dict(base.state_dict())
@@ -86,13 +89,18 @@ def main(argv: list[str] | None = None) -> int:
                 with dmlib.capture(model, work / f"{tag}_{name}", modules="*", row_map=rows, block_rows=8,
                                    dump=["embeddings", "encoder.layer.0.attention.self"], dump_requests=["probe"]):  # fmt: skip
                     captured = model(**b)
-            same = torch.equal(plain.contiguous().view(torch.uint8), captured.contiguous().view(torch.uint8))
+            same = torch.equal(
+                plain.contiguous().view(torch.uint8), captured.contiguous().view(torch.uint8)
+            )
             res.setdefault("outputs_unchanged_by_capture", {})[name] = bool(same)
             schemes = sorted({x.hash for x in dmlib.open_capture(work / f"{tag}_{name}")})
             res.setdefault("hash_schemes", {})[name] = schemes  # cksum4-v1: hashed on the device
         for other in ("padded", "packed"):
             df = dmlib.compare_captures(
-                work / f"{tag}_alone", work / f"{tag}_{other}", request="probe", repeat=work / f"{tag}_alone_repeat"
+                work / f"{tag}_alone",
+                work / f"{tag}_{other}",
+                request="probe",
+                repeat=work / f"{tag}_alone_repeat",
             )
             diff = df[df["identical"].eq(False).fillna(False).astype(bool)]
             res[f"alone_vs_{other}"] = {
@@ -104,8 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                 "n_differing": int(len(diff)),
                 "max_rel_l2": float(df["rel_l2"].max()) if df["rel_l2"].notna().any() else None,
             }
-        rep = dmlib.compare_captures(work / f"{tag}_packed", work / f"{tag}_packed_repeat", request="probe")
-        res["packed_repeat_differing_boundaries"] = int(rep["identical"].eq(False).fillna(False).sum())
+        rep = dmlib.compare_captures(
+            work / f"{tag}_packed", work / f"{tag}_packed_repeat", request="probe"
+        )
+        res["packed_repeat_differing_boundaries"] = int(
+            rep["identical"].eq(False).fillna(False).sum()
+        )
         res["packed_repeat_first_divergent"] = rep.attrs.get("first_divergent_boundary")
         report[tag] = res
     # overhead, float32, the packed batch
@@ -128,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     def run(dump):
         path = work / "timing"
         shutil.rmtree(path, ignore_errors=True)
-        with torch.no_grad(), dmlib.capture(model, path, modules="*", row_map=rows, block_rows=8, dump=dump):
+        with (
+            torch.no_grad(),
+            dmlib.capture(model, path, modules="*", row_map=rows, block_rows=8, dump=dump),
+        ):
             model(**b)
 
     with torch.no_grad():

@@ -25,7 +25,9 @@ PROFILE = {
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement"
+    )
     p.add_argument("--only", nargs="*", help="benchmark module names (e.g. bench_compare)")
     args = p.parse_args(argv)
     here = Path(__file__).parent

@@ -20,7 +20,9 @@ from dmlib.errors import DmlibError
 __all__ = ["jsonable"]
 
 
-def jsonable(value: Any, *, default: Callable[[Any], Any] | None = None, what: str = "value") -> Any:
+def jsonable(
+    value: Any, *, default: Callable[[Any], Any] | None = None, what: str = "value"
+) -> Any:
     """Plain JSON types (dict, list, str, int, float, bool, None) for ``value``.
 
     Parameters

@@ -175,7 +175,9 @@ def native(dtype: np.dtype) -> np.dtype:
 
 def safetensors_name(dtype: np.dtype) -> str:
     """The safetensors dtype string of a numpy dtype (raises ``KeyError`` when there is none)."""
-    dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
+    dtype = (
+        np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
+    )
     return SAFETENSORS_DTYPES.name_of(dtype)
 
 
@@ -197,7 +199,13 @@ def bits_dtype(dtype: np.dtype) -> np.dtype:
     """The unsigned integer dtype with the same width and byte order, for viewing bit patterns."""
     dtype = np.dtype(dtype)
     known = _bits_of(native(dtype))
-    bits = known if known is not None else np.dtype(f"u{dtype.itemsize}") if dtype.itemsize > 1 else np.dtype("u1")
+    bits = (
+        known
+        if known is not None
+        else np.dtype(f"u{dtype.itemsize}")
+        if dtype.itemsize > 1
+        else np.dtype("u1")
+    )
     # viewing big-endian bytes through a big-endian integer gives the right bit pattern
     return bits.newbyteorder(">") if dtype.byteorder == ">" and bits.itemsize > 1 else bits
 

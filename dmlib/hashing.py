@@ -91,7 +91,9 @@ def combine(piece_digests: Sequence[bytes], nbytes: int) -> str:
     """The ``blake3-64MiB`` digest of ``nbytes`` bytes from its pieces' raw BLAKE3 digests, in order."""
     k = -(-nbytes // PIECE)
     if len(piece_digests) != max(k, 1):
-        raise DmlibError(f"{nbytes} bytes make {max(k, 1)} pieces of {PIECE}, got {len(piece_digests)} digests")
+        raise DmlibError(
+            f"{nbytes} bytes make {max(k, 1)} pieces of {PIECE}, got {len(piece_digests)} digests"
+        )
     if nbytes <= PIECE:
         return f"{BLAKE3}:{piece_digests[0].hex()}"
     h = _blake3()(_DOMAIN + PIECE.to_bytes(8, "little") + nbytes.to_bytes(8, "little"))

@@ -93,5 +93,8 @@ def describe(
         }
         if ts.format == "burnpack":
             c = padding_census(ts)
-            doc["padding"] = {"gaps": c.gaps.to_dict(orient="records"), "slots": c.slots.to_dict(orient="records")}
+            doc["padding"] = {
+                "gaps": c.gaps.to_dict(orient="records"),
+                "slots": c.slots.to_dict(orient="records"),
+            }
     return doc

@@ -24,7 +24,16 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str]:
     """The vector-ISA flags of this CPU that decide kernel dispatch (``/proc/cpuinfo``)."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    wanted = (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+    )
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -39,4 +48,8 @@ def cpu_flags() -> list[str]:
 def machine_line() -> str:
     """This machine in one line: CPU model, its vector-ISA flags, logical CPUs."""
     flags = cpu_flags()
-    return f"{cpu_model()}" + (f" ({', '.join(flags)})" if flags else "") + f", {os.cpu_count()} logical CPUs"
+    return (
+        f"{cpu_model()}"
+        + (f" ({', '.join(flags)})" if flags else "")
+        + f", {os.cpu_count()} logical CPUs"
+    )

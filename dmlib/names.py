@@ -18,7 +18,14 @@ from typing import Any
 from dmlib.errors import DmlibError
 from dmlib.tensor import TensorSet
 
-__all__ = ["KNOWN_PREFIXES", "Rename", "apply_renames", "closest", "parse_renames", "suggest_alignment"]
+__all__ = [
+    "KNOWN_PREFIXES",
+    "Rename",
+    "apply_renames",
+    "closest",
+    "parse_renames",
+    "suggest_alignment",
+]
 
 #: Prefixes that wrappers add to every parameter name (checked first when aligning).
 KNOWN_PREFIXES = ("model.", "module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module.")
@@ -132,7 +139,9 @@ def suggest_alignment(names_a: Sequence[str], names_b: Sequence[str]) -> dict[st
 
     options: list[list[Rename]] = [[Rename("a", p, "")] for p in strip_a]
     options += [[Rename("b", p, "")] for p in strip_b]
-    options += [[Rename("a", p, ""), Rename("b", q, "")] for p in strip_a for q in strip_b if p != q]
+    options += [
+        [Rename("a", p, ""), Rename("b", q, "")] for p in strip_a for q in strip_b if p != q
+    ]
     for opt in options:
         ma, mb = a, b
         for r in opt:

@@ -41,7 +41,18 @@ HUGE = 1e30  # |v| >= 1e30 (inf included) counts as "huge": no trained parameter
 SLOT = 4  # bytes of one float32 slot
 
 # padding_census: one row per gap, one row per record
-GAP_COLUMNS = ["record", "kind", "start", "end", "nbytes", "zero", "nonzero_bytes", "f32_slots", "nan", "huge"]
+GAP_COLUMNS = [
+    "record",
+    "kind",
+    "start",
+    "end",
+    "nbytes",
+    "zero",
+    "nonzero_bytes",
+    "f32_slots",
+    "nan",
+    "huge",
+]
 SLOT_COUNT_COLUMNS = (
     "flat_slots",
     "named_slots",
@@ -151,7 +162,9 @@ def padding_census(ts_or_path: Source) -> Census:
 
 def _census(ts: TensorSet) -> Census:
     if ts.format != "burnpack":
-        raise UnsupportedError(f"the padding census reads burnpack files, not {ts.format}", path=ts.path)
+        raise UnsupportedError(
+            f"the padding census reads burnpack files, not {ts.format}", path=ts.path
+        )
     gaps: list[dict] = []
     slots: list[dict] = []
     records = ts.records or (ts,)
@@ -188,7 +201,9 @@ def _census(ts: TensorSet) -> Census:
             }
         )
         prev_end = r.end
-    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(columns="_nonzero_slots")
+    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(
+        columns="_nonzero_slots"
+    )
     return Census(gaps=gdf, slots=pd.DataFrame(slots, columns=RECORD_COLUMNS))
 
 
@@ -338,9 +353,7 @@ def _differing_slots(loaded: list[_Run]) -> tuple[np.ndarray, np.ndarray]:
     return all_offsets, shared & (bits != bits[:1]).any(axis=0)
 
 
-def _run_slots(
-    r: _Run, dif: np.ndarray, loaded: list[_Run]
-) -> tuple[pd.DataFrame, dict[str, Any]]:
+def _run_slots(r: _Run, dif: np.ndarray, loaded: list[_Run]) -> tuple[pd.DataFrame, dict[str, Any]]:
     """One run's reported slots (dirty or differing, ``dif`` per slot) and its totals."""
     dirty = r.bits != 0
     with np.errstate(invalid="ignore", over="ignore"):

@@ -156,4 +156,3 @@ def check_selection(
             f"the selection (--include {patterns(include)} --exclude {patterns(exclude)}) "
             f"leaves no tensor of {where} to compare"
         )
-

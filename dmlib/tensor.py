@@ -142,7 +142,9 @@ class Tensor:
         """The stored bytes as a read-only 1-D ``uint8`` array (a view where possible)."""
         src = self._source
         if src is None:
-            raise DmlibError(f"tensor {self.name!r} has no data source (file closed?)", path=self._path)
+            raise DmlibError(
+                f"tensor {self.name!r} has no data source (file closed?)", path=self._path
+            )
         if callable(src):
             arr = src()
         elif self._in_buffer:
@@ -291,7 +293,9 @@ class TensorSet(Mapping[str, Tensor]):
         if buf is None:
             raise DmlibError("no file bytes to read (in-memory set, or closed)", path=self.path)
         if not 0 <= start <= end <= len(buf):
-            raise DmlibError(f"byte range [{start}, {end}) is outside the file (0..{len(buf)})", path=self.path)
+            raise DmlibError(
+                f"byte range [{start}, {end}) is outside the file (0..{len(buf)})", path=self.path
+            )
         view = buf[start:end]
         return view
 
@@ -386,6 +390,11 @@ class ArrayTensorSet(TensorSet):
         for name, arr in arrays.items():
             a = np.ascontiguousarray(arr)
             tensors[name] = Tensor(
-                name, a.dtype, a.shape, nbytes=a.nbytes, source=a, path=None if path is None else os.fspath(path)
+                name,
+                a.dtype,
+                a.shape,
+                nbytes=a.nbytes,
+                source=a,
+                path=None if path is None else os.fspath(path),
             )
         super().__init__(tensors, path=path, format=format, metadata=metadata, scalars=scalars)

@@ -19,5 +19,7 @@ BURNPACK_FIXTURES = SHARED_FIXTURES / "burnpack"
 def burnpack_fixtures() -> Path:
     """The folder of real Burn checkpoints; skips the test when it is not there."""
     if not BURNPACK_FIXTURES.is_dir():
-        pytest.skip(f"real Burn fixtures not found at {BURNPACK_FIXTURES} (../shared/fixtures beside the checkout)")
+        pytest.skip(
+            f"real Burn fixtures not found at {BURNPACK_FIXTURES} (../shared/fixtures beside the checkout)"
+        )
     return BURNPACK_FIXTURES

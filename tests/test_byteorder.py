@@ -78,7 +78,9 @@ def test_compare_two_big_endian_npy(tmp_path):
     d = b.astype(np.float64) - a.astype(np.float64)
     assert row["max_abs"] == np.max(np.abs(d))
     assert int(row["max_ulp"]) == max(oracle_ulp(a, b, 32))
-    assert row["rel_fro"] == pytest.approx(np.linalg.norm(d) / np.linalg.norm(a.astype(np.float64)), rel=1e-12)
+    assert row["rel_fro"] == pytest.approx(
+        np.linalg.norm(d) / np.linalg.norm(a.astype(np.float64)), rel=1e-12
+    )
     # hashes are over the stored (big-endian) bytes
     assert row["data_hash_a"] == "blake3-64MiB:" + blake3(a.astype(">f4").tobytes()).hexdigest()
     assert row["data_hash_b"] == "blake3-64MiB:" + blake3(b.astype(">f4").tobytes()).hexdigest()

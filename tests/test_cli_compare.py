@@ -33,7 +33,10 @@ def test_compare_differs(files, capsys):
     assert lines[0].split()[:4] == ["name", "dtype", "numel", "n_diff"]
     assert lines[1].split()[:4] == ["w", "float32", "40", "1"]
     assert not any(line.startswith("i ") for line in lines)  # identical rows only with --all
-    assert "DIFFERENT: 1 of 2 compared tensors differ; not compared: none;" in out and "max_ulp 3" in out
+    assert (
+        "DIFFERENT: 1 of 2 compared tensors differ; not compared: none;" in out
+        and "max_ulp 3" in out
+    )
 
 
 def test_compare_identical_data_different_files(files, capsys):
@@ -106,7 +109,11 @@ def test_hash_choice_is_named_in_every_hash(files, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["attrs"]["hash"] == "sha256"
     for r in doc["rows"]:
-        assert r["data_hash_a"] == r["data_hash_b"] == "sha256:" + hashlib.sha256(raw[r["name"]]).hexdigest()
+        assert (
+            r["data_hash_a"]
+            == r["data_hash_b"]
+            == "sha256:" + hashlib.sha256(raw[r["name"]]).hexdigest()
+        )
     assert main(["compare", "--json", files["a"], files["c"]]) == 0
     doc = json.loads(capsys.readouterr().out)
     for r in doc["rows"]:

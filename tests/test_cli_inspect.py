@@ -23,7 +23,14 @@ def test_inspect_json_hashes_per_tensor_record_and_data(tmp_path, capsys):
         return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
 
     by_name = {(t["record"], t["name"]): t["data_hash"] for t in doc["tensors"]}
-    assert by_name == {(0, "w"): sha(model["w"]), (0, "b"): sha(model["b"]), (1, "m"): sha(optim["m"])}
-    assert [r["data_hash"] for r in doc["records"]] == [sha(model["w"], model["b"]), sha(optim["m"])]
+    assert by_name == {
+        (0, "w"): sha(model["w"]),
+        (0, "b"): sha(model["b"]),
+        (1, "m"): sha(optim["m"]),
+    }
+    assert [r["data_hash"] for r in doc["records"]] == [
+        sha(model["w"], model["b"]),
+        sha(optim["m"]),
+    ]
     assert doc["data_hash"] == sha(model["w"], model["b"], optim["m"])
     assert doc["file_hash"] == hashlib.sha256(p.read_bytes()).hexdigest()

@@ -68,7 +68,9 @@ def test_arbitrate_numpy_backend_gives_the_same_verdict(mms, capsys):
     assert [r["max_ulp"] for r in doc["rows"]] == list(by_torch["max_ulp"])
     wrong = np.asarray(dmlib.open_capture(root / "bad").tensor(op))
     right = np.asarray(dmlib.open_capture(root / "a").tensor(op))
-    assert doc["rows"][1]["max_abs"] == pytest.approx(np.abs(wrong.astype(np.float64) - right).max(), abs=1e-6)
+    assert doc["rows"][1]["max_abs"] == pytest.approx(
+        np.abs(wrong.astype(np.float64) - right).max(), abs=1e-6
+    )
 
 
 def test_arbitrate_custom_op_is_inconclusive_exit_1(tmp_path, capsys):

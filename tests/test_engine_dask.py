@@ -141,7 +141,9 @@ def test_cli_dask_address_prints_the_local_rows(client, tmp_path):
     )
     assert (local.returncode, remote.returncode) == (1, 1), remote.stderr[-2000:]
     assert json.loads(remote.stdout)["rows"] == json.loads(local.stdout)["rows"]
-    bad = subprocess.run([*cmd, "--dask", "local:zero"], capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [*cmd, "--dask", "local:zero"], capture_output=True, text=True, check=False
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "local:N" in bad.stderr
 
 

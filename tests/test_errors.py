@@ -98,7 +98,13 @@ GOOD_B = _desc("I64", [2], 256, 272)
 def _dup_names() -> bytes:
     w = cbor.encode("w") + cbor.encode(GOOD_W)
     tensors = b"\xa3" + w + cbor.encode("b") + cbor.encode(GOOD_B) + w  # 'w' twice
-    blob = b"\xa2" + cbor.encode("tensors") + tensors + cbor.encode("scalars") + cbor.encode({"step": {"UInt": 3}})
+    blob = (
+        b"\xa2"
+        + cbor.encode("tensors")
+        + tensors
+        + cbor.encode("scalars")
+        + cbor.encode({"step": {"UInt": 3}})
+    )
     return _bpk_from_meta(blob, DATA)
 
 
@@ -110,34 +116,160 @@ def _with(raw: bytes, at: int, new: bytes) -> bytes:
 BURNPACK: list[tuple[str, str, Callable[[], bytes], type[DmlibError], str]] = [
     ("empty", "e.bpk", lambda: b"", TruncatedError, "empty file"),
     ("header-cut", "h.bpk", lambda: _bpk()[:7], TruncatedError, "shorter than the 10-byte"),
-    ("metadata-cut", "m.bpk", lambda: _bpk()[: 10 + _msize(_bpk()) // 2], TruncatedError, "metadata_size"),
+    (
+        "metadata-cut",
+        "m.bpk",
+        lambda: _bpk()[: 10 + _msize(_bpk()) // 2],
+        TruncatedError,
+        "metadata_size",
+    ),
     ("cut-at-data-base", "d.bpk", lambda: _bpk()[: _base(_bpk())], LayoutError, "past the end"),
-    ("cut-inside-tensor", "t.bpk", lambda: _bpk()[: _base(_bpk()) + 10], LayoutError, "past the end"),
+    (
+        "cut-inside-tensor",
+        "t.bpk",
+        lambda: _bpk()[: _base(_bpk()) + 10],
+        LayoutError,
+        "past the end",
+    ),
     ("cut-in-padding", "p.bpk", lambda: _bpk()[: _base(_bpk()) + 100], LayoutError, "past the end"),
     ("one-byte-short", "s.bpk", lambda: _bpk()[:-1], LayoutError, "past the end"),
     ("trailing-bytes", "x.bpk", lambda: _bpk() + b"\x00" * 7, LayoutError, "not another record"),
     ("wrong-magic", "w.bpk", lambda: b"BURN" + _bpk()[4:], FormatError, "bad magic"),
     ("version-2", "v.bpk", lambda: _with(_bpk(), 4, b"\x02\x00"), UnsupportedError, "version 2"),
     ("version-0", "v0.bpk", lambda: _with(_bpk(), 4, b"\x00\x00"), UnsupportedError, "version 0"),
-    ("metadata-size-past-end", "ms.bpk", lambda: _with(_bpk(), 6, struct.pack("<I", 10**9)), TruncatedError, "metadata_size 1000000000"),
-    ("metadata-size-short", "mss.bpk", lambda: _with(_bpk(), 6, struct.pack("<I", _msize(_bpk()) - 1)), FormatError, "corrupt CBOR"),
-    ("corrupt-cbor", "c.bpk", lambda: _with(_bpk(), 10, b"\xff\xff\xff"), FormatError, "corrupt CBOR"),
-    ("cbor-trailing", "ct.bpk", lambda: _bpk_from_meta(cbor.encode(_bpk_meta({"w": GOOD_W, "b": GOOD_B})) + b"\x00", DATA), FormatError, "trailing"),
-    ("cbor-not-a-map", "cn.bpk", lambda: _bpk_from_meta(cbor.encode([1, 2]), DATA), FormatError, "'tensors' map"),
+    (
+        "metadata-size-past-end",
+        "ms.bpk",
+        lambda: _with(_bpk(), 6, struct.pack("<I", 10**9)),
+        TruncatedError,
+        "metadata_size 1000000000",
+    ),
+    (
+        "metadata-size-short",
+        "mss.bpk",
+        lambda: _with(_bpk(), 6, struct.pack("<I", _msize(_bpk()) - 1)),
+        FormatError,
+        "corrupt CBOR",
+    ),
+    (
+        "corrupt-cbor",
+        "c.bpk",
+        lambda: _with(_bpk(), 10, b"\xff\xff\xff"),
+        FormatError,
+        "corrupt CBOR",
+    ),
+    (
+        "cbor-trailing",
+        "ct.bpk",
+        lambda: _bpk_from_meta(cbor.encode(_bpk_meta({"w": GOOD_W, "b": GOOD_B})) + b"\x00", DATA),
+        FormatError,
+        "trailing",
+    ),
+    (
+        "cbor-not-a-map",
+        "cn.bpk",
+        lambda: _bpk_from_meta(cbor.encode([1, 2]), DATA),
+        FormatError,
+        "'tensors' map",
+    ),
     ("cbor-tag", "tag.bpk", lambda: _bpk_from_meta(b"\xc1\x00", DATA), FormatError, "tag 1"),
-    ("cbor-claims-2**60-items", "big.bpk", lambda: _bpk_from_meta(b"\x9b" + (2**60).to_bytes(8, "big"), DATA), FormatError, "needs 1152921504606846976 bytes"),
+    (
+        "cbor-claims-2**60-items",
+        "big.bpk",
+        lambda: _bpk_from_meta(b"\x9b" + (2**60).to_bytes(8, "big"), DATA),
+        FormatError,
+        "needs 1152921504606846976 bytes",
+    ),
     ("duplicate-name", "dup.bpk", _dup_names, FormatError, "duplicate map key 'w'"),
-    ("offsets-past-eof", "o.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": _desc("I64", [2], 512, 528)}), DATA), LayoutError, "past the end"),
-    ("overlap", "ov.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, 3], 0, 24), "b": _desc("I64", [2], 16, 32)}), DATA), LayoutError, "overlap"),
-    ("shifted-by-256", "sh.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, 3], 256, 280), "b": _desc("I64", [2], 512, 528)}), bytes(256) + DATA), LayoutError, "gap of"),
-    ("length-vs-dtype-x-shape", "l.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, 2], 0, 24), "b": GOOD_B}), DATA), LayoutError, "needs 16"),
-    ("unknown-dtype", "u.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F128", [2, 3], 0, 24), "b": GOOD_B}), DATA), UnsupportedError, "unknown dtype 'F128'"),
-    ("shape-not-ints", "si.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, "3"], 0, 24), "b": GOOD_B}), DATA), FormatError, "non-negative integers"),
-    ("shape-2**63-elements", "sz.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [0, 2**63], 0, 0), "b": _desc("I64", [2], 0, 16)}), B.tobytes()), FormatError, "more than 2**63 bytes"),
-    ("offsets-reversed", "r.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, 3], 24, 0), "b": GOOD_B}), DATA), FormatError, "0 <= start <= end"),
-    ("descriptor-missing-key", "k.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": {"dtype": "F32", "shape": [2, 3]}, "b": GOOD_B}), DATA), FormatError, "lacks 'data_offsets'"),
-    ("bad-scalar", "sc.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": GOOD_B}, {"scalars": {"step": {"UInt": -1}}}), DATA), FormatError, "scalar 'step'"),
-    ("metadata-not-strings", "md.bpk", lambda: _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": GOOD_B}, {"metadata": {"a": 1}}), DATA), FormatError, "'metadata'"),
+    (
+        "offsets-past-eof",
+        "o.bpk",
+        lambda: _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": _desc("I64", [2], 512, 528)}), DATA),
+        LayoutError,
+        "past the end",
+    ),
+    (
+        "overlap",
+        "ov.bpk",
+        lambda: _bpk_from_meta(
+            _bpk_meta({"w": _desc("F32", [2, 3], 0, 24), "b": _desc("I64", [2], 16, 32)}), DATA
+        ),
+        LayoutError,
+        "overlap",
+    ),
+    (
+        "shifted-by-256",
+        "sh.bpk",
+        lambda: _bpk_from_meta(
+            _bpk_meta({"w": _desc("F32", [2, 3], 256, 280), "b": _desc("I64", [2], 512, 528)}),
+            bytes(256) + DATA,
+        ),
+        LayoutError,
+        "gap of",
+    ),
+    (
+        "length-vs-dtype-x-shape",
+        "l.bpk",
+        lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, 2], 0, 24), "b": GOOD_B}), DATA),
+        LayoutError,
+        "needs 16",
+    ),
+    (
+        "unknown-dtype",
+        "u.bpk",
+        lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F128", [2, 3], 0, 24), "b": GOOD_B}), DATA),
+        UnsupportedError,
+        "unknown dtype 'F128'",
+    ),
+    (
+        "shape-not-ints",
+        "si.bpk",
+        lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, "3"], 0, 24), "b": GOOD_B}), DATA),
+        FormatError,
+        "non-negative integers",
+    ),
+    (
+        "shape-2**63-elements",
+        "sz.bpk",
+        lambda: _bpk_from_meta(
+            _bpk_meta({"w": _desc("F32", [0, 2**63], 0, 0), "b": _desc("I64", [2], 0, 16)}),
+            B.tobytes(),
+        ),
+        FormatError,
+        "more than 2**63 bytes",
+    ),
+    (
+        "offsets-reversed",
+        "r.bpk",
+        lambda: _bpk_from_meta(_bpk_meta({"w": _desc("F32", [2, 3], 24, 0), "b": GOOD_B}), DATA),
+        FormatError,
+        "0 <= start <= end",
+    ),
+    (
+        "descriptor-missing-key",
+        "k.bpk",
+        lambda: _bpk_from_meta(
+            _bpk_meta({"w": {"dtype": "F32", "shape": [2, 3]}, "b": GOOD_B}), DATA
+        ),
+        FormatError,
+        "lacks 'data_offsets'",
+    ),
+    (
+        "bad-scalar",
+        "sc.bpk",
+        lambda: _bpk_from_meta(
+            _bpk_meta({"w": GOOD_W, "b": GOOD_B}, {"scalars": {"step": {"UInt": -1}}}), DATA
+        ),
+        FormatError,
+        "scalar 'step'",
+    ),
+    (
+        "metadata-not-strings",
+        "md.bpk",
+        lambda: _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": GOOD_B}, {"metadata": {"a": 1}}), DATA),
+        FormatError,
+        "'metadata'",
+    ),
 ]
 
 
@@ -164,28 +296,148 @@ def _st_hlen(raw: bytes) -> int:
 
 SAFETENSORS: list[tuple[str, str, Callable[[], bytes], type[DmlibError], str]] = [
     ("empty", "e.safetensors", lambda: b"", TruncatedError, "empty file"),
-    ("length-cut", "c.safetensors", lambda: _st_good()[:5], TruncatedError, "shorter than the 8-byte"),
+    (
+        "length-cut",
+        "c.safetensors",
+        lambda: _st_good()[:5],
+        TruncatedError,
+        "shorter than the 8-byte",
+    ),
     ("header-cut", "hc.safetensors", lambda: _st_good()[:20], TruncatedError, "runs past the end"),
-    ("cut-at-data", "cd.safetensors", lambda: _st_good()[: 8 + _st_hlen(_st_good())], TruncatedError, "past the end"),
-    ("cut-inside-tensor", "ct.safetensors", lambda: _st_good()[:-3], TruncatedError, "past the end"),
-    ("trailing-bytes", "tb.safetensors", lambda: _st_good() + b"\x00" * 8, LayoutError, "after the last tensor"),
+    (
+        "cut-at-data",
+        "cd.safetensors",
+        lambda: _st_good()[: 8 + _st_hlen(_st_good())],
+        TruncatedError,
+        "past the end",
+    ),
+    (
+        "cut-inside-tensor",
+        "ct.safetensors",
+        lambda: _st_good()[:-3],
+        TruncatedError,
+        "past the end",
+    ),
+    (
+        "trailing-bytes",
+        "tb.safetensors",
+        lambda: _st_good() + b"\x00" * 8,
+        LayoutError,
+        "after the last tensor",
+    ),
     ("wrong-magic", "w.safetensors", lambda: b"GARBAGE!" * 8, FormatError, "exceeds the"),
-    ("header-length-2**63", "hl.safetensors", lambda: struct.pack("<Q", 2**63) + _st_good()[8:], FormatError, "exceeds the"),
-    ("corrupt-json", "j.safetensors", lambda: _st(b'{"w": {"dtype": "F32",', SDATA), FormatError, "corrupt JSON"),
-    ("json-not-object", "jo.safetensors", lambda: _st(b"[1, 2]", SDATA), FormatError, "not an object"),
-    ("json-bad-utf8", "ju.safetensors", lambda: _st(b'{"\xff": 1}', SDATA), FormatError, "corrupt JSON"),
-    ("json-too-deep", "jd.safetensors", lambda: _st(b'{"w": ' + b"[" * 50000 + b"]" * 50000 + b"}", SDATA), FormatError, "nests too deeply"),
-    ("duplicate-name", "dup.safetensors", lambda: _st(b'{"w": ' + json.dumps(S_W).encode() + b', "b": ' + json.dumps(S_B).encode() + b', "w": ' + json.dumps(S_W).encode() + b"}", SDATA), FormatError, "names 'w' twice"),
-    ("offsets-past-eof", "o.safetensors", lambda: _st({"w": S_W, "b": {**S_B, "data_offsets": [40, 56]}}, SDATA), TruncatedError, "past the end"),
-    ("overlap", "ov.safetensors", lambda: _st({"w": S_W, "b": {**S_B, "data_offsets": [16, 32]}}, SDATA[:32]), LayoutError, "overlap"),
-    ("gap", "g.safetensors", lambda: _st({"w": S_W, "b": {**S_B, "data_offsets": [32, 48]}}, SDATA + bytes(8)), LayoutError, "belong to no tensor"),
-    ("length-vs-dtype-x-shape", "l.safetensors", lambda: _st({"w": {**S_W, "shape": [3, 3]}, "b": S_B}, SDATA), LayoutError, "needs 36"),
+    (
+        "header-length-2**63",
+        "hl.safetensors",
+        lambda: struct.pack("<Q", 2**63) + _st_good()[8:],
+        FormatError,
+        "exceeds the",
+    ),
+    (
+        "corrupt-json",
+        "j.safetensors",
+        lambda: _st(b'{"w": {"dtype": "F32",', SDATA),
+        FormatError,
+        "corrupt JSON",
+    ),
+    (
+        "json-not-object",
+        "jo.safetensors",
+        lambda: _st(b"[1, 2]", SDATA),
+        FormatError,
+        "not an object",
+    ),
+    (
+        "json-bad-utf8",
+        "ju.safetensors",
+        lambda: _st(b'{"\xff": 1}', SDATA),
+        FormatError,
+        "corrupt JSON",
+    ),
+    (
+        "json-too-deep",
+        "jd.safetensors",
+        lambda: _st(b'{"w": ' + b"[" * 50000 + b"]" * 50000 + b"}", SDATA),
+        FormatError,
+        "nests too deeply",
+    ),
+    (
+        "duplicate-name",
+        "dup.safetensors",
+        lambda: _st(
+            b'{"w": '
+            + json.dumps(S_W).encode()
+            + b', "b": '
+            + json.dumps(S_B).encode()
+            + b', "w": '
+            + json.dumps(S_W).encode()
+            + b"}",
+            SDATA,
+        ),
+        FormatError,
+        "names 'w' twice",
+    ),
+    (
+        "offsets-past-eof",
+        "o.safetensors",
+        lambda: _st({"w": S_W, "b": {**S_B, "data_offsets": [40, 56]}}, SDATA),
+        TruncatedError,
+        "past the end",
+    ),
+    (
+        "overlap",
+        "ov.safetensors",
+        lambda: _st({"w": S_W, "b": {**S_B, "data_offsets": [16, 32]}}, SDATA[:32]),
+        LayoutError,
+        "overlap",
+    ),
+    (
+        "gap",
+        "g.safetensors",
+        lambda: _st({"w": S_W, "b": {**S_B, "data_offsets": [32, 48]}}, SDATA + bytes(8)),
+        LayoutError,
+        "belong to no tensor",
+    ),
+    (
+        "length-vs-dtype-x-shape",
+        "l.safetensors",
+        lambda: _st({"w": {**S_W, "shape": [3, 3]}, "b": S_B}, SDATA),
+        LayoutError,
+        "needs 36",
+    ),
     # an unknown dtype name is an opaque entry (tests/test_io_safetensors_dtypes.py); a dtype
     # that is no name at all is a broken header
-    ("dtype-not-a-name", "u.safetensors", lambda: _st({"w": {**S_W, "dtype": 128}, "b": S_B}, SDATA), FormatError, "dtype 128 is not a dtype name"),
-    ("shape-2**63-elements", "sz.safetensors", lambda: _st({"z": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}, "w": S_W}, SDATA[:24]), FormatError, "more than 2**63 bytes"),
-    ("descriptor-missing-key", "k.safetensors", lambda: _st({"w": {"dtype": "F32", "shape": [2, 3]}, "b": S_B}, SDATA), FormatError, "must have dtype, shape, data_offsets"),
-    ("metadata-not-strings", "m.safetensors", lambda: _st({"__metadata__": {"a": 1}, "w": S_W, "b": S_B}, SDATA), FormatError, "__metadata__"),
+    (
+        "dtype-not-a-name",
+        "u.safetensors",
+        lambda: _st({"w": {**S_W, "dtype": 128}, "b": S_B}, SDATA),
+        FormatError,
+        "dtype 128 is not a dtype name",
+    ),
+    (
+        "shape-2**63-elements",
+        "sz.safetensors",
+        lambda: _st(
+            {"z": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}, "w": S_W},
+            SDATA[:24],
+        ),
+        FormatError,
+        "more than 2**63 bytes",
+    ),
+    (
+        "descriptor-missing-key",
+        "k.safetensors",
+        lambda: _st({"w": {"dtype": "F32", "shape": [2, 3]}, "b": S_B}, SDATA),
+        FormatError,
+        "must have dtype, shape, data_offsets",
+    ),
+    (
+        "metadata-not-strings",
+        "m.safetensors",
+        lambda: _st({"__metadata__": {"a": 1}, "w": S_W, "b": S_B}, SDATA),
+        FormatError,
+        "__metadata__",
+    ),
 ]
 
 
@@ -218,26 +470,95 @@ OTHERS: list[tuple[str, str, Callable[[], bytes], type[DmlibError], str]] = [
     ("npy-empty", "e.npy", lambda: b"", TruncatedError, "empty file"),
     ("npy-cut-in-header", "h.npy", lambda: _npy(W)[:30], FormatError, "not a readable .npy"),
     ("npy-cut-in-data", "d.npy", lambda: _npy(W)[:-4], TruncatedError, "needs 24 bytes but 20"),
-    ("npy-trailing-bytes", "t.npy", lambda: _npy(W) + b"\x00" * 4, LayoutError, "4 bytes after the array data"),
-    ("npy-wrong-magic", "w.npy", lambda: b"\x93NUMPZ" + _npy(W)[6:], FormatError, "not a readable .npy"),
-    ("npy-claims-4-TiB", "big.npy", lambda: _npy_header(HUGE_NPY, W.tobytes()), TruncatedError, "needs 4398046511104 bytes"),
-    ("npy-object-dtype", "o.npy", lambda: _npy_header("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", bytes(8)), UnsupportedError, "Python objects"),
-    ("npy-code-in-header", "c.npy", lambda: _npy_header("__import__('os').getcwd()", b""), FormatError, "not a readable .npy"),
+    (
+        "npy-trailing-bytes",
+        "t.npy",
+        lambda: _npy(W) + b"\x00" * 4,
+        LayoutError,
+        "4 bytes after the array data",
+    ),
+    (
+        "npy-wrong-magic",
+        "w.npy",
+        lambda: b"\x93NUMPZ" + _npy(W)[6:],
+        FormatError,
+        "not a readable .npy",
+    ),
+    (
+        "npy-claims-4-TiB",
+        "big.npy",
+        lambda: _npy_header(HUGE_NPY, W.tobytes()),
+        TruncatedError,
+        "needs 4398046511104 bytes",
+    ),
+    (
+        "npy-object-dtype",
+        "o.npy",
+        lambda: _npy_header("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", bytes(8)),
+        UnsupportedError,
+        "Python objects",
+    ),
+    (
+        "npy-code-in-header",
+        "c.npy",
+        lambda: _npy_header("__import__('os').getcwd()", b""),
+        FormatError,
+        "not a readable .npy",
+    ),
     ("npz-empty", "e.npz", lambda: b"", TruncatedError, "empty file"),
     ("npz-cut", "c.npz", lambda: _zip({"w.npy": _npy(W)})[:50], FormatError, "not a readable .npz"),
-    ("npz-not-a-zip", "n.npz", lambda: b"not a zip archive at all", FormatError, "not a readable .npz"),
-    ("npz-member-claims-4-TiB", "big.npz", lambda: _zip({"w.npy": _npy_header(HUGE_NPY, W.tobytes())}), TruncatedError, "needs 4398046511104 bytes"),
-    ("npz-member-not-npy", "m.npz", lambda: _zip({"w.txt": b"hello"}), FormatError, "not a readable .npz"),
+    (
+        "npz-not-a-zip",
+        "n.npz",
+        lambda: b"not a zip archive at all",
+        FormatError,
+        "not a readable .npz",
+    ),
+    (
+        "npz-member-claims-4-TiB",
+        "big.npz",
+        lambda: _zip({"w.npy": _npy_header(HUGE_NPY, W.tobytes())}),
+        TruncatedError,
+        "needs 4398046511104 bytes",
+    ),
+    (
+        "npz-member-not-npy",
+        "m.npz",
+        lambda: _zip({"w.txt": b"hello"}),
+        FormatError,
+        "not a readable .npz",
+    ),
     ("torch-empty", "e.pt", lambda: b"", TruncatedError, "empty file"),
-    ("torch-garbage", "g.pt", lambda: b"PK\x03\x04" + b"\x00" * 60, FormatError, "not a loadable PyTorch"),
-    ("unknown-format", "x.weights", lambda: b"\x01\x02\x03 definitely not a checkpoint", UnknownFormatError, "pass format="),
+    (
+        "torch-garbage",
+        "g.pt",
+        lambda: b"PK\x03\x04" + b"\x00" * 60,
+        FormatError,
+        "not a loadable PyTorch",
+    ),
+    (
+        "unknown-format",
+        "x.weights",
+        lambda: b"\x01\x02\x03 definitely not a checkpoint",
+        UnknownFormatError,
+        "pass format=",
+    ),
 ]
 
 TABLE = BURNPACK + SAFETENSORS + OTHERS
 
 
-@pytest.mark.parametrize(("case", "fname", "build", "error", "fragment"), TABLE, ids=[r[0] + ":" + r[1] for r in TABLE])
-def test_bad_input_table(tmp_path: Path, case: str, fname: str, build: Callable[[], bytes], error: type[DmlibError], fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "fname", "build", "error", "fragment"), TABLE, ids=[r[0] + ":" + r[1] for r in TABLE]
+)
+def test_bad_input_table(
+    tmp_path: Path,
+    case: str,
+    fname: str,
+    build: Callable[[], bytes],
+    error: type[DmlibError],
+    fragment: str,
+) -> None:
     if fname.endswith(".pt"):
         pytest.importorskip("torch")
     path = tmp_path / fname
@@ -255,7 +576,12 @@ def test_bad_input_table(tmp_path: Path, case: str, fname: str, build: Callable[
 
 def test_the_table_builders_make_valid_files_when_not_broken(tmp_path: Path) -> None:
     """The baselines the rows start from are themselves valid, so each row tests one fault."""
-    for name, raw, fmt in [("a.bpk", _bpk(), "burnpack"), ("b.bpk", _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": GOOD_B}), DATA), "burnpack"), ("c.safetensors", _st_good(), "safetensors"), ("d.npy", _npy(W), "npy")]:
+    for name, raw, fmt in [
+        ("a.bpk", _bpk(), "burnpack"),
+        ("b.bpk", _bpk_from_meta(_bpk_meta({"w": GOOD_W, "b": GOOD_B}), DATA), "burnpack"),
+        ("c.safetensors", _st_good(), "safetensors"),
+        ("d.npy", _npy(W), "npy"),
+    ]:
         p = tmp_path / name
         p.write_bytes(raw)
         with dmlib.open_tensors(p) as ts:
@@ -345,7 +671,9 @@ def test_sharded_index_errors(tmp_path: Path) -> None:
 def test_sharded_index_hostile_contents(tmp_path: Path) -> None:
     (tmp_path / "s.safetensors").write_bytes(_st_good())
     idx = tmp_path / "model.safetensors.index.json"
-    idx.write_text(json.dumps({"metadata": ["not", "a", "map"], "weight_map": {"w": "s.safetensors"}}))
+    idx.write_text(
+        json.dumps({"metadata": ["not", "a", "map"], "weight_map": {"w": "s.safetensors"}})
+    )
     with pytest.raises(FormatError, match="'metadata' is a list"):
         dmlib.open_tensors(idx)
     idx.write_text('{"weight_map": ' + "[" * 50000 + "]" * 50000 + "}")
@@ -356,7 +684,14 @@ def test_sharded_index_hostile_contents(tmp_path: Path) -> None:
     (tmp_path / "dir.safetensors.index.json").mkdir()
     with pytest.raises(FormatError, match="is a directory"):
         dmlib.open_tensors(tmp_path / "dir.safetensors.index.json")
-    idx.write_text(json.dumps({"metadata": {"total_size": 40}, "weight_map": {"w": "s.safetensors", "b": "s.safetensors"}}))
+    idx.write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": 40},
+                "weight_map": {"w": "s.safetensors", "b": "s.safetensors"},
+            }
+        )
+    )
     with dmlib.open_tensors(idx) as ts:
         assert ts.metadata == {"total_size": "40"} and ts["w"].load().tolist() == W.tolist()
 
@@ -367,7 +702,9 @@ def test_messages_stay_on_one_line(tmp_path: Path) -> None:
     assert str(err) == f"{tmp_path / 'x.pt'}: first line second line third"
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no named pipes on this platform")
+@pytest.mark.skipif(
+    not hasattr(__import__("os"), "mkfifo"), reason="no named pipes on this platform"
+)
 def test_named_pipe_is_refused_without_blocking(tmp_path: Path) -> None:
     """Opening a FIFO for reading blocks until a writer appears: it must be refused first."""
     import os
@@ -383,11 +720,15 @@ def test_torch_archive_with_a_damaged_local_header_is_refused(tmp_path: Path) ->
     """torch itself would read the storage from a shifted window (it checks no CRC)."""
     torch = pytest.importorskip("torch")
     buf = io.BytesIO()
-    torch.save({"a": torch.arange(4, dtype=torch.float32), "b": torch.tensor([1.0, -1.0, 0.5])}, buf)
+    torch.save(
+        {"a": torch.arange(4, dtype=torch.float32), "b": torch.tensor([1.0, -1.0, 0.5])}, buf
+    )
     raw = bytearray(buf.getvalue())
     with zipfile.ZipFile(io.BytesIO(bytes(raw))) as z:
         storage = next(i for i in z.infolist() if i.filename.endswith("data/1"))
-    raw[storage.header_offset + 26] ^= 1  # the local header's file-name length, so its data moves by one byte
+    raw[storage.header_offset + 26] ^= (
+        1  # the local header's file-name length, so its data moves by one byte
+    )
     path = tmp_path / "shifted.pt"
     path.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match="does not match its central-directory entry") as info:
@@ -497,7 +838,9 @@ def test_aligned_file_cut_to_look_legacy_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("victims", [["steps"], ["enc.w"], ["enc.w", "enc.b", "mask", "steps"]])
-def test_offsets_shifted_by_one_alignment_unit_are_refused(tmp_path: Path, victims: list[str]) -> None:
+def test_offsets_shifted_by_one_alignment_unit_are_refused(
+    tmp_path: Path, victims: list[str]
+) -> None:
     raw = encode_burnpack(TENSORS)
     msize, meta = _split(raw)
     section = raw[_align(10 + msize) :]
@@ -514,7 +857,9 @@ def test_tensor_pointing_at_its_neighbours_bytes_is_refused(tmp_path: Path) -> N
     raw = encode_burnpack(tensors)
     msize, meta = _split(raw)
     section = raw[_align(10 + msize) :]
-    meta["tensors"]["b"]["data_offsets"] = list(meta["tensors"]["a"]["data_offsets"])  # b := a's bytes
+    meta["tensors"]["b"]["data_offsets"] = list(
+        meta["tensors"]["a"]["data_offsets"]
+    )  # b := a's bytes
     with pytest.raises(LayoutError):
         dmlib.open_tensors(_write(tmp_path, _rebuild(meta, section)))
     # safetensors: same fault
@@ -562,14 +907,22 @@ def test_multi_record_file_reads_each_record(tmp_path: Path) -> None:
 SHIFTS = [1, 4, 8, 255, 256, 512]
 
 
-@settings(max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     sizes=st.lists(st.integers(0, 300), min_size=1, max_size=4),
     shift=st.sampled_from(SHIFTS),
     which=st.sampled_from(["all", "first", "last"]),
     layout=st.sampled_from(["aligned", "legacy-unaligned"]),
 )
-def test_shifted_offsets_are_never_read_as_data(tmp_path: Path, sizes: list[int], shift: int, which: str, layout: str) -> None:
+def test_shifted_offsets_are_never_read_as_data(
+    tmp_path: Path, sizes: list[int], shift: int, which: str, layout: str
+) -> None:
     """Shift some offsets, give the file whatever length makes them fit: correct or refused."""
     rng = np.random.default_rng(len(sizes) * 1000 + sum(sizes))
     tensors = {f"t{i}": rng.integers(1, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
@@ -578,7 +931,13 @@ def test_shifted_offsets_are_never_read_as_data(tmp_path: Path, sizes: list[int]
     legacy = layout != "aligned"
     base = 10 + msize if legacy else _align(10 + msize)
     section = raw[base:]
-    names = list(tensors) if which == "all" else [next(iter(tensors))] if which == "first" else [list(tensors)[-1]]
+    names = (
+        list(tensors)
+        if which == "all"
+        else [next(iter(tensors))]
+        if which == "first"
+        else [list(tensors)[-1]]
+    )
     for n in names:
         s, e = meta["tensors"][n]["data_offsets"]
         meta["tensors"][n]["data_offsets"] = [s + shift, e + shift]
@@ -644,7 +1003,9 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     p = d / "good.bpk"
     p.write_bytes(encode_burnpack(_good_tensors(), scalars={"step": 1}))
     p2 = d / "good-step2.bpk"
-    p2.write_bytes(encode_burnpack({k: v * 1.5 for k, v in _good_tensors().items()}, scalars={"step": 2}))
+    p2.write_bytes(
+        encode_burnpack({k: v * 1.5 for k, v in _good_tensors().items()}, scalars={"step": 2})
+    )
     return {"ckpt": p, "step2": p2}
 
 
@@ -671,11 +1032,31 @@ CKPT_ARGV: dict[str, Callable[[str, str], list[str]]] = {
     "matrix": lambda bad, good: [f"a={bad}", f"b={good}"],
     "factors": lambda bad, good: [bad, good, "--group", "svd:{prefix}.u,{prefix}.s,{prefix}.v"],
     "firstcol": lambda bad, good: [f"a={bad}", f"b={good}"],
-    "ladder": lambda bad, good: [f"r:1={bad}", f"r:2={_step2(good)}", f"s:1={good}", f"s:2={_step2(good)}"],
+    "ladder": lambda bad, good: [
+        f"r:1={bad}",
+        f"r:2={_step2(good)}",
+        f"s:1={good}",
+        f"s:2={_step2(good)}",
+    ],
     "gapcheck": lambda bad, good: [f"a={bad}", f"b={good}"],
     "repeats": lambda bad, good: [f"a={bad},{good}"],
-    "report": lambda bad, good: ["--run", f"a={bad}", "--run", f"b={good}", "--out", str(Path(good).parent / "report")],
-    "study": lambda bad, good: ["init", "--run", f"a={bad}", "--run", f"b={good}", "--out", str(Path(good).parent / "s.toml")],
+    "report": lambda bad, good: [
+        "--run",
+        f"a={bad}",
+        "--run",
+        f"b={good}",
+        "--out",
+        str(Path(good).parent / "report"),
+    ],
+    "study": lambda bad, good: [
+        "init",
+        "--run",
+        f"a={bad}",
+        "--run",
+        f"b={good}",
+        "--out",
+        str(Path(good).parent / "s.toml"),
+    ],
 }
 # the same with the bad input second, where the command takes two or more inputs
 CKPT_ARGV_SECOND: dict[str, Callable[[str, str], list[str]]] = {
@@ -695,7 +1076,9 @@ def _generic_argv(sub: argparse.ArgumentParser, bad: str, good: str) -> list[str
     for a in sub._actions:
         if a.option_strings:
             if a.required:
-                pytest.fail(f"subcommand needs option {a.option_strings}: add it to CKPT_ARGV in {__file__}")
+                pytest.fail(
+                    f"subcommand needs option {a.option_strings}: add it to CKPT_ARGV in {__file__}"
+                )
             continue
         argv += [bad] if not argv else [good]
         if a.nargs in ("+", "*"):
@@ -735,7 +1118,9 @@ def _check_one_line(rc: int, err: str, bad: Path, argv: list[str]) -> None:
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, f"{argv}: stderr has {len(lines)} lines: {err!r}"
-    assert str(bad) in lines[0] or bad.name in lines[0], f"{argv}: the message does not name {bad}: {lines[0]}"
+    assert str(bad) in lines[0] or bad.name in lines[0], (
+        f"{argv}: the message does not name {bad}: {lines[0]}"
+    )
 
 
 # known departures from the contract, each failing as described (strict: fixed => noticed)
@@ -744,14 +1129,22 @@ KNOWN_BAD: dict[str, str] = {}
 
 def _commands(names: set[str]) -> list:
     return [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BAD[c])) if c in KNOWN_BAD else c
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BAD[c]))
+        if c in KNOWN_BAD
+        else c
         for c in sorted(names)
     ]
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
 @pytest.mark.parametrize("command", _commands(set(subcommands()) - CAPTURE_COMMANDS))
-def test_checkpoint_commands_on_bad_input(command: str, kind: str, good: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_commands_on_bad_input(
+    command: str,
+    kind: str,
+    good: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     bad = _bad_inputs(tmp_path, good["ckpt"])[kind]
     sub = subcommands()[command]
     build = CKPT_ARGV.get(command, lambda b, g: _generic_argv(sub, b, g))
@@ -774,24 +1167,36 @@ def _bad_captures(root: Path, good: Path) -> dict[str, Path]:
     (root / "cut" / "manifest.json").write_text(text[: len(text) // 2])
     out["truncated-manifest"] = root / "cut"
     (root / "wrong").mkdir()
-    (root / "wrong" / "manifest.json").write_text(json.dumps({"format": "something else", "version": 99}))
+    (root / "wrong" / "manifest.json").write_text(
+        json.dumps({"format": "something else", "version": 99})
+    )
     out["wrong-format"] = root / "wrong"
     return out
 
 
-CAPTURE_KINDS = ["missing", "directory-without-manifest", "empty-file", "truncated-manifest", "wrong-format"]
+CAPTURE_KINDS = [
+    "missing",
+    "directory-without-manifest",
+    "empty-file",
+    "truncated-manifest",
+    "wrong-format",
+]
 
 
 @pytest.mark.parametrize("kind", CAPTURE_KINDS)
 @pytest.mark.parametrize("command", sorted(CAPTURE_COMMANDS & set(subcommands())))
-def test_capture_commands_on_bad_input(command: str, kind: str, good_capture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_capture_commands_on_bad_input(
+    command: str, kind: str, good_capture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = _bad_captures(tmp_path, good_capture)[kind]
     for argv in ([str(bad), str(good_capture)], [str(good_capture), str(bad)]):
         rc, _, err = _run([command, *argv], capsys)
         _check_one_line(rc, err, bad, [command, *argv])
 
 
-def test_the_good_inputs_are_accepted(good: dict[str, Path], good_capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_good_inputs_are_accepted(
+    good: dict[str, Path], good_capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The bad-input tests start from inputs each command accepts, so each fails for one reason."""
     rc, out, err = _run(["inspect", str(good["ckpt"])], capsys)
     assert rc == 0 and "layer.u" in out, err
@@ -810,7 +1215,9 @@ def test_help_documents_exit_codes(command: str, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "exit status:" in out
     # exit 1 means "a difference" for comparisons; report and study have their own (or none)
-    one = {"report": "1  a notebook failed", "study": None}.get(command, "1  a comparison found a difference")
+    one = {"report": "1  a notebook failed", "study": None}.get(
+        command, "1  a comparison found a difference"
+    )
     for line in ("0  success", one, "2  bad input"):
         assert line is None or line in out, f"{command} --help lacks {line!r}"
 

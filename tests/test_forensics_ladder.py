@@ -196,7 +196,9 @@ def test_ladder_compares_each_distinct_pair_of_contents_once(tmp_path, monkeypat
     calls = []
     real = cmp_mod.compare_pair
     monkeypatch.setattr(
-        cmp_mod, "compare_pair", lambda ta, tb, *a, **k: calls.append(ta.name) or real(ta, tb, *a, **k)
+        cmp_mod,
+        "compare_pair",
+        lambda ta, tb, *a, **k: calls.append(ta.name) or real(ta, tb, *a, **k),
     )
     df = dmlib.step_ladder(lad)
     monkeypatch.undo()
@@ -207,7 +209,9 @@ def test_ladder_compares_each_distinct_pair_of_contents_once(tmp_path, monkeypat
         ref = dmlib.compare(lad[ra][step], lad[rb][step]).set_index("name")
         for r in g.itertuples():
             assert (r.n_diff, r.max_abs, r.numel) == (
-                ref.at[r.name, "n_diff"], float(ref.at[r.name, "max_abs"]), ref.at[r.name, "numel"]
+                ref.at[r.name, "n_diff"],
+                float(ref.at[r.name, "max_abs"]),
+                ref.at[r.name, "numel"],
             )
             assert r.rel_fro == float(ref.at[r.name, "rel_fro"])
     moved = df[(df["pair"] == "base/moved") & (df["name"] == "model.enc.w")]

@@ -54,7 +54,10 @@ def test_real_piece_size_across_one_boundary():
     assert hashing.PIECE == 64 << 20
     assert hashing.digest_bytes(data) == pieces_by_hand(raw, 64 << 20)
     # one piece: plain BLAKE3, what b3sum prints
-    assert hashing.digest_bytes(data[: 64 << 20]) == "blake3-64MiB:" + blake3(raw[: 64 << 20]).hexdigest()
+    assert (
+        hashing.digest_bytes(data[: 64 << 20])
+        == "blake3-64MiB:" + blake3(raw[: 64 << 20]).hexdigest()
+    )
 
 
 def test_sha256_is_plain_and_named(tmp_path):
@@ -63,7 +66,10 @@ def test_sha256_is_plain_and_named(tmp_path):
     p = tmp_path / "f.bin"
     p.write_bytes(data)
     assert hashing.digest_file(p, "sha256") == "sha256:" + hashlib.sha256(data).hexdigest()
-    assert hashing.digest_file(p, "sha256", 5, 50) == "sha256:" + hashlib.sha256(data[5:50]).hexdigest()
+    assert (
+        hashing.digest_file(p, "sha256", 5, 50)
+        == "sha256:" + hashlib.sha256(data[5:50]).hexdigest()
+    )
     assert hashing.digest_file(p) == "blake3-64MiB:" + blake3(data).hexdigest()
     assert hashing.hash_file(p) == hashlib.sha256(data).hexdigest()  # bare, for manifests
 
@@ -120,7 +126,11 @@ def test_checksum_torch_equals_host_on_cpu_tensors(monkeypatch):
     ]
     for t in cases:
         host_bytes = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert hashing.checksum_torch(t) == hashing.checksum_host(host_bytes) == checksum_by_hand(host_bytes)
+        assert (
+            hashing.checksum_torch(t)
+            == hashing.checksum_host(host_bytes)
+            == checksum_by_hand(host_bytes)
+        )
     monkeypatch.setattr(hashing, "_CK_CHUNK", 5)
     t = torch.randn(33, generator=g)
     raw = t.view(torch.uint8).numpy().tobytes()

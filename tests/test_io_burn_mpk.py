@@ -28,8 +28,20 @@ META = {
 
 
 def _param(arr: np.ndarray, pid: str, dtype=None) -> dict:
-    names = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<i8"): "I64", np.dtype(ml_dtypes.bfloat16): "BF16"}
-    return {"id": pid, "param": {"bytes": np.ascontiguousarray(arr).tobytes(), "shape": list(arr.shape), "dtype": dtype or names[arr.dtype]}}
+    names = {
+        np.dtype("<f4"): "F32",
+        np.dtype("<f2"): "F16",
+        np.dtype("<i8"): "I64",
+        np.dtype(ml_dtypes.bfloat16): "BF16",
+    }
+    return {
+        "id": pid,
+        "param": {
+            "bytes": np.ascontiguousarray(arr).tobytes(),
+            "shape": list(arr.shape),
+            "dtype": dtype or names[arr.dtype],
+        },
+    }
 
 
 def _model_arrays(seed: int = 0) -> dict[str, np.ndarray]:
@@ -89,20 +101,38 @@ def test_dtypes_as_maps_half_precision_and_quantized(tmp_path):
         "half": _param(w16.astype(np.float16), "h", dtype={"F16": None}),
         "bf": _param(w16.astype(ml_dtypes.bfloat16), "bf"),
         "steps": _param(np.arange(5, dtype="<i8"), "s"),
-        "q": {"id": "q", "param": {"bytes": bytes(range(20)), "shape": [4, 4], "dtype": {"QFloat": {"level": "Tensor"}}}},
+        "q": {
+            "id": "q",
+            "param": {
+                "bytes": bytes(range(20)),
+                "shape": [4, 4],
+                "dtype": {"QFloat": {"level": "Tensor"}},
+            },
+        },
     }
     _write(tmp_path / "m.mpk", _record(_model_arrays(), extra=extra))
     with dmlib.open_tensors(tmp_path / "m.mpk") as ts:
         np.testing.assert_array_equal(ts["half"].load(), w16.astype(np.float16))
-        np.testing.assert_array_equal(ts["bf"].load().astype(np.float32), w16.astype(ml_dtypes.bfloat16).astype(np.float32))
+        np.testing.assert_array_equal(
+            ts["bf"].load().astype(np.float32), w16.astype(ml_dtypes.bfloat16).astype(np.float32)
+        )
         np.testing.assert_array_equal(ts["steps"].load(), np.arange(5))
-        assert ts["q"].opaque and ts["q"].dtype_name == "QFloat" and ts["q"].raw().tobytes() == bytes(range(20))
+        assert (
+            ts["q"].opaque
+            and ts["q"].dtype_name == "QFloat"
+            and ts["q"].raw().tobytes() == bytes(range(20))
+        )
         assert ts.layout["opaque"] == ["q"]
 
 
 def test_records_before_burn_0_14(tmp_path):
     w = np.array([[0.5, -1.25], [2.0, 3.0]], np.float32)
-    record = {"metadata": META, "item": {"lin": {"weight": {"id": "x", "param": {"value": w.ravel().tolist(), "shape": [2, 2]}}}}}
+    record = {
+        "metadata": META,
+        "item": {
+            "lin": {"weight": {"id": "x", "param": {"value": w.ravel().tolist(), "shape": [2, 2]}}}
+        },
+    }
     _write(tmp_path / "old.mpk", record)
     with dmlib.open_tensors(tmp_path / "old.mpk") as ts:
         np.testing.assert_array_equal(ts["lin.weight"].load(), w)
@@ -113,7 +143,9 @@ def test_compare_mpk_with_mpk_and_with_safetensors(tmp_path):
     arrays = _model_arrays(1)
     _write(tmp_path / "a.mpk", _record(arrays))
     changed = {k: v.copy() for k, v in arrays.items()}
-    changed["encoder.layers.1.weight"][4, 2] = np.nextafter(changed["encoder.layers.1.weight"][4, 2], np.float32(9))
+    changed["encoder.layers.1.weight"][4, 2] = np.nextafter(
+        changed["encoder.layers.1.weight"][4, 2], np.float32(9)
+    )
     _write(tmp_path / "b.mpk.gz", _record(changed), gz=True)
     df = dmlib.compare(tmp_path / "a.mpk", tmp_path / "b.mpk.gz").set_index("name")
     assert df.loc["encoder.layers.1.weight", "n_diff"] == 1

@@ -31,7 +31,9 @@ def test_mnist_fixture_matches_its_readme(burnpack_fixtures):
         assert w.offset == 1536 + 0 and w.nbytes == 2304
         np.testing.assert_allclose(w.load().ravel()[:3], [-0.14137, -0.30972, -0.33344], atol=5e-6)
         # the file ends exactly at D + 1,043,240 (FORMATS.md)
-        assert max(t.offset + t.nbytes for t in ts.values()) == 1536 + 1_043_240 == path.stat().st_size
+        assert (
+            max(t.offset + t.nbytes for t in ts.values()) == 1536 + 1_043_240 == path.stat().st_size
+        )
         # Burn stores Linear weights [d_input, d_output]; all fc tensors present
         assert {f"fc{i}.{p}" for i in (1, 2, 3) for p in ("weight", "bias")} <= set(ts)
         census = dmlib.padding_census(ts)
@@ -47,10 +49,16 @@ def test_case_a_names_dtypes_values(burnpack_fixtures):
     assert ts["zeta.w"].param_id == 1
     assert ts["alpha.mask"].dtype == np.bool_ and ts["alpha.mask"].dtype_name == "Bool(Native)"
     assert list(ts["alpha.mask"].load()[:3]) == [True, False, True]
-    assert ts["empty"].dtype == np.int64 and ts["empty"].shape == (0, 4) and ts["empty"].load().size == 0
+    assert (
+        ts["empty"].dtype == np.int64
+        and ts["empty"].shape == (0, 4)
+        and ts["empty"].load().size == 0
+    )
     mid = ts["mid.h"].load()
     assert mid.dtype == np.dtype(ml_dtypes.bfloat16) and mid.shape == (2, 3)
-    np.testing.assert_array_equal(mid.astype(np.float32), np.arange(1, 7, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(
+        mid.astype(np.float32), np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+    )
     assert ts["u32"].load().tolist() == [7] and ts["u32"].dtype == np.uint32
     assert ts.metadata == {"format": "burnpack", "producer": "burn"}
     assert ts.scalars == {"flag": False, "lr": 0.001, "neg": -3, "step": 42}
@@ -217,5 +225,7 @@ def test_float_scalars_use_shortest_lossless_width():
 
 def test_table_keeps_u64_param_ids_exact(burnpack_fixtures):
     table = dmlib.open_tensors(burnpack_fixtures / "case_a.bpk").table().set_index("name")
-    assert int(table.loc["empty", "param_id"]) == 2**64 - 1  # 18446744073709551615 in the README's file
+    assert (
+        int(table.loc["empty", "param_id"]) == 2**64 - 1
+    )  # 18446744073709551615 in the README's file
     assert int(table.loc["mid.h", "param_id"]) == 12345678901234

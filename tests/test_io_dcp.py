@@ -73,7 +73,9 @@ def test_model_and_optimizer_state_read_natively(tmp_path):
         assert ts.scalars["lr"] == 3e-4
 
 
-def _sharded_checkpoint(path, rows: int = 6, cols: int = 5, planted: float | None = None) -> np.ndarray:
+def _sharded_checkpoint(
+    path, rows: int = 6, cols: int = 5, planted: float | None = None
+) -> np.ndarray:
     """A tensor saved in three chunks (rows 0-3, 4-5 by columns 0-1 and 2-4) by DCP itself."""
     code = textwrap.dedent(
         f"""
@@ -92,7 +94,9 @@ def _sharded_checkpoint(path, rows: int = 6, cols: int = 5, planted: float | Non
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
-    full = (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) / np.float32(7)).astype(np.float32)
+    full = (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) / np.float32(7)).astype(
+        np.float32
+    )
     if planted is not None:
         full[5, 3] += np.float32(planted)
     return full
@@ -140,7 +144,10 @@ def test_damaged_chunks_name_the_checkpoint(tmp_path):
         dmlib.open_tensors(tmp_path / "ck")
     assert str(tmp_path / "ck") in str(info.value)
     data.write_bytes(bytes(len(raw)))  # right length, no torch.save image in it
-    with dmlib.open_tensors(tmp_path / "ck") as ts, pytest.raises(dmlib.DmlibError, match="not a loadable"):
+    with (
+        dmlib.open_tensors(tmp_path / "ck") as ts,
+        pytest.raises(dmlib.DmlibError, match="not a loadable"),
+    ):
         ts["w"].load()
     (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(dmlib.DmlibError, match="unreadable .metadata"):

@@ -44,7 +44,10 @@ def test_safetensors_every_dtype_round_trip(tmp_path):
 def test_safetensors_hand_built_header(tmp_path):
     """A file built byte by byte from the spec, independent of dmlib's writer."""
     data = np.array([1.5, -2.0], dtype="<f4").tobytes() + np.array([7], dtype="<i8").tobytes()
-    header = {"b": {"dtype": "I64", "shape": [1], "data_offsets": [8, 16]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    header = {
+        "b": {"dtype": "I64", "shape": [1], "data_offsets": [8, 16]},
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    }
     hb = json.dumps(header).encode()
     p = tmp_path / "h.safetensors"
     p.write_bytes(struct.pack("<Q", len(hb)) + hb + data)
@@ -56,9 +59,19 @@ def test_safetensors_hand_built_header(tmp_path):
 
 
 def test_sharded_safetensors_open_as_one_set(tmp_path):
-    dmlib.write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": np.ones(3, np.float32)})
-    dmlib.write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b": np.zeros(2, np.float16)})
-    index = {"metadata": {"total_size": 16}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    dmlib.write_safetensors(
+        tmp_path / "model-00001-of-00002.safetensors", {"a": np.ones(3, np.float32)}
+    )
+    dmlib.write_safetensors(
+        tmp_path / "model-00002-of-00002.safetensors", {"b": np.zeros(2, np.float16)}
+    )
+    index = {
+        "metadata": {"total_size": 16},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        },
+    }
     ip = tmp_path / "model.safetensors.index.json"
     ip.write_text(json.dumps(index))
     ts = dmlib.open_tensors(ip)
@@ -102,7 +115,9 @@ def test_detection_magic_before_suffix(tmp_path, burnpack_fixtures):
 
 
 def test_load_eager_returns_writable_copies(tmp_path):
-    dmlib.write_safetensors(tmp_path / "m.safetensors", {"a": np.ones(3, np.float32), "b": np.zeros(2, np.int32)})
+    dmlib.write_safetensors(
+        tmp_path / "m.safetensors", {"a": np.ones(3, np.float32), "b": np.zeros(2, np.int32)}
+    )
     out = dmlib.load(tmp_path / "m.safetensors", names=["a"])
     assert list(out) == ["a"]
     out["a"][0] = 5  # a copy: writing it cannot touch the file
@@ -122,7 +137,9 @@ def test_torch_state_dict(tmp_path):
     torch.save(sd, p)
     ts = dmlib.open_tensors(p)
     assert ts.format == "torch"
-    np.testing.assert_array_equal(ts["layer.weight"].load(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(
+        ts["layer.weight"].load(), np.arange(6, dtype=np.float32).reshape(2, 3)
+    )
     assert ts["layer.bias"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert ts["layer.bias"].load().astype(np.float32).tolist() == [1.0, 2.0]
     assert ts["nested.step"].load().item() == 3

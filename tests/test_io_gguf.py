@@ -45,12 +45,16 @@ def _write(path, *, seed: int = 0, endian=None, plant: bool = False) -> dict:
     tensors = {
         "token_embd.weight": emb,
         "blk.0.attn_norm.weight": rng.standard_normal(64).astype(np.float16),
-        "blk.0.ffn_up.weight": rng.standard_normal((3, 64)).astype(np.float32).astype(ml_dtypes.bfloat16),
+        "blk.0.ffn_up.weight": rng.standard_normal((3, 64))
+        .astype(np.float32)
+        .astype(ml_dtypes.bfloat16),
         "pos.ids": np.arange(7, dtype=np.int32),
     }
     q8 = quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0)
     q4k = rng.integers(0, 256, (2, 144), dtype=np.uint8)  # two raw Q4_K blocks of 256 values
-    q4k[:, 0:4] = np.frombuffer(np.array([0.01, 0.002], np.float16).tobytes(), np.uint8)  # finite d, dmin
+    q4k[:, 0:4] = np.frombuffer(
+        np.array([0.01, 0.002], np.float16).tobytes(), np.uint8
+    )  # finite d, dmin
     if plant:
         q4k[1, 100] ^= 0x01
     for name, arr in tensors.items():
@@ -83,7 +87,9 @@ def test_reads_what_gguf_writes_bit_exactly(tmp_path):
                 np.testing.assert_array_equal(got.load(), rt.data)
         assert ts["token_embd.weight"].shape == (5, 64)
         assert ts["blk.0.attn_q.weight"].quantized and ts["blk.0.attn_q.weight"].shape == (4, 64)
-        assert ts["blk.1.ffn_down.weight"].dtype_name == "Q4_K" and ts["blk.1.ffn_down.weight"].shape == (2, 256)
+        assert ts["blk.1.ffn_down.weight"].dtype_name == "Q4_K" and ts[
+            "blk.1.ffn_down.weight"
+        ].shape == (2, 256)
         assert ts["blk.0.ffn_up.weight"].load().dtype == np.dtype(ml_dtypes.bfloat16)
         assert ts.metadata["general.name"] == "tiny-pooled"
         assert ts.metadata["llama.context_length"] == "128"
@@ -116,17 +122,29 @@ def test_compare_names_the_quant_type(tmp_path):
     assert df.loc["blk.1.ffn_down.weight", "dtype"] == "Q4_K"
     assert df.loc["blk.1.ffn_down.weight", "n_diff"] == 1  # one byte of the stored blocks
     assert df.loc["blk.1.ffn_down.weight", "first_diff"] == (144 + 100,)
-    assert df.loc["token_embd.weight", "n_diff"] == 1 and int(df.loc["token_embd.weight", "max_ulp"]) == 1
+    assert (
+        df.loc["token_embd.weight", "n_diff"] == 1
+        and int(df.loc["token_embd.weight", "max_ulp"]) == 1
+    )
     assert df.loc["token_embd.weight", "first_diff"] == (3, 17)
     assert df.loc["blk.0.attn_q.weight", "n_diff"] == 0
     # on dequantized values, with the same oracle
-    a, b = open_gguf(tmp_path / "a.gguf", dequantize=True), open_gguf(tmp_path / "b.gguf", dequantize=True)
+    a, b = (
+        open_gguf(tmp_path / "a.gguf", dequantize=True),
+        open_gguf(tmp_path / "b.gguf", dequantize=True),
+    )
     dq = dmlib.compare(a, b).set_index("name")
-    ra = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "a.gguf")).tensors}["blk.1.ffn_down.weight"]
-    rb = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "b.gguf")).tensors}["blk.1.ffn_down.weight"]
+    ra = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "a.gguf")).tensors}[
+        "blk.1.ffn_down.weight"
+    ]
+    rb = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "b.gguf")).tensors}[
+        "blk.1.ffn_down.weight"
+    ]
     va, vb = (quants.dequantize(np.asarray(r.data), Q.Q4_K) for r in (ra, rb))
     assert dq.loc["blk.1.ffn_down.weight", "n_diff"] == int((va != vb).sum())
-    assert dq.loc["blk.1.ffn_down.weight", "max_abs"] == float(np.max(np.abs(vb.astype(np.float64) - va)))
+    assert dq.loc["blk.1.ffn_down.weight", "max_abs"] == float(
+        np.max(np.abs(vb.astype(np.float64) - va))
+    )
 
 
 def test_big_endian_file(tmp_path):
@@ -137,16 +155,24 @@ def test_big_endian_file(tmp_path):
         np.testing.assert_array_equal(ts["token_embd.weight"].load(), want["token_embd.weight"])
         np.testing.assert_array_equal(ts["pos.ids"].load(), want["pos.ids"])
         np.testing.assert_array_equal(
-            ts["blk.0.ffn_up.weight"].load().astype(np.float32), want["blk.0.ffn_up.weight"].astype(np.float32)
+            ts["blk.0.ffn_up.weight"].load().astype(np.float32),
+            want["blk.0.ffn_up.weight"].astype(np.float32),
         )
     df = dmlib.compare(tmp_path / "le.gguf", tmp_path / "be.gguf").set_index("name")
     assert (df["n_diff"] == 0).all()  # the same values in the other byte order
-    assert df.loc["blk.0.ffn_up.weight", "data_hash_a"] != df.loc["blk.0.ffn_up.weight", "data_hash_b"]
+    assert (
+        df.loc["blk.0.ffn_up.weight", "data_hash_a"] != df.loc["blk.0.ffn_up.weight", "data_hash_b"]
+    )
 
 
 @pytest.mark.parametrize(
     ("cut", "match"),
-    [(10, "shorter than the 24-byte"), (40, "cannot fit"), (230, "needs|cannot fit in the bytes left"), (-3, "past the end")],
+    [
+        (10, "shorter than the 24-byte"),
+        (40, "cannot fit"),
+        (230, "needs|cannot fit in the bytes left"),
+        (-3, "past the end"),
+    ],
 )
 def test_truncated_files_are_refused_naming_them(tmp_path, cut, match):
     _write(tmp_path / "ok.gguf")

@@ -51,7 +51,9 @@ def _every_torch_dtype(seed: int = 0) -> dict:
         "u64": (x.abs() * 100).to(torch.uint64),
     }
     # float4: bytes of random nibbles, two values a byte
-    out["f4"] = torch.randint(0, 256, (6, 4), dtype=torch.uint8, generator=g).view(torch.float4_e2m1fn_x2)
+    out["f4"] = torch.randint(0, 256, (6, 4), dtype=torch.uint8, generator=g).view(
+        torch.float4_e2m1fn_x2
+    )
     return out
 
 
@@ -81,7 +83,11 @@ def test_float4_values_by_hand(tmp_path):
     # e2m1 codes: 0x1 = 0.5, 0x2 = 1.0, 0x7 = 6.0, 0x9 = -0.5, 0xF = -6.0, 0x0 = 0
     packed = torch.tensor([0x21, 0xF7, 0x09], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     st_torch.save_file({"w": packed}, str(tmp_path / "f4.safetensors"))
-    header = json.loads((tmp_path / "f4.safetensors").read_bytes()[8:][: struct.unpack("<Q", (tmp_path / "f4.safetensors").read_bytes()[:8])[0]])
+    header = json.loads(
+        (tmp_path / "f4.safetensors").read_bytes()[8:][
+            : struct.unpack("<Q", (tmp_path / "f4.safetensors").read_bytes()[:8])[0]
+        ]
+    )
     assert header["w"]["dtype"] == "F4" and header["w"]["shape"] == [6]
     with dmlib.open_tensors(tmp_path / "f4.safetensors") as ts:
         vals = ts["w"].load().astype(np.float32)
@@ -92,7 +98,11 @@ def test_float4_values_by_hand(tmp_path):
 def test_numpy_loader_agrees_on_its_dtypes(tmp_path):
     from safetensors.numpy import load_file
 
-    tensors = {k: v for k, v in _every_torch_dtype(1).items() if k in ("f64", "f32", "f16", "i64", "u8", "bool", "c64", "u32")}
+    tensors = {
+        k: v
+        for k, v in _every_torch_dtype(1).items()
+        if k in ("f64", "f32", "f16", "i64", "u8", "bool", "c64", "u32")
+    }
     path = tmp_path / "np.safetensors"
     st_torch.save_file(tensors, str(path))
     ref = load_file(str(path))
@@ -119,9 +129,13 @@ def _mx_file(path, seed: int, plant: bool = False) -> dict:
         fp4[3, 5] ^= 0x10  # the second value of that byte: element (3, 11)
     tensors = {
         "model.layers.0.mlp.up_proj.weight": w.to(torch.float8_e4m3fn),
-        "model.layers.0.mlp.up_proj.weight_scale": torch.full((16, 1), 2.0).to(torch.float8_e8m0fnu),
+        "model.layers.0.mlp.up_proj.weight_scale": torch.full((16, 1), 2.0).to(
+            torch.float8_e8m0fnu
+        ),
         "model.layers.0.mlp.down_proj.weight": fp4.view(torch.float4_e2m1fn_x2),
-        "model.layers.0.mlp.down_proj.weight_scale": torch.rand(16, 2, generator=g).to(torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale": torch.rand(16, 2, generator=g).to(
+            torch.float8_e4m3fn
+        ),
         "model.layers.0.mlp.down_proj.weight_scale_2": torch.tensor([0.5]),
         "model.norm.weight": torch.ones(32).bfloat16(),
     }
@@ -153,7 +167,11 @@ def test_mx_style_files_open_and_compare(tmp_path):
 def _raw_safetensors(path, entries: dict[str, tuple[str, list[int], bytes]]) -> None:
     header, data = {}, b""
     for name, (dtype, shape, blob) in entries.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(blob)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + len(blob)],
+        }
         data += blob
     hb = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(hb)) + hb + data)
@@ -162,10 +180,15 @@ def _raw_safetensors(path, entries: dict[str, tuple[str, list[int], bytes]]) -> 
 def test_unknown_dtype_is_an_opaque_entry_not_a_refusal(tmp_path):
     w = np.arange(6, dtype="<f4")
     blob = bytes(range(10))
-    _raw_safetensors(tmp_path / "a.safetensors", {"w": ("F32", [6], w.tobytes()), "q": ("Q5_FUTURE", [20], blob)})
+    _raw_safetensors(
+        tmp_path / "a.safetensors", {"w": ("F32", [6], w.tobytes()), "q": ("Q5_FUTURE", [20], blob)}
+    )
     other = bytearray(blob)
     other[7] ^= 0xFF
-    _raw_safetensors(tmp_path / "b.safetensors", {"w": ("F32", [6], w.tobytes()), "q": ("Q5_FUTURE", [20], bytes(other))})
+    _raw_safetensors(
+        tmp_path / "b.safetensors",
+        {"w": ("F32", [6], w.tobytes()), "q": ("Q5_FUTURE", [20], bytes(other))},
+    )
     with dmlib.open_tensors(tmp_path / "a.safetensors") as ts:
         assert sorted(ts) == ["q", "w"]
         np.testing.assert_array_equal(ts["w"].load(), w)

@@ -54,7 +54,9 @@ def test_legacy_torch_file_detected_by_content(tmp_path):
     torch.save(sd, path, _use_new_zipfile_serialization=False)
     assert dmlib.detect_format(path) == "torch"
     with dmlib.open_tensors(path) as ts:
-        np.testing.assert_array_equal(ts["model.head.weight"].load(), sd["model.head.weight"].numpy())
+        np.testing.assert_array_equal(
+            ts["model.head.weight"].load(), sd["model.head.weight"].numpy()
+        )
 
 
 def test_a_zip_that_is_neither_torch_nor_npz_is_unrecognised(tmp_path):
@@ -75,7 +77,10 @@ def _shard(tmp_path, sd: dict, n: int = 2, prefix: str = "pytorch_model") -> dic
         fname = f"{prefix}-{i + 1:05d}-of-{n:05d}.bin"
         torch.save(part, tmp_path / fname)
         wmap.update({k: fname for k in part})
-    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}, "weight_map": wmap}
+    index = {
+        "metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())},
+        "weight_map": wmap,
+    }
     (tmp_path / f"{prefix}.bin.index.json").write_text(json.dumps(index))
     return wmap
 
@@ -102,7 +107,9 @@ def test_compare_two_sharded_pytorch_checkpoints(tmp_path):
     sd2 = {k: v.clone() for k, v in sd.items()}
     sd2["model.proj.weight"][2, 4] += 0.25
     _shard(b, sd2)
-    df = dmlib.compare(a / "pytorch_model.bin.index.json", b / "pytorch_model.bin.index.json").set_index("name")
+    df = dmlib.compare(
+        a / "pytorch_model.bin.index.json", b / "pytorch_model.bin.index.json"
+    ).set_index("name")
     assert df.loc["model.proj.weight", "n_diff"] == 1
     assert df.loc["model.proj.weight", "first_diff"] == (2, 4)
     want = abs(float(sd2["model.proj.weight"][2, 4]) - float(sd["model.proj.weight"][2, 4]))
@@ -111,7 +118,9 @@ def test_compare_two_sharded_pytorch_checkpoints(tmp_path):
 
 
 def test_mixed_shard_formats_are_refused(tmp_path):
-    (tmp_path / "m.index.json").write_text(json.dumps({"weight_map": {"a": "x.bin", "b": "y.safetensors"}}))
+    (tmp_path / "m.index.json").write_text(
+        json.dumps({"weight_map": {"a": "x.bin", "b": "y.safetensors"}})
+    )
     with pytest.raises(dmlib.DmlibError, match="more than one format"):
         dmlib.open_tensors(tmp_path / "m.index.json")
 
@@ -122,7 +131,9 @@ def test_new_float_dtypes(tmp_path):
         "e4m3fnuz": x.to(torch.float8_e4m3fnuz),
         "e5m2fnuz": x.to(torch.float8_e5m2fnuz),
         "e8m0": x.abs().clamp_min(1e-3).to(torch.float8_e8m0fnu),
-        "fp4": torch.tensor([[0x21, 0xF7], [0x09, 0x3C]], dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "fp4": torch.tensor([[0x21, 0xF7], [0x09, 0x3C]], dtype=torch.uint8).view(
+            torch.float4_e2m1fn_x2
+        ),
         "c64": torch.complex(x, -x),
         "c128": torch.complex(x, x).to(torch.complex128),
     }
@@ -135,7 +146,9 @@ def test_new_float_dtypes(tmp_path):
         fp4 = ts["fp4"]
         assert fp4.shape == (2, 4) and fp4.raw().tobytes() == bytes([0x21, 0xF7, 0x09, 0x3C])
         # e2m1 codes by hand: 1=0.5 2=1 7=6 F=-6 9=-0.5 0=0 C=-2 3=1.5 (low nibble first)
-        np.testing.assert_array_equal(fp4.load().astype(np.float32), [[0.5, 1.0, 6.0, -6.0], [-0.5, 0.0, -2.0, 1.5]])
+        np.testing.assert_array_equal(
+            fp4.load().astype(np.float32), [[0.5, 1.0, 6.0, -6.0], [-0.5, 0.0, -2.0, 1.5]]
+        )
         np.testing.assert_array_equal(ts["c64"].load(), sd["c64"].numpy())
         np.testing.assert_array_equal(ts["c128"].load(), sd["c128"].numpy())
 
@@ -154,7 +167,13 @@ def test_complex32_as_real_imaginary_pairs(tmp_path):
 def test_quantized_tensors_as_named_parts(tmp_path):
     x = torch.randn(4, 6)
     qt = torch.quantize_per_tensor(x, 0.05, 3, torch.qint8)
-    qc = torch.quantize_per_channel(x, torch.tensor([0.1, 0.2, 0.05, 0.4], dtype=torch.float64), torch.tensor([0, 1, 2, 3]), 0, torch.quint8)
+    qc = torch.quantize_per_channel(
+        x,
+        torch.tensor([0.1, 0.2, 0.05, 0.4], dtype=torch.float64),
+        torch.tensor([0, 1, 2, 3]),
+        0,
+        torch.quint8,
+    )
     torch.save({"layer.q": qt, "layer.qc": qc}, tmp_path / "q.pt")
     with dmlib.open_tensors(tmp_path / "q.pt") as ts:
         assert sorted(ts) == sorted(
@@ -165,8 +184,12 @@ def test_quantized_tensors_as_named_parts(tmp_path):
         assert float(ts["layer.q.scale"].load()) == qt.q_scale()
         assert int(ts["layer.q.zero_point"].load()) == qt.q_zero_point()
         np.testing.assert_array_equal(ts["layer.qc.int_repr"].load(), qc.int_repr().numpy())
-        np.testing.assert_array_equal(ts["layer.qc.scales"].load(), qc.q_per_channel_scales().numpy())
-        np.testing.assert_array_equal(ts["layer.qc.zero_points"].load(), qc.q_per_channel_zero_points().numpy())
+        np.testing.assert_array_equal(
+            ts["layer.qc.scales"].load(), qc.q_per_channel_scales().numpy()
+        )
+        np.testing.assert_array_equal(
+            ts["layer.qc.zero_points"].load(), qc.q_per_channel_zero_points().numpy()
+        )
         assert int(ts["layer.qc.axis"].load()) == 0
     # a changed scale is found on its own part
     qt2 = torch.quantize_per_tensor(x, 0.06, 3, torch.qint8)

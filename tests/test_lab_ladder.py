@@ -47,7 +47,9 @@ def test_step_scalar_is_the_step_reached(small: tuple) -> None:
             ts = dmlib.open_tensors(ds / rel)
             assert ts.scalars == {"step": int(step)}
             assert ts.scalar_kinds == {"step": "UInt"}
-    ladder = {lab: {int(s): ds / rel for s, rel in files.items()} for lab, files in index["runs"].items()}
+    ladder = {
+        lab: {int(s): ds / rel for s, rel in files.items()} for lab, files in index["runs"].items()
+    }
     checked = dmlib.check_steps(ladder)
     assert (checked["status"] == "ok").all(), checked
 

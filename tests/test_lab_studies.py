@@ -42,7 +42,11 @@ def test_packed_study_lists_what_exists_and_loads(tmp_path):
     for name in ("alone", "packed", "different", "alone_repeat"):
         (tmp_path / name).mkdir()
     text = study_text("packed", ENV, tmp_path)
-    assert 'padded = "padded"' not in text and "[captures.ops]" not in text and 'alone = "alone_repeat"' in text
+    assert (
+        'padded = "padded"' not in text
+        and "[captures.ops]" not in text
+        and 'alone = "alone_repeat"' in text
+    )
     (tmp_path / "study.toml").write_text(text)
     study = load_study(tmp_path / "study.toml")
     assert set(study.captures.folders) == {"alone", "packed"} and not study.captures.ops

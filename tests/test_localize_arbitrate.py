@@ -209,8 +209,13 @@ def test_numpy_replay_runs_where_torch_cannot_be_imported(caps, tmp_path):
         "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
         "print(json.dumps([r.verdict, r.table[['max_ulp', 'rel_err']].values.tolist()]))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     verdict, rows = json.loads(done.stdout)
     here = arbitrate(caps / "alone", caps / "packed", QUIRK_OP, request="q", reference=REFS)

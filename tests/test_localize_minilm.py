@@ -94,7 +94,9 @@ def test_minilm_alone_vs_padded_matches_plain_hooks(model, tmp_path):
         assert t.loc[order[: order.index(first)], "identical"].astype(bool).all()
     else:
         assert first is None or first not in WATCH
-        pytest.skip(f"on this machine ({_machine()}) padding changed none of the watched boundaries")
+        pytest.skip(
+            f"on this machine ({_machine()}) padding changed none of the watched boundaries"
+        )
 
 
 def test_lab_findings_are_computed_from_the_captures(model, tmp_path):
@@ -103,7 +105,9 @@ def test_lab_findings_are_computed_from_the_captures(model, tmp_path):
         packed.capture_layout(model, tmp_path / name, [TEXT], 0, pad, dump=[], block_rows=4)
     found = packed.findings(tmp_path, ["alone", "alone_repeat", "padded"])
     df = dmlib.compare_captures(
-        tmp_path / "alone", tmp_path / "padded", request=packed.REQUEST,
+        tmp_path / "alone",
+        tmp_path / "padded",
+        request=packed.REQUEST,
         repeat=tmp_path / "alone_repeat",
     )
     got = found["layouts"]["padded"]

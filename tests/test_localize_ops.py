@@ -74,8 +74,7 @@ def test_op_names_hashes_and_rows(tmp_path):
         blake3(q_rows[i : i + 4].tobytes()).hexdigest() for i in range(0, S, 4)
     ]
     assert (
-        c.boundary(QUIRK_OP + ":input0").digest
-        == blake3(seen["in"].numpy().tobytes()).hexdigest()
+        c.boundary(QUIRK_OP + ":input0").digest == blake3(seen["in"].numpy().tobytes()).hexdigest()
     )
     # stage1 is x * weight + bias: aten.mul then aten.add, inputs by slot
     s1 = [o for o in ops if o.owner == "model.stage1"]
@@ -115,9 +114,7 @@ def test_ops_without_row_layout_are_hashed_whole_and_listed(tmp_path):
     assert s.row_dims is None and s.shape == (3, F) and s.requests == {}
     assert "model/aten.sum#0" in c.manifest["whole_only"]
     assert c.boundary("model/aten.sum#0:input0").row_dims == 2  # its input keeps the rows
-    assert (
-        c.boundary("model/aten.mul#0").digest == blake3(out.numpy().tobytes()).hexdigest()
-    )
+    assert c.boundary("model/aten.mul#0").digest == blake3(out.numpy().tobytes()).hexdigest()
 
 
 def test_capture_with_ops_leaves_outputs_byte_identical(tmp_path):
@@ -363,6 +360,8 @@ def test_interrupted_op_capture_leaves_no_mode_or_hook_behind(tmp_path):
             model(x)
             raise RuntimeError("killed mid-run")
     assert _get_current_dispatch_mode_stack() == []
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == n_hooks
+    assert (
+        sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == n_hooks
+    )
     with pytest.raises(dmlib.CaptureError, match="incomplete"):
         dmlib.open_capture(tmp_path / "c")

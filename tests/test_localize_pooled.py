@@ -27,7 +27,12 @@ OTHERS = {"r1": [5, 6, 7, 8, 9, 10], "r2": [11, 12], "r3": [13, 14, 15, 16, 17, 
 LAYOUTS = {
     "alone": [[("probe", PROBE)]],
     # the probe sits in batch row 2: attribution must find it there
-    "packed": [[("r1", OTHERS["r1"])], [("r2", OTHERS["r2"])], [("probe", PROBE)], [("r3", OTHERS["r3"])]],
+    "packed": [
+        [("r1", OTHERS["r1"])],
+        [("r2", OTHERS["r2"])],
+        [("probe", PROBE)],
+        [("r3", OTHERS["r3"])],
+    ],
     # probe and another request share one batch row: per-sequence rows mix them
     "shared": [[("probe", PROBE), ("r2", OTHERS["r2"])]],
 }

@@ -177,9 +177,7 @@ def test_manifest_order_names_and_hashes(tmp_path):
     # oracle for the per-request rule: r sits in batch row 1, positions 0..23
     r_rows = out[1, :N_REQ]
     assert b.requests["r"].digest == blake3(r_rows.tobytes()).hexdigest()
-    expect_blocks = [
-        blake3(r_rows[i : i + BLOCK_ROWS].tobytes()).hexdigest() for i in (0, 8, 16)
-    ]
+    expect_blocks = [blake3(r_rows[i : i + BLOCK_ROWS].tobytes()).hexdigest() for i in (0, 8, 16)]
     assert b.requests["r"].blocks == expect_blocks
     assert b.requests["b"].n_rows == 11 and len(b.requests["b"].blocks) == 2
     assert cap.requests == {"a": 30, "r": 24, "b": 11}

@@ -47,14 +47,21 @@ def test_partial_overlap_gets_a_note(capsys, tmp_path):
     a = {"model.x": x, "y": x, "model.z": x}
     b = {"x": x, "y": x, "z": x}
     df = dmlib.compare(ArrayTensorSet(a), ArrayTensorSet(b))
-    assert df.attrs["alignment_hint"] == {"spec": "a:model.=", "shared_before": 1, "shared_after": 3}
+    assert df.attrs["alignment_hint"] == {
+        "spec": "a:model.=",
+        "shared_before": 1,
+        "shared_after": 3,
+    }
     np.savez(tmp_path / "a.npz", **a)
     np.savez(tmp_path / "b.npz", **b)
     assert main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")]) == 1
     out = capsys.readouterr().out
     assert "note: only 1 names are shared; mapping a:model.= would pair 3" in out
     assert "not compared: 2 only in A, 2 only in B" in out.splitlines()[-1]
-    assert main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--rename", "a:model.="]) == 0
+    assert (
+        main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--rename", "a:model.="])
+        == 0
+    )
     assert capsys.readouterr().out.splitlines()[-1].startswith("IDENTICAL: 0 of 3 compared")
 
 

@@ -42,7 +42,12 @@ DATASET = {
 # which notebooks each lab study runs here (the others it would run are covered elsewhere)
 ONLY = {"qr_init": None, "step_ladder": ["step_growth"], "packed": ["capture_boundaries"]}
 FIGURES = {
-    "checkpoint_anatomy": ["anatomy_layout_0", "anatomy_slots_0", "anatomy_layout_1", "anatomy_slots_1"],
+    "checkpoint_anatomy": [
+        "anatomy_layout_0",
+        "anatomy_slots_0",
+        "anatomy_layout_1",
+        "anatomy_slots_1",
+    ],
     "ulp_distributions": ["ulp_histogram"],
     "qr_first_divergent_column": ["first_divergent_column"],
     "run_matrix": ["run_matrix_worst_rel_fro", "run_matrix_effective_rel_fro"],

@@ -28,7 +28,12 @@ def _snapshot(folder: Path) -> dict[str, tuple[str, int, int, int]]:
     for p in sorted(folder.rglob("*")):
         if p.is_file():
             st = p.stat()
-            out[str(p.relative_to(folder))] = (hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns, st.st_mode)
+            out[str(p.relative_to(folder))] = (
+                hashlib.sha256(p.read_bytes()).hexdigest(),
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_mode,
+            )
     return out
 
 
@@ -48,7 +53,9 @@ def inputs(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "a1.bpk").write_bytes(encode_burnpack(_tensors(1.0), scalars={"step": 1}))
     (d / "a2.bpk").write_bytes(encode_burnpack(_tensors(1.5), scalars={"step": 2}))
-    (d / "b1.bpk").write_bytes(encode_burnpack(_tensors(1.0), scalars={"step": 1}, pad_fill=lambda o, n: b"\xff" * n))
+    (d / "b1.bpk").write_bytes(
+        encode_burnpack(_tensors(1.0), scalars={"step": 1}, pad_fill=lambda o, n: b"\xff" * n)
+    )
     (d / "b2.bpk").write_bytes(encode_burnpack(_tensors(1.5 + 1e-7), scalars={"step": 2}))
     dmlib.write_safetensors(d / "c.safetensors", _tensors(1.0))
     write_records(d / "multi.bpk", [encode_burnpack(_tensors(1.0)), encode_burnpack(_tensors(2.0))])
@@ -58,7 +65,9 @@ def inputs(tmp_path: Path) -> Path:
 
 
 def _argvs(command: str, d: Path) -> list[list[str]]:
-    a1, a2, b1, b2, c, m = (str(d / n) for n in ("a1.bpk", "a2.bpk", "b1.bpk", "b2.bpk", "c.safetensors", "multi.bpk"))
+    a1, a2, b1, b2, c, m = (
+        str(d / n) for n in ("a1.bpk", "a2.bpk", "b1.bpk", "b2.bpk", "c.safetensors", "multi.bpk")
+    )
     table = {
         "inspect": [[a1], [c], [m], ["--json", b1]],
         "compare": [[a1, b1], [a1, c], ["--json", a2, b2]],
@@ -67,9 +76,25 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
         "firstcol": [[f"a={a1}", f"b={b1}"]],
         "ladder": [[f"a:1={a1}", f"a:2={a2}", f"b:1={b1}", f"b:2={b2}"]],
         "gapcheck": [[f"a={a1}", f"b={b1}"], [m]],
-        "repeats": [[f"a={a1},{a2},{a1}", f"b={b1},{b1}"], ["--json", f"c={c},{c}", "--observer", a1]],
-        "report": [["--run", f"a={a1}", "--run", f"b={b1}", "--out", str(d.parent / "report"), "--only", "run_matrix"]],
-        "study": [["init", "--run", f"a={a1}", "--run", f"b={c}", "--out", str(d.parent / "study.toml")]],
+        "repeats": [
+            [f"a={a1},{a2},{a1}", f"b={b1},{b1}"],
+            ["--json", f"c={c},{c}", "--observer", a1],
+        ],
+        "report": [
+            [
+                "--run",
+                f"a={a1}",
+                "--run",
+                f"b={b1}",
+                "--out",
+                str(d.parent / "report"),
+                "--only",
+                "run_matrix",
+            ]
+        ],
+        "study": [
+            ["init", "--run", f"a={a1}", "--run", f"b={c}", "--out", str(d.parent / "study.toml")]
+        ],
     }
     if command not in table:
         pytest.fail(f"new subcommand {command!r}: add how to call it to _argvs in {__file__}")
@@ -83,8 +108,12 @@ def _subcommands() -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("command", [c for c in _subcommands() if c not in ("localize", "arbitrate")])
-def test_cli_never_touches_its_inputs(command: str, inputs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "command", [c for c in _subcommands() if c not in ("localize", "arbitrate")]
+)
+def test_cli_never_touches_its_inputs(
+    command: str, inputs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = _snapshot(inputs)
     for argv in _argvs(command, inputs):
         rc = main([command, *argv])
@@ -94,7 +123,9 @@ def test_cli_never_touches_its_inputs(command: str, inputs: Path, capsys: pytest
 
 
 @pytest.mark.skipif("localize" not in _subcommands(), reason="no localize subcommand")
-def test_localize_never_touches_its_captures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_localize_never_touches_its_captures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     caps = tmp_path / "caps"
@@ -111,7 +142,9 @@ def test_localize_never_touches_its_captures(tmp_path: Path, capsys: pytest.Capt
 
 
 @pytest.mark.skipif("arbitrate" not in _subcommands(), reason="no arbitrate subcommand")
-def test_arbitrate_never_touches_its_captures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_arbitrate_never_touches_its_captures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
     caps = tmp_path / "caps"
@@ -120,7 +153,10 @@ def test_arbitrate_never_touches_its_captures(tmp_path: Path, capsys: pytest.Cap
             model(x)
     before = _snapshot(caps)
     op = "0/aten.addmm#0"
-    for argv in ([str(caps / "a"), str(caps / "b"), "--op", op], ["--json", str(caps / "a"), str(caps / "a"), "--op", op]):
+    for argv in (
+        [str(caps / "a"), str(caps / "b"), "--op", op],
+        ["--json", str(caps / "a"), str(caps / "a"), "--op", op],
+    ):
         rc = main(["arbitrate", *argv])
         _, err = capsys.readouterr()
         assert rc in (0, 1), err
@@ -185,7 +221,9 @@ def test_interrupted_write_keeps_the_previous_file(tmp_path: Path) -> None:
     assert _only(tmp_path) == ["out.bpk"]
 
 
-def test_failed_rename_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_rename_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def failing_replace(src: str, dst: str) -> None:
         raise OSError(28, "No space left on device")
 

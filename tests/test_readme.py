@@ -22,7 +22,9 @@ def test_capture_example_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "captures" / "packed" / "manifest.json").is_file()
     import dmlib
 
-    df = dmlib.compare_captures(tmp_path / "captures/alone", tmp_path / "captures/packed", request="probe")
+    df = dmlib.compare_captures(
+        tmp_path / "captures/alone", tmp_path / "captures/packed", request="probe"
+    )
     rows = df.set_index("boundary")
     # the head's rows are attributed per sequence (batch row 0 alone, row 1 packed)
     assert "batch row 0 vs 1" in rows.loc["head", "note"] and df.attrs["unjudged"] == []

@@ -180,8 +180,17 @@ def test_runner_injects_writes_html_and_names_the_failing_cell(tmp_path, capsys,
     )
     out = tmp_path / "reports"
     rc = cli(
-        ["report", str(_tiny_study(tmp_path)), "--out", str(out), "--notebooks", str(nbdir),
-         "--small", "--param", "LABEL=injected"]
+        [
+            "report",
+            str(_tiny_study(tmp_path)),
+            "--out",
+            str(out),
+            "--notebooks",
+            str(nbdir),
+            "--small",
+            "--param",
+            "LABEL=injected",
+        ]
     )
     captured = capsys.readouterr()
     assert rc == 1
@@ -203,11 +212,20 @@ def test_runner_injects_writes_html_and_names_the_failing_cell(tmp_path, capsys,
     numbers = json.loads((out / "numbers" / "good.json").read_text())
     assert numbers == {"answer": 42, "figures": ["tiny_line"], "finding": "the answer is 42"}
     # the figure is shown where the cell made it: the very PNG that was saved
-    shown = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    shown = [
+        o
+        for c in executed.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert len(shown) == 1
     import base64
 
-    assert base64.b64decode(shown[0]["data"]["image/png"]) == (out / "figures" / "tiny_line.png").read_bytes()
+    assert (
+        base64.b64decode(shown[0]["data"]["image/png"])
+        == (out / "figures" / "tiny_line.png").read_bytes()
+    )
 
     for name in ("good", "bad"):
         html = (out / f"{name}.html").read_text()

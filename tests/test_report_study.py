@@ -34,7 +34,13 @@ from dmlib.report.study import load_study  # noqa: E402
 
 STEPS = (3, 7, 11)
 # Burn's MNIST example checkpoint, mapped by the anatomy notebook when it is beside the checkout
-MNIST = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "burnpack" / "mnist-model.bpk"
+MNIST = (
+    Path(__file__).resolve().parent.parent.parent
+    / "shared"
+    / "fixtures"
+    / "burnpack"
+    / "mnist-model.bpk"
+)
 PLANT_AT = 5  # the planted run gets one ULP added to one weight after this step
 
 
@@ -53,7 +59,11 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], step: int) ->
     header, blobs, offset = {"__metadata__": {"step": str(step)}}, [], 0
     for name, arr in tensors.items():
         raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
         blobs.append(raw)
         offset += len(raw)
     text = json.dumps(header).encode()
@@ -68,7 +78,9 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     header = json.loads(data[8 : 8 + n])
     body = data[8 + n :]
     return {
-        k.removeprefix("net."): np.frombuffer(body[v["data_offsets"][0] : v["data_offsets"][1]], dtype="<f4").reshape(v["shape"])
+        k.removeprefix("net."): np.frombuffer(
+            body[v["data_offsets"][0] : v["data_offsets"][1]], dtype="<f4"
+        ).reshape(v["shape"])
         for k, v in header.items()
         if k != "__metadata__"
     }
@@ -179,7 +191,10 @@ def test_each_html_shows_exactly_the_figures_saved(report):
             continue
         page = (out / f"{r['name']}.html").read_text()
         shown = [hashlib.sha256(b).hexdigest() for b in _images(page)]
-        saved = [hashlib.sha256((out / "figures" / f"{f}.png").read_bytes()).hexdigest() for f in r["figures"]]
+        saved = [
+            hashlib.sha256((out / "figures" / f"{f}.png").read_bytes()).hexdigest()
+            for f in r["figures"]
+        ]
         assert shown == saved, r["name"]  # every saved figure inline, in order
         section = single.split(f'id="nb-{r["name"]}"', 1)[1].split('<section class="nb"', 1)[0]
         assert [hashlib.sha256(b).hexdigest() for b in _images(section)] == saved
@@ -189,7 +204,9 @@ def test_each_html_shows_exactly_the_figures_saved(report):
     assert len(every) == len(saved_all) == len(set(every))
     for f in saved_all:
         assert f'href="#fig-{f}"' in single
-        anchored = re.search(rf'<img id="fig-{re.escape(f)}"[^>]*src="data:image/png;base64,([^"]+)"', single)
+        anchored = re.search(
+            rf'<img id="fig-{re.escape(f)}"[^>]*src="data:image/png;base64,([^"]+)"', single
+        )
         png = (out / "figures" / f"{f}.png").read_bytes()
         assert anchored and base64.b64decode(anchored[1]) == png, f
 
@@ -287,13 +304,19 @@ def test_resolved_study_rebuilds_the_same_runs(report, lab):
     assert {k: list(r.checkpoints.items()) for k, r in again.runs.items()} == {
         k: list(r.checkpoints.items()) for k, r in orig.runs.items()
     }
-    assert (again.control, again.reference, again.repeats) == ("seed1", "alpha", {"alpha_again": "alpha"})
+    assert (again.control, again.reference, again.repeats) == (
+        "seed1",
+        "alpha",
+        {"alpha_again": "alpha"},
+    )
     assert again.names == {"seed1": ["net.="]}
 
 
 def test_missing_file_is_bad_input_and_leaves_nothing(lab, tmp_path, capsys):
     study = tmp_path / "study.toml"
-    text = (lab / "study.toml").read_text().replace('"runs/seed1/"', '"runs/seed2/step9.safetensors"')
+    text = (
+        (lab / "study.toml").read_text().replace('"runs/seed1/"', '"runs/seed2/step9.safetensors"')
+    )
     study.write_text(text.replace("runs/", f"{lab.as_posix()}/runs/"))
     out = tmp_path / "out"
     assert cli(["report", str(study), "--out", str(out)]) == 2
@@ -306,17 +329,42 @@ def test_flag_form_writes_the_resolved_study(lab, tmp_path, monkeypatch):
     monkeypatch.chdir(lab)
     out = tmp_path / "flags"
     rc = cli(
-        ["report", "--run", "A=runs/alpha/", "--run", "S=runs/nudged", "--control", "S",
-         "--out", str(out), "--only", "run_matrix"]
+        [
+            "report",
+            "--run",
+            "A=runs/alpha/",
+            "--run",
+            "S=runs/nudged",
+            "--control",
+            "S",
+            "--out",
+            str(out),
+            "--only",
+            "run_matrix",
+        ]
     )
     assert rc == 0
     resolved = load_study(out / "study.toml")
     assert resolved.control == "S" and resolved.root == lab.resolve()
-    assert [p.name for p in resolved.runs["A"].checkpoints.values()] == [f"ckpt-{s:04d}.safetensors" for s in STEPS]
+    assert [p.name for p in resolved.runs["A"].checkpoints.values()] == [
+        f"ckpt-{s:04d}.safetensors" for s in STEPS
+    ]
 
 
 def test_unknown_param_is_refused(lab, tmp_path, capsys):
-    assert cli(["report", str(lab / "study.toml"), "--out", str(tmp_path / "o"), "--param", "NOT_A_PARAM=1"]) == 2
+    assert (
+        cli(
+            [
+                "report",
+                str(lab / "study.toml"),
+                "--out",
+                str(tmp_path / "o"),
+                "--param",
+                "NOT_A_PARAM=1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "NOT_A_PARAM: not a parameter of any notebook" in err and "SMALL" in err
     assert not (tmp_path / "o").exists()
@@ -336,7 +384,11 @@ def test_study_init_scans_a_folder(lab, tmp_path):
 
 def test_browser_renders_every_figure_offline(report, tmp_path):
     """Headless Chromium opens report.html: every image decodes, nothing is fetched."""
-    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    browser = (
+        shutil.which("chromium")
+        or shutil.which("chromium-browser")
+        or shutil.which("google-chrome")
+    )
     if browser is None:
         pytest.skip("no Chromium installed (Debian: apt-get install chromium)")
     rc, out = report
@@ -349,9 +401,18 @@ def test_browser_renders_every_figure_offline(report, tmp_path):
     )
     page.write_text((out / "report.html").read_text().replace("</body>", probe + "</body>"))
     cmd = [
-        browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run",
-        f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--dump-dom", page.as_uri(),
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--virtual-time-budget=10000",
+        "--dump-dom",
+        page.as_uri(),
     ]
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
     m = re.search(r"IMAGES (\d+) BAD (\d+) FETCHED (\d+)", dom)
@@ -406,7 +467,9 @@ def capture_report(tmp_path_factory):
     # the oracle: plain forward hooks on the planted module, no dmlib involved
     seen = {}
     for name, m in (("base", base), ("nudged", nudged)):
-        h = m.mix.register_forward_hook(lambda mod, i, o, name=name: seen.__setitem__(name, o.detach().numpy().copy()))
+        h = m.mix.register_forward_hook(
+            lambda mod, i, o, name=name: seen.__setitem__(name, o.detach().numpy().copy())
+        )
         with torch.no_grad():
             m(x)
         h.remove()
@@ -433,7 +496,9 @@ def capture_report(tmp_path_factory):
 def op_capture_report(capture_report):
     root = capture_report[3]
     text = (root / "study.toml").read_text()
-    (root / "study_ops.toml").write_text(text + '\n[captures.ops]\nbase = "ops/base"\nnudged = "ops/nudged"\n')
+    (root / "study_ops.toml").write_text(
+        text + '\n[captures.ops]\nbase = "ops/base"\nnudged = "ops/nudged"\n'
+    )
     out = root / "report_ops"
     rc = cli(["report", str(root / "study_ops.toml"), "--out", str(out)])
     return rc, out, root
@@ -449,7 +514,9 @@ def test_captures_study_names_the_planted_module(capture_report):
     assert n["culprit"] == n["first_divergent_boundary"] == "mix"
     assert n["repeat_control_held"] is True and n["negative_control_passed"] is True
     a, b = seen["base"][0], seen["nudged"][0]
-    rel_l2 = float(np.linalg.norm((a - b).astype(np.float64)) / np.linalg.norm(a.astype(np.float64)))
+    rel_l2 = float(
+        np.linalg.norm((a - b).astype(np.float64)) / np.linalg.norm(a.astype(np.float64))
+    )
     assert rel_l2 > 0 and n["culprit_rel_l2"] == pytest.approx(rel_l2, rel=1e-9)
     page = (out / "capture_boundaries.html").read_text()
     assert "base vs nudged: first divergent boundary <code>mix</code>" in page
@@ -489,7 +556,10 @@ def test_op_captures_need_two_folders(capture_report, tmp_path):
     bad.write_text(text + '\n[captures.ops]\nbase = "ops/base"\n')
     with pytest.raises(DmlibError, match=r"\[captures.ops\] needs two"):
         load_study(bad)
-    bad.write_text(text + '\n[captures.ops]\nbase = "ops/base"\nnudged = "ops/nudged"\nfindings = "nope.json"\n')
+    bad.write_text(
+        text
+        + '\n[captures.ops]\nbase = "ops/base"\nnudged = "ops/nudged"\nfindings = "nope.json"\n'
+    )
     with pytest.raises(DmlibError, match="op findings file 'nope.json' not found"):
         load_study(bad)
 
@@ -498,12 +568,27 @@ def test_study_init_from_paths(lab, tmp_path, monkeypatch):
     monkeypatch.chdir(lab)
     target = tmp_path / "mine" / "study.toml"
     target.parent.mkdir()
-    rc = cli(["study", "init", "--run", "a=runs/alpha/", "--run", "ctrl=runs/seed1/",
-              "--control", "ctrl", "--out", str(target)])
+    rc = cli(
+        [
+            "study",
+            "init",
+            "--run",
+            "a=runs/alpha/",
+            "--run",
+            "ctrl=runs/seed1/",
+            "--control",
+            "ctrl",
+            "--out",
+            str(target),
+        ]
+    )
     assert rc == 0
     study = load_study(target)
     assert study.control == "ctrl" and study.runs["a"].steps == list(STEPS)
-    assert study.runs["a"].checkpoints[STEPS[0]] == lab / "runs" / "alpha" / f"ckpt-{STEPS[0]:04d}.safetensors"
+    assert (
+        study.runs["a"].checkpoints[STEPS[0]]
+        == lab / "runs" / "alpha" / f"ckpt-{STEPS[0]:04d}.safetensors"
+    )
 
 
 def test_report_says_when_the_study_does_not_name_its_machine(report):
@@ -536,11 +621,15 @@ def test_study_init_offers_this_machine_as_a_commented_guess(lab, tmp_path):
     shutil.copytree(lab / "runs", scan)
     assert cli(["study", "init", str(scan)]) == 0
     text = (scan / "study.toml").read_text()
-    model = next(
-        line.split(":", 1)[1].strip()
-        for line in Path("/proc/cpuinfo").read_text().splitlines()
-        if line.lower().startswith("model name")
-    ) if Path("/proc/cpuinfo").is_file() else None
+    model = (
+        next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.lower().startswith("model name")
+        )
+        if Path("/proc/cpuinfo").is_file()
+        else None
+    )
     guess = [line for line in text.splitlines() if line.startswith("# made_on = ")]
     assert len(guess) == 1 and "keep it only if the runs were made here" in guess[0]
     if model:
@@ -567,7 +656,10 @@ def test_recorded_patch_test_is_quoted_with_its_machine(op_capture_report, tmp_p
     study = load_study(root / "study_ops.toml")
     study.captures.op_findings = tmp_path / "f.json"
     res = op_level(study.captures)
-    assert res.numbers["op_machine"] == recorded["machine"] and res.numbers["op_patch_confirmed"] is True
+    assert (
+        res.numbers["op_machine"] == recorded["machine"]
+        and res.numbers["op_patch_confirmed"] is True
+    )
     text = "\n".join(res.lines)
     assert (
         "Patch test, recorded on Planted CPU (avx2), torch dispatching to AVX2 (torch 2.13.0, 2 threads): "
@@ -575,7 +667,10 @@ def test_recorded_patch_test_is_quoted_with_its_machine(op_capture_report, tmp_p
         "layer at `a/aten.mm#0` and 2 more: not confirmed (first boundary still differing: `d`); "
         "2 later boundaries still differ."
     ) in text
-    assert "The recorded patch test concerns `elsewhere/aten.addmm#0`, while these captures name" in text
+    assert (
+        "The recorded patch test concerns `elsewhere/aten.addmm#0`, while these captures name"
+        in text
+    )
     (tmp_path / "f.json").write_text("{not json")
     with pytest.raises(DmlibError, match="op findings unreadable"):
         op_level(study.captures)

@@ -81,7 +81,9 @@ def test_plain_patterns_are_substrings_and_globs_whole_names():
 def test_a_selection_over_nothing_is_refused():
     from dmlib.sources import check_selection
 
-    with pytest.raises(DmlibError, match="'atn' matches no tensor name in a.pt or b.pt .*closest names: attn.q"):
+    with pytest.raises(
+        DmlibError, match="'atn' matches no tensor name in a.pt or b.pt .*closest names: attn.q"
+    ):
         check_selection(["attn.q", "mlp.w"], ["attn.q"], "atn", None, "a.pt", "b.pt")
     with pytest.raises(DmlibError, match="leaves no tensor"):
         check_selection(["attn.q"], [], "attn", "q", "a.pt")

@@ -50,7 +50,14 @@ def test_bfloat16_still_read_when_ml_dtypes_comes_late(tmp_path):
     assert got["code"] == 1 and got["ml_dtypes"] is True
     out = subprocess.run(
         [sys.executable, "-m", "dmlib", "compare", "--json", str(pa), str(pb)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     (row,) = json.loads(out.stdout)["rows"]
-    assert (row["dtype"], row["n_diff"], row["max_ulp"], row["first_diff"]) == ("bfloat16", 1, 3, [3])
+    assert (row["dtype"], row["n_diff"], row["max_ulp"], row["first_diff"]) == (
+        "bfloat16",
+        1,
+        3,
+        [3],
+    )

@@ -37,7 +37,9 @@ def test_one_sided_names_are_listed_and_forbid_identical() -> None:
     assert df.attrs["only_in_a"] == ["only_a"] and df.attrs["only_in_b"] == ["only_b"]
     assert list(df["name"]) == ["w"]
     s = dmlib.summarize(df)
-    assert s["identical"] is False and s["n_diff"] == 0  # every compared byte equal, yet not identical
+    assert (
+        s["identical"] is False and s["n_diff"] == 0
+    )  # every compared byte equal, yet not identical
 
 
 @pytest.mark.parametrize(
@@ -99,7 +101,10 @@ def test_bools_compare_by_truth_value() -> None:
 
 def test_summarize_of_a_filtered_frame_is_not_identical() -> None:
     """pandas copies attrs onto filtered frames; a frame missing rows must not pass as identical."""
-    df = _cmp({"x": np.array([1, 2], np.float32), "y": np.ones(2, np.float32)}, {"x": np.array([1, 3], np.float32), "y": np.ones(2, np.float32)})
+    df = _cmp(
+        {"x": np.array([1, 2], np.float32), "y": np.ones(2, np.float32)},
+        {"x": np.array([1, 3], np.float32), "y": np.ones(2, np.float32)},
+    )
     assert dmlib.summarize(df)["identical"] is False
     assert dmlib.summarize(df[df["n_diff"] == 0])["identical"] is False
     assert dmlib.summarize(df.head(0))["identical"] is False

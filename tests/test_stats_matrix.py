@@ -139,7 +139,10 @@ def _tiny_model_state(seed: int) -> dict[str, np.ndarray]:
     torch = pytest.importorskip("torch")
     torch.manual_seed(seed)
     net = torch.nn.Sequential(
-        torch.nn.Conv1d(3, 5, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool1d(1), torch.nn.Flatten(),
+        torch.nn.Conv1d(3, 5, 3),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool1d(1),
+        torch.nn.Flatten(),
         torch.nn.Linear(5, 2),
     )
     return {f"model.{k}": v.detach().numpy().copy() for k, v in net.state_dict().items()}
@@ -160,7 +163,9 @@ def test_matrix_costs_distinct_contents(tmp_path, monkeypatch):
     calls = []
     real = cmp_mod.compare_pair
     monkeypatch.setattr(
-        cmp_mod, "compare_pair", lambda ta, tb, *a, **k: calls.append(ta.name) or real(ta, tb, *a, **k)
+        cmp_mod,
+        "compare_pair",
+        lambda ta, tb, *a, **k: calls.append(ta.name) or real(ta, tb, *a, **k),
     )
     df = matrix(paths, control="ctrl")
     monkeypatch.undo()

@@ -97,7 +97,9 @@ def test_hand_cases_of_new_formats():
     f4 = np.dtype(ml_dtypes.float4_e2m1fn)
 
     def d(dt, x, y):
-        return int(ulp_distance(np.array([x], np.uint8).view(dt), np.array([y], np.uint8).view(dt))[0])
+        return int(
+            ulp_distance(np.array([x], np.uint8).view(dt), np.array([y], np.uint8).view(dt))[0]
+        )
 
     assert d(e8m0, 0x7F, 0x80) == 1  # 1.0 to 2.0: exponents only, one step
     assert d(e8m0, 0x00, 0xFE) == 0xFE  # 2**-127 to 2**127
@@ -127,9 +129,7 @@ def test_compare_statistics_on_every_format(name, width):
     fin = np.isfinite(va) & np.isfinite(vb) & differ
     nan_a, nan_b = np.isnan(va), np.isnan(vb)
     ranks = np.abs(np.searchsorted(table, va) - np.searchsorted(table, vb))
-    df = dmlib.compare(
-        ArrayTensorSet({"w": ba.view(dtype)}), ArrayTensorSet({"w": bb.view(dtype)})
-    )
+    df = dmlib.compare(ArrayTensorSet({"w": ba.view(dtype)}), ArrayTensorSet({"w": bb.view(dtype)}))
     (row,) = df.to_dict("records")
     assert row["n_diff"] == int(differ.sum())
     assert int(row["max_ulp"]) == int(ranks[fin].max())

@@ -34,7 +34,11 @@ def write_safetensors(path, arrays: dict[str, np.ndarray], metadata: dict[str, s
     off, blobs = 0, []
     for name, a in arrays.items():
         b = np.ascontiguousarray(a).tobytes()
-        header[name] = {"dtype": ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        header[name] = {
+            "dtype": ST_DTYPES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [off, off + len(b)],
+        }
         blobs.append(b)
         off += len(b)
     h = json.dumps(header).encode()
@@ -57,7 +61,9 @@ def runs(tmp_path_factory):
         (root / run).mkdir()
         for step, (sd, opt) in ckpts.items():
             arrays[(run, step)] = {k: np_of(v) for k, v in sd.items()}
-            write_safetensors(root / run / f"s{step}.safetensors", arrays[(run, step)], {"step": str(step)})
+            write_safetensors(
+                root / run / f"s{step}.safetensors", arrays[(run, step)], {"step": str(step)}
+            )
             torch.save({"step": step, "model": sd, "optimizer": opt}, root / run / f"s{step}.pt")
     shutil.copytree(root / "base", root / "copy")  # bit-identical to base by construction
     for step in STEPS:
@@ -86,12 +92,17 @@ def test_pt_vs_safetensors_share_no_name_then_rename_makes_them_identical(runs, 
     assert main(["compare", str(pt), str(st)]) == 2
     line = _one_error_line(capsys)
     assert "share no tensor name" in line and "--rename a:model.=" in line
-    rc = main(["compare", str(pt), str(st), "--rename", "a:model.=", "--exclude", "optimizer.", "--json"])
+    rc = main(
+        ["compare", str(pt), str(st), "--rename", "a:model.=", "--exclude", "optimizer.", "--json"]
+    )
     doc = json.loads(capsys.readouterr().out)
     # oracle: the model tensors torch saved and the arrays written to the safetensors file
     _, _, trained = runs
     sd = trained["base"][7][0]
-    same = all(np.array_equal(np_of(sd[k]).view(np.uint8), arrays[("base", 7)][k].view(np.uint8)) for k in sd)
+    same = all(
+        np.array_equal(np_of(sd[k]).view(np.uint8), arrays[("base", 7)][k].view(np.uint8))
+        for k in sd
+    )
     assert same and rc == 0 and doc["summary"]["identical"] is True
     assert sorted(r["name"] for r in doc["rows"]) == sorted(sd)
     assert _hashes(pt, st) == before
@@ -136,7 +147,11 @@ def test_different_width_models_say_what_was_not_compared(tmp_path, capsys):
     write_safetensors(tmp_path / "w.safetensors", wide, {})
     same_shape = [k for k in narrow if narrow[k].shape == wide[k].shape]
     other = len(narrow) - len(same_shape)
-    differ = [k for k in same_shape if not np.array_equal(narrow[k].view(np.uint8), wide[k].view(np.uint8))]
+    differ = [
+        k
+        for k in same_shape
+        if not np.array_equal(narrow[k].view(np.uint8), wide[k].view(np.uint8))
+    ]
     assert main(["compare", str(tmp_path / "n.safetensors"), str(tmp_path / "w.safetensors")]) == 1
     last = capsys.readouterr().out.splitlines()[-1]
     assert other > 0 and last.startswith(
@@ -159,10 +174,15 @@ def test_cross_dtype_rounds_the_wider_side(tmp_path, capsys):
     a, b, c = (str(tmp_path / f"{n}.safetensors") for n in ("f32", "bf16", "nudged"))
     assert main(["compare", a, b]) == 1
     out = capsys.readouterr().out
-    assert "NOT ALL COMPARED" in out and f"mismatched: {name} float32[" in out and "bfloat16[" in out
+    assert (
+        "NOT ALL COMPARED" in out and f"mismatched: {name} float32[" in out and "bfloat16[" in out
+    )
     assert main(["compare", a, b, "--cross-dtype"]) == 0
     out = capsys.readouterr().out.splitlines()[-1]
-    assert out.startswith("IDENTICAL AFTER ROUNDING") and "float32 -> bfloat16, round to nearest, ties to even" in out
+    assert (
+        out.startswith("IDENTICAL AFTER ROUNDING")
+        and "float32 -> bfloat16, round to nearest, ties to even" in out
+    )
     assert main(["compare", a, c, "--cross-dtype", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     row = next(r for r in doc["rows"] if r["name"] == name)
@@ -237,21 +257,31 @@ def _oracle_pair(arrays, a: str, b: str):
     first, rel_all = None, {}
     for step in STEPS:
         xa, xb = arrays[(a, step)], arrays[(b, step)]
-        if first is None and any(not np.array_equal(xa[k].view(np.uint8), xb[k].view(np.uint8)) for k in xa):
+        if first is None and any(
+            not np.array_equal(xa[k].view(np.uint8), xb[k].view(np.uint8)) for k in xa
+        ):
             first = step
-        d2 = sum(float(np.sum((xa[k].astype(np.float64) - xb[k].astype(np.float64)) ** 2)) for k in xa)
+        d2 = sum(
+            float(np.sum((xa[k].astype(np.float64) - xb[k].astype(np.float64)) ** 2)) for k in xa
+        )
         n2 = sum(float(np.sum(xa[k].astype(np.float64) ** 2)) for k in xa)
         rel_all[step] = np.sqrt(d2) / np.sqrt(n2)
     last = {k: np.linalg.norm((arrays[(a, 7)][k].astype(np.float64) - arrays[(b, 7)][k]).ravel())
             / np.linalg.norm(arrays[(a, 7)][k].astype(np.float64).ravel()) for k in arrays[(a, 7)]}  # fmt: skip
     pts = [(s, np.log10(r)) for s, r in rel_all.items() if r > 0]
-    slope = float(np.polyfit([s for s, _ in pts], [y for _, y in pts], 1)[0]) if len(pts) >= 2 else None
+    slope = (
+        float(np.polyfit([s for s, _ in pts], [y for _, y in pts], 1)[0]) if len(pts) >= 2 else None
+    )
     return first, max(last, key=last.get), slope
 
 
 def test_ladder_one_line_per_pair(runs, capsys):
     root, arrays, _ = runs
-    items = [f"{r}:{s}={root / r / f's{s}.safetensors'}" for r in ("base", "copy", "nudged") for s in STEPS]
+    items = [
+        f"{r}:{s}={root / r / f's{s}.safetensors'}"
+        for r in ("base", "copy", "nudged")
+        for s in STEPS
+    ]
     assert main(["ladder", *items, "--reference", "base", "--top", "1"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "checkpoints: 9; 9 ok (recorded step against claimed)"
@@ -262,7 +292,9 @@ def test_ladder_one_line_per_pair(runs, capsys):
     assert f"fastest movers at step 7 (rel_fro): {mover} " in lines[2]
     assert len(lines) == 3
     assert main(["ladder", *items, "--reference", "base", "--json"]) == 1
-    pair = next(p for p in json.loads(capsys.readouterr().out)["pairs"] if p["pair"] == "base/nudged")
+    pair = next(
+        p for p in json.loads(capsys.readouterr().out)["pairs"] if p["pair"] == "base/nudged"
+    )
     if slope is None:
         assert pair["slope"] is None
     else:
@@ -299,7 +331,9 @@ def test_one_dtype_spelling(runs, capsys):
 
 def test_values_neither_tensor_nor_plain_are_named_not_dropped(tmp_path):
     p = tmp_path / "odd.pt"
-    torch.save({"w": torch.ones(2), "dtype": torch.bfloat16, "z": 1 + 2j, "step": 4, "tag": "run-a"}, p)
+    torch.save(
+        {"w": torch.ones(2), "dtype": torch.bfloat16, "z": 1 + 2j, "step": 4, "tag": "run-a"}, p
+    )
     ts = dmlib.open_tensors(p)
     assert list(ts) == ["w"] and ts.scalars == {"step": 4, "tag": "run-a"}
     assert ts.metadata["entries_not_read"] == "dtype (dtype), z (complex)"

@@ -29,7 +29,9 @@ def add_format(p: argparse.ArgumentParser) -> None:
     """``--format``: read every input checkpoint as this format instead of detecting it."""
     from dmlib.io import FORMATS
 
-    p.add_argument("--format", choices=list(FORMATS), help="read every input as this format (skip detection)")
+    p.add_argument(
+        "--format", choices=list(FORMATS), help="read every input as this format (skip detection)"
+    )
 
 
 def missing(v: Any) -> bool:
@@ -59,7 +61,9 @@ def table(
     cells = [[cell(r.get(c)) for c in cols] for r in recs]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines += [
+        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
     return "\n".join(lines)
 
 

@@ -296,7 +296,9 @@ def run_ladder(args: argparse.Namespace) -> int:
             + " (recorded step against claimed)"
         )
         for c in checks[checks["status"] != "ok"].itertuples(index=False):
-            print(f"  {c.status}: run {c.run} step {c.step}: {c.detail.removeprefix(c.status + ': ')}")
+            print(
+                f"  {c.status}: run {c.run} step {c.step}: {c.detail.removeprefix(c.status + ': ')}"
+            )
     for r in summary.itertuples(index=False):
         print(_pair_line(r))
     if args.details and len(df):

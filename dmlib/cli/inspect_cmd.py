@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="checkpoint file (burnpack, safetensors, .npy/.npz, torch)")
     add_format(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--no-hash", action="store_true", help="skip per-tensor data hashes (faster on big files)")
+    p.add_argument(
+        "--no-hash", action="store_true", help="skip per-tensor data hashes (faster on big files)"
+    )
     add_common_epilog(p)
     p.set_defaults(func=run)
 
@@ -41,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
         json.dump(jsonable(doc, default=str), out, indent=1)
         out.write("\n")
         return 0
-    print(f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements", file=out)
+    print(
+        f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",
+        file=out,
+    )
     lay = doc["layout"]
     if doc["records"]:
         for r in doc["records"]:
@@ -59,7 +64,14 @@ def run(args: argparse.Namespace) -> int:
     if doc["file_hash"]:
         print(f"file_hash {doc['file_hash']}\ndata_hash {doc['data_hash']}", file=out)
     print(file=out)
-    rows = [dict(t, shape="x".join(map(str, t["shape"])) or "scalar", data_hash=(t["data_hash"] or "")[:16]) for t in doc["tensors"]]
+    rows = [
+        dict(
+            t,
+            shape="x".join(map(str, t["shape"])) or "scalar",
+            data_hash=(t["data_hash"] or "")[:16],
+        )
+        for t in doc["tensors"]
+    ]
     cols = ["name", "dtype", "shape", "numel", "offset", "param_id", "data_hash"]
     if any(t["record"] for t in doc["tensors"]):
         cols.insert(0, "record")
@@ -75,5 +87,9 @@ def run(args: argparse.Namespace) -> int:
         dirty = [g for g in doc["padding"]["gaps"] if not g["zero"]]
         print(f"padding: {len(doc['padding']['gaps'])} gaps, {len(dirty)} not zero", file=out)
         if dirty:
-            _print_table(dirty, ["record", "kind", "start", "end", "nbytes", "nonzero_bytes", "nan", "huge"], out)
+            _print_table(
+                dirty,
+                ["record", "kind", "start", "end", "nbytes", "nonzero_bytes", "nan", "huge"],
+                out,
+            )
     return 0

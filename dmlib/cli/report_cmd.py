@@ -37,18 +37,57 @@ def register(sub: Any) -> None:
         "provenance.json and the resolved DIR/study.toml.\n\n" + STUDY_HELP,
     )
     p.add_argument("study", nargs="*", help="study.toml file(s) or folder(s) holding one")
-    p.add_argument("--out", required=True, metavar="DIR", help="report folder (replaced if it holds an earlier report)")
-    p.add_argument("--run", action="append", default=[], metavar="LABEL=PATH", help="a run: checkpoint file, folder or glob (instead of a study file)")
-    p.add_argument("--control", metavar="LABEL", help="with --run: the run expected to differ (another seed)")
-    p.add_argument("--repeat", action="append", default=[], metavar="LABEL=OF", help="with --run: run LABEL repeats run OF")
-    p.add_argument("--capture", action="append", default=[], metavar="LABEL=FOLDER", help="with --run: a capture folder (the first is the reference)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="report folder (replaced if it holds an earlier report)",
+    )
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="a run: checkpoint file, folder or glob (instead of a study file)",
+    )
+    p.add_argument(
+        "--control", metavar="LABEL", help="with --run: the run expected to differ (another seed)"
+    )
+    p.add_argument(
+        "--repeat",
+        action="append",
+        default=[],
+        metavar="LABEL=OF",
+        help="with --run: run LABEL repeats run OF",
+    )
+    p.add_argument(
+        "--capture",
+        action="append",
+        default=[],
+        metavar="LABEL=FOLDER",
+        help="with --run: a capture folder (the first is the reference)",
+    )
     p.add_argument("--request", metavar="ID", help="with --capture: the request to compare")
     p.add_argument("--title", help="with --run: the report's title")
     p.add_argument("--only", nargs="+", metavar="NOTEBOOK", help="run only these notebooks")
-    p.add_argument("--small", action="store_true", help="SMALL=True: a quick run on a subset of the runs")
-    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="set a notebook parameter (must exist in a parameters cell)")
-    p.add_argument("--notebooks", metavar="FOLDER", help="a folder of notebooks (default: the collection shipped with dmlib)")
-    p.add_argument("--jobs", type=int, default=None, help="kernels run at once (default: min(4, CPUs))")
+    p.add_argument(
+        "--small", action="store_true", help="SMALL=True: a quick run on a subset of the runs"
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a notebook parameter (must exist in a parameters cell)",
+    )
+    p.add_argument(
+        "--notebooks",
+        metavar="FOLDER",
+        help="a folder of notebooks (default: the collection shipped with dmlib)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=None, help="kernels run at once (default: min(4, CPUs))"
+    )
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
     add_common_epilog(p)
     p.epilog = REPORT_EXIT
@@ -69,13 +108,17 @@ def register(sub: Any) -> None:
         "guess (the control, repeats, the reference capture) is written as a comment to check. "
         "Given --run, write those runs.\n\n" + STUDY_HELP,
     )
-    i.add_argument("folder", nargs="?", help="folder to scan (the study file goes into it unless --out)")
+    i.add_argument(
+        "folder", nargs="?", help="folder to scan (the study file goes into it unless --out)"
+    )
     i.add_argument("--run", action="append", default=[], metavar="LABEL=PATH")
     i.add_argument("--control", metavar="LABEL")
     i.add_argument("--capture", action="append", default=[], metavar="LABEL=FOLDER")
     i.add_argument("--request", metavar="ID")
     i.add_argument("--title")
-    i.add_argument("--out", metavar="FILE", help="where to write (default: FOLDER/study.toml, or ./study.toml)")
+    i.add_argument(
+        "--out", metavar="FILE", help="where to write (default: FOLDER/study.toml, or ./study.toml)"
+    )
     i.add_argument("--force", action="store_true", help="overwrite an existing file")
     add_common_epilog(i)
     i.epilog = STUDY_EXIT
@@ -103,7 +146,10 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def _flag_study(args: argparse.Namespace) -> Any:
     from dmlib.report.study import from_dict
 
-    data: dict[str, Any] = {"title": args.title or "dmlib report", "runs": _pairs(args.run, "--run")}
+    data: dict[str, Any] = {
+        "title": args.title or "dmlib report",
+        "runs": _pairs(args.run, "--run"),
+    }
     if args.control:
         data["control"] = args.control
     if args.repeat:
@@ -126,11 +172,15 @@ def run_report(args: argparse.Namespace) -> int:
     if not flags and not args.study:
         raise DmlibError("nothing to report: give a study.toml, or runs with --run LABEL=PATH")
     if not flags and (args.control or args.repeat or args.request or args.title):
-        raise DmlibError("--control, --repeat, --request and --title go with --run; a study file says them itself")
+        raise DmlibError(
+            "--control, --repeat, --request and --title go with --run; a study file says them itself"
+        )
     params = dict(parse_param(p) for p in args.param)
     for reserved in ("STUDY", "FIGURE_DIR"):
         if reserved in params:
-            raise DmlibError(f"--param {reserved}: set by dmlib report itself (the study, the report folder)")
+            raise DmlibError(
+                f"--param {reserved}: set by dmlib report itself (the study, the report folder)"
+            )
     # every study is read and checked before anything is written
     studies = [_flag_study(args)] if flags else [load_study(s) for s in args.study]
     out = Path(args.out)
@@ -191,7 +241,9 @@ def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]]) -> Non
     from dmlib.report.pages import _page
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "index.html").write_text(_page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8")
+    (out / "index.html").write_text(
+        _page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8"
+    )
 
 
 def run_init(args: argparse.Namespace) -> int:
@@ -206,7 +258,10 @@ def run_init(args: argparse.Namespace) -> int:
         text = init_from_folder(Path(args.folder), title=args.title)
         base = Path(args.folder)
         if target.resolve().parent != base.resolve():
-            raise DmlibError("a scanned study must be written into the folder it describes (paths are relative to it)", path=target)
+            raise DmlibError(
+                "a scanned study must be written into the folder it describes (paths are relative to it)",
+                path=target,
+            )
     elif args.run or args.capture:
         from dmlib.report.study import resolve_runs
 
@@ -229,5 +284,7 @@ def run_init(args: argparse.Namespace) -> int:
     if target.exists() and not args.force:
         raise DmlibError("exists; pass --force to overwrite it", path=target)
     target.write_text(text, encoding="utf-8")
-    print(f"wrote {target}; check the lines marked 'guessed', then: dmlib report {target} --out report")
+    print(
+        f"wrote {target}; check the lines marked 'guessed', then: dmlib report {target} --out report"
+    )
     return 0

@@ -58,8 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_arbitrate(args: argparse.Namespace) -> int:
     from dmlib.localize.arbitrate import COLUMNS, arbitrate
 
-    res = arbitrate(args.a, args.b, args.op, request=args.request, factor=args.factor,
-                    backend=args.backend)
+    res = arbitrate(
+        args.a, args.b, args.op, request=args.request, factor=args.factor, backend=args.backend
+    )
     if args.json:
         doc = {"op": res.op, "verdict": res.verdict, "reason": res.reason, "rows": res.table}
         print(json.dumps(jsonable(doc), indent=1))

@@ -79,7 +79,9 @@ class DaskPairs:
 
     # -- pieces ------------------------------------------------------------------------
 
-    def _specs(self, ta: Tensor, tb: Tensor, start: int = 0, end: int | None = None) -> list[P.PieceSpec]:
+    def _specs(
+        self, ta: Tensor, tb: Tensor, start: int = 0, end: int | None = None
+    ) -> list[P.PieceSpec]:
         kind = kind_of(ta)
         for t in (ta, tb):
             if kind != "bytes" and (not t.dtype.isnative or t.dtype.kind == "c"):
@@ -118,7 +120,9 @@ class DaskPairs:
             for ta, tb in todo:
                 for t in (ta, tb):
                     side = side_of(t)
-                    sha.append(dask.delayed(P.sha256_side, pure=True)(side.path, side.offset, t.nbytes))
+                    sha.append(
+                        dask.delayed(P.sha256_side, pure=True)(side.path, side.offset, t.nbytes)
+                    )
         out = _compute(tasks + sha)
         res, shas = out[: len(tasks)], out[len(tasks) :]
         i = 0
@@ -129,7 +133,9 @@ class DaskPairs:
                 self._results[(id(ta), id(tb))].append({"sha": (shas[2 * k], shas[2 * k + 1])})
             i += n
 
-    def __call__(self, ta: Tensor, tb: Tensor, compute: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    def __call__(
+        self, ta: Tensor, tb: Tensor, compute: Callable[[], dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         return self.row(ta, tb)
 
     # -- combining -----------------------------------------------------------------------
@@ -162,7 +168,9 @@ class DaskPairs:
             acc.n_inf_mismatch += d["n_inf_mismatch"]
         if info is not None and differing:
             self._sums(acc, ta, tb, parts, diffs)
-        row = _row(acc, ta, tb, kind, info, self.chunk_bytes, differing, None, _Reread(self, ta, tb))
+        row = _row(
+            acc, ta, tb, kind, info, self.chunk_bytes, differing, None, _Reread(self, ta, tb)
+        )
         row["_hashes"] = self._hashes(ta, parts, sha, differing)
         return row
 
@@ -189,7 +197,9 @@ class DaskPairs:
             acc.sad += d["sad"]
             acc.sdd += d["sdd"]
 
-    def _hashes(self, ta: Tensor, parts: list, sha: Any, differing: bool) -> tuple[Done, Done | None]:
+    def _hashes(
+        self, ta: Tensor, parts: list, sha: Any, differing: bool
+    ) -> tuple[Done, Done | None]:
         if sha is not None:
             return Done(sha[0]), (Done(sha[1]) if differing else None)
         da = [p["digest_a"] for p in parts]

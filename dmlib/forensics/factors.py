@@ -291,8 +291,19 @@ def factor_matrix(
         for b in labels[i + 1 :]:
             df = compare_factors(runs[a], runs[b], groups)
             frames.append(df.assign(a=a, b=b))
-            pairs.append({"a": a, "b": b, "rel_fro": df.attrs["worst_rel_fro"], "worst_group": df.attrs["worst_group"]})
-    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["a", "b", *_COLUMNS])
+            pairs.append(
+                {
+                    "a": a,
+                    "b": b,
+                    "rel_fro": df.attrs["worst_rel_fro"],
+                    "worst_group": df.attrs["worst_group"],
+                }
+            )
+    out = (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else pd.DataFrame(columns=["a", "b", *_COLUMNS])
+    )
     out = out[["a", "b", *[c for c in out.columns if c not in ("a", "b")]]]
     out.attrs["pairs"] = pd.DataFrame(pairs, columns=["a", "b", "rel_fro", "worst_group"])
     return out

@@ -67,7 +67,10 @@ def _check_file(path: str) -> None:
     if not os.path.exists(path):
         raise DmlibError("no such file", path=path)
     if os.path.isdir(path):
-        raise FormatError("is a directory, not a checkpoint file (for a capture use dmlib.open_capture)", path=path)
+        raise FormatError(
+            "is a directory, not a checkpoint file (for a capture use dmlib.open_capture)",
+            path=path,
+        )
     if not os.path.isfile(path):
         raise FormatError("is not a regular file (a device, socket or pipe?)", path=path)
     if os.path.getsize(path) == 0:
@@ -99,7 +102,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if suffix in _SUFFIX:
         return _SUFFIX[suffix]
     raise UnknownFormatError(
-        f"unrecognised file (first bytes {head[:8]!r}); pass format= one of {', '.join(FORMATS)}", path=path
+        f"unrecognised file (first bytes {head[:8]!r}); pass format= one of {', '.join(FORMATS)}",
+        path=path,
     )
 
 
@@ -118,7 +122,9 @@ def _zip_kind(path: str) -> str | None:
     return None
 
 
-def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, record: int | None = None) -> TensorSet:
+def open_tensors(
+    path: str | os.PathLike[str], *, format: str | None = None, record: int | None = None
+) -> TensorSet:
     """Open a checkpoint as a lazy, read-only mapping name -> Tensor.
 
     Parameters
@@ -138,12 +144,16 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
     path = os.fspath(path)
     fmt = format or _ASSUMED.get() or detect_format(path)
     if fmt not in FORMATS:
-        raise UnknownFormatError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path)
+        raise UnknownFormatError(
+            f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path
+        )
     if record is not None and fmt != "burnpack":
         raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
     if fmt == "dcp":
         if not dcp.can_open(path):
-            raise FormatError(f"not a DCP checkpoint directory (no {dcp.METADATA} in it)", path=path)
+            raise FormatError(
+                f"not a DCP checkpoint directory (no {dcp.METADATA} in it)", path=path
+            )
     else:
         _check_file(path)
     try:
@@ -168,7 +178,9 @@ def open_tensors(path: str | os.PathLike[str], *, format: str | None = None, rec
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
 
 
-def load(path: str | os.PathLike[str], names: Iterable[str] | None = None, *, format: str | None = None) -> dict[str, np.ndarray]:
+def load(
+    path: str | os.PathLike[str], names: Iterable[str] | None = None, *, format: str | None = None
+) -> dict[str, np.ndarray]:
     """Read tensors eagerly into (writable, in-memory) numpy arrays."""
     with open_tensors(path, format=format) as ts:
         wanted = list(ts) if names is None else list(names)

@@ -45,7 +45,9 @@ def dtype_name(t: Any) -> str:
 
 
 def _tensor(name: str, arr: np.ndarray, path: str, dname: str, **kw: Any) -> Tensor:
-    return Tensor(name, arr.dtype, arr.shape, nbytes=arr.nbytes, source=arr, path=path, dtype_name=dname, **kw)
+    return Tensor(
+        name, arr.dtype, arr.shape, nbytes=arr.nbytes, source=arr, path=path, dtype_name=dname, **kw
+    )
 
 
 def _dense(name: str, t: Any, path: str) -> Tensor:
@@ -77,8 +79,19 @@ def _dense(name: str, t: Any, path: str) -> Tensor:
     try:  # a dtype numpy does not know: its stored bytes, compared byte by byte
         raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
     except (TypeError, RuntimeError) as err:
-        raise UnsupportedError(f"tensor {name!r}: dtype {dname} cannot be read ({err})", path=path) from None
-    return Tensor(name, np.dtype("u1"), tuple(t.shape), nbytes=raw.nbytes, source=raw, path=path, dtype_name=dname, opaque=True)
+        raise UnsupportedError(
+            f"tensor {name!r}: dtype {dname} cannot be read ({err})", path=path
+        ) from None
+    return Tensor(
+        name,
+        np.dtype("u1"),
+        tuple(t.shape),
+        nbytes=raw.nbytes,
+        source=raw,
+        path=path,
+        dtype_name=dname,
+        opaque=True,
+    )
 
 
 def entries(name: str, t: Any, path: str) -> dict[str, Tensor]:
@@ -101,12 +114,18 @@ def entries(name: str, t: Any, path: str) -> dict[str, Tensor]:
         if scheme in ("per_tensor_affine", "per_tensor_symmetric"):
             parts["scale"] = torch.tensor(t.q_scale(), dtype=torch.float64)
             parts["zero_point"] = torch.tensor(t.q_zero_point(), dtype=torch.int64)
-        elif scheme in ("per_channel_affine", "per_channel_symmetric", "per_channel_affine_float_qparams"):
+        elif scheme in (
+            "per_channel_affine",
+            "per_channel_symmetric",
+            "per_channel_affine_float_qparams",
+        ):
             parts["scales"] = t.q_per_channel_scales()
             parts["zero_points"] = t.q_per_channel_zero_points()
             parts["axis"] = torch.tensor(t.q_per_channel_axis(), dtype=torch.int64)
         else:
-            raise UnsupportedError(f"tensor {name!r}: quantization scheme {scheme} is not supported", path=path)
+            raise UnsupportedError(
+                f"tensor {name!r}: quantization scheme {scheme} is not supported", path=path
+            )
         return {f"{name}.{k}": _dense(f"{name}.{k}", v, path) for k, v in parts.items()}
     else:
         return {name: _dense(name, t, path)}

@@ -36,22 +36,24 @@ MAX_UNZIPPED = 64 << 30  # a record larger than this is refused rather than fill
 MAX_DEPTH = 64
 
 # Burn DType name -> numpy dtype (as burnpack names them)
-DTYPES = LazyDtypes({
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "Flex32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": "ml_dtypes:bfloat16",
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
-    "Bool": np.dtype("?"),
-})
+DTYPES = LazyDtypes(
+    {
+        "F64": np.dtype("<f8"),
+        "F32": np.dtype("<f4"),
+        "Flex32": np.dtype("<f4"),
+        "F16": np.dtype("<f2"),
+        "BF16": "ml_dtypes:bfloat16",
+        "I64": np.dtype("<i8"),
+        "I32": np.dtype("<i4"),
+        "I16": np.dtype("<i2"),
+        "I8": np.dtype("i1"),
+        "U64": np.dtype("<u8"),
+        "U32": np.dtype("<u4"),
+        "U16": np.dtype("<u2"),
+        "U8": np.dtype("u1"),
+        "Bool": np.dtype("?"),
+    }
+)
 
 
 def can_open(head: bytes, path: str) -> bool:
@@ -66,7 +68,9 @@ def _decode(path: str) -> Any:
     try:
         import msgpack
     except ImportError:
-        raise MissingDependencyError("reading Burn .mpk records needs msgpack: pip install 'dmlib[formats]'", path=path) from None
+        raise MissingDependencyError(
+            "reading Burn .mpk records needs msgpack: pip install 'dmlib[formats]'", path=path
+        ) from None
     with open(path, "rb") as f:
         raw = f.read()
     if path.lower().endswith(".gz") or raw[:2] == b"\x1f\x8b":
@@ -81,12 +85,27 @@ def _decode(path: str) -> Any:
             raise FormatError(f"damaged gzip stream ({err})", path=path) from None
     try:
         # strict: one value exactly; maps keyed by strings; bytes stay bytes
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, max_bin_len=len(raw))
+        return msgpack.unpackb(
+            raw, raw=False, strict_map_key=False, use_list=True, max_bin_len=len(raw)
+        )
     except msgpack.ExtraData:
         raise FormatError("bytes after the record's MessagePack value", path=path) from None
-    except (ValueError, msgpack.UnpackException, msgpack.FormatError, msgpack.StackError, TypeError) as err:
-        kind = TruncatedError if "incomplete" in str(err).lower() or "insufficient" in str(err).lower() else FormatError
-        raise kind(f"not a readable MessagePack record ({type(err).__name__}: {short_repr(str(err), 120)})", path=path) from None
+    except (
+        ValueError,
+        msgpack.UnpackException,
+        msgpack.FormatError,
+        msgpack.StackError,
+        TypeError,
+    ) as err:
+        kind = (
+            TruncatedError
+            if "incomplete" in str(err).lower() or "insufficient" in str(err).lower()
+            else FormatError
+        )
+        raise kind(
+            f"not a readable MessagePack record ({type(err).__name__}: {short_repr(str(err), 120)})",
+            path=path,
+        ) from None
 
 
 def _dtype_name(value: Any) -> str | None:
@@ -111,7 +130,9 @@ def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     meta_raw = doc.get("metadata")
     metadata: dict[str, str] = {}
     if isinstance(meta_raw, dict):
-        metadata = {str(k): str(v) for k, v in meta_raw.items() if isinstance(v, (str, int, float, bool))}
+        metadata = {
+            str(k): str(v) for k, v in meta_raw.items() if isinstance(v, (str, int, float, bool))
+        }
     elif meta_raw is not None:
         raise FormatError(f"record metadata is a {type(meta_raw).__name__}, not a map", path=path)
     tensors: dict[str, Tensor] = {}
@@ -127,31 +148,63 @@ def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
         if "bytes" in node:
             blob, dname = node["bytes"], _dtype_name(node.get("dtype"))
             if not isinstance(blob, bytes):
-                raise FormatError(f"tensor {name!r}: 'bytes' is a {type(blob).__name__}, not binary", path=path)
+                raise FormatError(
+                    f"tensor {name!r}: 'bytes' is a {type(blob).__name__}, not binary", path=path
+                )
             arr = np.frombuffer(blob, np.uint8)
             dt = DTYPES.get(dname) if dname is not None else None
             if dt is None:  # QFloat, or a variant we cannot name: its bytes, byte-wise
                 label = dname or f"DType{short_repr(node.get('dtype'), 40)}"
-                tensors[name] = Tensor(name, np.dtype("u1"), tuple(shape), nbytes=arr.nbytes, source=arr, path=path, dtype_name=label, opaque=True, param_id=pid)
+                tensors[name] = Tensor(
+                    name,
+                    np.dtype("u1"),
+                    tuple(shape),
+                    nbytes=arr.nbytes,
+                    source=arr,
+                    path=path,
+                    dtype_name=label,
+                    opaque=True,
+                    param_id=pid,
+                )
                 opaque.append(name)
                 return
             if arr.nbytes != numel * dt.itemsize:
                 raise FormatError(
-                    f"tensor {name!r}: {arr.nbytes} bytes but {dname} x {list(shape)} needs {numel * dt.itemsize}", path=path
+                    f"tensor {name!r}: {arr.nbytes} bytes but {dname} x {list(shape)} needs {numel * dt.itemsize}",
+                    path=path,
                 )
         else:  # Burn before 0.14: a list of numbers, element type from the record's settings
             values = node["value"]
             if not isinstance(values, list) or len(values) != numel:
                 got = len(values) if isinstance(values, list) else type(values).__name__
-                raise FormatError(f"tensor {name!r}: {got} values for shape {list(shape)}", path=path)
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and not all(isinstance(v, bool) for v in values):
+                raise FormatError(
+                    f"tensor {name!r}: {got} values for shape {list(shape)}", path=path
+                )
+            if not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+            ) and not all(isinstance(v, bool) for v in values):
                 raise FormatError(f"tensor {name!r}: values are not all numbers", path=path)
             dname = _legacy_dtype(values, metadata)
             dt = DTYPES[dname]
-            arr = np.asarray(values, dtype=np.float64 if dt.kind == "f" else None).astype(dt).view(np.uint8)
-            if dt.kind == "f" and not np.array_equal(arr.view(dt).astype(np.float64), np.asarray(values, np.float64), equal_nan=True):
+            arr = (
+                np.asarray(values, dtype=np.float64 if dt.kind == "f" else None)
+                .astype(dt)
+                .view(np.uint8)
+            )
+            if dt.kind == "f" and not np.array_equal(
+                arr.view(dt).astype(np.float64), np.asarray(values, np.float64), equal_nan=True
+            ):
                 raise FormatError(f"tensor {name!r}: values do not fit {dname} exactly", path=path)
-        tensors[name] = Tensor(name, dt, tuple(shape), nbytes=arr.nbytes, source=arr, path=path, dtype_name=dname, param_id=pid)
+        tensors[name] = Tensor(
+            name,
+            dt,
+            tuple(shape),
+            nbytes=arr.nbytes,
+            source=arr,
+            path=path,
+            dtype_name=dname,
+            param_id=pid,
+        )
 
     def walk(node: Any, name: str, depth: int) -> None:
         if depth > MAX_DEPTH:
@@ -180,12 +233,16 @@ def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     layout: dict[str, Any] = {"compressed": path.lower().endswith(".gz")}
     if opaque:
         layout["opaque"] = opaque
-    return TensorSet(tensors, path=path, format="burn-mpk", metadata=metadata, scalars=scalars, layout=layout)
+    return TensorSet(
+        tensors, path=path, format="burn-mpk", metadata=metadata, scalars=scalars, layout=layout
+    )
 
 
 def _legacy_dtype(values: list, metadata: dict[str, str]) -> str:
     if values and all(isinstance(v, bool) for v in values):
         return "Bool"
     if all(isinstance(v, int) for v in values):
-        return {"i32": "I32", "i16": "I16", "i8": "I8", "u8": "U8"}.get(metadata.get("int", ""), "I64")
+        return {"i32": "I32", "i16": "I16", "i8": "I8", "u8": "U8"}.get(
+            metadata.get("int", ""), "I64"
+        )
     return {"f64": "F64", "f16": "F16", "bf16": "BF16"}.get(metadata.get("float", ""), "F32")

@@ -43,7 +43,11 @@ PadFill = Callable[[int, int], bytes]
 _SIMPLE_DTYPES = SAFETENSORS_DTYPES.without("BOOL", "F8_E4M3", "F8_E5M2").extended(
     {"Flex32": np.dtype("<f4"), "Bool": np.dtype("?")}  # Bool: files written by Burn up to v0.20
 )
-_BOOL_STORES: dict[str, np.dtype] = {"Native": np.dtype("?"), "U8": np.dtype("u1"), "U32": np.dtype("<u4")}
+_BOOL_STORES: dict[str, np.dtype] = {
+    "Native": np.dtype("?"),
+    "U8": np.dtype("u1"),
+    "U32": np.dtype("<u4"),
+}
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -55,7 +59,7 @@ def _parse_dtype(value: Any, path: str, name: str) -> tuple[np.dtype, str, bool]
     if isinstance(value, str) and value in _SIMPLE_DTYPES:
         return _SIMPLE_DTYPES[value], value, False
     if isinstance(value, dict) and len(value) == 1:
-        (key, inner), = value.items()
+        ((key, inner),) = value.items()
         if key == "Bool" and isinstance(inner, str) and inner in _BOOL_STORES:
             return _BOOL_STORES[inner], f"Bool({inner})", False
         if key == "QFloat":
@@ -148,9 +152,10 @@ def _decode_scalars(raw: Any, path: str) -> tuple[dict[str, Scalar], dict[str, s
     for k, v in raw.items():
         if not (isinstance(k, str) and isinstance(v, dict) and len(v) == 1):
             raise FormatError(
-                f"scalar {short_repr(k)}: expected a one-key map like {{'UInt': 42}}, got {short_repr(v)}", path=path
+                f"scalar {short_repr(k)}: expected a one-key map like {{'UInt': 42}}, got {short_repr(v)}",
+                path=path,
             )
-        (kind, val), = v.items()
+        ((kind, val),) = v.items()
         ok = {
             "Int": isinstance(val, int) and not isinstance(val, bool),
             "UInt": isinstance(val, int) and not isinstance(val, bool) and val >= 0,
@@ -158,21 +163,31 @@ def _decode_scalars(raw: Any, path: str) -> tuple[dict[str, Scalar], dict[str, s
             "Bool": isinstance(val, bool),
         }.get(kind, False)
         if not ok:
-            raise FormatError(f"scalar {k!r}: invalid value {short_repr(v)} (Int/UInt/Float/Bool)", path=path)
+            raise FormatError(
+                f"scalar {k!r}: invalid value {short_repr(v)} (Int/UInt/Float/Bool)", path=path
+            )
         values[k], kinds[k] = val, kind
     return values, kinds
 
 
-def _parse_header(buf: np.ndarray, start: int, size: int, path: str, index: int) -> tuple[int, dict]:
+def _parse_header(
+    buf: np.ndarray, start: int, size: int, path: str, index: int
+) -> tuple[int, dict]:
     where = f"record {index} at byte {start}: " if index else ""
     if size - start < HEADER:
-        raise TruncatedError(f"{where}{size - start} bytes, shorter than the 10-byte burnpack header", path=path)
+        raise TruncatedError(
+            f"{where}{size - start} bytes, shorter than the 10-byte burnpack header", path=path
+        )
     head = bytes(buf[start : start + HEADER])
     if head[:4] != MAGIC:
-        raise FormatError(f"{where}bad magic {head[:4]!r} (a burnpack file starts with b'NRUB')", path=path)
+        raise FormatError(
+            f"{where}bad magic {head[:4]!r} (a burnpack file starts with b'NRUB')", path=path
+        )
     version, msize = struct.unpack("<HI", head[4:])
     if version > VERSION or version == 0:
-        raise UnsupportedError(f"{where}burnpack version {version}; this reader supports version 1", path=path)
+        raise UnsupportedError(
+            f"{where}burnpack version {version}; this reader supports version 1", path=path
+        )
     if start + HEADER + msize > size:
         raise TruncatedError(
             f"{where}metadata_size {msize} runs past the end of the file ({size} bytes)", path=path
@@ -204,7 +219,9 @@ def _descriptors(meta: dict, path: str) -> list[_Descriptor]:
     out = []
     for name, d in meta["tensors"].items():
         if not isinstance(name, str) or not isinstance(d, dict):
-            raise FormatError(f"tensor entry {short_repr(name)} is not a name -> map descriptor", path=path)
+            raise FormatError(
+                f"tensor entry {short_repr(name)} is not a name -> map descriptor", path=path
+            )
         for key in ("dtype", "shape", "data_offsets"):
             if key not in d:
                 raise FormatError(f"tensor {name!r}: descriptor lacks {key!r}", path=path)
@@ -217,8 +234,12 @@ def _descriptors(meta: dict, path: str) -> list[_Descriptor]:
         if problem is not None:
             raise FormatError(f"tensor {name!r}: {problem}", path=path)
         pid = d.get("param_id")
-        if pid is not None and not (isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 64):
-            raise FormatError(f"tensor {name!r}: param_id {short_repr(pid)} is not a u64", path=path)
+        if pid is not None and not (
+            isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 1 << 64
+        ):
+            raise FormatError(
+                f"tensor {name!r}: param_id {short_repr(pid)} is not a u64", path=path
+            )
         numel = 1
         for s in shape:
             numel *= s
@@ -228,7 +249,9 @@ def _descriptors(meta: dict, path: str) -> list[_Descriptor]:
                 f"needs {numel * dtype.itemsize}",
                 path=path,
             )
-        out.append(_Descriptor(name, dtype, dname, quantized, tuple(shape), offs[0], offs[1], pid, d))
+        out.append(
+            _Descriptor(name, dtype, dname, quantized, tuple(shape), offs[0], offs[1], pid, d)
+        )
     return out
 
 
@@ -250,16 +273,28 @@ def _fits(
         # Burn's writer puts each tensor at the first aligned offset after the previous
         # one: a larger gap means offsets shifted (by a whole alignment unit or more)
         if aligned and s != align_up(prev):
-            return False, end, f"data offset {s} leaves a gap of {s - prev} bytes after {prev} (expected {align_up(prev)})"
+            return (
+                False,
+                end,
+                f"data offset {s} leaves a gap of {s - prev} bytes after {prev} (expected {align_up(prev)})",
+            )
         if not aligned and s != prev:
-            return False, end, f"data offset {s} leaves a gap after {prev} (legacy files pack tensors back to back)"
+            return (
+                False,
+                end,
+                f"data offset {s} leaves a gap after {prev} (legacy files pack tensors back to back)",
+            )
         prev = max(prev, e)
     if end == size:
         return True, end, ""
     for nxt in {align_up(end), end}:
         if nxt + 4 <= size and bytes(buf[nxt : nxt + 4]) == MAGIC:
             return True, end, ""
-    return False, end, f"the record would end at byte {end} but the file has {size - end} more bytes that are not another record"
+    return (
+        False,
+        end,
+        f"the record would end at byte {end} but the file has {size - end} more bytes that are not another record",
+    )
 
 
 def _newer_than_legacy(meta: dict, descs: list[_Descriptor]) -> str | None:
@@ -288,7 +323,10 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         if ok_l and newer:
             # the legacy layout ended with Burn v0.20.0-pre.4; these fields came later, so
             # a legacy reading would be a shifted window of an aligned file cut short
-            ok_l, why_l = False, f"the metadata has {newer}, which Burn wrote only after the legacy layout ended"
+            ok_l, why_l = (
+                False,
+                f"the metadata has {newer}, which Burn wrote only after the legacy layout ended",
+            )
         if (
             ok_l
             and descs
@@ -330,9 +368,13 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
             f"Legacy unaligned layout (D={d_legacy}): {why_l}",
             path=path,
         )
-    base, end, layout = (d_aligned, end_a, "aligned") if ok_a else (d_legacy, end_l, "legacy-unaligned")
+    base, end, layout = (
+        (d_aligned, end_a, "aligned") if ok_a else (d_legacy, end_l, "legacy-unaligned")
+    )
     md = meta.get("metadata") or {}
-    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+    if not isinstance(md, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in md.items()
+    ):
         raise FormatError("'metadata' is not a str -> str map", path=path)
     scalars, kinds = _decode_scalars(meta.get("scalars"), path)
     tensors, descriptors = {}, {}
@@ -365,7 +407,13 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
         scalars=scalars,
         scalar_kinds=kinds,
         descriptors=descriptors,
-        layout={"layout": layout, "data_base": base, "metadata_size": msize, "start": start, "end": end},
+        layout={
+            "layout": layout,
+            "data_base": base,
+            "metadata_size": msize,
+            "start": start,
+            "end": end,
+        },
     )
 
 
@@ -382,7 +430,9 @@ def open_burnpack(path: str | os.PathLike[str], *, record: int | None = None) ->
     path = os.fspath(path)
     size = os.path.getsize(path)
     if size == 0:
-        raise TruncatedError("empty file (0 bytes); a burnpack file has at least a 10-byte header", path=path)
+        raise TruncatedError(
+            "empty file (0 bytes); a burnpack file has at least a 10-byte header", path=path
+        )
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     records: list[Record] = []
     start = 0
@@ -391,11 +441,17 @@ def open_burnpack(path: str | os.PathLike[str], *, record: int | None = None) ->
         records.append(rec)
         if rec.end >= size:
             break
-        nxt = align_up(rec.end) if bytes(buf[align_up(rec.end) : align_up(rec.end) + 4]) == MAGIC else rec.end
+        nxt = (
+            align_up(rec.end)
+            if bytes(buf[align_up(rec.end) : align_up(rec.end) + 4]) == MAGIC
+            else rec.end
+        )
         start = nxt
     if record is not None:
         if not 0 <= record < len(records):
-            raise FormatError(f"record {record} requested but the file holds {len(records)} record(s)", path=path)
+            raise FormatError(
+                f"record {record} requested but the file holds {len(records)} record(s)", path=path
+            )
         return records[record]
     if len(records) == 1:
         return records[0]
@@ -508,7 +564,9 @@ def encode_burnpack(
     if isinstance(tensors, TensorSet):
         metadata = tensors.metadata if metadata is None else metadata
         scalars = tensors.scalars if scalars is None else scalars
-        scalar_kinds = getattr(tensors, "scalar_kinds", None) if scalar_kinds is None else scalar_kinds
+        scalar_kinds = (
+            getattr(tensors, "scalar_kinds", None) if scalar_kinds is None else scalar_kinds
+        )
     aligned = layout == "aligned"
     entries = _as_entries(tensors, legacy=not aligned)
     offsets = []
@@ -527,7 +585,9 @@ def encode_burnpack(
         if entry.param_id is not None:
             d["param_id"] = int(entry.param_id)
         descs[entry.name] = d
-    meta: dict[str, Any] = {"tensors": {k: descs[k] for k in sorted(descs, key=lambda n: n.encode("utf-8"))}}
+    meta: dict[str, Any] = {
+        "tensors": {k: descs[k] for k in sorted(descs, key=lambda n: n.encode("utf-8"))}
+    }
     if metadata:
         meta["metadata"] = {str(k): str(v) for k, v in metadata.items()}
     if scalars:
@@ -543,7 +603,9 @@ def encode_burnpack(
     return bytes(out)
 
 
-def write_burnpack(path: str | os.PathLike[str], tensors: Mapping[str, Any] | TensorSet, **kwargs: Any) -> None:
+def write_burnpack(
+    path: str | os.PathLike[str], tensors: Mapping[str, Any] | TensorSet, **kwargs: Any
+) -> None:
     """Write a burnpack file atomically (see :func:`encode_burnpack` for the arguments)."""
     _atomic.atomic_write_bytes(path, encode_burnpack(tensors, **kwargs))
 

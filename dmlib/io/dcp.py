@@ -67,7 +67,9 @@ class _Unpickler(pickle.Unpickler):
 
         if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise FormatError(
             f"{METADATA} names {module}.{name}, which is not part of a checkpoint's metadata; refusing to unpickle it",
@@ -84,11 +86,17 @@ def _read_metadata(mpath: str) -> Any:
     except FormatError:
         raise
     except Exception as err:  # a damaged pickle raises any of a dozen types
-        raise FormatError(f"unreadable {METADATA} ({type(err).__name__}: {short_repr(str(err), 200)})", path=mpath) from None
+        raise FormatError(
+            f"unreadable {METADATA} ({type(err).__name__}: {short_repr(str(err), 200)})", path=mpath
+        ) from None
     if not isinstance(md, dmeta.Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise FormatError(f"{METADATA} does not hold a checkpoint Metadata ({type(md).__name__})", path=mpath)
+        raise FormatError(
+            f"{METADATA} does not hold a checkpoint Metadata ({type(md).__name__})", path=mpath
+        )
     if not isinstance(md.storage_data, dict):
-        raise FormatError(f"{METADATA} has no storage map (saved without its storage layer?)", path=mpath)
+        raise FormatError(
+            f"{METADATA} has no storage map (saved without its storage layer?)", path=mpath
+        )
     return md
 
 
@@ -98,14 +106,20 @@ def _numpy_dtype(tdtype: Any, name: str, path: str) -> np.dtype:
     from dmlib.io._torch_parts import _dense
 
     if not isinstance(tdtype, torch.dtype):
-        raise FormatError(f"tensor {name!r}: dtype {short_repr(tdtype)} is not a torch dtype", path=path)
+        raise FormatError(
+            f"tensor {name!r}: dtype {short_repr(tdtype)} is not a torch dtype", path=path
+        )
     probe = _dense(name, torch.empty(2, dtype=tdtype), path)
     if probe.packing is not None or probe.opaque:
-        raise UnsupportedError(f"tensor {name!r}: dtype {tdtype} is not supported in DCP checkpoints", path=path)
+        raise UnsupportedError(
+            f"tensor {name!r}: dtype {tdtype} is not supported in DCP checkpoints", path=path
+        )
     return probe.dtype
 
 
-def _boxes_tile(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+def _boxes_tile(
+    size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str | None:
     """Why the chunks do not tile a tensor of ``size`` exactly (None when they do)."""
     for off, sz in chunks:
         if len(off) != len(size) or len(sz) != len(size):
@@ -131,7 +145,9 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise MissingDependencyError("reading DCP checkpoints needs torch: pip install 'dmlib[torch]'", path=path) from None
+        raise MissingDependencyError(
+            "reading DCP checkpoints needs torch: pip install 'dmlib[torch]'", path=path
+        ) from None
     md = _read_metadata(os.path.join(path, METADATA))
     from torch.distributed.checkpoint import metadata as dmeta
 
@@ -142,19 +158,28 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
         rel = getattr(info, "relative_path", None)
         off, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or os.path.basename(rel) != rel or not rel:
-            raise FormatError(f"tensor {fqn!r}: data file {short_repr(rel)} is not a file name in the checkpoint", path=path)
+            raise FormatError(
+                f"tensor {fqn!r}: data file {short_repr(rel)} is not a file name in the checkpoint",
+                path=path,
+            )
         if getattr(info, "transform_descriptors", None):
-            raise UnsupportedError(f"tensor {fqn!r}: stored with transforms {info.transform_descriptors}", path=path)
+            raise UnsupportedError(
+                f"tensor {fqn!r}: stored with transforms {info.transform_descriptors}", path=path
+            )
         if rel not in sizes:
             fpath = os.path.join(path, rel)
             if not os.path.isfile(fpath):
                 raise FormatError(f"tensor {fqn!r}: data file {rel!r} does not exist", path=path)
             sizes[rel] = os.path.getsize(fpath)
         if not (isinstance(off, int) and isinstance(length, int) and 0 <= off and 0 < length):
-            raise FormatError(f"tensor {fqn!r}: bad place offset={short_repr(off)} length={short_repr(length)}", path=path)
+            raise FormatError(
+                f"tensor {fqn!r}: bad place offset={short_repr(off)} length={short_repr(length)}",
+                path=path,
+            )
         if off + length > sizes[rel]:
             raise TruncatedError(
-                f"tensor {fqn!r}: bytes [{off}, {off + length}) run past the end of {rel} ({sizes[rel]} bytes)", path=path
+                f"tensor {fqn!r}: bytes [{off}, {off + length}) run past the end of {rel} ({sizes[rel]} bytes)",
+                path=path,
             )
         return rel, off, length
 
@@ -171,7 +196,15 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
         try:
             with zipfile.ZipFile(image) as z:
                 bad = z.testzip()
-        except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError, RuntimeError, OSError):
+        except (
+            zipfile.BadZipFile,
+            zlib.error,
+            EOFError,
+            ValueError,
+            NotImplementedError,
+            RuntimeError,
+            OSError,
+        ):
             bad = "(the archive itself)"
         if bad is not None:
             raise FormatError(
@@ -181,11 +214,14 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
         image.seek(0)
         try:
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated", category=UserWarning)
+                warnings.filterwarnings(
+                    "ignore", message=".*TypedStorage is deprecated", category=UserWarning
+                )
                 return torch.load(image, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises many types for damaged images
             raise FormatError(
-                f"tensor {fqn!r}: chunk in {rel} at {off} is not a loadable torch.save image ({type(err).__name__})", path=path
+                f"tensor {fqn!r}: chunk in {rel} at {off} is not a loadable torch.save image ({type(err).__name__})",
+                path=path,
             ) from None
 
     # storage places by (fqn, chunk offsets)
@@ -213,10 +249,14 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
                 skipped[fqn] = type(value).__name__
             continue
         if not isinstance(meta, dmeta.TensorStorageMetadata):
-            raise FormatError(f"entry {fqn!r} is a {type(meta).__name__}, not tensor or bytes metadata", path=path)
+            raise FormatError(
+                f"entry {fqn!r} is a {type(meta).__name__}, not tensor or bytes metadata", path=path
+            )
         size = tuple(int(s) for s in meta.size)
         dtype = _numpy_dtype(meta.properties.dtype, fqn, path)
-        chunks = [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in meta.chunks]
+        chunks = [
+            (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in meta.chunks
+        ]
         problem = _boxes_tile(size, chunks)
         if problem is not None:
             raise FormatError(f"tensor {fqn!r}: {problem}", path=path)
@@ -224,7 +264,9 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
         for off, sz in chunks:
             place = places.get((fqn, off))
             if place is None:
-                raise FormatError(f"tensor {fqn!r}: chunk at {list(off)} has no stored bytes", path=path)
+                raise FormatError(
+                    f"tensor {fqn!r}: chunk at {list(off)} has no stored bytes", path=path
+                )
             located.append((off, sz, place))
         if len(chunks) > 1:
             multi[fqn] = len(chunks)
@@ -239,10 +281,14 @@ def open_dcp(path: str | os.PathLike[str]) -> TensorSet:
     if skipped:  # named, never silently dropped
         layout["skipped_values"] = skipped
     meta_out = {"dcp_version": str(md.version)} if getattr(md, "version", None) else {}
-    return TensorSet(tensors, path=path, format="dcp", metadata=meta_out, scalars=scalars, layout=layout)
+    return TensorSet(
+        tensors, path=path, format="dcp", metadata=meta_out, scalars=scalars, layout=layout
+    )
 
 
-def _assembler(fqn: str, size: tuple[int, ...], dtype: np.dtype, located: list, load_obj: Any, path: str) -> Any:
+def _assembler(
+    fqn: str, size: tuple[int, ...], dtype: np.dtype, located: list, load_obj: Any, path: str
+) -> Any:
     """A callable giving the tensor's bytes, its chunks read and put in place."""
 
     def assemble() -> np.ndarray:
@@ -254,11 +300,19 @@ def _assembler(fqn: str, size: tuple[int, ...], dtype: np.dtype, located: list, 
         for off, sz, place in located:
             chunk = load_obj(fqn, *place)
             if not isinstance(chunk, torch.Tensor) or tuple(chunk.shape) != sz:
-                got = tuple(chunk.shape) if isinstance(chunk, torch.Tensor) else type(chunk).__name__
-                raise FormatError(f"tensor {fqn!r}: chunk at {list(off)} holds {got}, metadata says {list(sz)}", path=path)
+                got = (
+                    tuple(chunk.shape) if isinstance(chunk, torch.Tensor) else type(chunk).__name__
+                )
+                raise FormatError(
+                    f"tensor {fqn!r}: chunk at {list(off)} holds {got}, metadata says {list(sz)}",
+                    path=path,
+                )
             arr = _dense(fqn, chunk, path).load()
             if arr.dtype != dtype:
-                raise FormatError(f"tensor {fqn!r}: chunk at {list(off)} is {arr.dtype}, metadata says {dtype}", path=path)
+                raise FormatError(
+                    f"tensor {fqn!r}: chunk at {list(off)} is {arr.dtype}, metadata says {dtype}",
+                    path=path,
+                )
             full[tuple(slice(o, o + s) for o, s in zip(off, sz))] = arr
         return full.reshape(-1).view(np.uint8)
 

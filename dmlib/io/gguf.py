@@ -83,8 +83,34 @@ GGML_TYPES: dict[int, tuple[str, int, int, str | None]] = {
 }
 
 # GGUF value type -> struct code (None: string, array)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "str", 9: "array", 10: "u64", 11: "i64", 12: "f64"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_TYPE_NAMES = {
+    0: "u8",
+    1: "i8",
+    2: "u16",
+    3: "i16",
+    4: "u32",
+    5: "i32",
+    6: "f32",
+    7: "bool",
+    8: "str",
+    9: "array",
+    10: "u64",
+    11: "i64",
+    12: "f64",
+}
 
 
 def can_open(head: bytes, path: str) -> bool:
@@ -100,7 +126,8 @@ class _Cursor:
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.buf):
             raise TruncatedError(
-                f"{what} at byte {self.pos} needs {n} bytes, the file has {len(self.buf) - self.pos} left", path=self.path
+                f"{what} at byte {self.pos} needs {n} bytes, the file has {len(self.buf) - self.pos} left",
+                path=self.path,
             )
         out = self.buf[self.pos : self.pos + n].tobytes()
         self.pos += n
@@ -114,7 +141,9 @@ class _Cursor:
         try:
             return self.take(n, what).decode("utf-8")
         except UnicodeDecodeError:
-            raise FormatError(f"{what} at byte {self.pos - n} is not UTF-8", path=self.path) from None
+            raise FormatError(
+                f"{what} at byte {self.pos - n} is not UTF-8", path=self.path
+            ) from None
 
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype in _SCALARS:
@@ -124,7 +153,9 @@ class _Cursor:
             return self.string(what)
         if vtype == 9:
             if depth >= MAX_NESTING:
-                raise FormatError(f"{what}: arrays nested more than {MAX_NESTING} deep", path=self.path)
+                raise FormatError(
+                    f"{what}: arrays nested more than {MAX_NESTING} deep", path=self.path
+                )
             etype = self.scalar("I", what + " element type")
             n = self.scalar("Q", what + " length")
             if etype in _SCALARS:  # fixed width: check the length before reading
@@ -134,7 +165,9 @@ class _Cursor:
             if etype not in (8, 9):
                 raise FormatError(f"{what}: unknown array element type {etype}", path=self.path)
             if n > len(self.buf) - self.pos:  # every element takes at least one byte
-                raise TruncatedError(f"{what}: {n} elements cannot fit in the bytes left", path=self.path)
+                raise TruncatedError(
+                    f"{what}: {n} elements cannot fit in the bytes left", path=self.path
+                )
             start = self.pos
             items = [self.value(etype, what, depth + 1) for _ in range(n)]
             return _Array(etype, n, self.buf[start : self.pos].tobytes(), items)
@@ -184,7 +217,9 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
     n_kv = cur.scalar("Q", "key/value count")
     # every key/value takes at least 12 bytes, every tensor info at least 24
     if n_kv * 12 + n_tensors * 24 > size:
-        raise TruncatedError(f"{n_kv} key/values and {n_tensors} tensors cannot fit in {size} bytes", path=path)
+        raise TruncatedError(
+            f"{n_kv} key/values and {n_tensors} tensors cannot fit in {size} bytes", path=path
+        )
     metadata: dict[str, str] = {}
     alignment = 32
     for i in range(n_kv):
@@ -195,15 +230,21 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
             raise FormatError(f"key {key!r} appears twice", path=path)
         metadata[key] = value.text(order) if isinstance(value, _Array) else str(value)
         if key == "general.alignment":
-            if vtype not in (4, 10) or not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):
-                raise FormatError(f"general.alignment {short_repr(value)} is not a power of two", path=path)
+            if vtype not in (4, 10) or not (
+                isinstance(value, int) and value > 0 and value & (value - 1) == 0
+            ):
+                raise FormatError(
+                    f"general.alignment {short_repr(value)} is not a power of two", path=path
+                )
             alignment = value
     infos = []
     for i in range(n_tensors):
         name = cur.string(f"name of tensor {i}")
         n_dims = cur.scalar("I", f"dims of {name!r}")
         if n_dims > MAX_DIMS:
-            raise FormatError(f"tensor {name!r}: {n_dims} dimensions (at most {MAX_DIMS})", path=path)
+            raise FormatError(
+                f"tensor {name!r}: {n_dims} dimensions (at most {MAX_DIMS})", path=path
+            )
         dims = [cur.scalar("Q", f"dim of {name!r}") for _ in range(n_dims)]
         gtype = cur.scalar("I", f"type of {name!r}")
         offset = cur.scalar("Q", f"offset of {name!r}")
@@ -222,20 +263,37 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
         if numel >= 1 << 62:
             raise FormatError(f"tensor {name!r}: dims {dims} claim {numel} elements", path=path)
         if dims and dims[0] % block:
-            raise LayoutError(f"tensor {name!r}: rows of {dims[0]} {tname} values are not whole blocks of {block}", path=path)
+            raise LayoutError(
+                f"tensor {name!r}: rows of {dims[0]} {tname} values are not whole blocks of {block}",
+                path=path,
+            )
         nbytes = numel // block * bsize
         if offset % alignment:
-            raise LayoutError(f"tensor {name!r}: offset {offset} is not a multiple of the alignment {alignment}", path=path)
+            raise LayoutError(
+                f"tensor {name!r}: offset {offset} is not a multiple of the alignment {alignment}",
+                path=path,
+            )
         start = base + offset
         if start + nbytes > size:
             raise TruncatedError(
-                f"tensor {name!r} ends at byte {start + nbytes}, past the end of the file ({size} bytes)", path=path
+                f"tensor {name!r} ends at byte {start + nbytes}, past the end of the file ({size} bytes)",
+                path=path,
             )
         spans.append((start, start + nbytes, name))
         shape = tuple(reversed(dims))  # ggml's first dim varies fastest: numpy's last
         if np_code is not None:
             dt = (_dtypes.BFLOAT16 if np_code == "bf16" else np.dtype(np_code)).newbyteorder(order)
-            tensors[name] = Tensor(name, dt, shape, nbytes=nbytes, offset=start, dtype_name=tname, source=buf, path=path, in_buffer=True)
+            tensors[name] = Tensor(
+                name,
+                dt,
+                shape,
+                nbytes=nbytes,
+                offset=start,
+                dtype_name=tname,
+                source=buf,
+                path=path,
+                in_buffer=True,
+            )
         elif dequantize:
             tensors[name] = Tensor(
                 name, np.dtype("f4"), shape, nbytes=numel * 4, dtype_name=f"{tname}->F32", path=path,
@@ -256,27 +314,53 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
             raise LayoutError(f"tensors {prev!r} and {name!r} overlap at byte {s}", path=path)
         if s - prev_end >= alignment:
             where = f"after tensor {prev!r}" if prev is not None else "at the start of the data"
-            raise LayoutError(f"{s - prev_end} bytes {where} (bytes {prev_end}..{s}) belong to no tensor", path=path)
+            raise LayoutError(
+                f"{s - prev_end} bytes {where} (bytes {prev_end}..{s}) belong to no tensor",
+                path=path,
+            )
         if e > s:
             prev_end, prev = -(-e // alignment) * alignment, name
-    layout: dict[str, Any] = {"version": version, "data_base": base, "alignment": alignment, "byte_order": order}
+    layout: dict[str, Any] = {
+        "version": version,
+        "data_base": base,
+        "alignment": alignment,
+        "byte_order": order,
+    }
     if quant:
         layout["quantized" if not dequantize else "dequantized"] = quant
-    return TensorSet(tensors, path=path, format="gguf", metadata=metadata, layout=layout, buffer=buf)
+    return TensorSet(
+        tensors, path=path, format="gguf", metadata=metadata, layout=layout, buffer=buf
+    )
 
 
-def _dequantizer(buf: np.ndarray, start: int, nbytes: int, gtype: int, shape: tuple[int, ...], path: str, name: str) -> Any:
+def _dequantizer(
+    buf: np.ndarray,
+    start: int,
+    nbytes: int,
+    gtype: int,
+    shape: tuple[int, ...],
+    path: str,
+    name: str,
+) -> Any:
     def values() -> np.ndarray:
         try:
             from gguf import quants
             from gguf.constants import GGMLQuantizationType
         except ImportError:
-            raise MissingDependencyError("dequantizing GGUF tensors needs gguf: pip install 'dmlib[formats]'", path=path) from None
-        blocks = np.asarray(buf[start : start + nbytes]).reshape(*shape[:-1], -1) if shape else np.asarray(buf[start : start + nbytes])
+            raise MissingDependencyError(
+                "dequantizing GGUF tensors needs gguf: pip install 'dmlib[formats]'", path=path
+            ) from None
+        blocks = (
+            np.asarray(buf[start : start + nbytes]).reshape(*shape[:-1], -1)
+            if shape
+            else np.asarray(buf[start : start + nbytes])
+        )
         try:
             out = quants.dequantize(blocks, GGMLQuantizationType(gtype))
         except (NotImplementedError, ValueError) as err:
-            raise UnsupportedError(f"tensor {name!r}: gguf cannot dequantize {GGML_TYPES[gtype][0]} ({err})", path=path) from None
+            raise UnsupportedError(
+                f"tensor {name!r}: gguf cannot dequantize {GGML_TYPES[gtype][0]} ({err})", path=path
+            ) from None
         return np.ascontiguousarray(out, dtype=np.float32).reshape(-1).view(np.uint8)
 
     return values

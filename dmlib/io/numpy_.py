@@ -58,9 +58,15 @@ def _check_size(where: str, shape: Any, dtype: np.dtype, available: int, path: s
         raise FormatError(f"{where}: {problem}", path=path)
     need = math.prod(shape) * dtype.itemsize
     if need > available:
-        raise TruncatedError(f"{where}: {dtype} x {list(shape)} needs {need} bytes but {available} are there", path=path)
+        raise TruncatedError(
+            f"{where}: {dtype} x {list(shape)} needs {need} bytes but {available} are there",
+            path=path,
+        )
     if need < available:
-        raise LayoutError(f"{where}: {available - need} bytes after the array data ({dtype} x {list(shape)})", path=path)
+        raise LayoutError(
+            f"{where}: {available - need} bytes after the array data ({dtype} x {list(shape)})",
+            path=path,
+        )
 
 
 # what a damaged archive can raise from inside zipfile and its decompressors
@@ -101,12 +107,18 @@ def open_npy(path: str | os.PathLike[str]) -> TensorSet:
             shape, _, dtype = _read_header(f)
             header_end = f.tell()
     except _NPY_ERRORS as err:
-        raise FormatError(f"not a readable .npy file ({type(err).__name__}: {short_repr(str(err), 200)})", path=path) from None
+        raise FormatError(
+            f"not a readable .npy file ({type(err).__name__}: {short_repr(str(err), 200)})",
+            path=path,
+        ) from None
     _check_size(f"array {name!r}", shape, dtype, os.path.getsize(path) - header_end, path)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except _NPY_ERRORS as err:
-        raise FormatError(f"not a readable .npy file ({type(err).__name__}: {short_repr(str(err), 200)})", path=path) from None
+        raise FormatError(
+            f"not a readable .npy file ({type(err).__name__}: {short_repr(str(err), 200)})",
+            path=path,
+        ) from None
     offset = getattr(arr, "offset", None)
     if not arr.flags.c_contiguous:  # Fortran order: hand out a C-order copy, said in layout
         arr = np.ascontiguousarray(arr)
@@ -130,13 +142,18 @@ def open_npz(path: str | os.PathLike[str]) -> TensorSet:
                 with zf.open(info) as f:
                     shape, _, dtype = _read_header(f)
                     header_end = f.tell()
-                _check_size(f"member {info.filename!r}", shape, dtype, info.file_size - header_end, path)
+                _check_size(
+                    f"member {info.filename!r}", shape, dtype, info.file_size - header_end, path
+                )
                 with zf.open(info) as f:
                     arrays[key] = np.lib.format.read_array(f, allow_pickle=False)
     except DmlibError:
         raise
     except (*_NPY_ERRORS, *_ZIP_ERRORS) as err:
         raise FormatError(
-            f"not a readable .npz archive ({type(err).__name__}: {short_repr(str(err), 200)})", path=path
+            f"not a readable .npz archive ({type(err).__name__}: {short_repr(str(err), 200)})",
+            path=path,
         ) from None
-    return TensorSet({k: _tensor(k, a, path, None) for k, a in arrays.items()}, path=path, format="npz")
+    return TensorSet(
+        {k: _tensor(k, a, path, None) for k, a in arrays.items()}, path=path, format="npz"
+    )

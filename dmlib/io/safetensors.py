@@ -50,20 +50,28 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _header(path: str, size: int, f) -> tuple[int, dict[str, Any]]:
     if size < 8:
-        raise TruncatedError(f"{size} bytes, shorter than the 8-byte safetensors header length", path=path)
+        raise TruncatedError(
+            f"{size} bytes, shorter than the 8-byte safetensors header length", path=path
+        )
     (n,) = struct.unpack("<Q", f.read(8))
     if n > MAX_HEADER:
         raise FormatError(f"header length {n} exceeds the {MAX_HEADER}-byte limit", path=path)
     if 8 + n > size:
-        raise TruncatedError(f"header length {n} runs past the end of the file ({size} bytes)", path=path)
+        raise TruncatedError(
+            f"header length {n} runs past the end of the file ({size} bytes)", path=path
+        )
     try:
         header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FormatError(f"corrupt JSON header ({err})", path=path) from None
     except _DuplicateKey as err:
-        raise FormatError(f"JSON header names {err.args[0]} twice; refusing to pick one", path=path) from None
+        raise FormatError(
+            f"JSON header names {err.args[0]} twice; refusing to pick one", path=path
+        ) from None
     except RecursionError:
-        raise FormatError("JSON header nests too deeply to be a safetensors header", path=path) from None
+        raise FormatError(
+            "JSON header nests too deeply to be a safetensors header", path=path
+        ) from None
     if not isinstance(header, dict):
         raise FormatError("JSON header is not an object", path=path)
     return 8 + n, header
@@ -75,7 +83,9 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     with open(path, "rb") as f:
         base, header = _header(path, size, f)
     meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
         raise FormatError("__metadata__ is not a str -> str map", path=path)
     buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     tensors: dict[str, Tensor] = {}
@@ -83,10 +93,14 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     opaque: list[str] = []
     for name, d in header.items():
         if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
-            raise FormatError(f"tensor {name!r}: descriptor must have dtype, shape, data_offsets", path=path)
+            raise FormatError(
+                f"tensor {name!r}: descriptor must have dtype, shape, data_offsets", path=path
+            )
         dname = d["dtype"]
         if not isinstance(dname, str) or not dname:
-            raise FormatError(f"tensor {name!r}: dtype {short_repr(dname)} is not a dtype name", path=path)
+            raise FormatError(
+                f"tensor {name!r}: dtype {short_repr(dname)} is not a dtype name", path=path
+            )
         shape, offs = d["shape"], d["data_offsets"]
         problem = shape_problem(shape, 1)
         if problem is not None:
@@ -100,16 +114,19 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
             bits = numel * (dt.itemsize * 8 if kind == "plain" else SAFETENSORS_SUBBYTE[dname])
             if bits % 8:
                 raise LayoutError(
-                    f"tensor {name!r}: {dname} x {shape} is {bits} bits, not a whole number of bytes", path=path
+                    f"tensor {name!r}: {dname} x {shape} is {bits} bits, not a whole number of bytes",
+                    path=path,
                 )
             need = bits // 8
             if offs[1] - offs[0] != need:
                 raise LayoutError(
-                    f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {dname} x {shape} needs {need}", path=path
+                    f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {dname} x {shape} needs {need}",
+                    path=path,
                 )
         if base + offs[1] > size:
             raise TruncatedError(
-                f"tensor {name!r} ends at byte {base + offs[1]}, past the end of the file ({size} bytes)", path=path
+                f"tensor {name!r} ends at byte {base + offs[1]}, past the end of the file ({size} bytes)",
+                path=path,
             )
         spans.append((offs[0], offs[1], name))
         if kind in ("opaque", "unknown"):
@@ -133,11 +150,18 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     prev_end, prev_name = 0, None
     for s, e, name in sorted(spans):
         if s < prev_end:
-            raise LayoutError(f"tensors {prev_name!r} and {name!r} overlap at data offset {s}", path=path)
-        if s > prev_end:
-            where = f"after tensor {prev_name!r}" if prev_name is not None else "at the start of the data"
             raise LayoutError(
-                f"{s - prev_end} bytes {where} (data offsets {prev_end}..{s}) belong to no tensor", path=path
+                f"tensors {prev_name!r} and {name!r} overlap at data offset {s}", path=path
+            )
+        if s > prev_end:
+            where = (
+                f"after tensor {prev_name!r}"
+                if prev_name is not None
+                else "at the start of the data"
+            )
+            raise LayoutError(
+                f"{s - prev_end} bytes {where} (data offsets {prev_end}..{s}) belong to no tensor",
+                path=path,
             )
         if e > s or prev_name is None:
             prev_end, prev_name = max(prev_end, e), name
@@ -150,7 +174,9 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     layout: dict[str, Any] = {"data_base": base, "header_size": base - 8}
     if opaque:  # listed, hashed and compared byte by byte; never silently dropped
         layout["opaque"] = opaque
-    return TensorSet(tensors, path=path, format="safetensors", metadata=meta, layout=layout, buffer=buf)
+    return TensorSet(
+        tensors, path=path, format="safetensors", metadata=meta, layout=layout, buffer=buf
+    )
 
 
 def _element(dname: str) -> tuple[str, np.dtype, str | None]:
@@ -170,7 +196,9 @@ def _element(dname: str) -> tuple[str, np.dtype, str | None]:
     return "unknown", np.dtype("u1"), None
 
 
-def _encoded(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None) -> tuple[bytes, list[np.ndarray]]:
+def _encoded(
+    tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[np.ndarray]]:
     """The file's length prefix and header, and each tensor's little-endian C-order bytes (views where possible)."""
     header: dict[str, Any] = {}
     if metadata:
@@ -182,7 +210,9 @@ def _encoded(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | No
         try:
             dname = safetensors_name(a.dtype)
         except KeyError:
-            raise UnsupportedError(f"tensor {name!r}: safetensors has no dtype for numpy {a.dtype}") from None
+            raise UnsupportedError(
+                f"tensor {name!r}: safetensors has no dtype for numpy {a.dtype}"
+            ) from None
         b = a.astype(a.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
         header[name] = {"dtype": dname, "shape": list(a.shape), "data_offsets": [off, off + b.size]}
         chunks.append(b)
@@ -192,12 +222,19 @@ def _encoded(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | No
     return struct.pack("<Q", len(hb)) + hb, chunks
 
 
-def encode_safetensors(tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
+def encode_safetensors(
+    tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None
+) -> bytes:
     head, chunks = _encoded(tensors, metadata)
     return head + b"".join(c.tobytes() for c in chunks)
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, np.ndarray],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """Write a safetensors file atomically, each tensor's bytes straight from its array (no copy)."""
     head, chunks = _encoded(tensors, metadata)
     with _atomic.atomic_write(path) as f:

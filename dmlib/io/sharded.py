@@ -36,7 +36,10 @@ def _index(index_path: str) -> dict[str, Any]:
         raise FormatError("shard index has no 'weight_map' object", path=index_path)
     for name, shard in wmap.items():
         if not isinstance(shard, str) or os.path.basename(shard) != shard or not shard:
-            raise FormatError(f"tensor {name!r}: shard {shard!r} is not a file name in the index's folder", path=index_path)
+            raise FormatError(
+                f"tensor {name!r}: shard {shard!r} is not a file name in the index's folder",
+                path=index_path,
+            )
     return index
 
 
@@ -48,7 +51,8 @@ def shard_format(index_path: str | os.PathLike[str]) -> str:
     kinds = {SHARD_FORMATS[os.path.splitext(s)[1].lower()] for s in shards if s not in odd}
     if odd:
         raise UnsupportedError(
-            f"shard {odd[0]!r}: unknown shard type (expected {', '.join(SHARD_FORMATS)})", path=index_path
+            f"shard {odd[0]!r}: unknown shard type (expected {', '.join(SHARD_FORMATS)})",
+            path=index_path,
         )
     if len(kinds) > 1:
         raise FormatError(f"shards of more than one format: {', '.join(shards)}", path=index_path)
@@ -63,7 +67,9 @@ def open_index(index_path: str | os.PathLike[str]) -> TensorSet:
     index = _index(index_path)
     raw_meta = index.get("metadata") or {}
     if not isinstance(raw_meta, dict):
-        raise FormatError(f"shard index 'metadata' is a {type(raw_meta).__name__}, not an object", path=index_path)
+        raise FormatError(
+            f"shard index 'metadata' is a {type(raw_meta).__name__}, not an object", path=index_path
+        )
     meta = {k: str(v) for k, v in raw_meta.items()}
     fmt = shard_format(index_path)
     folder = os.path.dirname(index_path)
@@ -73,10 +79,15 @@ def open_index(index_path: str | os.PathLike[str]) -> TensorSet:
         if shard not in shards:
             spath = os.path.join(folder, shard)
             if not os.path.isfile(spath):
-                raise FormatError(f"shard {shard!r} listed for {name!r} does not exist", path=index_path)
+                raise FormatError(
+                    f"shard {shard!r} listed for {name!r} does not exist", path=index_path
+                )
             shards[shard] = open_tensors(spath, format=fmt)
         if name not in shards[shard]:
-            raise FormatError(f"tensor {name!r} is listed in shard {shard!r}, which does not hold it", path=index_path)
+            raise FormatError(
+                f"tensor {name!r} is listed in shard {shard!r}, which does not hold it",
+                path=index_path,
+            )
         tensors[name] = shards[shard][name]
     # a tensor in a shard that the index does not list would be silently lost
     for shard, ts in shards.items():

@@ -41,7 +41,9 @@ def is_torch_zip(names: list[str]) -> bool:
     return any(n == "data.pkl" or (n.endswith("/data.pkl") and n.count("/") == 1) for n in names)
 
 
-def _flatten(obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[str, str], path: str) -> None:
+def _flatten(
+    obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[str, str], path: str
+) -> None:
     """Tensors and plain values (numbers, strings, bools, None) under dotted names.
 
     ``where`` remembers each name's key path, so two leaves that flatten to one name
@@ -90,7 +92,9 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
     opts = [
         k
         for k, v in obj.items()
-        if isinstance(v, Mapping) and isinstance(v.get("state"), Mapping) and isinstance(v.get("param_groups"), list)
+        if isinstance(v, Mapping)
+        and isinstance(v.get("state"), Mapping)
+        and isinstance(v.get("param_groups"), list)
     ]
     models = [
         k
@@ -157,7 +161,15 @@ def _check_archive(path: str) -> None:
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as err:
+    except (
+        zipfile.BadZipFile,
+        zlib.error,
+        OSError,
+        EOFError,
+        ValueError,
+        NotImplementedError,
+        RuntimeError,
+    ) as err:
         raise FormatError(f"damaged zip archive ({type(err).__name__}: {err})", path=path) from None
     if bad is not None:
         raise FormatError(
@@ -191,16 +203,24 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
         _check_archive(path)
     try:
         with warnings.catch_warnings():  # torch's own deprecation notes on quantized storages
-            warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated", category=UserWarning)
-            warnings.filterwarnings("ignore", message=".*[Ss]parse.* support is in beta", category=UserWarning)
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*TypedStorage is deprecated", category=UserWarning
+            )
+            warnings.filterwarnings(
+                "ignore", message=".*[Ss]parse.* support is in beta", category=UserWarning
+            )
+            warnings.filterwarnings(
+                "ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning
+            )
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
         raise FormatError(f"not a loadable PyTorch state dict ({_why(err)})", path=path) from None
     flat: dict[str, Any] = {}
     _flatten(obj, (), flat, {}, path)
     if not any(isinstance(v, torch.Tensor) for v in flat.values()) and not isinstance(obj, Mapping):
-        raise UnsupportedError(f"holds a {type(obj).__name__}, not a state dict of tensors", path=path)
+        raise UnsupportedError(
+            f"holds a {type(obj).__name__}, not a state dict of tensors", path=path
+        )
     prefixes, note = _optimizer_names(obj, path)
     if prefixes:
         renamed = {_rename_state(k, prefixes): v for k, v in flat.items()}
@@ -219,6 +239,8 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
             continue
         for part, tensor in _torch_parts.entries(name, t, path).items():
             if part in tensors or (part != name and part in flat):
-                raise FormatError(f"tensor {name!r}: its part {part!r} collides with another name", path=path)
+                raise FormatError(
+                    f"tensor {name!r}: its part {part!r} collides with another name", path=path
+                )
             tensors[part] = tensor
     return TensorSet(tensors, path=path, format="torch", metadata=metadata, scalars=scalars)

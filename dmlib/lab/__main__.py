@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         section.setdefault("name", name)
         section["seconds"] = round(time.perf_counter() - t0, 1)
         sections.append(section)
-        print(f"[dmlib.lab] {name}: {len(section.get('files', []))} files in {section['seconds']} s", file=sys.stderr)
+        print(
+            f"[dmlib.lab] {name}: {len(section.get('files', []))} files in {section['seconds']} s",
+            file=sys.stderr,
+        )
     update_manifest(args.out, sections)
     write_studies(args.out, [s["name"] for s in sections])
     return 0

@@ -207,5 +207,3 @@ def householder_qr(
         w = tuner.sum("dot", v[:, None] * q[j:, j:])
         q[j:, j:] -= two * np.outer(v, w)
     return q, np.triu(r[:n, :n])
-
-

@@ -85,7 +85,10 @@ def update_manifest(out: Path, sections: list[dict[str, Any]]) -> dict[str, Any]
     for sec in sections:
         files = sorted(sec.get("files", []))
         entry = dict(sec)
-        entry["files"] = {f: {"sha256": hashing.hash_file(out / f), "bytes": (out / f).stat().st_size} for f in files}
+        entry["files"] = {
+            f: {"sha256": hashing.hash_file(out / f), "bytes": (out / f).stat().st_size}
+            for f in files
+        }
         entry["environment"] = env
         doc["datasets"][sec["name"]] = entry
     atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")

@@ -200,4 +200,12 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
     }
 
 
-__all__ = ["generate", "capture_layout", "row_map", "findings", "finding_sentence", "REQUEST", "BLOCK_ROWS"]
+__all__ = [
+    "generate",
+    "capture_layout",
+    "row_map",
+    "findings",
+    "finding_sentence",
+    "REQUEST",
+    "BLOCK_ROWS",
+]

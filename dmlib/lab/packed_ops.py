@@ -271,4 +271,12 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
     }
 
 
-__all__ = ["op_findings", "generate", "committed_scope", "OP_MODULES", "DUMP", "OPS_DIR", "FINDINGS"]
+__all__ = [
+    "op_findings",
+    "generate",
+    "committed_scope",
+    "OP_MODULES",
+    "DUMP",
+    "OPS_DIR",
+    "FINDINGS",
+]

@@ -167,5 +167,3 @@ def write_checkpoint(
         "step": steps,
         "records": ["model", "optimizer", "ema"],
     }
-
-

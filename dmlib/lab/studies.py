@@ -18,7 +18,12 @@ from dmlib.lab.manifest import MANIFEST
 __all__ = ["made_on", "study_text", "write_studies", "FOLDER"]
 
 # manifest dataset -> the folder whose study it belongs to
-FOLDER = {"qr_init": "qr_init", "step_ladder": "step_ladder", "packed": "packed", "packed_ops": "packed"}
+FOLDER = {
+    "qr_init": "qr_init",
+    "step_ladder": "step_ladder",
+    "packed": "packed",
+    "packed_ops": "packed",
+}
 _HEAD = "# The lab's {what} as a study (format: dmlib.report.study; README).\n"
 
 
@@ -83,7 +88,9 @@ def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
     elif dataset == "step_ladder":
         from dmlib.lab.train_ladder import RUNS
 
-        runs = {k: f"{k}/" for k in ["base", *[r for r in RUNS if r != "base"]] if (folder / k).is_dir()}
+        runs = {
+            k: f"{k}/" for k in ["base", *[r for r in RUNS if r != "base"]] if (folder / k).is_dir()
+        }
         lines = [
             _HEAD.format(what="MiniLM fine-tune step ladder").rstrip("\n"),
             'title = "MiniLM fine-tune: a repeat and three variants that reorder floating-point work"',
@@ -113,8 +120,14 @@ def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
             'reference = "alone"',
             'negative = "different"',
             *_table("captures.folders", {k: k for k in names if (folder / k).is_dir()}),
-            *_table("captures.repeats", {k: f"{k}_repeat" for k in ("alone", "packed")
-                                         if (folder / f"{k}_repeat").is_dir()}),  # fmt: skip
+            *_table(
+                "captures.repeats",
+                {
+                    k: f"{k}_repeat"
+                    for k in ("alone", "packed")
+                    if (folder / f"{k}_repeat").is_dir()
+                },
+            ),  # fmt: skip
         ]
         ops = folder / OPS_DIR
         if (ops / FINDINGS).is_file():

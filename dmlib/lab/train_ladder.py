@@ -118,7 +118,13 @@ def _train(a: argparse.Namespace) -> dict[str, Any]:
     def save(step: int) -> None:
         rel = f"{a.label}/step{step:02d}.bpk"
         tensors = {n: BurnTensor(params[n].detach().numpy().copy(), param_id=ids[n]) for n in names}
-        write_burnpack(a.out / rel, tensors, metadata=meta, scalars={"step": step}, scalar_kinds={"step": "UInt"})
+        write_burnpack(
+            a.out / rel,
+            tensors,
+            metadata=meta,
+            scalars={"step": step},
+            scalar_kinds={"step": "UInt"},
+        )
         files[str(step)] = rel
 
     (a.out / a.label).mkdir(parents=True, exist_ok=True)
@@ -221,7 +227,11 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
     out_dir = Path(out_dir)
     ds = out_dir / DATASET
     ds.mkdir(parents=True, exist_ok=True)
-    for old in [*(f for lab in RUNS for f in (ds / lab).glob("step*.bpk")), ds / "index.json", ds / "README.md"]:
+    for old in [
+        *(f for lab in RUNS for f in (ds / lab).glob("step*.bpk")),
+        ds / "index.json",
+        ds / "README.md",
+    ]:
         old.unlink(missing_ok=True)  # a previous run's files
     steps = SMALL_STEPS if small else STEPS
     extra = ["--steps", str(max(steps)), "--save", ",".join(map(str, steps))]
@@ -231,7 +241,10 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
         _, args, env = RUNS[label]
         env = {"ATEN_CPU_CAPABILITY": "", **env}  # the native choice unless the run sets one
         reports[label] = _proc.run_worker(
-            "dmlib.lab.train_ladder", ["--label", label, "--out", str(ds), *args, *extra], env=env, timeout=900
+            "dmlib.lab.train_ladder",
+            ["--label", label, "--out", str(ds), *args, *extra],
+            env=env,
+            timeout=900,
         )
     runs = {lab: r["files"] for lab, r in reports.items()}
     summary = _summary(ds, runs)
@@ -244,19 +257,27 @@ def generate(out_dir: Path, *, small: bool = False) -> dict[str, Any]:
         "steps": list(steps),
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WEIGHT_DECAY},
         "config": {
-            lab: {k: r[k] for k in ("threads", "cpu_capability", "microbatches", "pid")} for lab, r in reports.items()
+            lab: {k: r[k] for k in ("threads", "cpu_capability", "microbatches", "pid")}
+            for lab, r in reports.items()
         },
         "loss": {lab: r["loss"] for lab, r in reports.items()},
         "grad_norm_step1": reports["base"]["grad_norm_step1"],
-        "repeat_bit_identical": all(row["slots_differing"] == 0 for row in summary["repeat"].values()),
+        "repeat_bit_identical": all(
+            row["slots_differing"] == 0 for row in summary["repeat"].values()
+        ),
         "summary": summary,
     }
     _atomic.atomic_write_text(ds / "index.json", json.dumps(index, indent=1) + "\n")
     _atomic.atomic_write_text(ds / "README.md", _readme(index, small))
-    files = sorted(str(f.relative_to(out_dir)) for f in ds.rglob("*") if f.is_file() and not f.name.startswith("."))
+    files = sorted(
+        str(f.relative_to(out_dir))
+        for f in ds.rglob("*")
+        if f.is_file() and not f.name.startswith(".")
+    )
     return {
         "name": DATASET,
-        "description": ("Smoke-test copy (base and repeat, 2 steps on 4 pairs). " if small else "") + DESCRIPTION,
+        "description": ("Smoke-test copy (base and repeat, 2 steps on 4 pairs). " if small else "")
+        + DESCRIPTION,
         "command": "python -m dmlib.lab step_ladder --out data" + (" --small" if small else ""),
         "files": files,
     }
@@ -266,8 +287,7 @@ def _readme(index: dict[str, Any], small: bool) -> str:
     from dmlib.lab.manifest import describe_machine, environment
 
     cfg = "\n".join(
-        f"| {lab} | {c['threads']} | {c['microbatches']} | {c['cpu_capability']} | "
-        f"{RUNS[lab][0]} |"
+        f"| {lab} | {c['threads']} | {c['microbatches']} | {c['cpu_capability']} | {RUNS[lab][0]} |"
         for lab, c in index["config"].items()
     )
     rows = []
@@ -275,16 +295,24 @@ def _readme(index: dict[str, Any], small: bool) -> str:
         for step, r in by_step.items():
             name, rel = r["top_movers"][0]
             mover = f"`{name}`" if rel > 0 else "none"
-            rows.append(f"| {lab} | {step} | {r['slots_differing']} / {r['slots']} | {mover} | {rel:.3e} |")
-    key = [v for n, v in index["grad_norm_step1"].items() if re.search(GROUPS["attention.key.bias"], n)]
-    rest = [v for n, v in index["grad_norm_step1"].items() if not re.search(GROUPS["attention.key.bias"], n)]
+            rows.append(
+                f"| {lab} | {step} | {r['slots_differing']} / {r['slots']} | {mover} | {rel:.3e} |"
+            )
+    key = [
+        v for n, v in index["grad_norm_step1"].items() if re.search(GROUPS["attention.key.bias"], n)
+    ]
+    rest = [
+        v
+        for n, v in index["grad_norm_step1"].items()
+        if not re.search(GROUPS["attention.key.bias"], n)
+    ]
     table = "\n".join(rows)
     what = "Smoke-test copy: base and repeat only, 2 steps on 4 pairs." if small else DESCRIPTION
     return f"""# step_ladder: one fine-tune, several processes
 
 {what}
 
-Generated by `python -m dmlib.lab step_ladder --out data`{' (small)' if small else ''}; each run
+Generated by `python -m dmlib.lab step_ladder --out data`{" (small)" if small else ""}; each run
 is its own process (`python -m dmlib.lab.train_ladder --worker ...`). Files:
 `<run>/stepNN.bpk`, one per saved step; `index.json` maps run -> step -> file and holds the
 groups (regexes over parameter names) the figures use. Tensor names are the PyTorch names of
@@ -298,15 +326,15 @@ PyTorch's `weight`/`bias`.
 ## What the files hold (computed from them when generated)
 
 Made on {describe_machine(environment())}.
-Repeat bit-identical to base at every saved step: **{index['repeat_bit_identical']}**.
+Repeat bit-identical to base at every saved step: **{index["repeat_bit_identical"]}**.
 
 | run | step | slots differing from base | fastest mover | its relative Frobenius delta |
 |---|---|---|---|---|
 {table}
 
 Computed gradient norms at step 1 (base run): attention key biases median
-{np.median(key) if key else float('nan'):.2e}, every other saved parameter median
-{np.median(rest) if rest else float('nan'):.2e}. Softmax is invariant to adding the same
+{np.median(key) if key else float("nan"):.2e}, every other saved parameter median
+{np.median(rest) if rest else float("nan"):.2e}. Softmax is invariant to adding the same
 number to every score of a row, and a key bias adds `q . b` to every score of a query's row,
 so its true gradient is zero; what is computed is rounding noise, which AdamW normalises into
 steps of about the learning rate, on tensors of small norm.
@@ -316,7 +344,10 @@ steps of about the learning rate, on tensors of small norm.
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" not in argv:
-        print("usage: python -m dmlib.lab.train_ladder --worker --label L --out DIR [...]", file=sys.stderr)
+        print(
+            "usage: python -m dmlib.lab.train_ladder --worker --label L --out DIR [...]",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(worker(argv)))
     return 0

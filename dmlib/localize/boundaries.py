@@ -107,7 +107,10 @@ def _attribute(c: Capture, x: Boundary, r: str) -> tuple[str | None, Any]:
     if x.row_mapped:
         return "token", x.requests[r]
     if c.batch is None or c.row_map is None:
-        return "unknown", "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)"
+        return (
+            "unknown",
+            "batch size unknown (no [batch, seq, ...] boundary; pass a nested row_map)",
+        )
     if not x.shape or x.shape[0] != c.batch:
         return None, f"first axis {list(x.shape[:1])} is not the batch ({c.batch})"
     if x.leading is None:
@@ -127,25 +130,46 @@ def _judge_request(
     if ka == kb == "token":
         if ba.dtype != bb.dtype or ba.row_shape != bb.row_shape:
             blocks = [offsets[r] + k for k in range(len(va.blocks))]
-            return False, blocks, f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}"
-        diff = [offsets[r] + k for k, (x, y) in enumerate(zip(va.blocks, vb.blocks, strict=True)) if x != y]
+            return (
+                False,
+                blocks,
+                f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}",
+            )
+        diff = [
+            offsets[r] + k
+            for k, (x, y) in enumerate(zip(va.blocks, vb.blocks, strict=True))
+            if x != y
+        ]
         return va.digest == vb.digest, diff, None
     if ka == kb == "sequence":
         note = f"per sequence (batch row {va[0]} vs {vb[0]})"
         if ba.dtype != bb.dtype or ba.shape[1:] != bb.shape[1:]:
-            return False, [], f"{note}: row {ba.dtype}{list(ba.shape[1:])} vs {bb.dtype}{list(bb.shape[1:])}"
+            return (
+                False,
+                [],
+                f"{note}: row {ba.dtype}{list(ba.shape[1:])} vs {bb.dtype}{list(bb.shape[1:])}",
+            )
         return va[1] == vb[1], [], note
     # without the batch size, a first axis may be the batch: a whole tensor stands for the
     # request only when both captures place every request on the same rows
-    same_rows = a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
+    same_rows = (
+        a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
+    )
     blocked = "mixed" in (ka, kb) or ("unknown" in (ka, kb) and not same_rows)
     if not blocked and ba.shape == bb.shape and ba.dtype == bb.dtype:
-        return ba.digest == bb.digest, [], "compared whole (no batch axis to attribute; shapes agree)"
-    why = "; ".join(
-        f"in {side}: {v}"
-        for side, k, v in (("A", ka, va), ("B", kb, vb))
-        if k in (None, "mixed", "unknown")
-    ) or "rows per position in one capture, per sequence in the other"
+        return (
+            ba.digest == bb.digest,
+            [],
+            "compared whole (no batch axis to attribute; shapes agree)",
+        )
+    why = (
+        "; ".join(
+            f"in {side}: {v}"
+            for side, k, v in (("A", ka, va), ("B", kb, vb))
+            if k in (None, "mixed", "unknown")
+        )
+        or "rows per position in one capture, per sequence in the other"
+    )
     shapes = (
         ""
         if (ba.shape, ba.dtype) == (bb.shape, bb.dtype)
@@ -386,7 +410,11 @@ def _boundary_row(
     same, diff, note = _compare_one(a, b, ba, bb, requests, offsets)
     if bb is None:
         note = alignment.notes.get(ba.name, note)
-    elif same is not None and layout_bound(a, b, ba, bb) and not _per_sequence(a, b, ba, bb, requests):
+    elif (
+        same is not None
+        and layout_bound(a, b, ba, bb)
+        and not _per_sequence(a, b, ba, bb, requests)
+    ):
         same, diff, note = None, [], LAYOUT_BOUND_NOTE
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
@@ -418,7 +446,9 @@ def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, A
     """First divergent op, culprit op, and where the op sequences part (None: no ops)."""
     op_rows = [r for r in rows if "/" in r["module"]]  # op boundaries: module/aten.op#k
     return {
-        "first_divergent_op": next((r["boundary"] for r in op_rows if r["identical"] is False), None),
+        "first_divergent_op": next(
+            (r["boundary"] for r in op_rows if r["identical"] is False), None
+        ),
         "culprit_op": next((r["boundary"] for r in op_rows if r["role"] == "culprit"), None),
         "op_alignment": alignment.summary(),
     }
@@ -607,8 +637,14 @@ def capture_verdict(df: pd.DataFrame) -> str:
     oa = at.get("op_alignment")
     if oa is not None:
         fp = oa["first_parting"]
-        where = "no parting" if fp is None else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
-        lines.append(f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries paired; {where}")
+        where = (
+            "no parting"
+            if fp is None
+            else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
+        )
+        lines.append(
+            f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries paired; {where}"
+        )
     rc = at["repeat_control"]
     n_inc = 0 if rc is None else sum(c.get("n_incomparable", 0) for c in rc["checks"])
     lines.append(

@@ -337,7 +337,9 @@ class Recorder:
         return (id(t), version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
                 t.device, how)  # fmt: skip
 
-    def _rows(self, arr: np.ndarray, k: int | None, axes: tuple[int, int] | None) -> np.ndarray | None:
+    def _rows(
+        self, arr: np.ndarray, k: int | None, axes: tuple[int, int] | None
+    ) -> np.ndarray | None:
         """The tensor as (physical row, ...) when it is read per request, else None."""
         if self.row_map is None:
             return None
@@ -374,7 +376,11 @@ class Recorder:
                 # consecutive rows are read in place; others are gathered (a copy)
                 mine = rows[span[0] : span[1]] if span is not None else rows[idx]
                 digest, blocks = request_hashes(mine, self.block_rows, scheme)
-                entry["requests"][rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
+                entry["requests"][rid] = {
+                    "digest": digest,
+                    "n_rows": int(len(idx)),
+                    "blocks": blocks,
+                }
         if entry["dump"] is not None:
             self._write_dump(entry["dump"], arr, rows)
 
@@ -412,7 +418,9 @@ class Recorder:
         for entry, first in self._same:
             entry["hash"], entry["digest"] = first["hash"], first["digest"]
             entry["leading"] = None if first["leading"] is None else list(first["leading"])
-            entry["requests"] = {r: dict(v, blocks=list(v["blocks"])) for r, v in first["requests"].items()}
+            entry["requests"] = {
+                r: dict(v, blocks=list(v["blocks"])) for r, v in first["requests"].items()
+            }
         self._same.clear()
         self._seen.clear()
 
@@ -434,7 +442,10 @@ class Recorder:
         requests = cast(RowMap, self.row_map).requests
         write_safetensors(
             self.path / plan["file"],
-            {REQUEST_PREFIX + r: np.ascontiguousarray(cast(np.ndarray, rows)[requests[r]]) for r in plan["requests"]},
+            {
+                REQUEST_PREFIX + r: np.ascontiguousarray(cast(np.ndarray, rows)[requests[r]])
+                for r in plan["requests"]
+            },
         )
 
     def manifest(self, *, complete: bool, error: str | None = None) -> dict[str, Any]:

@@ -188,6 +188,7 @@ class RowMap:
         if others:
             return None, f"batch row {b} also holds request(s) {others[:6]}: its one row mixes them"
         return b, ""
+
     def __len__(self) -> int:
         return len(self.entries)
 

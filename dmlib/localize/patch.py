@@ -201,7 +201,9 @@ def patch_test(
         hits = _capture(model, tmp / "after", run, kw, mod_patches, op_patches)
         missing = [n for n in names if not hits.get(n)]
         if missing:
-            raise CaptureError(f"boundary {missing[0]!r} never ran in this run: nothing was patched")
+            raise CaptureError(
+                f"boundary {missing[0]!r} never ran in this run: nothing was patched"
+            )
         before = compare_captures(src, tmp / "before", request=key)
         after = compare_captures(src, tmp / "after", request=key)
     return _result(names, key, before, after)
@@ -251,8 +253,9 @@ def _capture(
         patcher = _OpPatch(_select(model, kw["op_modules"]), op_patches, hits)
         handles += patcher.install()
     try:
-        with patcher if patcher is not None else contextlib.nullcontext(), capture(
-            model, path, **kw
+        with (
+            patcher if patcher is not None else contextlib.nullcontext(),
+            capture(model, path, **kw),
         ):
             run()
     finally:

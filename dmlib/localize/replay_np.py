@@ -149,9 +149,7 @@ def replay_numpy(op: str, args: list[Any], kwargs: dict[str, Any]) -> np.ndarray
     arguments (float tensors already float64 numpy arrays)."""
     name, _, overload = op.rpartition(".") if op.count(".") >= 2 else (op, "", "default")
     if name not in _REPLAY:
-        raise CaptureError(
-            f"no numpy float64 replay for {op} (install torch, or pass reference=)"
-        )
+        raise CaptureError(f"no numpy float64 replay for {op} (install torch, or pass reference=)")
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         return np.asarray(_REPLAY[name](_bind(name, overload, args, kwargs)), dtype=np.float64)
 

@@ -39,15 +39,21 @@ __all__ = ["NEEDS", "build_report", "check_out", "missing"]
 # what a notebook needs from a study (notebook metadata "dmlib": {"needs": [...]}), and
 # the note the index shows when the study has none of it
 NEEDS: dict[str, Callable[[Study], str | None]] = {
-    "checkpoint": lambda s: None if s.runs or s.anatomy else "the study names no checkpoint ([runs] or [anatomy])",
-    "two_runs": lambda s: None if len(s.runs) >= 2 else "the study has fewer than two runs: nothing to compare",
-    "ladder": lambda s: None
-    if s.ladders()
-    else "no run has checkpoints at two or more steps (a step ladder)",
-    "factor_groups": lambda s: None
-    if s.factor_groups
-    else "the study declares no factor groups ([[factor_groups]])",
-    "captures": lambda s: None if s.captures is not None else "the study declares no captures ([captures])",
+    "checkpoint": lambda s: (
+        None if s.runs or s.anatomy else "the study names no checkpoint ([runs] or [anatomy])"
+    ),
+    "two_runs": lambda s: (
+        None if len(s.runs) >= 2 else "the study has fewer than two runs: nothing to compare"
+    ),
+    "ladder": lambda s: (
+        None if s.ladders() else "no run has checkpoints at two or more steps (a step ladder)"
+    ),
+    "factor_groups": lambda s: (
+        None if s.factor_groups else "the study declares no factor groups ([[factor_groups]])"
+    ),
+    "captures": lambda s: (
+        None if s.captures is not None else "the study declares no captures ([captures])"
+    ),
 }
 
 
@@ -56,7 +62,9 @@ def missing(nb: Any, study: Study) -> str | None:
     needs = nb.metadata.get("dmlib", {}).get("needs", [])
     for need in needs:
         if need not in NEEDS:
-            raise DmlibError(f"notebook needs {need!r}, which dmlib does not know; known: {', '.join(NEEDS)}")
+            raise DmlibError(
+                f"notebook needs {need!r}, which dmlib does not know; known: {', '.join(NEEDS)}"
+            )
         reason = NEEDS[need](study)
         if reason:
             return reason
@@ -70,7 +78,8 @@ def check_out(out: str | os.PathLike[str]) -> None:
         return
     if not out.is_dir() or (any(out.iterdir()) and not (out / "summary.json").is_file()):
         raise DmlibError(
-            "exists and does not hold a dmlib report; pass an empty or new folder to --out", path=out
+            "exists and does not hold a dmlib report; pass an empty or new folder to --out",
+            path=out,
         )
 
 
@@ -102,7 +111,12 @@ def build_report(
         torch_box: dict[str, Any] = {}
         probe = threading.Thread(target=lambda: torch_box.update(v=provenance.torch_facts()))
         probe.start()
-        all_params = {"STUDY": "study.toml", "FIGURE_DIR": "figures", "SMALL": bool(small), **dict(params or {})}
+        all_params = {
+            "STUDY": "study.toml",
+            "FIGURE_DIR": "figures",
+            "SMALL": bool(small),
+            **dict(params or {}),
+        }
         done = [0]
 
         def progress(res: NotebookResult) -> None:
@@ -115,7 +129,11 @@ def build_report(
                 if skipped[p]:
                     print(f"{p.stem}: skipped ({skipped[p]})", file=log, flush=True)
             print(f"running {len(to_run)} notebooks on {study.title!r} ...", file=log, flush=True)
-        results = run_notebooks(to_run, stage, all_params, jobs=jobs, timeout=timeout, progress=progress) if to_run else []
+        results = (
+            run_notebooks(to_run, stage, all_params, jobs=jobs, timeout=timeout, progress=progress)
+            if to_run
+            else []
+        )
         by_path = dict(zip(to_run, results, strict=True))
         ordered = [
             by_path.get(p) or NotebookResult(name=p.stem, ok=True, seconds=0.0, skipped=skipped[p])
@@ -171,7 +189,9 @@ def _write_outputs(
             (stage / f"{r.name}.ipynb").write_text(nbformat.writes(r.nb), encoding="utf-8")
             body = pages.notebook_body(r.nb)
             bodies[r.name] = body
-            (stage / f"{r.name}.html").write_text(pages.notebook_page(r.name, body), encoding="utf-8")
+            (stage / f"{r.name}.html").write_text(
+                pages.notebook_page(r.name, body), encoding="utf-8"
+            )
         rows.append(
             {
                 "name": r.name,
@@ -195,11 +215,17 @@ def _write_outputs(
         "results": rows,
         "provenance": prov,
     }
-    (stage / "provenance.json").write_text(json.dumps(jsonable(prov), indent=2) + "\n", encoding="utf-8")
+    (stage / "provenance.json").write_text(
+        json.dumps(jsonable(prov), indent=2) + "\n", encoding="utf-8"
+    )
     brief = {k: v for k, v in summary.items() if k != "provenance"}
-    (stage / "summary.json").write_text(json.dumps(jsonable(brief), indent=2) + "\n", encoding="utf-8")
+    (stage / "summary.json").write_text(
+        json.dumps(jsonable(brief), indent=2) + "\n", encoding="utf-8"
+    )
     (stage / "index.html").write_text(pages.index_page(summary, figures), encoding="utf-8")
-    (stage / "report.html").write_text(pages.single_page(summary, bodies, figures), encoding="utf-8")
+    (stage / "report.html").write_text(
+        pages.single_page(summary, bodies, figures), encoding="utf-8"
+    )
 
 
 def _run_row(study: Study, label: str) -> dict[str, Any]:
@@ -223,7 +249,13 @@ def _run_row(study: Study, label: str) -> dict[str, Any]:
     )
     paths = list(run.checkpoints.values())
     where = study.rel(paths[0]) if len(paths) == 1 else study.rel(paths[0].parent) + "/"
-    return {"label": label, "roles": roles, "n_checkpoints": len(paths), "steps": shown, "path": where}
+    return {
+        "label": label,
+        "roles": roles,
+        "n_checkpoints": len(paths),
+        "steps": shown,
+        "path": where,
+    }
 
 
 def _captures_row(study: Study) -> dict[str, Any] | None:

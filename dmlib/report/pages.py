@@ -49,7 +49,9 @@ def notebook_body(nb: Any) -> str:
     """The executed notebook as HTML (nbconvert ``basic``: no scripts, images inline)."""
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(template_name="basic", exclude_input_prompt=True, exclude_output_prompt=True)
+    exporter = HTMLExporter(
+        template_name="basic", exclude_input_prompt=True, exclude_output_prompt=True
+    )
     # nbconvert gives an image without alt text a placeholder and logs a warning per page;
     # every image here is a figure the notebook saved, and says so
     exporter.log.setLevel(logging.ERROR)
@@ -91,7 +93,8 @@ def _study_html(summary: Mapping[str, Any]) -> str:
             + ", ".join(f"{_esc(k)} (<code>{_esc(v)}</code>)" for k, v in c["folders"].items())
             + f"; compared against <b>{_esc(c['reference'])}</b>"
             + (
-                "; op level: " + " vs ".join(f"{_esc(k)} (<code>{_esc(v)}</code>)" for k, v in c["ops"].items())
+                "; op level: "
+                + " vs ".join(f"{_esc(k)} (<code>{_esc(v)}</code>)" for k, v in c["ops"].items())
                 if c.get("ops")
                 else ""
             )
@@ -110,14 +113,20 @@ def _notebooks_html(
     parts = ["<h2>Notebooks</h2>"]
     for r in results:
         status = r["status"]
-        head = f'<h3><a href="{link(r["name"])}">{_esc(r["name"])}</a>' if status != "skipped" else f"<h3>{_esc(r['name'])}"
+        head = (
+            f'<h3><a href="{link(r["name"])}">{_esc(r["name"])}</a>'
+            if status != "skipped"
+            else f"<h3>{_esc(r['name'])}"
+        )
         head += f' <span class="status-{status}">{_esc(status)}</span></h3>'
         parts.append(head)
         if status == "skipped":
             parts.append(f'<p class="note">Not run: {_esc(r["skipped"])}.</p>')
             continue
         if status == "FAILED":
-            parts.append(f'<p class="status-FAILED">cell {r["failed_cell"]}: {_esc(r["error"])}</p>')
+            parts.append(
+                f'<p class="status-FAILED">cell {r["failed_cell"]}: {_esc(r["error"])}</p>'
+            )
         if r.get("finding"):
             # findings mark names as `code`, as the notebook's Markdown shows them
             text = re.sub(r"`([^`]+)`", r"<code>\1</code>", _esc(r["finding"]))
@@ -180,7 +189,9 @@ def _header(summary: Mapping[str, Any]) -> str:
     )
     if summary["runs"]:
         counts = f"{len(summary['runs'])} runs" + (
-            f", control <b>{_esc(summary['control'])}</b>" if summary.get("control") else ", no control declared"
+            f", control <b>{_esc(summary['control'])}</b>"
+            if summary.get("control")
+            else ", no control declared"
         )
     else:
         counts = "Captures only, no checkpoint runs"
@@ -196,7 +207,9 @@ def _header(summary: Mapping[str, Any]) -> str:
 def index_page(summary: Mapping[str, Any], figures: Path) -> str:
     """``index.html``: title, runs and control, per notebook its finding and thumbnails."""
     thumbs = {
-        r["name"]: [f"figures/{f}.png" for f in r.get("figures", []) if (figures / f"{f}.png").is_file()]
+        r["name"]: [
+            f"figures/{f}.png" for f in r.get("figures", []) if (figures / f"{f}.png").is_file()
+        ]
         for r in summary["results"]
     }
     body = (

@@ -38,13 +38,19 @@ def _list(names: Sequence[str], n: int = 5) -> str:
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: Sequence[str]) -> tuple[str, list[str]]:
+def matrix(
+    verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: Sequence[str]
+) -> tuple[str, list[str]]:
     """Pairs of runs (``dmlib.matrix``'s verdict) ``when`` ("at step 20")."""
     pairs = verdict["pairs"]
     control = verdict["control"]
     others = [p for p in pairs if not p["control"]]
     k = len(verdict["identical_pairs"])
-    same, ctrl, sep = verdict["same_worst_rel_fro"], verdict["control_rel_fro"], verdict["separation_orders"]
+    same, ctrl, sep = (
+        verdict["same_worst_rel_fro"],
+        verdict["control_rel_fro"],
+        verdict["separation_orders"],
+    )
     lines = []
     if control is None:
         finding = (
@@ -69,7 +75,9 @@ def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: 
             if one
             else f"the {len(others)} pairs without the control"
         )
-        sep_text = "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
+        sep_text = (
+            "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
+        )
         finding = (
             f"{when.capitalize()}: {subject} {body}; "
             f"every pair with {control} by at least {fmt(ctrl)}{sep_text}."
@@ -93,7 +101,9 @@ def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: 
                     "expected to differ."
                 )
         elif sep is not None:
-            lines.append(f"Every pair without the control is bit-identical {when}; the control differs by {fmt(ctrl)}.")
+            lines.append(
+                f"Every pair without the control is bit-identical {when}; the control differs by {fmt(ctrl)}."
+            )
     if others or control is None:
         group = others if control is not None else pairs
         if 0 < k < len(group):
@@ -103,7 +113,9 @@ def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: 
                 "others do not, rather than noise every run carries."
             )
         elif k == 0 and group:
-            lines.append(f"No pair{' without the control' if control else ''} is bit-identical {when}.")
+            lines.append(
+                f"No pair{' without the control' if control else ''} is bit-identical {when}."
+            )
     if n_tensors:
         if differing:
             lines.append(
@@ -111,7 +123,9 @@ def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: 
                 f"{' without the control' if control else ''}; the {len(differing)} that differ: {_list(list(differing))}."
             )
         else:
-            lines.append(f"All {n_tensors} tensors are bit-identical in every pair{' without the control' if control else ''}.")
+            lines.append(
+                f"All {n_tensors} tensors are bit-identical in every pair{' without the control' if control else ''}."
+            )
     mu, med = verdict.get("same_max_ulp"), verdict.get("same_worst_median_ulp")
     if mu and med is not None and mu > 100 * max(med, 1):
         lines.append(
@@ -121,13 +135,19 @@ def matrix(verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: 
     return finding, lines
 
 
-def effective(
-    eff: pd.DataFrame, stored: pd.DataFrame, control: str | None, when: str
-) -> list[str]:
+def effective(eff: pd.DataFrame, stored: pd.DataFrame, control: str | None, when: str) -> list[str]:
     """Effective weights (``factor_matrix`` pairs) against stored tensors, pair by pair."""
-    is_c = (eff["a"].eq(control) | eff["b"].eq(control)) if control else pd.Series(False, index=eff.index)
+    is_c = (
+        (eff["a"].eq(control) | eff["b"].eq(control))
+        if control
+        else pd.Series(False, index=eff.index)
+    )
     same_w = eff.loc[~is_c, "rel_fro"].max() if (~is_c).any() else None
-    s_is_c = (stored["a"].eq(control) | stored["b"].eq(control)) if control else pd.Series(False, index=stored.index)
+    s_is_c = (
+        (stored["a"].eq(control) | stored["b"].eq(control))
+        if control
+        else pd.Series(False, index=stored.index)
+    )
     same_s = stored.loc[~s_is_c, "worst_rel_fro"].max() if (~s_is_c).any() else None
     line = (
         f"Judged on the weight the factorised layers compute, pairs{' without the control' if control else ''} "
@@ -138,7 +158,9 @@ def effective(
     return [line]
 
 
-def columns(summary: Mapping[str, Any], n_flipped: int, n_changed: int, when: str) -> tuple[str, list[str]]:
+def columns(
+    summary: Mapping[str, Any], n_flipped: int, n_changed: int, when: str
+) -> tuple[str, list[str]]:
     """First divergent columns of factor tensors (``first_divergent_columns`` summary)."""
     n, ident = summary["n_pairs"], summary["n_identical"]
     if n == ident:
@@ -153,11 +175,17 @@ def columns(summary: Mapping[str, Any], n_flipped: int, n_changed: int, when: st
         "come from a Householder QR, that column is the iteration at which the two processes first rounded differently.",
     ]
     if summary["first_col_min"] == summary["first_col_max"]:
-        lines.append(f"Every differing pair first diverges at the same column, {summary['first_col_min']}: a fixed point, as a systematic cause would give.")
+        lines.append(
+            f"Every differing pair first diverges at the same column, {summary['first_col_min']}: a fixed point, as a systematic cause would give."
+        )
     else:
-        lines.append("The first divergent column varies between pairs: the cause is not tied to one fixed column.")
+        lines.append(
+            "The first divergent column varies between pairs: the cause is not tied to one fixed column."
+        )
     if ident:
-        lines.append(f"{ident} of {n} factor-tensor pairs are bit-identical next to differing ones.")
+        lines.append(
+            f"{ident} of {n} factor-tensor pairs are bit-identical next to differing ones."
+        )
     lines.append(
         f"{n_flipped} of {n_changed} changed columns have cosine below -0.9 (a negated column)"
         + (": the differences are a sign-preserving scatter." if n_flipped == 0 else ".")
@@ -213,7 +241,13 @@ def ladder(
                     f"{pair} at step {last}: parameters of norm < {small_norm} have median rel_fro {fmt(a)}, "
                     f"the others {fmt(b)}."
                 )
-    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no step"
+    span = (
+        f"steps {steps[0]}-{steps[-1]}"
+        if len(steps) > 1
+        else f"step {steps[0]}"
+        if steps
+        else "no step"
+    )
     others = [p for p in pairs if p not in ctrl_pairs]
     if not others:
         finding = f"Against {reference}, {span}: no run besides repeats and the control to compare."
@@ -221,7 +255,9 @@ def ladder(
         finding = f"Against {reference}, {span}: every run{' but the control' if ctrl_pairs else ''} is bit-identical at every step."
     else:
         at_o = at_last[at_last["pair"].isin(others)]
-        top = at_o.loc[at_o["rel_fro"].idxmax()] if len(at_o) and at_o["rel_fro"].max() > 0 else None
+        top = (
+            at_o.loc[at_o["rel_fro"].idxmax()] if len(at_o) and at_o["rel_fro"].max() > 0 else None
+        )
         word = "run" if len(others) == 1 else "runs"
         finding = (
             f"Against {reference}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
@@ -232,11 +268,15 @@ def ladder(
         finding += "."
     for pair in ctrl_pairs:
         first = _first(df[df["pair"].eq(pair)])
-        finding += f" Control {pair}: " + ("bit-identical at every step." if first is None else f"differs from step {first} on.")
+        finding += f" Control {pair}: " + (
+            "bit-identical at every step." if first is None else f"differs from step {first} on."
+        )
     for pair, sub in repeats.items():
         first = _first(sub)
         finding += (
-            f" Repeat {pair}: bit-identical at every step." if first is None else f" Repeat {pair}: differs from step {first}."
+            f" Repeat {pair}: bit-identical at every step."
+            if first is None
+            else f" Repeat {pair}: differs from step {first}."
         )
     if not repeats:
         lines.append(
@@ -308,13 +348,23 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
             )
         rc, nc = at.get("repeat_control"), at.get("negative_control") or {}
         if rc is not None:
-            text += " Repeat control held." if rc.get("held") else " Repeat control FAILED: the same layout captured twice differs, so this difference cannot be told from run-to-run noise."
+            text += (
+                " Repeat control held."
+                if rc.get("held")
+                else " Repeat control FAILED: the same layout captured twice differs, so this difference cannot be told from run-to-run noise."
+            )
         if nc.get("passed") is not None:
-            text += " Negative control passed." if nc["passed"] else " Negative control FAILED: the comparison missed a planted difference."
+            text += (
+                " Negative control passed."
+                if nc["passed"]
+                else " Negative control FAILED: the comparison missed a planted difference."
+            )
         lines.append(text)
         if i == 0:
             finding = text
     first = next(iter(results.values()))
     if first.attrs.get("repeat_control") is None:
-        lines.append("No repeat capture is declared for the first comparison ([captures.repeats]): a difference cannot be told from run-to-run noise.")
+        lines.append(
+            "No repeat capture is declared for the first comparison ([captures.repeats]): a difference cannot be told from run-to-run noise."
+        )
     return finding, lines

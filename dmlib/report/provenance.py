@@ -17,7 +17,18 @@ from dmlib.machine import cpu_flags, cpu_model, machine_line
 
 __all__ = ["collect", "cpu_flags", "cpu_model", "machine_line", "torch_facts"]
 
-LIBRARIES = ("dmlib", "numpy", "pandas", "matplotlib", "seaborn", "ml_dtypes", "nbclient", "nbconvert", "ipykernel", "torch")
+LIBRARIES = (
+    "dmlib",
+    "numpy",
+    "pandas",
+    "matplotlib",
+    "seaborn",
+    "ml_dtypes",
+    "nbclient",
+    "nbconvert",
+    "ipykernel",
+    "torch",
+)
 
 
 _TORCH_PROBE = (
@@ -56,7 +67,9 @@ def _version(name: str) -> str | None:
         return None
 
 
-def collect(inputs: Iterable[Path], root: Path, *, torch: dict[str, Any] | None = None) -> dict[str, Any]:
+def collect(
+    inputs: Iterable[Path], root: Path, *, torch: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Provenance as a JSON-ready dict; input paths are relative to ``root`` (the study)."""
     files = []
     for p in inputs:

@@ -94,7 +94,11 @@ def notebook_parameters(nb: Any) -> list[str]:
                 return []
             names = []
             for node in tree.body:
-                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else [getattr(node, "target", None)]
+                )
                 names += [t.id for t in targets if isinstance(t, ast.Name)]
             return list(dict.fromkeys(names))
     return []
@@ -151,7 +155,11 @@ def require_jupyter() -> None:
     """Refuse early, in one line, when the ``report`` extra is not installed."""
     import importlib.util
 
-    missing = [m for m in ("nbclient", "nbconvert", "nbformat", "ipykernel") if importlib.util.find_spec(m) is None]
+    missing = [
+        m
+        for m in ("nbclient", "nbconvert", "nbformat", "ipykernel")
+        if importlib.util.find_spec(m) is None
+    ]
     if missing:
         raise MissingDependencyError(
             f"running the report notebooks needs {', '.join(missing)}: pip install 'dmlib[report]'"

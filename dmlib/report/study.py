@@ -186,7 +186,9 @@ class Study:
     def ladders(self) -> dict[str, dict[int, Path]]:
         """Runs with two or more stepped checkpoints: ``{label: {step: path}}``."""
         return {
-            k: {s: r.checkpoints[s] for s in r.steps} for k, r in self.runs.items() if len(r.steps) > 1
+            k: {s: r.checkpoints[s] for s in r.steps}
+            for k, r in self.runs.items()
+            if len(r.steps) > 1
         }
 
     def sources(self, files: Mapping[str, Path]) -> dict[str, Any]:
@@ -280,7 +282,10 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
     if "root" in data:
         root = _under(root, _str(data["root"], "root", where))
         if not root.is_dir():
-            raise DmlibError(f"root {data['root']!r} is not a folder (it is relative to the study file)", path=where)
+            raise DmlibError(
+                f"root {data['root']!r} is not a folder (it is relative to the study file)",
+                path=where,
+            )
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise DmlibError(
@@ -295,7 +300,9 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         )
     runs = resolve_runs(
         {
-            k: [_str(x, f"runs.{k}", where) for x in v] if isinstance(v, list) else _str(v, f"runs.{k}", where)
+            k: [_str(x, f"runs.{k}", where) for x in v]
+            if isinstance(v, list)
+            else _str(v, f"runs.{k}", where)
             for k, v in runs_spec.items()
         },
         root,
@@ -307,7 +314,9 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         reference = next((k for k in runs if k != control), None)
     repeats: dict[str, str] = {}
     for k, v in _table(data, "repeats", where).items():
-        repeats[_need(_label(k, "repeats", runs, where))] = _need(_label(v, f"repeats.{k}", runs, where))
+        repeats[_need(_label(k, "repeats", runs, where))] = _need(
+            _label(v, f"repeats.{k}", runs, where)
+        )
     names = _names(_table(data, "names", where), runs, where)
     anatomy_spec = _table(data, "anatomy", where)
     bad = sorted(set(anatomy_spec) - {"files"})
@@ -339,10 +348,14 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
     runs = {}
     for label, text in spec.items():
         if not label or any(c in label for c in "/\\ ="):
-            raise DmlibError(f"run label {label!r}: use a short name without / \\ = or spaces", path=where)
+            raise DmlibError(
+                f"run label {label!r}: use a short name without / \\ = or spaces", path=where
+            )
         if isinstance(text, list):
             if not text:
-                raise DmlibError(f"run {label!r}: the list of checkpoint files is empty", path=where)
+                raise DmlibError(
+                    f"run {label!r}: the list of checkpoint files is empty", path=where
+                )
             files = [_existing(root, t, where, f"run {label!r}: checkpoint") for t in text]
             runs[label] = _stepped(label, " ".join(text), files, where)
             continue
@@ -360,7 +373,10 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
         elif target.is_file():
             files = [target]
         else:
-            raise DmlibError(f"run {label!r}: {text!r} not found (paths are relative to the study file)", path=where)
+            raise DmlibError(
+                f"run {label!r}: {text!r} not found (paths are relative to the study file)",
+                path=where,
+            )
         runs[label] = _stepped(label, text, files, where)
     return runs
 
@@ -438,13 +454,19 @@ def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | Non
     valid = {"folders", "request", "reference", "repeats", "negative", "ops"}
     bad = sorted(set(spec) - valid)
     if bad:
-        raise DmlibError(f"[captures]: unknown key {bad[0]!r}; valid: {', '.join(sorted(valid))}", path=where)
+        raise DmlibError(
+            f"[captures]: unknown key {bad[0]!r}; valid: {', '.join(sorted(valid))}", path=where
+        )
     folders = {
-        k: _existing(root, _str(v, f"captures.folders.{k}", where), where, "capture folder", folder=True)
+        k: _existing(
+            root, _str(v, f"captures.folders.{k}", where), where, "capture folder", folder=True
+        )
         for k, v in _table(spec, "folders", where).items()
     }
     if len(folders) < 2:
-        raise DmlibError("[captures.folders] needs at least two capture folders to compare", path=where)
+        raise DmlibError(
+            "[captures.folders] needs at least two capture folders to compare", path=where
+        )
     reference = spec.get("reference")
     if reference is not None and reference not in folders:
         raise DmlibError(
@@ -454,8 +476,12 @@ def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | Non
     repeats = {}
     for k, v in _table(spec, "repeats", where).items():
         if k not in folders:
-            raise DmlibError(f"captures.repeats.{k}: {k!r} is not one of [captures.folders]", path=where)
-        repeats[k] = _existing(root, _str(v, f"captures.repeats.{k}", where), where, "capture folder", folder=True)
+            raise DmlibError(
+                f"captures.repeats.{k}: {k!r} is not one of [captures.folders]", path=where
+            )
+        repeats[k] = _existing(
+            root, _str(v, f"captures.repeats.{k}", where), where, "capture folder", folder=True
+        )
     negative = spec.get("negative")
     ops, op_findings = _op_captures(_table(spec, "ops", where), root, where)
     return Capture(
@@ -465,19 +491,25 @@ def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | Non
         repeats=repeats,
         negative=None
         if negative is None
-        else _existing(root, _str(negative, "captures.negative", where), where, "capture folder", folder=True),
+        else _existing(
+            root, _str(negative, "captures.negative", where), where, "capture folder", folder=True
+        ),
         ops=ops,
         op_findings=op_findings,
     )
 
 
-def _op_captures(spec: Mapping[str, Any], root: Path, where: Path) -> tuple[dict[str, Path], Path | None]:
+def _op_captures(
+    spec: Mapping[str, Any], root: Path, where: Path
+) -> tuple[dict[str, Path], Path | None]:
     """[captures.ops]: label = op-level capture folder (two, reference first), findings = file."""
     if not spec:
         return {}, None
     findings = spec.get("findings")
     ops = {
-        k: _existing(root, _str(v, f"captures.ops.{k}", where), where, "capture folder", folder=True)
+        k: _existing(
+            root, _str(v, f"captures.ops.{k}", where), where, "capture folder", folder=True
+        )
         for k, v in spec.items()
         if k != "findings"
     }
@@ -487,7 +519,9 @@ def _op_captures(spec: Mapping[str, Any], root: Path, where: Path) -> tuple[dict
             path=where,
         )
     if findings is not None:
-        findings = _existing(root, _str(findings, "captures.ops.findings", where), where, "op findings file")
+        findings = _existing(
+            root, _str(findings, "captures.ops.findings", where), where, "op findings file"
+        )
     return ops, findings
 
 
@@ -516,7 +550,11 @@ def _factor_groups(spec: Any, where: Path) -> list[dict[str, Any]]:
 
         for g in out:
             try:
-                FactorGroup(g["kind"], tuple(g[k] for k in _GROUP_KEYS[g["kind"]]), (False,) * len(_GROUP_KEYS[g["kind"]]))
+                FactorGroup(
+                    g["kind"],
+                    tuple(g[k] for k in _GROUP_KEYS[g["kind"]]),
+                    (False,) * len(_GROUP_KEYS[g["kind"]]),
+                )
             except DmlibError as err:
                 raise DmlibError(f"factor_groups: {err}", path=where) from None
     return out
@@ -534,7 +572,8 @@ def _names(spec: Mapping[str, Any], runs: Mapping[str, Run], where: Path) -> dic
                 Rename.parse(f"a:{_str(m, f'names.{label}', where)}")
             except DmlibError:
                 raise DmlibError(
-                    f"names.{label}: {m!r} is not OLD=NEW (e.g. 'model.=' strips 'model.')", path=where
+                    f"names.{label}: {m!r} is not OLD=NEW (e.g. 'model.=' strips 'model.')",
+                    path=where,
                 ) from None
         out[label] = [str(m) for m in items]
     return out
@@ -547,7 +586,9 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
         try:
             re.compile(rx)
         except re.error as err:
-            raise DmlibError(f"groups.{k}: {rx!r} is not a regular expression ({err})", path=where) from None
+            raise DmlibError(
+                f"groups.{k}: {rx!r} is not a regular expression ({err})", path=where
+            ) from None
         out[k] = rx
     return out
 
@@ -555,7 +596,9 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
 def _existing(root: Path, text: str, where: Path, what: str, *, folder: bool = False) -> Path:
     p = _under(root, text)
     if not (p.is_dir() if folder else p.is_file()):
-        raise DmlibError(f"{what} {text!r} not found (paths are relative to the study file)", path=where)
+        raise DmlibError(
+            f"{what} {text!r} not found (paths are relative to the study file)", path=where
+        )
     return p
 
 

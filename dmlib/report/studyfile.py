@@ -115,6 +115,7 @@ def init_from_runs(
     title: str | None = None,
 ) -> str:
     """A study file from ``label=path`` pairs given on the command line (paths made relative)."""
+
     def rel(p: str) -> str:
         return _rel(Path(p).resolve(), base.resolve())
 
@@ -127,15 +128,25 @@ def init_from_runs(
     if control:
         lines.append(f"control = {_value(control)}")
     elif guessed:
-        lines.append(f"# control = {_value(guessed)}  # guessed from its name: uncomment if it is another seed")
+        lines.append(
+            f"# control = {_value(guessed)}  # guessed from its name: uncomment if it is another seed"
+        )
     else:
         lines.append('# control = "LABEL"  # the run expected to differ (a different seed), if any')
     lines += ["", "[runs]", *(f"{_key(k)} = {_value(rel(v))}" for k, v in runs.items())]
     lines += _repeat_guesses(list(runs))
     if captures:
         lines += ["", "[captures]"]
-        lines.append(f"request = {_value(request)}" if request else '# request = "ID"  # default: every request in both captures')
-        lines += ["", "[captures.folders]", *(f"{_key(k)} = {_value(rel(v))}" for k, v in captures.items())]
+        lines.append(
+            f"request = {_value(request)}"
+            if request
+            else '# request = "ID"  # default: every request in both captures'
+        )
+        lines += [
+            "",
+            "[captures.folders]",
+            *(f"{_key(k)} = {_value(rel(v))}" for k, v in captures.items()),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -173,7 +184,11 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
             n = sum(is_checkpoint(q) for q in p.iterdir())
             if n:
                 runs[_label(p.name, runs)] = p.name + "/"
-                notes[p.name + "/"] = f"{n} checkpoint{'s' if n > 1 else ''}: a step ladder" if n > 1 else "1 checkpoint"
+                notes[p.name + "/"] = (
+                    f"{n} checkpoint{'s' if n > 1 else ''}: a step ladder"
+                    if n > 1
+                    else "1 checkpoint"
+                )
         elif is_checkpoint(p):
             runs[_label(p.stem, runs)] = p.name
     if not runs and not captures:
@@ -186,7 +201,9 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
     ]
     guessed = _guess_control(list(runs))
     if guessed:
-        lines.append(f"control = {_value(guessed)}  # guessed from its name: the run expected to differ")
+        lines.append(
+            f"control = {_value(guessed)}  # guessed from its name: the run expected to differ"
+        )
     else:
         lines.append('# control = "LABEL"  # the run expected to differ (a different seed), if any')
     if runs:
@@ -195,15 +212,24 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
             lines.append(f"{_key(k)} = {_value(v)}" + (f"  # {notes[v]}" if v in notes else ""))
         lines += _repeat_guesses(list(runs))
     if captures:
-        lines += ["", "[captures]", '# request = "ID"  # default: every request present in both captures']
+        lines += [
+            "",
+            "[captures]",
+            '# request = "ID"  # default: every request present in both captures',
+        ]
         ref = next((k for k in captures if "alone" in k.lower()), next(iter(captures)))
-        lines.append(f"reference = {_value(ref)}  # guessed: the layout the others are compared with")
+        lines.append(
+            f"reference = {_value(ref)}  # guessed: the layout the others are compared with"
+        )
         lines += ["", "[captures.folders]"]
         repeats = {k for k in captures if _repeat_of(k, list(captures))}
         lines += [f"{_key(k)} = {_value(v)}" for k, v in captures.items() if k not in repeats]
         if repeats:
             lines += ["", "[captures.repeats]  # guessed from the names"]
-            lines += [f"{_key(_repeat_of(k, list(captures)) or k)} = {_value(captures[k])}" for k in sorted(repeats)]
+            lines += [
+                f"{_key(_repeat_of(k, list(captures)) or k)} = {_value(captures[k])}"
+                for k in sorted(repeats)
+            ]
     return "\n".join(lines) + "\n"
 
 

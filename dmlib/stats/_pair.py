@@ -161,7 +161,9 @@ def compare_pair(
         if inline_b is not None:
             inline_b.update(raw_b)
 
-    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel, None if inline is None else feed):
+    for start, ca, cb in _chunk_pairs(
+        ta, tb, elem, chunk_bytes, rel, None if inline is None else feed
+    ):
         va, vb = ca.view(elem), cb.view(elem)
         progress.advance(ca.nbytes)
         # equal bytes first, at memcmp speed on the widest words (no mask is built)

@@ -514,7 +514,11 @@ def _alignment(
         )
     if s is None or s["shared_after"] < 2 * len(common):
         return None
-    return {"spec": s["spec"], "shared_before": s["shared_before"], "shared_after": s["shared_after"]}
+    return {
+        "spec": s["spec"],
+        "shared_before": s["shared_before"],
+        "shared_after": s["shared_after"],
+    }
 
 
 def section_hash(

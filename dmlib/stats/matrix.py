@@ -247,9 +247,7 @@ def _pair_verdict(
         "max_ulp": None if g["max_ulp"].isna().all() else int(g["max_ulp"].max()),
         # max_ulp is set by the few elements nearest zero, where one ULP is tiny;
         # the worst tensor's median says how far a typical differing element moved
-        "worst_median_ulp": None
-        if g["median_ulp"].isna().all()
-        else float(g["median_ulp"].max()),
+        "worst_median_ulp": None if g["median_ulp"].isna().all() else float(g["median_ulp"].max()),
         "max_abs": _worst(g["max_abs"]),
     }
 

@@ -14,7 +14,12 @@ from hypothesis import HealthCheck, settings
 
 _COMMON = dict(
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
     print_blob=True,
 )
 settings.register_profile("dmlib-fast", max_examples=40, derandomize=True, database=None, **_COMMON)
@@ -33,5 +38,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         c = fuzzlib.COUNTS[target]
         n = c["read"] + c["refused"]
         total += n
-        tr.write_line(f"{target:<28} {n:6d} cases: {c['read']:6d} read correctly, {c['refused']:6d} refused")
+        tr.write_line(
+            f"{target:<28} {n:6d} cases: {c['read']:6d} read correctly, {c['refused']:6d} refused"
+        )
     tr.write_line(f"{'total':<28} {total:6d} cases")

@@ -80,7 +80,9 @@ def small_memory(limit_bytes: int = 32 << 20) -> Iterator[None]:
     assert rss1 - rss0 < limit_bytes, f"RSS high-water mark grew by {rss1 - rss0} bytes"
 
 
-def read_or_refuse(path: Path, target: str, *, format: str | None = None) -> dict[str, tuple[bytes, int | None]] | None:
+def read_or_refuse(
+    path: Path, target: str, *, format: str | None = None
+) -> dict[str, tuple[bytes, int | None]] | None:
     """Open and fully read ``path``: {name: (raw bytes, offset)} or None when dmlib refused it.
 
     Asserts the property; anything but a correct read or a ``DmlibError`` naming the file
@@ -92,9 +94,13 @@ def read_or_refuse(path: Path, target: str, *, format: str | None = None) -> dic
         with no_hang(), dmlib.open_tensors(path, format=format) as ts:
             for name, t in ts.items():
                 raw = t.raw()
-                assert raw.nbytes == t.nbytes, f"{name}: {raw.nbytes} bytes read, {t.nbytes} declared"
+                assert raw.nbytes == t.nbytes, (
+                    f"{name}: {raw.nbytes} bytes read, {t.nbytes} declared"
+                )
                 if t.offset is not None:
-                    assert 0 <= t.offset and t.offset + t.nbytes <= size, f"{name} lies outside the file"
+                    assert 0 <= t.offset and t.offset + t.nbytes <= size, (
+                        f"{name} lies outside the file"
+                    )
                 arr = t.load()
                 if not t.quantized:
                     assert arr.shape == t.shape and arr.dtype == t.dtype
@@ -135,7 +141,9 @@ NAMES = st.text(alphabet="abcxyz._/0éλ", min_size=1, max_size=8)
 
 
 @st.composite
-def tensor_dicts(draw: Any, min_size: int = 1, max_size: int = 5, dtypes: dict[str, np.dtype] = DTYPES) -> dict[str, np.ndarray]:
+def tensor_dicts(
+    draw: Any, min_size: int = 1, max_size: int = 5, dtypes: dict[str, np.dtype] = DTYPES
+) -> dict[str, np.ndarray]:
     """Ordered name -> array with random shapes (zero-size included) and random bytes (NaNs included)."""
     names = draw(st.lists(NAMES, min_size=min_size, max_size=max_size, unique=True))
     out = {}
@@ -174,7 +182,9 @@ def cbor_head(major: int, n: int) -> bytes:
     raise ValueError(n)
 
 
-def bpk_build(meta_blob: bytes, data_section: bytes, *, version: int = 1, base: int | None = None) -> bytes:
+def bpk_build(
+    meta_blob: bytes, data_section: bytes, *, version: int = 1, base: int | None = None
+) -> bytes:
     """A burnpack image: header, ``meta_blob`` (raw CBOR), zero padding to ``base`` (default aligned), data."""
     head = b"NRUB" + struct.pack("<HI", version, len(meta_blob)) + meta_blob
     base = align(len(head)) if base is None else base
@@ -184,7 +194,10 @@ def bpk_build(meta_blob: bytes, data_section: bytes, *, version: int = 1, base: 
 def bpk_tensor_bytes(data: bytes, layout: str = "aligned") -> dict[str, tuple[int, int]]:
     """name -> absolute (start, end) of each tensor of a one-record image."""
     _, meta, base = bpk_split(data, layout)
-    return {n: (base + d["data_offsets"][0], base + d["data_offsets"][1]) for n, d in meta["tensors"].items()}
+    return {
+        n: (base + d["data_offsets"][0], base + d["data_offsets"][1])
+        for n, d in meta["tensors"].items()
+    }
 
 
 # ----------------------------------------------------------------------------- safetensors, parsed independently
@@ -208,7 +221,12 @@ def st_tensor_bytes(data: bytes) -> dict[str, tuple[int, int]]:
     }
 
 
-def check_untouched(result: dict[str, tuple[bytes, int | None]], original: bytes, spans: dict[str, tuple[int, int]], touched: set[int]) -> None:
+def check_untouched(
+    result: dict[str, tuple[bytes, int | None]],
+    original: bytes,
+    spans: dict[str, tuple[int, int]],
+    touched: set[int],
+) -> None:
     """Every tensor of the original file that the mutation left alone reads back as its original bytes."""
     for name, (s, e) in spans.items():
         if name in result and not any(s <= p < e for p in touched):

@@ -20,14 +20,29 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, dict[str,
     w = np.arange(12, dtype="<f4").reshape(3, 4) / 3
     b = np.array([1, -2, 3], dtype="<i8")
     record = {
-        "metadata": {"float": "f32", "int": "i64", "format": "mpk", "version": "0.16.0", "settings": "s"},
+        "metadata": {
+            "float": "f32",
+            "int": "i64",
+            "format": "mpk",
+            "version": "0.16.0",
+            "settings": "s",
+        },
         "item": {
-            "lin": {"weight": {"id": "a", "param": {"bytes": w.tobytes(), "shape": [3, 4], "dtype": "F32"}}},
+            "lin": {
+                "weight": {
+                    "id": "a",
+                    "param": {"bytes": w.tobytes(), "shape": [3, 4], "dtype": "F32"},
+                }
+            },
             "steps": {"id": "b", "param": {"bytes": b.tobytes(), "shape": [3], "dtype": "I64"}},
             "dropout": {"prob": 0.5},
         },
     }
-    return msgpack.packb(record, use_bin_type=True), {"lin.weight": w.tobytes(), "steps": b.tobytes()}, tmp_path_factory.mktemp("fuzz_mpk")
+    return (
+        msgpack.packb(record, use_bin_type=True),
+        {"lin.weight": w.tobytes(), "steps": b.tobytes()},
+        tmp_path_factory.mktemp("fuzz_mpk"),
+    )
 
 
 @fuzzlib.fuzz()
@@ -44,7 +59,9 @@ def test_mpk_flip_and_truncate(original, data: st.DataObject) -> None:
     mutated = bytearray(blob)
     mutated[pos] ^= data.draw(st.integers(1, 255), label="mask")
     path.write_bytes(bytes(mutated))
-    read_or_refuse(path, "mpk-flip.gz" if gz else "mpk-flip")  # MessagePack has no checksum: read or refused
+    read_or_refuse(
+        path, "mpk-flip.gz" if gz else "mpk-flip"
+    )  # MessagePack has no checksum: read or refused
     cut = data.draw(st.integers(0, len(blob) - 1), label="cut")
     path.write_bytes(blob[:cut])
     assert read_or_refuse(path, "mpk-truncate") is None

@@ -46,7 +46,15 @@ def _write(workdir: Path, data: bytes, name: str = "case.bpk") -> Path:
 def interesting_points(data: bytes, layout: str = "aligned") -> list[int]:
     """Byte positions where the structure changes: header fields, metadata, D, each tensor's ends."""
     msize, _, base = bpk_split(data, layout)
-    pts = {*range(0, 11), BPK_META_END(msize) - 1, BPK_META_END(msize), BPK_META_END(msize) + 1, base - 1, base, len(data) - 1}
+    pts = {
+        *range(0, 11),
+        BPK_META_END(msize) - 1,
+        BPK_META_END(msize),
+        BPK_META_END(msize) + 1,
+        base - 1,
+        base,
+        len(data) - 1,
+    }
     for s, e in bpk_tensor_bytes(data, layout).values():
         pts |= {s - 1, s, s + 1, e - 1, e}
     return sorted(p for p in pts if 0 <= p < len(data))
@@ -60,7 +68,9 @@ def BPK_META_END(msize: int) -> int:  # noqa: N802
 
 
 @pytest.mark.parametrize("name", REAL)
-def test_real_file_truncated_at_every_interesting_point(burnpack_fixtures: Path, workdir: Path, name: str) -> None:
+def test_real_file_truncated_at_every_interesting_point(
+    burnpack_fixtures: Path, workdir: Path, name: str
+) -> None:
     data = (burnpack_fixtures / name).read_bytes()
     original = read_or_refuse(burnpack_fixtures / name, "bpk-real-unmodified")
     assert original is not None
@@ -73,12 +83,18 @@ def test_real_file_truncated_at_every_interesting_point(burnpack_fixtures: Path,
 @pytest.mark.parametrize("name", REAL)
 @fuzzlib.fuzz()
 @given(data=st.data())
-def test_real_file_one_byte_flipped(burnpack_fixtures: Path, workdir: Path, name: str, data: st.DataObject) -> None:
+def test_real_file_one_byte_flipped(
+    burnpack_fixtures: Path, workdir: Path, name: str, data: st.DataObject
+) -> None:
     raw = (burnpack_fixtures / name).read_bytes()
     msize, _, base = bpk_split(raw)
     spans = bpk_tensor_bytes(raw)
     pos = data.draw(
-        st.one_of(st.integers(0, min(len(raw), base + 16) - 1), st.integers(0, len(raw) - 1), st.sampled_from(interesting_points(raw))),
+        st.one_of(
+            st.integers(0, min(len(raw), base + 16) - 1),
+            st.integers(0, len(raw) - 1),
+            st.sampled_from(interesting_points(raw)),
+        ),
         label="pos",
     )
     mask = data.draw(st.integers(1, 255), label="mask")
@@ -92,7 +108,9 @@ def test_real_file_one_byte_flipped(burnpack_fixtures: Path, workdir: Path, name
         return
     if pos >= fuzzlib.BPK_HEADER + msize:
         # padding or tensor data: the file is still valid and must be read
-        assert got is not None, f"flip at {pos} (past the metadata) refused: {fuzzlib.LAST_ERROR[0]}"
+        assert got is not None, (
+            f"flip at {pos} (past the metadata) refused: {fuzzlib.LAST_ERROR[0]}"
+        )
         inside = [n for n, (s, e) in spans.items() if s <= pos < e]
         for n in inside:
             s, _ = spans[n]
@@ -105,8 +123,14 @@ def test_real_file_one_byte_flipped(burnpack_fixtures: Path, workdir: Path, name
 
 
 @fuzzlib.fuzz()
-@given(tensors=fuzzlib.tensor_dicts(), layout=st.sampled_from(["aligned", "legacy-unaligned"]), data=st.data())
-def test_generated_round_trip_then_flip_and_truncate(workdir: Path, tensors: dict, layout: str, data: st.DataObject) -> None:
+@given(
+    tensors=fuzzlib.tensor_dicts(),
+    layout=st.sampled_from(["aligned", "legacy-unaligned"]),
+    data=st.data(),
+)
+def test_generated_round_trip_then_flip_and_truncate(
+    workdir: Path, tensors: dict, layout: str, data: st.DataObject
+) -> None:
     raw = encode_burnpack(tensors, layout=layout)
     got = read_or_refuse(_write(workdir, raw), f"bpk-gen-{layout}")
     if got is None:
@@ -116,7 +140,9 @@ def test_generated_round_trip_then_flip_and_truncate(workdir: Path, tensors: dic
     for name, arr in tensors.items():  # oracle: the arrays we wrote
         assert got[name][0] == np.ascontiguousarray(arr).tobytes()
     spans = bpk_tensor_bytes(raw, layout)
-    pos = data.draw(st.sampled_from(interesting_points(raw, layout)) | st.integers(0, len(raw) - 1), label="pos")
+    pos = data.draw(
+        st.sampled_from(interesting_points(raw, layout)) | st.integers(0, len(raw) - 1), label="pos"
+    )
     mutated = bytearray(raw)
     mutated[pos] ^= data.draw(st.integers(1, 255), label="mask")
     flipped = read_or_refuse(_write(workdir, bytes(mutated)), "bpk-gen-flip")
@@ -124,7 +150,9 @@ def test_generated_round_trip_then_flip_and_truncate(workdir: Path, tensors: dic
         check_untouched(flipped, raw, spans, {pos})
     cut = data.draw(st.sampled_from(interesting_points(raw, layout)), label="cut")
     truncated = read_or_refuse(_write(workdir, raw[:cut]), "bpk-gen-truncate")
-    assert truncated is None or truncated == {}, f"cut at {cut} of {len(raw)} read as {sorted(truncated)}"
+    assert truncated is None or truncated == {}, (
+        f"cut at {cut} of {len(raw)} read as {sorted(truncated)}"
+    )
 
 
 def _meta_blob(meta: dict) -> bytes:
@@ -157,7 +185,9 @@ MUTATIONS = [
 @pytest.mark.parametrize("mutation", MUTATIONS)
 @fuzzlib.fuzz()
 @given(tensors=fuzzlib.tensor_dicts(min_size=2), data=st.data())
-def test_generated_structural_mutation(workdir: Path, tensors: dict, mutation: str, data: st.DataObject) -> None:
+def test_generated_structural_mutation(
+    workdir: Path, tensors: dict, mutation: str, data: st.DataObject
+) -> None:
     raw = encode_burnpack(tensors, scalars={"step": 7})
     msize, meta, base = bpk_split(raw)
     section = raw[base:]
@@ -188,13 +218,27 @@ def test_generated_structural_mutation(workdir: Path, tensors: dict, mutation: s
         d["dtype"] = "U8"
     elif mutation == "dtype-other":
         # a dtype of the same width is a valid reinterpretation: read, same bytes
-        width = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1}
+        width = {
+            "F64": 8,
+            "I64": 8,
+            "F32": 4,
+            "I32": 4,
+            "U32": 4,
+            "F16": 2,
+            "BF16": 2,
+            "I16": 2,
+            "I8": 1,
+            "U8": 1,
+        }
         same = [k for k, w in width.items() if w == width.get(d["dtype"]) and k != d["dtype"]]
         assume(same)
         d["dtype"] = data.draw(st.sampled_from(same), label="dtype")
         expect_refusal = False
     elif mutation == "dtype-unknown":
-        d["dtype"] = data.draw(st.sampled_from(["F128", "f32", 7, {"Bool": "Bits"}, {"A": 1, "B": 2}, ["F32"], None]), label="dtype")
+        d["dtype"] = data.draw(
+            st.sampled_from(["F128", "f32", 7, {"Bool": "Bits"}, {"A": 1, "B": 2}, ["F32"], None]),
+            label="dtype",
+        )
     elif mutation == "swap-offsets":
         other = data.draw(st.sampled_from([n for n in names if n != victim]), label="other")
         o = meta["tensors"][other]
@@ -256,7 +300,9 @@ def test_generated_structural_mutation(workdir: Path, tensors: dict, mutation: s
     dirty=st.booleans(),
     data=st.data(),
 )
-def test_multi_record_file(workdir: Path, recs: list[dict], dirty: bool, data: st.DataObject) -> None:
+def test_multi_record_file(
+    workdir: Path, recs: list[dict], dirty: bool, data: st.DataObject
+) -> None:
     """Records back to back: each read at its own base; a flip or a cut never shifts another record."""
     images = [encode_burnpack(t, scalars={"step": i}) for i, t in enumerate(recs)]
     out, starts = bytearray(), []
@@ -277,14 +323,23 @@ def test_multi_record_file(workdir: Path, recs: list[dict], dirty: bool, data: s
     assert got is not None and set(got) == set(spans)
     for n, (s, e) in spans.items():
         assert got[n] == (bytes(out[s:e]), s)
-    points = sorted({p for s in starts for p in range(s, s + 11)} | {p for se in spans.values() for p in se} | {len(out) - 1})
-    pos = data.draw(st.sampled_from([p for p in points if p < len(out)]) | st.integers(0, len(out) - 1), label="pos")
+    points = sorted(
+        {p for s in starts for p in range(s, s + 11)}
+        | {p for se in spans.values() for p in se}
+        | {len(out) - 1}
+    )
+    pos = data.draw(
+        st.sampled_from([p for p in points if p < len(out)]) | st.integers(0, len(out) - 1),
+        label="pos",
+    )
     mutated = bytearray(out)
     mutated[pos] ^= data.draw(st.integers(1, 255), label="mask")
     flipped = read_or_refuse(_write(workdir, bytes(mutated)), "bpk-multi-flip")
     if flipped is not None:
         check_untouched(flipped, bytes(out), spans, {pos})
-    cut = data.draw(st.sampled_from([p for p in points if 0 < p < len(out)] + [len(out) - 1]), label="cut")
+    cut = data.draw(
+        st.sampled_from([p for p in points if 0 < p < len(out)] + [len(out) - 1]), label="cut"
+    )
     truncated = read_or_refuse(_write(workdir, bytes(out[:cut])), "bpk-multi-truncate")
     if truncated is not None:
         # only whole leading records may survive a cut, each exactly as written

@@ -45,7 +45,9 @@ def _copy(root: Path, name: str) -> Path:
 
 @fuzzlib.fuzz()
 @given(data=st.data())
-def test_dcp_flip_and_truncate(original: tuple[Path, dict[str, bytes]], data: st.DataObject) -> None:
+def test_dcp_flip_and_truncate(
+    original: tuple[Path, dict[str, bytes]], data: st.DataObject
+) -> None:
     root, expected = original
     ck = _copy(root, "work")
     got = read_or_refuse(ck, "dcp-gen")

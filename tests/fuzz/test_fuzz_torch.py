@@ -47,7 +47,9 @@ def _in_pickle(raw: bytes, pos: int) -> bool:
 
 @fuzzlib.fuzz()
 @given(data=st.data())
-def test_torch_flip_and_truncate(original: tuple[bytes, dict[str, bytes], Path], data: st.DataObject) -> None:
+def test_torch_flip_and_truncate(
+    original: tuple[bytes, dict[str, bytes], Path], data: st.DataObject
+) -> None:
     raw, expected, workdir = original
     path = workdir / "m.pt"
     path.write_bytes(raw)
