@@ -160,28 +160,33 @@ def padding_census(ts_or_path: Source) -> Census:
         return _census(ts)
 
 
-def _census(ts: TensorSet) -> Census:
-    if ts.format != "burnpack":
-        raise UnsupportedError(
-            f"the padding census reads burnpack files, not {ts.format}", path=ts.path
-        )
-    gaps: list[dict] = []
-    slots: list[dict] = []
+def _gap_ranges(ts: TensorSet) -> list[tuple[int, str, int, int]]:
+    """(record, kind, start, end) of every gap of a burnpack file, read from its layout only."""
+    gaps: list[tuple[int, str, int, int]] = []
     records = ts.records or (ts,)
     prev_end = None
     for r in records:
         if prev_end is not None and r.start > prev_end:
-            gaps.append(_gap_row(ts, r.index, "between-records", prev_end, r.start))
+            gaps.append((r.index, "between-records", prev_end, r.start))
         meta_end = r.start + 10 + r.metadata_size
         if r.data_base > meta_end:
-            gaps.append(_gap_row(ts, r.index, "after-metadata", meta_end, r.data_base))
+            gaps.append((r.index, "after-metadata", meta_end, r.data_base))
         cur = r.data_base
-        rec_gaps = []
         for t in r.disk_order():
             if t.offset > cur:
-                rec_gaps.append(_gap_row(ts, r.index, "between-tensors", cur, t.offset))
+                gaps.append((r.index, "between-tensors", cur, t.offset))
             cur = max(cur, t.offset + t.nbytes)
-        gaps.extend(rec_gaps)
+        prev_end = r.end
+    return gaps
+
+
+def _census(ts: TensorSet) -> Census:
+    if ts.format != "burnpack":
+        raise UnsupportedError(f"the padding census reads burnpack files, not {ts.format}", path=ts.path)
+    gaps = [_gap_row(ts, *g) for g in _gap_ranges(ts)]
+    slots: list[dict] = []
+    for r in ts.records or (ts,):
+        rec_gaps = [g for g in gaps if g["record"] == r.index and g["kind"] == "between-tensors"]
         named = sum(t.nbytes for t in r.values())
         pad = sum(g["nbytes"] for g in rec_gaps)
         slots.append(
@@ -200,10 +205,7 @@ def _census(ts: TensorSet) -> Census:
                 "huge": sum(g["huge"] for g in rec_gaps),
             }
         )
-        prev_end = r.end
-    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(
-        columns="_nonzero_slots"
-    )
+    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(columns="_nonzero_slots")
     return Census(gaps=gdf, slots=pd.DataFrame(slots, columns=RECORD_COLUMNS))
 
 
@@ -213,7 +215,7 @@ def _census(ts: TensorSet) -> Census:
 def _gaps(ts: TensorSet) -> pd.DataFrame:
     """Padding gaps of a file: record, kind, start, end (absolute byte offsets)."""
     if ts.format == "burnpack":
-        return _census(ts).gaps[["record", "kind", "start", "end"]]
+        return pd.DataFrame(_gap_ranges(ts), columns=["record", "kind", "start", "end"])
     # other formats: the bytes between consecutive tensors of the data section
     rows, cur = [], None
     for t in ts.disk_order():
@@ -246,27 +248,36 @@ def _labels(runs: Mapping[str, Source] | Sequence[Source]) -> dict[str, Source]:
 
 
 class _Run:
-    """The padding slots of one run, and the byte ranges of its tensors."""
+    """The padding slots of one run, and the byte ranges of its tensors.
 
-    def __init__(self, label: str, ts: TensorSet) -> None:
+    ``scans`` holds, per gap of ``_gaps(ts)`` in order, what
+    :func:`dmlib.engine.refs.scan_padding` finds there (read here, or by a Dask worker);
+    None: read the gaps here.
+    """
+
+    def __init__(self, label: str, ts: TensorSet, scans: list[dict[str, Any]] | None = None) -> None:
+        from dmlib.engine.refs import scan_padding
+
         self.label, self.path = label, ts.path
-        gaps = _gaps(ts)
+        gaps = [g for g in _gaps(ts).itertuples(index=False) if int(g.end) > int(g.start)]
+        if scans is None:
+            scans = [scan_padding(np.asarray(ts.read_range(int(g.start), int(g.end)), np.uint8),
+                                  int(g.start), int(g.end)) for g in gaps]  # fmt: skip
         offsets, words, recs, kinds = [], [], [], []
         self.padding_bytes = self.nonzero_bytes = 0
-        for rec, kind, start, end in gaps.itertuples(index=False):
+        for (rec, kind, start, end), scan in zip(gaps, scans, strict=True):
             start, end = int(start), int(end)
-            if end <= start:
-                continue
-            raw = np.asarray(ts.read_range(start, end), dtype=np.uint8)
-            self.padding_bytes += raw.size
-            self.nonzero_bytes += int(np.count_nonzero(raw))
+            self.padding_bytes += end - start
+            self.nonzero_bytes += scan["nonzero_bytes"]
             # whole float32 slots of the file's 4-byte grid that lie inside the gap
             first, last = slot_grid(start, end)
             if last <= first:
                 continue
-            slots = raw[first - start : last - start].view("<u4")
-            offsets.append(np.arange(first, last, SLOT, dtype=np.int64))
-            words.append(slots.astype(np.uint32))
+            slot_off = np.arange(first, last, SLOT, dtype=np.int64)
+            slots = np.zeros(slot_off.size, np.uint32)  # a slot the scan did not list is zero
+            slots[(scan["offsets"] - first) // SLOT] = scan["bits"]
+            offsets.append(slot_off)
+            words.append(slots)
             recs.append(np.full(slots.size, int(rec), dtype=np.int64))
             kinds.append(np.full(slots.size, str(kind), dtype=object))
         cat = np.concatenate
@@ -288,13 +299,19 @@ class _Run:
         return [self.t_name[j] if h else None for j, h in zip(i, hit, strict=True)]
 
 
-def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.DataFrame:
+def padding_across_runs(
+    runs: Mapping[str, Source] | Sequence[Source], *, engine: str = "local"
+) -> pd.DataFrame:
     """Compare the padding bytes of several runs of the same model, slot by slot.
 
     Parameters
     ----------
     runs
         Paths or TensorSets (labelled by file name), or a mapping label -> path/TensorSet.
+    engine
+        ``"local"``: read here; ``"dask"``: every gap (cut into pieces of
+        ``hashing.PIECE`` bytes) read by a task on Dask's current scheduler from a file
+        every worker can see; only the nonzero slots come back. The same frame.
 
     Returns
     -------
@@ -312,11 +329,15 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
         has the same tensors at the same offsets (when not, a slot that is padding in
         some runs only is reported if dirty, never as differing).
     """
+    from dmlib.engine import check_engine
+
     labelled = _labels(runs)
     if not labelled:
         raise DmlibError("padding_across_runs needs at least one run")
+    check_engine(engine)
     with contextlib.ExitStack() as stack:
-        loaded = [_Run(label, open_source(src, stack)) for label, src in labelled.items()]
+        sets = {label: open_source(src, stack) for label, src in labelled.items()}
+        loaded = [_Run(label, ts, _scans(ts, engine)) for label, ts in sets.items()]
     all_offsets, differs = _differing_slots(loaded)
     layouts = {
         tuple(zip(r.t_name, r.t_start.tolist(), r.t_end.tolist(), strict=True)) for r in loaded
@@ -334,6 +355,16 @@ def padding_across_runs(runs: Mapping[str, Source] | Sequence[Source]) -> pd.Dat
     df.attrs["same_layout"] = len(layouts) == 1
     df.attrs["inside_tensor"] = sum(t["inside_tensor"] for t in totals)
     return df
+
+
+def _scans(ts: TensorSet, engine: str) -> list[dict[str, Any]] | None:
+    """The gaps' scans read by Dask workers (engine "dask"); None: _Run reads them here."""
+    if engine != "dask":
+        return None
+    from dmlib.engine.dask_reads import padding_scans
+
+    gaps = [(int(g.start), int(g.end)) for g in _gaps(ts).itertuples(index=False)]
+    return padding_scans(ts, [(s, e) for s, e in gaps if e > s])
 
 
 def _differing_slots(loaded: list[_Run]) -> tuple[np.ndarray, np.ndarray]:

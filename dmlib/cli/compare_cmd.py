@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from dmlib.cli import add_common_epilog
+from dmlib.cli._dask import add_dask
+from dmlib.cli._dask import engine as engine_of
 from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
 
 # columns of the readable table (the JSON output carries every column)
@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also hash whole files and data sections (two more hash passes per file)",
     )
     _add_hash(p)
-    _add_dask(p)
+    add_dask(p)
     add_format(p)
     add_common_epilog(p)
     p.set_defaults(func=run_compare)
@@ -89,33 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--json", action="store_true", help="print one JSON document (verdict and every row)"
     )
     _add_hash(m)
-    _add_dask(m)
+    add_dask(m)
     add_format(m)
     add_common_epilog(m)
     m.set_defaults(func=run_matrix)
-
-
-def _add_dask(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dask",
-        metavar="ADDRESS|local:N",
-        help="run on Dask: the scheduler at ADDRESS, or local:N (a LocalCluster of N worker "
-        "processes for this command); every worker must see the files at the same paths",
-    )
-
-
-@contextlib.contextmanager
-def _engine(args: argparse.Namespace) -> Iterator[str]:
-    if not getattr(args, "dask", None):
-        yield "local"
-        return
-    from dmlib.engine.dask import client_for, close_client
-
-    client = client_for(args.dask)
-    try:
-        yield "dask"
-    finally:
-        close_client(client)
 
 
 def _add_hash(p: argparse.ArgumentParser) -> None:
@@ -165,7 +142,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
     from dmlib.stats.compare import compare_records, summarize_records
 
-    with _engine(args) as engine:
+    with engine_of(args) as engine:
         rows, at = compare_records(
             args.a,
             args.b,
@@ -215,7 +192,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     from dmlib.stats.matrix import matrix
 
     runs = labelled_paths(args.runs)
-    with _engine(args) as engine:
+    with engine_of(args) as engine:
         df = matrix(
             runs,
             control=args.control,

@@ -14,6 +14,8 @@ import sys
 from typing import Any
 
 from dmlib.cli import add_common_epilog
+from dmlib.cli._dask import add_dask
+from dmlib.cli._dask import engine as engine_of
 from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
 from dmlib.errors import DmlibError
 
@@ -32,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _group_arg(f, required=True)
     f.add_argument("--json", action="store_true", help="print one JSON document")
     add_format(f)
+    add_dask(f)
     add_common_epilog(f)
     f.set_defaults(func=run_factors)
 
@@ -94,6 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _group_arg(lad, required=False)
     lad.add_argument("--json", action="store_true", help="print one JSON document")
     add_format(lad)
+    add_dask(lad)
     add_common_epilog(lad)
     lad.set_defaults(func=run_ladder)
 
@@ -111,6 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--json", action="store_true", help="print one JSON document")
     add_format(g)
+    add_dask(g)
     add_common_epilog(g)
     g.set_defaults(func=run_gapcheck)
 
@@ -179,7 +184,8 @@ def run_factors(args: argparse.Namespace) -> int:
     from dmlib.forensics.factors import compare_factors
 
     groups = [parse_group(g) for g in args.group]
-    df = compare_factors(args.a, args.b, groups)
+    with engine_of(args) as engine:
+        df = compare_factors(args.a, args.b, groups, engine=engine)
     differs = bool(((df["status"] != "ok") | (df["n_diff"].fillna(0) > 0)).any())
     if args.json:
         _dump(
@@ -248,15 +254,17 @@ def run_ladder(args: argparse.Namespace) -> int:
 
     ladder = parse_ladder(args.ckpts)
     groups = [parse_group(g) for g in args.group] if args.group else None
-    df = step_ladder(
-        ladder,
-        reference=args.reference,
-        include=args.include,
-        exclude=args.exclude,
-        groups=groups,
-        step_key=args.step_key,
-        keep_flagged=args.keep_flagged,
-    )
+    with engine_of(args) as engine:
+        df = step_ladder(
+            ladder,
+            reference=args.reference,
+            include=args.include,
+            exclude=args.exclude,
+            groups=groups,
+            step_key=args.step_key,
+            keep_flagged=args.keep_flagged,
+            engine=engine,
+        )
     import pandas as pd
 
     growth = growth_rates(df)
@@ -350,7 +358,8 @@ def run_gapcheck(args: argparse.Namespace) -> int:
     from dmlib.padding import padding_across_runs, padding_summary
 
     runs = labelled_paths(args.paths, optional=True)
-    df = padding_across_runs(runs)
+    with engine_of(args) as engine:
+        df = padding_across_runs(runs, engine=engine)
     summary = padding_summary(df)
     code = 1 if len(df) else 0
     if args.json:

@@ -152,11 +152,52 @@ def effective_weights(ts: Source, groups: FactorGroup | Iterable[FactorGroup]) -
         return ArrayTensorSet(arrays, path=tset.path)
 
 
-def _stats(a: TensorSet, b: TensorSet) -> pd.DataFrame:
+def _stats(a: TensorSet, b: TensorSet, engine: str = "local") -> pd.DataFrame:
     """``dmlib.compare`` of two tensor sets, indexed by name."""
     from dmlib.stats.compare import compare
 
-    return compare(a, b, file_hashes=False, progress=False).set_index("name")
+    return compare(a, b, file_hashes=False, progress=False, engine=engine).set_index("name")
+
+
+def _fields(e: pd.Series, ea: np.ndarray) -> dict[str, Any]:
+    """A layer's statistics from its effective weights' compare row (``ea``: W_a)."""
+    return {
+        "shape": list(ea.shape),
+        "numel": int(e["numel"]),
+        "norm": float(np.linalg.norm(ea)),
+        "rel_fro": float(e["rel_fro"]),
+        "max_abs": float(e["max_abs"]) if pd.notna(e["max_abs"]) else 0.0,
+        "n_diff": int(e["n_diff"]),
+        "cosine": float(e["cosine"]),
+    }
+
+
+def _layer(g: FactorGroup, prefix: str, fa: Iterable[Any], fb: Iterable[Any],
+           wa: str, wb: str, path_b: str | None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    ea = g.effective(fa, where=f"{prefix!r} in {wa}")
+    eb = g.effective(fb, where=f"{prefix!r} in {wb}")
+    if ea.shape != eb.shape:
+        raise DmlibError(
+            f"layer {prefix!r}: effective weight is {list(ea.shape)} in a and "
+            f"{list(eb.shape)} in b; the two checkpoints must hold the same model",
+            path=path_b,
+        )
+    return ea, eb
+
+
+def _layer_task(
+    g: FactorGroup, prefix: str, refs_a: Any, refs_b: Any, wa: str, wb: str, path_b: str | None
+) -> dict[str, Any] | str:
+    """One layer's statistics on a Dask worker: its factors read whole from their paths,
+    both effective weights formed and compared there; only the numbers come back."""
+    from dmlib.engine.refs import load
+
+    try:
+        ea, eb = _layer(g, prefix, map(load, refs_a), map(load, refs_b), wa, wb, path_b)
+    except DmlibError as err:  # the message travels; the driver raises it
+        return str(err)
+    e = _stats(ArrayTensorSet({prefix: ea}), ArrayTensorSet({prefix: eb})).loc[prefix]
+    return _fields(e, ea)
 
 
 _COLUMNS = [
@@ -176,7 +217,7 @@ _COLUMNS = [
 
 
 def compare_factors(
-    a: Source, b: Source, groups: FactorGroup | Iterable[FactorGroup]
+    a: Source, b: Source, groups: FactorGroup | Iterable[FactorGroup], *, engine: str = "local"
 ) -> pd.DataFrame:
     """Compare two checkpoints' factorised layers by their effective weights.
 
@@ -186,6 +227,11 @@ def compare_factors(
         Paths, TensorSets or mappings of arrays.
     groups
         One or more :class:`FactorGroup`.
+    engine
+        ``"local"``: here; ``"dask"``: one task per layer on Dask's current scheduler
+        (it reads the layer's factors whole from the checkpoints' paths and forms both
+        effective weights there) and the factors' bitwise comparison as pieces (see
+        :func:`dmlib.compare`). The same frame.
 
     Returns
     -------
@@ -198,10 +244,13 @@ def compare_factors(
         ("ok", or "only in a"/"only in b").
         ``attrs["worst_group"]`` and ``attrs["worst_rel_fro"]`` name the largest rel_fro.
     """
+    from dmlib.engine import check_engine
+
     gs = as_groups(groups)
+    check_engine(engine)
     with contextlib.ExitStack() as stack:
         sa, sb = open_source(a, stack), open_source(b, stack)
-        df = _compare_layers(sa, sb, gs)
+        df = _compare_layers(sa, sb, gs, engine)
     ok = df[df["status"] == "ok"]
     if len(ok):
         worst = ok.loc[ok["rel_fro"].astype(float).idxmax()]
@@ -213,31 +262,44 @@ def compare_factors(
     return df
 
 
-def _compare_layers(sa: TensorSet, sb: TensorSet, gs: list[FactorGroup]) -> pd.DataFrame:
+def _compare_layers(
+    sa: TensorSet, sb: TensorSet, gs: list[FactorGroup], engine: str = "local"
+) -> pd.DataFrame:
     la, lb = layers_of(sa, gs), layers_of(sb, gs)
     both = sorted(set(la) & set(lb))
-    eff_a, eff_b, norms = {}, {}, {}
-    for prefix in both:
-        g, names = la[prefix]
-        eff_a[prefix] = g.effective(
-            (sa[n].load() for n in names), where=f"{prefix!r} in {sa.path or 'a'}"
-        )
-        eff_b[prefix] = g.effective(
-            (sb[n].load() for n in names), where=f"{prefix!r} in {sb.path or 'b'}"
-        )
-        if eff_a[prefix].shape != eff_b[prefix].shape:
-            raise DmlibError(
-                f"layer {prefix!r}: effective weight is {list(eff_a[prefix].shape)} in a and "
-                f"{list(eff_b[prefix].shape)} in b; the two checkpoints must hold the same model",
-                path=sb.path,
-            )
-        norms[prefix] = float(np.linalg.norm(eff_a[prefix]))
-    # derived tensors go through the same statistics as stored ones
-    eff = _stats(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b)) if both else None
+    wa, wb = sa.path or "a", sb.path or "b"
+    stats: dict[str, dict[str, Any]] = {}
+    if engine == "dask" and both:
+        from dmlib.engine.dask_reads import map_tasks
+        from dmlib.engine.refs import ref_of
+
+        tasks = [
+            (g, p, tuple(ref_of(sa[n]) for n in names), tuple(ref_of(sb[n]) for n in names),
+             wa, wb, sb.path)
+            for p in both
+            for g, names in [la[p]]
+        ]  # fmt: skip
+        for p, got in zip(both, map_tasks(_layer_task, tasks), strict=True):
+            if isinstance(got, str):
+                raise DmlibError(got)
+            stats[p] = got
+    elif both:
+        eff_a, eff_b = {}, {}
+        for prefix in both:
+            g, names = la[prefix]
+            eff_a[prefix], eff_b[prefix] = _layer(
+                g, prefix, (sa[n].load() for n in names), (sb[n].load() for n in names),
+                wa, wb, sb.path,
+            )  # fmt: skip
+        # derived tensors go through the same statistics as stored ones
+        eff = _stats(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b))
+        stats = {p: _fields(eff.loc[p], eff_a[p]) for p in both}
     factor_names = [n for p in both for n in la[p][1]]
     fac = (
         _stats(
-            TensorSet({n: sa[n] for n in factor_names}), TensorSet({n: sb[n] for n in factor_names})
+            TensorSet({n: sa[n] for n in factor_names}),
+            TensorSet({n: sb[n] for n in factor_names}),
+            engine,
         )
         if both
         else None
@@ -251,16 +313,9 @@ def _compare_layers(sa: TensorSet, sb: TensorSet, gs: list[FactorGroup]) -> pd.D
             row["status"] = "only in b" if prefix not in la else "only in a"
             rows.append(row)
             continue
-        assert eff is not None and fac is not None  # the prefix is in both: both were computed
-        e = eff.loc[prefix]
+        assert fac is not None  # the prefix is in both: both were computed
         row.update(
-            shape=list(eff_a[prefix].shape),
-            numel=int(e["numel"]),
-            norm=norms[prefix],
-            rel_fro=float(e["rel_fro"]),
-            max_abs=float(e["max_abs"]) if pd.notna(e["max_abs"]) else 0.0,
-            n_diff=int(e["n_diff"]),
-            cosine=float(e["cosine"]),
+            **stats[prefix],
             factor_n_diff=int(fac.loc[list(names), "n_diff"].sum()),
             factor_numel=int(fac.loc[list(names), "numel"].sum()),
             status="ok",

@@ -179,7 +179,10 @@ def check_steps(ladder: Ladder, *, step_key: StepKey = "auto") -> pd.DataFrame:
 # the ladder itself
 
 
-def _norm(arr: np.ndarray, chunk: int = 1 << 20) -> float:
+NORM_CHUNK = 1 << 20  # elements per float64 partial sum of a norm
+
+
+def _norm(arr: np.ndarray, chunk: int = NORM_CHUNK) -> float:
     """||a||_F in float64 over the finite elements, a chunk at a time."""
     flat = np.asarray(arr).reshape(-1)
     total = 0.0
@@ -190,31 +193,73 @@ def _norm(arr: np.ndarray, chunk: int = 1 << 20) -> float:
     return float(np.sqrt(total))
 
 
+def _numeric(t: Any) -> bool:
+    return not t.quantized and t.dtype.kind in "fiub"
+
+
 class _Shared:
     """What every pair of a ladder shares: each tensor hashed once, each distinct pair of
-    contents compared once (as :func:`dmlib.matrix` does), each tensor's norm taken once."""
+    contents compared once (as :func:`dmlib.matrix` does), each distinct content's norm
+    taken once. With engine "dask" the hashes, the distinct pairs' pieces and the norms
+    are tasks on Dask's current scheduler, read where they run."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: str = "local") -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        from dmlib import hashing
+        from dmlib.stats._pair import DEFAULT_CHUNK
         from dmlib.stats.matrix import _distinct_rows
 
         self.pool = ThreadPoolExecutor(max_workers=2)
         self.cache: dict[int, Any] = {}
-        self.pair_row = _distinct_rows(self.cache)
-        self.norms: dict[int, float] = {}
+        self.remote = None
+        if engine == "dask":
+            from dmlib.engine.dask import DaskPairs
+
+            self.remote = DaskPairs(DEFAULT_CHUNK, hashing.DEFAULT)
+        self.pair_row = _distinct_rows(self.cache, self.remote)
+        self.norms: dict[Any, float] = {}
 
     def hash(self, tensors: Iterable[Any]) -> None:
         from dmlib import hashing
         from dmlib.engine.local import hash_tensors
         from dmlib.stats._pair import DEFAULT_CHUNK
 
-        hash_tensors(self.pool, tensors, DEFAULT_CHUNK, hashing.DEFAULT, self.cache)
+        if self.remote is None:
+            hash_tensors(self.pool, tensors, DEFAULT_CHUNK, hashing.DEFAULT, self.cache)
+            return
+        from dmlib.engine.dask import hash_tensor_tasks
+
+        todo = [t for t in tensors if id(t) not in self.cache]
+        for t, d in zip(todo, hash_tensor_tasks(todo, hashing.DEFAULT), strict=True):
+            self.cache[id(t)] = d
+
+    def _key(self, t: Any) -> Any:
+        # equal digests of equal dtype and shape: the same bytes, the same norm
+        f = self.cache.get(id(t))
+        return id(t) if f is None else (t.dtype.str, tuple(t.shape), f.result())
+
+    def prefetch_norms(self, tensors: Iterable[Any]) -> None:
+        """Norms of the numeric ``tensors`` in one Dask graph (engine "dask"; else nothing)."""
+        if self.remote is None:
+            return
+        from dmlib.engine.dask_reads import norms
+
+        todo: dict[Any, Any] = {}
+        for t in tensors:
+            k = self._key(t)
+            if _numeric(t) and k not in self.norms:
+                todo.setdefault(k, t)
+        self.norms.update(zip(todo, norms(list(todo.values()), NORM_CHUNK), strict=True))
 
     def norm(self, t: Any) -> float:
-        if id(t) not in self.norms:
-            self.norms[id(t)] = _norm(t.load())
-        return self.norms[id(t)]
+        k = self._key(t)
+        if k not in self.norms:
+            if self.remote is not None:
+                self.prefetch_norms([t])
+            else:
+                self.norms[k] = _norm(t.load(), NORM_CHUNK)
+        return self.norms[k]
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -237,7 +282,7 @@ def _compare(
     rows = []
     for r in df.itertuples(index=False):
         t = sa[r.name]
-        numeric = not t.quantized and t.dtype.kind in "fiub"
+        numeric = _numeric(t)
         norm = (shared.norm(t) if shared is not None else _norm(t.load())) if numeric else None
         rows.append(
             {
@@ -256,6 +301,32 @@ def _compare(
     return rows
 
 
+def _effective_rows(
+    group: FactorGroup, prefix: str, factors_a: Iterable[Any], factors_b: Iterable[Any],
+    load: Callable[[Any], np.ndarray],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The ladder row of one factorised layer (where the factors are: here or on a worker)."""
+    ea = group.effective((load(x) for x in factors_a), where=repr(prefix))
+    eb = group.effective((load(x) for x in factors_b), where=repr(prefix))
+    return _compare(ArrayTensorSet({prefix: ea}), ArrayTensorSet({prefix: eb}), "effective")
+
+
+def _effective_task(group: FactorGroup, prefix: str, refs_a: Any, refs_b: Any) -> Any:
+    """:func:`_effective_rows` on a Dask worker, its factors read from their paths."""
+    from dmlib.engine.refs import load
+
+    try:
+        return _effective_rows(group, prefix, refs_a, refs_b, load)
+    except DmlibError as err:  # the message travels; the driver raises it
+        return str(err)
+
+
+def _plain(ts: TensorSet, keep: Callable[[str], bool], groups: list[FactorGroup] | None) -> list:
+    """The tensors of ``ts`` compared as themselves (kept, not a factor of a layer)."""
+    factors = {n for _, names in layers_of(ts, groups).values() for n in names} if groups else set()
+    return [t for t in ts.disk_order() if keep(t.name) and t.name not in factors]
+
+
 def _pair_rows(
     sa: TensorSet,
     sb: TensorSet,
@@ -267,15 +338,30 @@ def _pair_rows(
     factor_names: set[str] = set()
     if groups:
         la, lb = layers_of(sa, groups), layers_of(sb, groups)
-        eff_a, eff_b = {}, {}
+        eff_a, eff_b, tasks = {}, {}, []
         for prefix in sorted(set(la) & set(lb)):
             g, names = la[prefix]
             factor_names.update(names)
-            if keep(prefix):
-                eff_a[prefix] = g.effective((sa[n].load() for n in names), where=repr(prefix))
-                eff_b[prefix] = g.effective((sb[n].load() for n in names), where=repr(prefix))
+            if not keep(prefix):
+                continue
+            if shared is not None and shared.remote is not None:
+                # a whole layer per task: the product needs every factor whole
+                from dmlib.engine.refs import ref_of
+
+                ra = tuple(ref_of(sa[n]) for n in names)
+                tasks.append((g, prefix, ra, tuple(ref_of(sb[n]) for n in names)))
+                continue
+            eff_a[prefix] = g.effective((sa[n].load() for n in names), where=repr(prefix))
+            eff_b[prefix] = g.effective((sb[n].load() for n in names), where=repr(prefix))
         if eff_a:
             rows += _compare(ArrayTensorSet(eff_a), ArrayTensorSet(eff_b), "effective")
+        if tasks:
+            from dmlib.engine.dask_reads import map_tasks
+
+            for got in map_tasks(_effective_task, tasks):
+                if isinstance(got, str):
+                    raise DmlibError(got, path=sa.path)
+                rows += got
     plain = [n for n in sa if n not in factor_names and n in sb and keep(n)]
     rows += _compare(
         TensorSet({n: sa[n] for n in plain}), TensorSet({n: sb[n] for n in plain}), "tensor",
@@ -293,6 +379,7 @@ def step_ladder(
     groups: FactorGroup | list[FactorGroup] | None = None,
     step_key: StepKey = "auto",
     keep_flagged: bool = False,
+    engine: str = "local",
 ) -> pd.DataFrame:
     """Divergence of every tensor between runs, at every step of a ladder.
 
@@ -312,6 +399,10 @@ def step_ladder(
     keep_flagged
         Compare flagged checkpoints too (artifacts). Default False: they are excluded,
         so no step is reported that was not really reached.
+    engine
+        ``"local"``: threads of this process; ``"dask"``: the hashes, the distinct pairs'
+        pieces, the norms and one task per factorised layer on Dask's current scheduler,
+        read by the workers from the checkpoints' paths. The same frame.
 
     Returns
     -------
@@ -323,9 +414,14 @@ def step_ladder(
         fastest mover by rel_fro within its step and pair). ``attrs["checks"]`` is :func:`check_steps` as records;
         ``attrs["excluded"]`` the checkpoints left out and why.
     """
+    from dmlib.engine import check_engine
+
+    check_engine(engine)
     with contextlib.ExitStack() as stack:
         checks, sets = _check_all(ladder, step_key, stack)
-        return _ladder(ladder, checks, sets, reference, include, exclude, groups, keep_flagged)
+        return _ladder(
+            ladder, checks, sets, reference, include, exclude, groups, keep_flagged, engine
+        )
 
 
 def _ladder(
@@ -337,6 +433,7 @@ def _ladder(
     exclude: Patterns,
     groups: FactorGroup | Iterable[FactorGroup] | None,
     keep_flagged: bool,
+    engine: str = "local",
 ) -> pd.DataFrame:
     runs = list(dict.fromkeys(str(r) for r in ladder))
     if len(runs) < 2:
@@ -356,15 +453,23 @@ def _ladder(
     rows = []
     # every checkpoint's tensors hashed once up front: pairs of equal contents (bit-identical
     # runs) then cost no second read, and each distinct pair of contents is compared once
-    shared = _Shared()
+    shared = _Shared(engine)
     try:
         shared.hash(t for key in sorted(good) for t in sets[key].disk_order() if keep(t.name))
-        for step in steps:
-            for ra, rb in pairs:
-                if (ra, step) not in good or (rb, step) not in good:
-                    continue
-                for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
-                    rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
+        plan = [
+            (step, ra, rb)
+            for step in steps
+            for ra, rb in pairs
+            if (ra, step) in good and (rb, step) in good
+        ]
+        # the a side's norms (rows quote ||a||), each distinct content once, in one graph
+        shared.prefetch_norms(
+            t for key in dict.fromkeys((ra, step) for step, ra, _ in plan)
+            for t in _plain(sets[key], keep, gs)
+        )  # fmt: skip
+        for step, ra, rb in plan:
+            for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
+                rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
     finally:
         shared.close()
     df = pd.DataFrame(rows, columns=LADDER_COLUMNS)

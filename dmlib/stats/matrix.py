@@ -155,6 +155,21 @@ def _distinct_rows(hash_cache: dict[int, Any], remote: Any = None) -> Callable[.
         row["_hashes"] = (fa, fb)
         return row
 
+    if remote is not None:
+
+        def prepare(pairs: list[tuple[Tensor, Tensor]]) -> None:
+            # the pieces of every distinct pair of contents of these pairs, in one graph
+            todo: dict[tuple, tuple[Tensor, Tensor]] = {}
+            for ta, tb in pairs:
+                fa, fb = hash_cache.get(id(ta)), hash_cache.get(id(tb))
+                if fa is None or fb is None or fa.result() == fb.result():
+                    continue
+                key = (ta.name, ta.dtype_name, tuple(ta.shape), ta.quantized, fa.result(), fb.result())
+                if key not in memo:
+                    todo.setdefault(key, (ta, tb))
+            remote.prepare(list(todo.values()))
+
+        pair_row.prepare = prepare  # type: ignore[attr-defined]
     return pair_row
 
 
