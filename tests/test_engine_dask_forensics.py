@@ -250,3 +250,26 @@ def test_cli_ladder_gapcheck_factors_take_dask(client, tmp_path):
         )  # fmt: skip
         assert local.returncode == remote.returncode == 1, (cmd[0], remote.stderr[-2000:])
         assert json.loads(remote.stdout) == json.loads(local.stdout)
+
+
+def test_effective_weights_do_not_depend_on_the_blas_threads(tmp_path):
+    # a Dask worker runs one BLAS thread, this process as many as it likes: the products
+    # and norms a row quotes run on one thread either way, so the bits are the same
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(11)
+    a = {
+        "l.u": rng.standard_normal((384, 96)),
+        "l.s": rng.random(96),
+        "l.v": rng.standard_normal((320, 96)),
+    }
+    b = {k: v.copy() for k, v in a.items()}
+    b["l.s"] = np.nextafter(b["l.s"], 2.0)  # every singular value one ULP up
+    pa, pb = _write(tmp_path / "a.safetensors", a), _write(tmp_path / "b.safetensors", b)
+    got = []
+    for n in (1, 4):
+        with threadpool_limits(limits=n, user_api="blas"):
+            got.append(dmlib.compare_factors(pa, pb, SVD))
+            got.append(ladder_mod._norm(np.concatenate([a["l.u"].ravel()] * 30)))
+    pd.testing.assert_frame_equal(got[0], got[2], check_exact=True)
+    assert got[1] == got[3]

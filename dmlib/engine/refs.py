@@ -75,11 +75,14 @@ def norm_piece(ref: Ref, start: int, end: int, chunk: int) -> list[float]:
     of the finite elements (``dmlib.forensics.ladder._norm``'s terms, in its order)."""
     dt = ref.np_dtype()
     flat = _read(ref.path, ref.offset + start, end - start).view(dt)
+    from dmlib._blas import one_thread
+
     out = []
-    for i in range(0, flat.size, chunk):
-        x = flat[i : i + chunk].astype(np.float64)
-        x = x[np.isfinite(x)]
-        out.append(float(np.dot(x, x)))
+    with one_thread():  # as the local engine's norm
+        for i in range(0, flat.size, chunk):
+            x = flat[i : i + chunk].astype(np.float64)
+            x = x[np.isfinite(x)]
+            out.append(float(np.dot(x, x)))
     return out
 
 

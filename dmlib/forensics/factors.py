@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dmlib._blas import one_thread
 from dmlib.errors import DmlibError, TensorNotFoundError
 from dmlib.sources import Source, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
@@ -109,14 +110,16 @@ class FactorGroup:
                     f"svd group {where}: factor shapes {shapes} do not fit U[m,k] s[k] V[n,k] "
                     "(set transpose_u/transpose_v for stored transposes)"
                 )
-            return (u * s) @ v.T
+            with one_thread():
+                return (u * s) @ v.T
         a, b = mats
         if not (a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0]):
             raise DmlibError(
                 f"lowrank group {where}: factor shapes {shapes} do not fit A[m,r] B[r,n] "
                 "(set transpose_a/transpose_b for stored transposes)"
             )
-        return a @ b
+        with one_thread():
+            return a @ b
 
 
 def as_groups(groups: FactorGroup | Iterable[FactorGroup]) -> list[FactorGroup]:
@@ -164,12 +167,17 @@ def _fields(e: pd.Series, ea: np.ndarray) -> dict[str, Any]:
     return {
         "shape": list(ea.shape),
         "numel": int(e["numel"]),
-        "norm": float(np.linalg.norm(ea)),
+        "norm": _fro(ea),
         "rel_fro": float(e["rel_fro"]),
         "max_abs": float(e["max_abs"]) if pd.notna(e["max_abs"]) else 0.0,
         "n_diff": int(e["n_diff"]),
         "cosine": float(e["cosine"]),
     }
+
+
+def _fro(x: np.ndarray) -> float:
+    with one_thread():
+        return float(np.linalg.norm(x))
 
 
 def _layer(g: FactorGroup, prefix: str, fa: Iterable[Any], fb: Iterable[Any],

@@ -184,12 +184,15 @@ NORM_CHUNK = 1 << 20  # elements per float64 partial sum of a norm
 
 def _norm(arr: np.ndarray, chunk: int = NORM_CHUNK) -> float:
     """||a||_F in float64 over the finite elements, a chunk at a time."""
+    from dmlib._blas import one_thread
+
     flat = np.asarray(arr).reshape(-1)
     total = 0.0
-    for i in range(0, flat.size, chunk):
-        x = flat[i : i + chunk].astype(np.float64)
-        x = x[np.isfinite(x)]
-        total += float(np.dot(x, x))
+    with one_thread():  # a threaded dot splits the sum by the number of threads
+        for i in range(0, flat.size, chunk):
+            x = flat[i : i + chunk].astype(np.float64)
+            x = x[np.isfinite(x)]
+            total += float(np.dot(x, x))
     return float(np.sqrt(total))
 
 
