@@ -14,6 +14,7 @@ import pytest
 
 import dmlib
 from dmlib import hashing
+from dmlib.engine import dask as dask_engine
 from dmlib.errors import DmlibError
 
 distributed = pytest.importorskip("distributed")
@@ -37,6 +38,7 @@ def client():
 def small_pieces(monkeypatch):
     # pieces are cut (and their digests combined) by the driver: this process alone decides
     monkeypatch.setattr(hashing, "PIECE", PIECE)
+    monkeypatch.setattr(dask_engine, "BATCH_BYTES", 2 * PIECE)  # a task per piece pair
 
 
 def _pair(tmp_path, big: int = 300_000) -> tuple[str, str]:

@@ -14,6 +14,7 @@ import pytest
 
 import dmlib
 from dmlib import hashing
+from dmlib.engine import dask as dask_engine
 from dmlib.errors import DmlibError
 from dmlib.forensics import ladder as ladder_mod
 from dmlib.forensics.factors import FactorGroup
@@ -29,7 +30,7 @@ SVD = FactorGroup.svd("{prefix}.u", "{prefix}.s", "{prefix}.v")
 @pytest.fixture(scope="module")
 def client():
     cluster = distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
     )
     c = distributed.Client(cluster)
     yield c
@@ -86,10 +87,28 @@ def _task_names(ts) -> list[str]:
     return [str(t["key"]).strip("()',").split("-")[0] for t in ts.data]
 
 
-def test_ladder_rows_equal_the_local_engine(client, tmp_path, monkeypatch):
+@pytest.fixture
+def items(monkeypatch):
+    """(function, number of work items) of every batched graph the driver computes."""
+    seen: list[tuple[str, int]] = []
+    real = dask_engine.compute_batched
+
+    def spy(fn, arglists, sizes):
+        seen.append((fn.__name__, len(arglists)))
+        return real(fn, arglists, sizes)
+
+    monkeypatch.setattr(dask_engine, "compute_batched", spy)
+    return seen
+
+
+def test_ladder_rows_equal_the_local_engine(client, tmp_path, monkeypatch, items):
     monkeypatch.setattr(ladder_mod, "NORM_CHUNK", 1 << 12)  # norms of several chunks
     lad, planted = _ladder(tmp_path)
     local = dmlib.step_ladder(lad, groups=LOWRANK)
+    batched = dmlib.step_ladder(lad, groups=LOWRANK, engine="dask")  # small items batched
+    pd.testing.assert_frame_equal(batched, local, check_exact=True)
+    items.clear()
+    monkeypatch.setattr(dask_engine, "BATCH_BYTES", 1)  # one task per work item
     with distributed.get_task_stream(client) as ts:
         remote = dmlib.step_ladder(lad, groups=LOWRANK, engine="dask")
     pd.testing.assert_frame_equal(remote, local, check_exact=True)
@@ -107,10 +126,9 @@ def test_ladder_rows_equal_the_local_engine(client, tmp_path, monkeypatch):
     assert row["norm"] == pytest.approx(np.sqrt(np.dot(x, x)), rel=1e-12)
     # distinct contents: base/drift and twin/drift hold the same two contents at each
     # step, compared once; base/twin not at all (equal digests)
-    names = _task_names(ts)
     n_differing = len(tensors[(tensors["n_diff"] > 0) & (tensors["pair"] == "base/drift")])
-    assert names.count("compare_piece") == n_differing
-    assert names.count("_effective_task") == 3 * len(STEPS)  # one task per layer and pair
+    assert sum(n for fn, n in items if fn == "compare_piece") == n_differing
+    assert _task_names(ts).count("_effective_task") == 3 * len(STEPS)  # one per layer and pair
 
 
 def test_norm_pieces_add_up_to_the_local_norm(client, tmp_path, monkeypatch):

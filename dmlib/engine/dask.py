@@ -58,6 +58,33 @@ def side_of(t: Tensor) -> P.Side:
     )
 
 
+# small work items (pieces of small tensors) share a task up to this many bytes read:
+# Dask's per-task overhead (milliseconds) would otherwise rule a model of many small tensors
+BATCH_BYTES = 16 << 20
+
+
+def _run_batch(fn: Callable[..., Any], arglists: list[tuple[Any, ...]]) -> list[Any]:
+    return [fn(*args) for args in arglists]
+
+
+def compute_batched(
+    fn: Callable[..., Any], arglists: list[tuple[Any, ...]], sizes: list[int]
+) -> list[Any]:
+    """``[fn(*args) for args in arglists]`` as Dask tasks of about :data:`BATCH_BYTES` each
+    (``sizes``: the bytes each call reads), in one graph; results in order."""
+    dask = _dask()
+    tasks, cur, size = [], [], 0
+    for args, n in zip(arglists, sizes, strict=True):
+        if cur and size + n > BATCH_BYTES:
+            tasks.append(dask.delayed(_run_batch, pure=True)(fn, cur))
+            cur, size = [], 0
+        cur.append(args)
+        size += n
+    if cur:
+        tasks.append(dask.delayed(_run_batch, pure=True)(fn, cur))
+    return [r for batch in _compute(tasks) for r in batch]
+
+
 def _compute(tasks: list[Any]) -> list[Any]:
     """Compute delayed tasks on Dask's current scheduler; a worker's read error is a DmlibError."""
     dask = _dask()
@@ -114,17 +141,15 @@ class DaskPairs:
         dask = _dask()
         todo = [(ta, tb) for ta, tb in pairs if (id(ta), id(tb)) not in self._results]
         specs = [self._specs(ta, tb) for ta, tb in todo]
-        tasks = [dask.delayed(P.compare_piece, pure=True)(s) for ss in specs for s in ss]
+        flat = [s for ss in specs for s in ss]
         sha = []
         if self.hash_name == hashing.SHA256:
             for ta, tb in todo:
                 for t in (ta, tb):
                     side = side_of(t)
-                    sha.append(
-                        dask.delayed(P.sha256_side, pure=True)(side.path, side.offset, t.nbytes)
-                    )
-        out = _compute(tasks + sha)
-        res, shas = out[: len(tasks)], out[len(tasks) :]
+                    sha.append(dask.delayed(P.sha256_side, pure=True)(side.path, side.offset, t.nbytes))
+        shas = _compute(sha) if sha else []
+        res = compute_batched(P.compare_piece, [(s,) for s in flat], [2 * (s.end - s.start) for s in flat])
         i = 0
         for k, (ta, tb) in enumerate(todo):
             n = len(specs[k])
@@ -233,7 +258,7 @@ class _Reread:
 def hash_tensor_tasks(tensors: list[Tensor], hash_name: str) -> list[Done]:
     """Identity hashes of tensors computed on Dask: per piece (blake3) or per tensor (sha256)."""
     dask = _dask()
-    tasks, plan = [], []
+    tasks, plan, args, sizes = [], [], [], []
     for t in tensors:
         side = side_of(t)
         if hash_name == hashing.SHA256:
@@ -242,13 +267,11 @@ def hash_tensor_tasks(tensors: list[Tensor], hash_name: str) -> list[Done]:
         else:
             starts = list(range(0, t.nbytes, hashing.PIECE)) or [0]
             plan.append((t, len(starts)))
-            tasks += [
-                dask.delayed(P.hash_piece, pure=True)(
-                    side.path, side.offset + s, min(hashing.PIECE, t.nbytes - s)
-                )
-                for s in starts
-            ]
-    out = _compute(tasks)
+            for s in starts:
+                n = min(hashing.PIECE, t.nbytes - s)
+                args.append((side.path, side.offset + s, n))
+                sizes.append(n)
+    out = _compute(tasks) if tasks else compute_batched(P.hash_piece, args, sizes)
     done, i = [], 0
     for t, n in plan:
         got = out[i : i + n]
@@ -271,6 +294,8 @@ def client_for(spec: str) -> Any:
             n = 0
         if n < 1:
             raise DmlibError(f"--dask local:N needs a positive number of workers, got {spec!r}")
+        # ":0": the scheduler's HTTP server on a free port (None still tries 8787, and
+        # another cluster on this machine there makes it warn)
         cluster = LocalCluster(
             n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
         )

@@ -15,7 +15,7 @@ import numpy as np
 
 from dmlib import hashing
 from dmlib.engine import refs
-from dmlib.engine.dask import _compute, _dask
+from dmlib.engine.dask import _compute, _dask, compute_batched
 from dmlib.errors import DmlibError
 from dmlib.tensor import Tensor, TensorSet
 
@@ -42,7 +42,7 @@ def norms(tensors: Sequence[Tensor], chunk: int) -> list[float]:
         spans = _norm_spans(ref.nbytes, t.dtype.itemsize, chunk)
         plan.append(len(spans))
         args += [(ref, s, e, chunk) for s, e in spans]
-    out = map_tasks(refs.norm_piece, args)
+    out = compute_batched(refs.norm_piece, args, [a[2] - a[1] for a in args])
     result, i = [], 0
     for n in plan:
         total = 0.0
@@ -83,7 +83,7 @@ def padding_scans(ts: TensorSet, gaps: Sequence[tuple[int, int]]) -> list[dict[s
         parts = list(zip(cuts[:-1], cuts[1:]))
         plan.append(len(parts))
         args += [(path, base, s, e) for s, e in parts]
-    out = map_tasks(refs.padding_piece, args)
+    out = compute_batched(refs.padding_piece, args, [a[3] - a[2] for a in args])
     scans, i = [], 0
     for n in plan:
         got = out[i : i + n]

@@ -470,6 +470,15 @@ def _ladder(
             t for key in dict.fromkeys((ra, step) for step, ra, _ in plan)
             for t in _plain(sets[key], keep, gs)
         )  # fmt: skip
+        if shared.remote is not None:  # every distinct pair of contents in one graph
+            together = []
+            for step, ra, rb in plan:
+                sa, sb = sets[(ra, step)], sets[(rb, step)]
+                for ta in _plain(sa, keep, gs):
+                    tb = sb.get(ta.name)
+                    if tb is not None and (tb.dtype, tb.shape) == (ta.dtype, ta.shape):
+                        together.append((ta, tb))
+            shared.pair_row.prepare(together)  # type: ignore[attr-defined]
         for step, ra, rb in plan:
             for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
                 rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})

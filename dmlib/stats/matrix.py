@@ -136,6 +136,7 @@ def matrix(
 def _distinct_rows(hash_cache: dict[int, Any], remote: Any = None) -> Callable[..., dict[str, Any]]:
     """A ``pair_row`` hook: rows from digests when the contents are known, computed once otherwise."""
     memo: dict[tuple, dict[str, Any]] = {}
+    prepared: dict[tuple, tuple[Tensor, Tensor]] = {}  # content key -> the pair computed
 
     def pair_row(ta: Tensor, tb: Tensor, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         fa, fb = hash_cache.get(id(ta)), hash_cache.get(id(tb))
@@ -148,7 +149,9 @@ def _distinct_rows(hash_cache: dict[int, Any], remote: Any = None) -> Callable[.
         else:
             key = (ta.name, ta.dtype_name, tuple(ta.shape), ta.quantized, da, db)
             if key not in memo:
-                memo[key] = compute() if remote is None else remote.row(ta, tb)
+                # a pair prepared earlier holds the same two contents: its pieces' results
+                ra, rb = prepared.get(key, (ta, tb)) if remote is not None else (ta, tb)
+                memo[key] = compute() if remote is None else remote.row(ra, rb)
                 memo[key].pop("_hashes", None)
             row = dict(memo[key])  # values are numbers, strings, tuples; shape is a list
             row["shape"] = list(row["shape"])
@@ -165,9 +168,10 @@ def _distinct_rows(hash_cache: dict[int, Any], remote: Any = None) -> Callable[.
                 if fa is None or fb is None or fa.result() == fb.result():
                     continue
                 key = (ta.name, ta.dtype_name, tuple(ta.shape), ta.quantized, fa.result(), fb.result())
-                if key not in memo:
+                if key not in memo and key not in prepared:
                     todo.setdefault(key, (ta, tb))
             remote.prepare(list(todo.values()))
+            prepared.update(todo)
 
         pair_row.prepare = prepare  # type: ignore[attr-defined]
     return pair_row
