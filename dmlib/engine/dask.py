@@ -73,9 +73,11 @@ def compute_batched(
     """``[fn(*args) for args in arglists]`` as Dask tasks of about :data:`BATCH_BYTES` each
     (``sizes``: the bytes each call reads), in one graph; results in order."""
     dask = _dask()
+    # and at most 1/16 of the items per task, so that many small items still spread out
+    most = max(1, -(-len(arglists) // 16))
     tasks, cur, size = [], [], 0
     for args, n in zip(arglists, sizes, strict=True):
-        if cur and size + n > BATCH_BYTES:
+        if cur and (size + n > BATCH_BYTES or len(cur) >= most):
             tasks.append(dask.delayed(_run_batch, pure=True)(fn, cur))
             cur, size = [], 0
         cur.append(args)

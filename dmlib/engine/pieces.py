@@ -68,7 +68,9 @@ def _read(f: Any, offset: int, n: int, buf: bytearray) -> np.ndarray:
 
 def _chunks(spec: PieceSpec) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(byte offset in the tensor, bytes of a, bytes of b) per chunk of the piece."""
-    bufa, bufb = bytearray(spec.step), bytearray(spec.step)
+    # buffers no larger than the piece: a small tensor's piece would zero 2 x 4 MiB otherwise
+    size = max(0, min(spec.step, spec.end - spec.start))
+    bufa, bufb = bytearray(size), bytearray(size)
     with open(spec.a.path, "rb", buffering=0) as fa, open(spec.b.path, "rb", buffering=0) as fb:
         for off in range(spec.start, spec.end, spec.step):
             n = min(spec.step, spec.end - off)
