@@ -75,7 +75,9 @@ def compute_batched(
     dask = _dask()
     # and at most 1/16 of the items per task, so that many small items still spread out
     most = max(1, -(-len(arglists) // 16))
-    tasks, cur, size = [], [], 0
+    tasks: list[Any] = []
+    cur: list[tuple[Any, ...]] = []
+    size = 0
     for args, n in zip(arglists, sizes, strict=True):
         if cur and (size + n > BATCH_BYTES or len(cur) >= most):
             tasks.append(dask.delayed(_run_batch, pure=True)(fn, cur))
