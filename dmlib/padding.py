@@ -182,7 +182,9 @@ def _gap_ranges(ts: TensorSet) -> list[tuple[int, str, int, int]]:
 
 def _census(ts: TensorSet) -> Census:
     if ts.format != "burnpack":
-        raise UnsupportedError(f"the padding census reads burnpack files, not {ts.format}", path=ts.path)
+        raise UnsupportedError(
+            f"the padding census reads burnpack files, not {ts.format}", path=ts.path
+        )
     gaps = [_gap_row(ts, *g) for g in _gap_ranges(ts)]
     slots: list[dict] = []
     for r in ts.records or (ts,):
@@ -205,7 +207,9 @@ def _census(ts: TensorSet) -> Census:
                 "huge": sum(g["huge"] for g in rec_gaps),
             }
         )
-    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(columns="_nonzero_slots")
+    gdf = pd.DataFrame(gaps, columns=[*GAP_COLUMNS, "_nonzero_slots"]).drop(
+        columns="_nonzero_slots"
+    )
     return Census(gaps=gdf, slots=pd.DataFrame(slots, columns=RECORD_COLUMNS))
 
 
@@ -255,7 +259,9 @@ class _Run:
     None: read the gaps here.
     """
 
-    def __init__(self, label: str, ts: TensorSet, scans: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, label: str, ts: TensorSet, scans: list[dict[str, Any]] | None = None
+    ) -> None:
         from dmlib.engine.refs import scan_padding
 
         self.label, self.path = label, ts.path

@@ -151,9 +151,13 @@ class DaskPairs:
             for ta, tb in todo:
                 for t in (ta, tb):
                     side = side_of(t)
-                    sha.append(dask.delayed(P.sha256_side, pure=True)(side.path, side.offset, t.nbytes))
+                    sha.append(
+                        dask.delayed(P.sha256_side, pure=True)(side.path, side.offset, t.nbytes)
+                    )
         shas = _compute(sha) if sha else []
-        res = compute_batched(P.compare_piece, [(s,) for s in flat], [2 * (s.end - s.start) for s in flat])
+        res = compute_batched(
+            P.compare_piece, [(s,) for s in flat], [2 * (s.end - s.start) for s in flat]
+        )
         i = 0
         for k, (ta, tb) in enumerate(todo):
             n = len(specs[k])

@@ -167,7 +167,14 @@ def _distinct_rows(hash_cache: dict[int, Any], remote: Any = None) -> Callable[.
                 fa, fb = hash_cache.get(id(ta)), hash_cache.get(id(tb))
                 if fa is None or fb is None or fa.result() == fb.result():
                     continue
-                key = (ta.name, ta.dtype_name, tuple(ta.shape), ta.quantized, fa.result(), fb.result())
+                key = (
+                    ta.name,
+                    ta.dtype_name,
+                    tuple(ta.shape),
+                    ta.quantized,
+                    fa.result(),
+                    fb.result(),
+                )
                 if key not in memo and key not in prepared:
                     todo.setdefault(key, (ta, tb))
             remote.prepare(list(todo.values()))
