@@ -53,20 +53,7 @@ def describe(
                 whole.update(raw.data)
                 if t.record in per_record:
                     per_record[t.record].update(raw.data)
-            tensors.append(
-                {
-                    "name": t.name,
-                    "dtype": t.dtype_label,
-                    "format_dtype": t.dtype_name,
-                    "shape": list(t.shape),
-                    "numel": t.numel,
-                    "offset": t.offset,
-                    "nbytes": t.nbytes,
-                    "param_id": t.param_id,
-                    "record": t.record,
-                    "data_hash": digest,
-                }
-            )
+            tensors.append({**t.describe(), "data_hash": digest})
         doc: dict[str, Any] = {
             "path": ts.path,
             "format": ts.format,

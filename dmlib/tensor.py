@@ -186,6 +186,21 @@ class Tensor:
         """
         return self.dtype_name if self.quantized else self.dtype.name
 
+    def describe(self) -> dict[str, Any]:
+        """Where and what this tensor is, as one row: name, dtype (numpy's name),
+        format_dtype (the format's own), shape, numel, offset, nbytes, param_id, record."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype_label,
+            "format_dtype": self.dtype_name,
+            "shape": list(self.shape),
+            "numel": self.numel,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "param_id": self.param_id,
+            "record": self.record,
+        }
+
     def __repr__(self) -> str:
         where = f" @ {self.offset}" if self.offset is not None else ""
         pid = f" param_id={self.param_id}" if self.param_id is not None else ""
@@ -349,20 +364,7 @@ class TensorSet(Mapping[str, Tensor]):
         format's own), shape, numel, offset, nbytes, param_id, record."""
         import pandas as pd
 
-        rows = [
-            {
-                "name": t.name,
-                "dtype": t.dtype_label,
-                "format_dtype": t.dtype_name,
-                "shape": list(t.shape),
-                "numel": t.numel,
-                "offset": t.offset,
-                "nbytes": t.nbytes,
-                "param_id": t.param_id,
-                "record": t.record,
-            }
-            for t in self.disk_order()
-        ]
+        rows = [t.describe() for t in self.disk_order()]
         cols = ["name", "dtype", "shape", "numel", "offset", "nbytes", "param_id", "record"]
         df = pd.DataFrame(rows, columns=cols)
         # u64 ids above 2**63 would become inexact floats; keep them exact
