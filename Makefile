@@ -14,6 +14,7 @@ all: test
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -e .
+	$(PY) -m compileall -q dmlib  # bytecode now, even where PYTHONDONTWRITEBYTECODE is set
 	touch $@
 
 # Report environment: the core plus the `report` extra (headless notebooks, HTML, JupyterLab).

@@ -124,3 +124,26 @@ def test_cli_compare_big_endian(tmp_path, capsys):
     (row,) = doc["rows"]
     assert row["n_diff"] == 3 and row["first_diff"] == [int(idx[0])]
     assert math.isfinite(row["rel_fro"]) and row["max_ulp"] > 0
+
+
+def test_equal_values_in_two_byte_orders_without_hashes(tmp_path, capsys):
+    # no hash to tell the bytes apart: the byte orders themselves must keep "identical" off
+    a, _, _ = _planted(1000, 2)
+    np.save(tmp_path / "big.npy", a.astype(">f4"))
+    np.save(tmp_path / "little.npy", a.astype("<f4"))
+    assert a.astype(">f4").tobytes() != a.astype("<f4").tobytes()  # the premise
+    df = dmlib.compare(tmp_path / "big.npy", tmp_path / "little.npy", hash="none")
+    (row,) = df.to_dict("records")
+    assert row["n_diff"] == 0 and row["data_hash_a"] is None and row["data_hash_b"] is None
+    assert df.attrs["hash"] is None and df.attrs["byte_order_diff"] == ["big"]
+    s = dmlib.summarize(df)
+    assert s["identical"] is False and s["byte_order_diff"] == ["big"]
+    # the command line hashes nothing in text mode: same verdict, said in the summary
+    rc = main(["compare", str(tmp_path / "big.npy"), str(tmp_path / "little.npy")])
+    out = capsys.readouterr().out
+    assert rc == 1 and out.startswith("DIFFERENT: 0 of 1 compared tensors differ")
+    assert "equal values stored in another byte order (e.g. big)" in out
+    # a matrix of the two: not a bit-identical pair either
+    rc = main(["matrix", f"x={tmp_path / 'big.npy'}", f"y={tmp_path / 'little.npy'}"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "bit-identical pairs: none" in out

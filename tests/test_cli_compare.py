@@ -121,3 +121,32 @@ def test_hash_choice_is_named_in_every_hash(files, capsys):
     assert main(["matrix", "--json", "--hash", "sha256", f"a={files['a']}", f"c={files['c']}"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert all(r["data_hash_a"].startswith("sha256:") for r in doc["rows"])
+
+
+def test_hashes_only_where_the_output_shows_them(files, capsys):
+    import hashlib
+
+    moved = np.linspace(1, 2, 40, dtype=np.float32)
+    moved.view(np.uint32)[7] += 3
+    # text output: no hash column, none computed (the JSON of the same call has none either)
+    assert main(["compare", files["a"], files["b"]]) == 1
+    assert "blake3" not in capsys.readouterr().out
+    assert main(["compare", "--json", "--hash", "none", files["a"], files["b"]]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["attrs"]["hash"] is None
+    assert all(r["data_hash_a"] is None and r["data_hash_b"] is None for r in doc["rows"])
+    # asked for in text mode: the table shows both sides' hashes (hashlib as the oracle)
+    assert main(["compare", "--hash", "sha256", files["a"], files["b"]]) == 1
+    out = capsys.readouterr().out
+    w_line = next(line for line in out.splitlines() if line.startswith("w "))
+    assert w_line.split()[-2:] == [
+        "sha256:" + hashlib.sha256(np.linspace(1, 2, 40, dtype=np.float32).tobytes()).hexdigest(),
+        "sha256:" + hashlib.sha256(moved.tobytes()).hexdigest(),
+    ]
+    # the matrix's text output hashes nothing either, and still finds the identical pair
+    assert main(["matrix", f"a={files['a']}", f"b={files['b']}", f"c={files['c']}"]) == 1
+    out = capsys.readouterr().out
+    assert "bit-identical pairs: a/c" in out and "blake3" not in out
+    assert main(["matrix", "--json", f"a={files['a']}", f"c={files['c']}"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(r["data_hash_a"].startswith("blake3-64MiB:") for r in doc["rows"])

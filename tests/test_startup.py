@@ -17,14 +17,22 @@ from dmlib.cli import main
 code = main(sys.argv[1:])
 print(json.dumps({"code": code, "ml_dtypes": "ml_dtypes" in sys.modules,
                   "pandas": "pandas" in sys.modules}))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("dmlib.io.") or m in
+                        ("blake3", "zipfile", "cbor2"))))
 """
 
 
 def _probe(*args: str) -> dict:
+    return _probe_all(*args)[0]
+
+
+def _probe_all(*args: str) -> tuple[dict, list[str]]:
+    """(exit code and heavy imports, the reader modules and hashing modules loaded)."""
     out = subprocess.run(
         [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, check=False
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-2]), json.loads(lines[-1])
 
 
 def test_float32_compare_imports_neither_ml_dtypes_nor_pandas(tmp_path):
@@ -61,3 +69,22 @@ def test_bfloat16_still_read_when_ml_dtypes_comes_late(tmp_path):
         3,
         [3],
     )
+
+
+def test_compare_loads_its_reader_alone_and_hashes_only_what_it_prints(tmp_path):
+    a = np.arange(16, dtype=np.float32)
+    b = a.copy()
+    b[5] = 7.5
+    pa, pb = tmp_path / "x.safetensors", tmp_path / "y.safetensors"
+    dmlib.write_safetensors(pa, {"w": a})
+    dmlib.write_safetensors(pb, {"w": b})
+    head, mods = _probe_all("compare", str(pa), str(pb))
+    # the text output shows no hash: none is computed, the bytes are compared
+    assert head["code"] == 1 and mods == ["dmlib.io._checks", "dmlib.io.safetensors"]
+    head, mods = _probe_all("compare", "--json", str(pa), str(pb))
+    assert head["code"] == 1 and "blake3" in mods
+    # a file whose name says nothing: detection still tries every reader's magic
+    pc = tmp_path / "weights.data"
+    pc.write_bytes(pa.read_bytes())
+    head, mods = _probe_all("compare", str(pc), str(pb))
+    assert head["code"] == 1 and "dmlib.io.burnpack" in mods and "dmlib.io.safetensors" in mods

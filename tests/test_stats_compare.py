@@ -571,3 +571,75 @@ def test_two_npy_files_compare_as_one_tensor(tmp_path):
     assert list(df["name"]) == ["run_a"]
     assert int(df["n_diff"].iloc[0]) == 1 and int(df["max_ulp"].iloc[0]) == 1
     assert df.attrs["only_in_a"] == [] and df.attrs["only_in_b"] == []
+
+
+# ---------------------------------------------------------------------------------------
+# tensors compared side by side on threads; identity hashes only when asked for
+
+
+def _many_tensors(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Float32, bfloat16, float64 and int tensors; about half differ, some with NaN/inf."""
+    rng = np.random.default_rng(seed)
+    a: dict[str, np.ndarray] = {}
+    for i in range(24):
+        n = int(rng.integers(1, 50_000))
+        dt = [np.float32, ml_dtypes.bfloat16, np.float64, np.int32][i % 4]
+        if dt is np.int32:
+            a[f"layer.{i}.w"] = rng.integers(-1000, 1000, n).astype(np.int32)
+        else:
+            a[f"layer.{i}.w"] = rng.standard_normal(n).astype(dt)
+    b = {k: v.copy() for k, v in a.items()}
+    for i, v in enumerate(b.values()):
+        if i % 2:
+            continue
+        where = rng.choice(v.size, size=max(1, v.size // 7), replace=False)
+        bits = v.view(f"u{v.dtype.itemsize}")
+        bits[where] += 1  # one ULP (or one unit) at each planted place
+        if i % 8 == 0 and v.dtype.kind == "f":
+            v[0], v[-1] = np.inf, np.nan  # non-finite pairs, counted apart
+    return a, b
+
+
+def test_rows_do_not_depend_on_the_number_of_threads(monkeypatch):
+    import dmlib.stats.compare as C
+
+    a, b = _many_tensors(11)
+    rows = {}
+    for n in (1, 2, 5):
+        monkeypatch.setattr(C, "_workers", lambda n=n: n)
+        df = compare(ArrayTensorSet(a), ArrayTensorSet(b), chunk_bytes=16_384)
+        rows[n] = df.to_dict("records")
+    # bit for bit: each pair is walked by one thread in chunk order, whatever the count
+    for n in (2, 5):
+        assert len(rows[n]) == len(rows[1])
+        for r1, rn in zip(rows[1], rows[n], strict=True):
+            for col, v in r1.items():
+                w = rn[col]
+                if isinstance(v, float) and math.isnan(v):
+                    assert isinstance(w, float) and math.isnan(w), col
+                else:
+                    assert v == w or (pd.isna(v) and pd.isna(w)), (col, v, w)
+    # and the rows are the data's (numpy as the oracle), in a's order
+    assert [r["name"] for r in rows[5]] == list(a)
+    for r in rows[5]:
+        x, y = a[r["name"]], b[r["name"]]
+        bits = f"u{x.dtype.itemsize}"
+        assert r["n_diff"] == int(np.count_nonzero(x.view(bits) != y.view(bits)))
+
+
+def test_hash_none_same_rows_no_hashes():
+    a, b = _many_tensors(12)
+    hashed = compare(ArrayTensorSet(a), ArrayTensorSet(b))
+    bare = compare(ArrayTensorSet(a), ArrayTensorSet(b), hash="none")
+    assert bare.attrs["hash"] is None and hashed.attrs["hash"] == "blake3-64MiB"
+    assert bare["data_hash_a"].isna().all() and bare["data_hash_b"].isna().all()
+    cols = [c for c in bare.columns if not c.startswith("data_hash")]
+    pd.testing.assert_frame_equal(bare[cols], hashed[cols])
+    assert summarize(bare) == summarize(hashed)
+    # the hashes that are computed are of each side's bytes (BLAKE3 as the oracle)
+    for r in hashed.to_dict("records"):
+        assert r["data_hash_a"] == sha(a[r["name"]]) and r["data_hash_b"] == sha(b[r["name"]])
+    with pytest.raises(dmlib.DmlibError, match="file_hashes=True needs a hash"):
+        compare(ArrayTensorSet(a), ArrayTensorSet(b), hash="none", file_hashes=True)
+    same = compare(ArrayTensorSet(a), ArrayTensorSet(a), hash="none")
+    assert summarize(same)["identical"] is True

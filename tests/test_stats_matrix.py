@@ -183,3 +183,84 @@ def test_matrix_costs_distinct_contents(tmp_path, monkeypatch):
     v = df.attrs["verdict"]
     assert len(v["identical_pairs"]) == 10  # C(5, 2) among r0..r4
     assert v["same_max_ulp"] == 2
+
+
+def test_contents_grouped_by_bytes_hashes_only_what_it_must(monkeypatch):
+    """Runs sorted into contents: byte comparisons against a few references, hashes after.
+
+    Oracle: numpy byte equality of every pair of runs, per tensor; hash counts by hand.
+    """
+    import dmlib.stats._kernels as K
+
+    rng = np.random.default_rng(21)
+    base = {
+        "w": rng.standard_normal(50_000).astype(np.float32),
+        "b": rng.standard_normal(64).astype(np.float32),
+    }
+
+    def with_w(w: np.ndarray) -> dict[str, np.ndarray]:
+        return {"w": w, "b": base["b"].copy()}
+
+    late = base["w"].copy()
+    late.view(np.uint32)[-1] += 1  # differs in its last element only
+    early = base["w"].copy()
+    early.view(np.uint32)[0] += 1
+    runs = {
+        "r0": with_w(base["w"].copy()),
+        "r1": with_w(base["w"].copy()),
+        "late": with_w(late),
+        "late2": with_w(late.copy()),
+        "early": with_w(early),
+        "other": with_w(rng.standard_normal(50_000).astype(np.float32)),
+        "other2": with_w(rng.standard_normal(50_000).astype(np.float32)),
+        "early2": with_w(early.copy()),
+    }
+    hashed: list[int] = []
+    real = K.hash_views
+    monkeypatch.setattr(
+        K, "hash_views", lambda raws, *a, **k: hashed.append(1) or real(raws, *a, **k)
+    )
+    sets = {k: ArrayTensorSet(v) for k, v in runs.items()}
+    df = matrix(sets, hash="none", chunk_bytes=8192)
+    # w: references r0, late, early (by bytes) take r1, late2, early2; other and other2
+    # are left to hash; b: one content, by bytes
+    assert len(hashed) == 2
+    assert df["data_hash_a"].isna().all()
+    for (la, lb), g in df.groupby(["a", "b"], sort=False):
+        for r in g.to_dict("records"):
+            x, y = runs[la][r["name"]], runs[lb][r["name"]]
+            assert r["n_diff"] == int(np.count_nonzero(x.view(np.uint32) != y.view(np.uint32)))
+    want = {
+        f"{la}/{lb}"
+        for la, lb in itertools.combinations(runs, 2)
+        if all(runs[la][n].tobytes() == runs[lb][n].tobytes() for n in base)
+    }
+    assert (
+        set(df.attrs["verdict"]["identical_pairs"])
+        == want
+        == {
+            "r0/r1",
+            "late/late2",
+            "early/early2",
+        }
+    )
+    # with hashes reported: one per distinct content, each the BLAKE3 of the bytes: the
+    # two hashed for grouping, the three references of w, the one content of b
+    hashed.clear()
+    df = matrix(sets, chunk_bytes=8192)
+    assert len(hashed) == 2 + 3 + 1
+    for r in df.to_dict("records"):
+        assert (
+            r["data_hash_a"]
+            == "blake3-64MiB:" + blake3(runs[r["a"]][r["name"]].tobytes()).hexdigest()
+        )
+        assert (
+            r["data_hash_b"]
+            == "blake3-64MiB:" + blake3(runs[r["b"]][r["name"]].tobytes()).hexdigest()
+        )
+    # mostly identical runs and a control: bytes compared, nothing hashed
+    hashed.clear()
+    few = {f"s{i}": ArrayTensorSet(runs["r0"]) for i in range(5)}
+    few["ctrl"] = ArrayTensorSet(runs["other"])
+    df = matrix(few, control="ctrl", hash="none")
+    assert hashed == [] and len(df.attrs["verdict"]["identical_pairs"]) == 10

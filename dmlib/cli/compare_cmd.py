@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+import threading
 from typing import Any
 
 from dmlib.cli import add_common_epilog
@@ -68,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also hash whole files and data sections (two more hash passes per file)",
     )
-    _add_hash(p)
+    _add_hash(p, "each tensor's bytes")
     add_dask(p)
     add_format(p)
     add_common_epilog(p)
@@ -88,21 +90,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--json", action="store_true", help="print one JSON document (verdict and every row)"
     )
-    _add_hash(m)
+    _add_hash(m, "every distinct content's bytes")
     add_dask(m)
     add_format(m)
     add_common_epilog(m)
     m.set_defaults(func=run_matrix)
 
 
-def _add_hash(p: argparse.ArgumentParser) -> None:
+def _add_hash(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--hash",
-        choices=["blake3", "sha256"],
-        default="blake3",
-        help="identity hash of each tensor: blake3 (fast; the default) or sha256 (to check "
-        "against published SHA-256 sums); printed as NAME:HEX",
+        choices=["blake3", "sha256", "none"],
+        default=None,
+        help=f"identity hash of {what}, printed as NAME:HEX: blake3 (fast) or sha256 (to "
+        "check against published SHA-256 sums), or none. Default: blake3 with --json (or "
+        "--file-hashes), none otherwise: no verdict rests on a reported hash, bytes are "
+        "compared",
     )
+
+
+def _hash_of(args: argparse.Namespace) -> str:
+    """The scheme a command computes: the one asked for, else blake3 only where printed."""
+    if args.hash:
+        return str(args.hash)
+    return "blake3" if args.json or getattr(args, "file_hashes", False) else "none"
 
 
 def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
@@ -128,6 +139,11 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
         f"{'' if s['worst_rel_fro_name'] is None else ' (' + s['worst_rel_fro_name'] + ')'}; "
         f"max_ulp {fmt(s['max_ulp'])}"
     )
+    if s.get("byte_order_diff"):
+        text += (
+            f"; {len(s['byte_order_diff'])} tensors hold equal values stored in another byte "
+            f"order (e.g. {s['byte_order_diff'][0]}): equal values, not equal bytes"
+        )
     if s["rounded"]:
         r = attrs["rounded"][0]
         text += (
@@ -142,6 +158,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
     from dmlib.stats.compare import compare_records, summarize_records
 
+    hash_name = _hash_of(args)
     with engine_of(args) as engine:
         rows, at = compare_records(
             args.a,
@@ -151,7 +168,7 @@ def run_compare(args: argparse.Namespace) -> int:
             file_hashes=args.file_hashes,
             rename=args.rename,
             cross_dtype=args.cross_dtype,
-            hash=args.hash,
+            hash=hash_name,
             engine=engine,
         )
     s = summarize_records(rows, at)
@@ -161,7 +178,8 @@ def run_compare(args: argparse.Namespace) -> int:
         return 0 if s["identical"] else 1
     shown = rows if args.all else [r for r in rows if r["n_diff"] > 0]
     if shown:
-        print(table(shown, _TABLE))
+        hashed = args.hash not in (None, "none")
+        print(table(shown, _TABLE + (["data_hash_a", "data_hash_b"] if hashed else [])))
     for key in ("only_in_a", "only_in_b"):
         if at[key]:
             print(f"{key}: {', '.join(at[key])}")
@@ -192,13 +210,16 @@ def run_matrix(args: argparse.Namespace) -> int:
     from dmlib.stats.matrix import matrix
 
     runs = labelled_paths(args.runs)
+    # pandas (the result is a DataFrame) is imported while the runs are read: numpy
+    # releases the interpreter during its loops, so the import costs no wall time
+    threading.Thread(target=importlib.import_module, args=("pandas",), daemon=True).start()
     with engine_of(args) as engine:
         df = matrix(
             runs,
             control=args.control,
             include=args.include,
             exclude=args.exclude,
-            hash=args.hash,
+            hash=_hash_of(args),
             engine=engine,
         )
     v = df.attrs["verdict"]

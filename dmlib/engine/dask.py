@@ -103,7 +103,7 @@ def _compute(tasks: list[Any]) -> list[Any]:
 class DaskPairs:
     """Rows of tensor pairs computed on Dask (the ``pair_row`` hook of a comparison)."""
 
-    def __init__(self, chunk_bytes: int, hash_name: str) -> None:
+    def __init__(self, chunk_bytes: int, hash_name: str | None) -> None:
         self.chunk_bytes = chunk_bytes
         self.hash_name = hash_name
         self._results: dict[tuple[int, int], list[dict[str, Any]]] = {}
@@ -235,6 +235,8 @@ class DaskPairs:
     ) -> tuple[Done, Done | None]:
         if sha is not None:
             return Done(sha[0]), (Done(sha[1]) if differing else None)
+        if self.hash_name is None:  # hash="none": no identity hashes
+            return Done(None), None
         da = [p["digest_a"] for p in parts]
         db = [p["digest_b"] or p["digest_a"] for p in parts]  # an identical piece: a's digest
         ha = hashing.combine(da, ta.nbytes)
@@ -286,6 +288,24 @@ def hash_tensor_tasks(tensors: list[Tensor], hash_name: str) -> list[Done]:
         i += n
         done.append(Done(got[0] if hash_name == hashing.SHA256 else hashing.combine(got, t.nbytes)))
     return done
+
+
+def contents_from_digests(tensors: list[Tensor], hash_name: str | None) -> dict[int, Any]:
+    """``id(tensor) -> Content`` (:mod:`dmlib.engine.local`) of tensors hashed on Dask,
+    every one once: equal layout and digest make one content. ``hash_name`` None: the
+    digests (BLAKE3) group but are not reported."""
+    from dmlib.engine.local import Content, layout_key
+
+    by_key: dict[tuple, Content] = {}
+    out: dict[int, Content] = {}
+    todo = list({id(t): t for t in tensors}.values())
+    digests = hash_tensor_tasks(todo, hash_name or hashing.DEFAULT)
+    for t, d in zip(todo, digests, strict=True):
+        key = (layout_key(t), d.result())
+        if key not in by_key:
+            by_key[key] = Content(d if hash_name else None)
+        out[id(t)] = by_key[key]
+    return out
 
 
 def client_for(spec: str) -> Any:

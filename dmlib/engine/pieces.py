@@ -43,7 +43,7 @@ class PieceSpec:
     kind: str  # "float", "int" or "bytes" (dmlib.stats._pair.kind_of)
     dtype: str  # numpy dtype string of the elements (float: the float dtype)
     step: int  # chunk size in bytes (the local engine's)
-    hash_name: str
+    hash_name: str | None  # None: no identity hash of the pieces
 
 
 def _dtype(spec: PieceSpec) -> np.dtype:

@@ -201,46 +201,47 @@ def _numeric(t: Any) -> bool:
 
 
 class _Shared:
-    """What every pair of a ladder shares: each tensor hashed once, each distinct pair of
-    contents compared once (as :func:`dmlib.matrix` does), each distinct content's norm
-    taken once. With engine "dask" the hashes, the distinct pairs' pieces and the norms
-    are tasks on Dask's current scheduler, read where they run."""
+    """What every pair of a ladder shares: each tensor sorted into distinct contents once
+    (:func:`dmlib.engine.local.group_contents`), each distinct pair of contents compared
+    once (as :func:`dmlib.matrix` does), each distinct content's norm taken once. With
+    engine "dask" the hashes, the distinct pairs' pieces and the norms are tasks on Dask's
+    current scheduler, read where they run."""
 
     def __init__(self, engine: str = "local") -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         from dmlib import hashing
         from dmlib.stats._pair import DEFAULT_CHUNK
         from dmlib.stats.matrix import _distinct_rows
 
-        self.pool = ThreadPoolExecutor(max_workers=2)
-        self.cache: dict[int, Any] = {}
+        self.contents: dict[int, Any] = {}  # id of a tensor -> its Content
         self.remote = None
         if engine == "dask":
             from dmlib.engine.dask import DaskPairs
 
             self.remote = DaskPairs(DEFAULT_CHUNK, hashing.DEFAULT)
-        self.pair_row = _distinct_rows(self.cache, self.remote)
+        self.pair_row = _distinct_rows(self.contents, self.remote)
         self.norms: dict[Any, float] = {}
 
     def hash(self, tensors: Iterable[Any]) -> None:
+        """Sort ``tensors`` into contents (each content's BLAKE3 digest reported in the rows)."""
         from dmlib import hashing
-        from dmlib.engine.local import hash_tensors
         from dmlib.stats._pair import DEFAULT_CHUNK
 
+        todo = [t for t in tensors if id(t) not in self.contents]
         if self.remote is None:
-            hash_tensors(self.pool, tensors, DEFAULT_CHUNK, hashing.DEFAULT, self.cache)
-            return
-        from dmlib.engine.dask import hash_tensor_tasks
+            from dmlib.engine.local import group_contents
+            from dmlib.stats.compare import _workers
 
-        todo = [t for t in tensors if id(t) not in self.cache]
-        for t, d in zip(todo, hash_tensor_tasks(todo, hashing.DEFAULT), strict=True):
-            self.cache[id(t)] = d
+            got = group_contents(todo, DEFAULT_CHUNK, hashing.DEFAULT, _workers())
+        else:
+            from dmlib.engine.dask import contents_from_digests
+
+            got = contents_from_digests(todo, hashing.DEFAULT)
+        self.contents.update(got)
 
     def _key(self, t: Any) -> Any:
-        # equal digests of equal dtype and shape: the same bytes, the same norm
-        f = self.cache.get(id(t))
-        return id(t) if f is None else (t.dtype.str, tuple(t.shape), f.result())
+        # one content: the same bytes, the same norm
+        c = self.contents.get(id(t))
+        return id(t) if c is None else ("content", c.key)
 
     def prefetch_norms(self, tensors: Iterable[Any]) -> None:
         """Norms of the numeric ``tensors`` in one Dask graph (engine "dask"; else nothing)."""
@@ -265,7 +266,7 @@ class _Shared:
         return self.norms[k]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """Nothing is left running (kept for the callers' ``finally``)."""
 
 
 def _compare(
@@ -279,7 +280,8 @@ def _compare(
         df = compare(sa, sb, file_hashes=False, progress=False)
     else:
         df = _compare_sets(
-            sa, sb, None, None, False, DEFAULT_CHUNK, False, shared.pool, shared.cache,
+            sa, sb, None, None, False, DEFAULT_CHUNK, False,
+            hash_name=None,  # each content's digest comes from shared.contents
             pair_row=shared.pair_row,
         )  # fmt: skip
     rows = []

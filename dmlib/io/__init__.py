@@ -1,32 +1,39 @@
 """Readers: one module per format, and a registry that opens a file by its magic bytes
 first, then its suffix. ``format=`` overrides detection.
+
+Reader modules are imported when a file of their format is opened (or detected), not with
+this package: ``dmlib compare a.safetensors b.safetensors`` loads the safetensors reader
+alone (start-up time is part of every command, benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
-import zipfile
-from collections.abc import Callable, Iterable, Iterator
-
-import numpy as np
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from dmlib.errors import DmlibError, FormatError, TruncatedError, UnknownFormatError
-from dmlib.io import burn_mpk, burnpack, dcp, gguf, numpy_, safetensors, sharded, torch_
-from dmlib.tensor import TensorSet
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dmlib.tensor import TensorSet
 
 FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf", "burn-mpk")
 
-# (format, magic check) in detection order; suffixes are the fallback
-_MAGIC: list[tuple[str, Callable[[bytes, str], bool]]] = [
-    ("burnpack", burnpack.can_open),
-    ("npy", numpy_.can_open_npy),
-    ("npz", numpy_.can_open_npz),
-    ("torch", torch_.can_open),
-    ("gguf", gguf.can_open),
-    ("burn-mpk", burn_mpk.can_open),
-    ("safetensors", safetensors.can_open),
+# (format, reader module, its magic check) in detection order; suffixes are the fallback
+_MAGIC: list[tuple[str, str, str]] = [
+    ("burnpack", "burnpack", "can_open"),
+    ("npy", "numpy_", "can_open_npy"),
+    ("npz", "numpy_", "can_open_npz"),
+    ("torch", "torch_", "can_open"),
+    ("gguf", "gguf", "can_open"),
+    ("burn-mpk", "burn_mpk", "can_open"),
+    ("safetensors", "safetensors", "can_open"),
 ]
 _SUFFIX = {
     ".bpk": "burnpack",
@@ -41,6 +48,18 @@ _SUFFIX = {
     ".gguf": "gguf",
     ".mpk": "burn-mpk",
 }
+_MODULES = ("burn_mpk", "burnpack", "dcp", "gguf", "numpy_", "safetensors", "sharded", "torch_")
+
+
+def _reader(module: str) -> ModuleType:
+    """The reader module ``dmlib.io.<module>``, imported on first use."""
+    return importlib.import_module(f"dmlib.io.{module}")
+
+
+def __getattr__(name: str) -> Any:  # ``dmlib.io.safetensors`` and friends, loaded on access
+    if name in _MODULES:
+        return _reader(name)
+    raise AttributeError(f"module 'dmlib.io' has no attribute {name!r}")
 
 
 # the format every open_tensors call without format= assumes (the CLI's --format)
@@ -80,11 +99,14 @@ def _check_file(path: str) -> None:
 def detect_format(path: str | os.PathLike[str]) -> str:
     """The format of a file: by magic bytes, then by suffix."""
     path = os.fspath(path)
-    if dcp.can_open(path):
+    # cheap tests on the path first: the reader modules load only for their own files
+    if (os.path.isdir(path) or os.path.basename(path) == ".metadata") and _reader("dcp").can_open(
+        path
+    ):
         return "dcp"
-    if sharded.can_open(path):
+    if path.endswith(".index.json") and _reader("sharded").can_open(path):
         _check_file(path)
-        return sharded.shard_format(path)
+        return _reader("sharded").shard_format(path)
     _check_file(path)
     try:
         with open(path, "rb") as f:
@@ -95,10 +117,13 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         kind = _zip_kind(path)
         if kind is not None:
             return kind
-    for name, check in _MAGIC:
-        if check(head, path):
-            return name
     suffix = os.path.splitext(path)[1].lower()
+    # the format the suffix names, when its magic agrees (the signatures are disjoint, so
+    # this is the answer of the ordered scan below, without importing every reader)
+    hinted = [m for m in _MAGIC if m[0] == _SUFFIX.get(suffix)]
+    for name, module, check in hinted + _MAGIC:
+        if getattr(_reader(module), check)(head, path):
+            return name
     if suffix in _SUFFIX:
         return _SUFFIX[suffix]
     raise UnknownFormatError(
@@ -110,12 +135,14 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 def _zip_kind(path: str) -> str | None:
     """``"torch"`` for a torch.save archive (``<name>/data.pkl``), ``"npz"`` for one of
     ``.npy`` members only, None otherwise (or when the archive cannot be listed)."""
+    import zipfile
+
     try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
         return None
-    if torch_.is_torch_zip(names):
+    if _reader("torch_").is_torch_zip(names):
         return "torch"
     if names and all(n.endswith(".npy") for n in names):
         return "npz"
@@ -150,30 +177,30 @@ def open_tensors(
     if record is not None and fmt != "burnpack":
         raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
     if fmt == "dcp":
-        if not dcp.can_open(path):
+        if not _reader("dcp").can_open(path):
             raise FormatError(
-                f"not a DCP checkpoint directory (no {dcp.METADATA} in it)", path=path
+                f"not a DCP checkpoint directory (no {_reader('dcp').METADATA} in it)", path=path
             )
     else:
         _check_file(path)
     try:
         if fmt == "dcp":
-            return dcp.open_dcp(path)
-        if fmt in ("safetensors", "torch") and sharded.can_open(path):
-            return sharded.open_index(path)
+            return _reader("dcp").open_dcp(path)
+        if fmt in ("safetensors", "torch") and path.endswith(".index.json"):  # sharded.can_open
+            return _reader("sharded").open_index(path)
         if fmt == "burnpack":
-            return burnpack.open_burnpack(path, record=record)
+            return _reader("burnpack").open_burnpack(path, record=record)
         if fmt == "safetensors":
-            return safetensors.open_safetensors(path)
+            return _reader("safetensors").open_safetensors(path)
         if fmt == "npy":
-            return numpy_.open_npy(path)
+            return _reader("numpy_").open_npy(path)
         if fmt == "npz":
-            return numpy_.open_npz(path)
+            return _reader("numpy_").open_npz(path)
         if fmt == "gguf":
-            return gguf.open_gguf(path)
+            return _reader("gguf").open_gguf(path)
         if fmt == "burn-mpk":
-            return burn_mpk.open_mpk(path)
-        return torch_.open_torch(path)
+            return _reader("burn_mpk").open_mpk(path)
+        return _reader("torch_").open_torch(path)
     except OSError as err:  # unreadable (permissions, I/O error): still one line naming the file
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
 
@@ -182,6 +209,8 @@ def load(
     path: str | os.PathLike[str], names: Iterable[str] | None = None, *, format: str | None = None
 ) -> dict[str, np.ndarray]:
     """Read tensors eagerly into (writable, in-memory) numpy arrays."""
+    import numpy as np
+
     with open_tensors(path, format=format) as ts:
         wanted = list(ts) if names is None else list(names)
         return {n: np.array(ts[n].load()) for n in wanted}

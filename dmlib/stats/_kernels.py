@@ -43,7 +43,7 @@ class PageReleaser:
     and a worker thread still hashing a dropped page simply faults it back in.
     """
 
-    def __init__(self, lag: int = 12) -> None:
+    def __init__(self, lag: int = 3) -> None:
         self._lag = lag
         self._queue: collections.deque[tuple[Any, int, int]] = collections.deque()
 

@@ -136,7 +136,9 @@ def compare_pair(
     """
     cache: dict[int, Future[str]] = {} if hash_cache is None else hash_cache
 
-    def digest(t: Tensor) -> Future[str]:
+    def digest(t: Tensor) -> Future[str] | None:
+        if hash_name is None:  # no identity hashes asked for: bytes are compared, not hashed
+            return None
         if id(t) not in cache:
             cache[id(t)] = pool.submit(K.hash_views, [t.raw()], chunk_bytes, hash_name)
         return cache[id(t)]
@@ -147,7 +149,7 @@ def compare_pair(
     parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
     elem = bits_dtype(dtype) if kind == "float" else dtype if kind == "int" else np.dtype("u1")
     info = float_bits(dtype) if kind == "float" else None
-    inline = _inline_hasher(ta, cache, hash_name)
+    inline = None if hash_name is None else _inline_hasher(ta, cache, hash_name)
     hash_a = digest(ta) if inline is None else None
     # stays None while b's bytes equal a's; equal values in two byte orders are not equal bytes
     hash_b = None if ta.dtype.isnative == tb.dtype.isnative else digest(tb)
@@ -156,7 +158,8 @@ def compare_pair(
     bits = bits_dtype(elem)
     inline_b: Any = None  # b's hasher, once b is known to differ (a copy of a's state then)
 
-    def feed(raw_a: np.ndarray, raw_b: np.ndarray) -> None:
+    def feed(raw_a: np.ndarray, raw_b: np.ndarray) -> None:  # (only when inline is set)
+        assert inline is not None
         inline.update(raw_a)
         if inline_b is not None:
             inline_b.update(raw_b)
@@ -167,9 +170,8 @@ def compare_pair(
         va, vb = ca.view(elem), cb.view(elem)
         progress.advance(ca.nbytes)
         # equal bytes first, at memcmp speed on the widest words (no mask is built)
-        if _same_bytes(ca, cb):
-            if differing and info is not None:
-                K.add_aa(acc, va, vb, info)
+        # (once the tensor is known to differ, straight to the mask: most chunks will too)
+        if not differing and _same_bytes(ca, cb):
             continue
         # the integer mask the float statistics reuse
         neq = np.not_equal(ca.view(bits), cb.view(bits))
@@ -185,7 +187,7 @@ def compare_pair(
                     break
                 K.add_aa(acc, pa.view(elem), pb.view(elem), info)
         differing = True
-        if hash_b is None and inline_b is None:
+        if hash_b is None and inline_b is None and hash_name is not None:
             # b equals a up to this chunk: b's hash continues from a's state, in the loop,
             # instead of reading b again on a worker thread
             if inline is not None and id(tb) not in cache:
@@ -197,14 +199,14 @@ def compare_pair(
             K.float_chunk(acc, va, vb, start, info, neq)
         else:
             K.int_chunk(acc, va, vb, start)
-    if hash_a is None:  # hashed inline: every chunk of a went through the loop above
+    if inline is not None:  # hashed inline: every chunk of a went through the loop above
         hash_a = cache[id(ta)] = Future()
         hash_a.set_result(inline.hexdigest())
     if inline_b is not None:
         hash_b = cache[id(tb)] = Future()
         hash_b.set_result(inline_b.hexdigest())
     row = _row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
-    if hash_b is None:
+    if hash_b is None and hash_a is not None:
         cache.setdefault(id(tb), hash_a)  # same bytes, same digest
     row["_hashes"] = (hash_a, hash_b)
     return row
@@ -228,14 +230,22 @@ def _inline_hasher(ta: Tensor, cache: dict[int, Future[str]], hash_name: str | N
 _HASH_THREADS = max(1, min(os.cpu_count() or 1, 8))
 
 
+#: Bytes compared per step when checking two chunks for equality: the comparison's
+#: temporary (one bool per 8-byte word) stays in the core's cache.
+_EQ_BLOCK = 1 << 20
+
+
 def _same_bytes(ca: np.ndarray, cb: np.ndarray) -> bool:
-    """True when two chunks hold the same bytes (compared as 8-byte words where they divide)."""
+    """True when two chunks hold the same bytes (compared as 8-byte words where they
+    divide, a block at a time, stopping at the first block that differs)."""
     if ca.nbytes != cb.nbytes:
         return False
     n8 = ca.nbytes // 8 * 8
     ua, ub = ca.view(np.uint8).reshape(-1), cb.view(np.uint8).reshape(-1)
-    if n8 and not np.array_equal(ua[:n8].view(np.uint64), ub[:n8].view(np.uint64)):
-        return False
+    for off in range(0, n8, _EQ_BLOCK):
+        end = min(off + _EQ_BLOCK, n8)
+        if not np.array_equal(ua[off:end].view(np.uint64), ub[off:end].view(np.uint64)):
+            return False
     return bool(np.array_equal(ua[n8:], ub[n8:]))
 
 

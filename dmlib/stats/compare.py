@@ -38,7 +38,8 @@ Columns of :func:`compare` (one row per tensor present in both sets, same dtype 
     :mod:`dmlib.hashing`); a bit-identical pair is hashed on one side only. Byte order belongs to the
     file: a big-endian tensor is compared on its values (as if native), but hashed over its
     big-endian bytes, so equal values stored in two byte orders have ``n_diff`` 0 and
-    different hashes (and :func:`summarize` does not call them identical).
+    different hashes (they are listed in ``attrs["byte_order_diff"]`` and :func:`summarize`
+    does not call them identical). None with ``hash="none"``.
 
 Complex tensors are compared component by component: ``n_diff`` counts differing real
 and imaginary parts, ``frac_diff`` is over ``2 * numel`` of them, ``first_diff`` is the
@@ -54,6 +55,9 @@ and ``max_abs`` is null.
 selection), ``compared`` (the names of the rows), ``only_in_a``, ``only_in_b``, ``mismatched``
 (tensors in both sets whose dtype or shape differ: not compared, listed here),
 ``metadata_diff``, ``scalars_diff``, ``param_id_diff`` (``{key: [a, b]}``),
+``byte_order_diff`` (compared tensors stored in different byte orders: equal values there
+are not equal bytes, so the pair is not bit-identical), ``hash`` (the scheme, None with
+``hash="none"``),
 ``file_hash_a``/``_b`` (whole file), ``data_section_hash_a``/``_b`` (all tensor bytes
 in disk order, metadata and padding excluded: equal data in files that differ shows
 here; both pairs filled with ``file_hashes=True``, else None), ``path_a``/``_b``,
@@ -64,6 +68,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,6 +87,7 @@ from dmlib.stats._pair import (
     ULP_BUCKETS,
     ULP_COLUMNS,
     compare_pair,
+    kind_of,
     same_layout,
 )
 from dmlib.tensor import Tensor, TensorSet
@@ -151,7 +157,11 @@ def compare(
         Byte counter on stderr; None shows it only when stderr is a terminal.
     hash
         Scheme of every hash: ``"blake3"`` (``blake3-64MiB``, the default: fast and
-        combinable from pieces) or ``"sha256"`` (to check against published SHA-256 sums).
+        combinable from pieces) or ``"sha256"`` (to check against published SHA-256 sums),
+        or ``"none"``: no identity hashes (``data_hash_a``/``_b`` and ``attrs["hash"]``
+        None). Identity never rests on a hash here: every pair's bytes are compared, so
+        ``"none"`` gives the same rows and verdict without the hash passes (the command
+        line's default when its output shows no hash).
     engine
         ``"local"`` (threads of this process) or ``"dask"``: tensors cut into 64 MiB
         pieces, each read and compared by a task on Dask's current scheduler (the active
@@ -214,7 +224,9 @@ def _compare(
 
     if chunk_bytes < 1:
         raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
-    hash_name = hashing.algorithm(hash)
+    hash_name = None if _no_hash(hash) else hashing.algorithm(hash)
+    if hash_name is None and file_hashes:
+        raise DmlibError("file_hashes=True needs a hash scheme: pass hash='blake3' or 'sha256'")
     pair_row = None
     if check_engine(engine) == "dask":
         if file_hashes:
@@ -234,6 +246,11 @@ def _compare(
         attrs = out.attrs if frame else out[1]
         attrs["rename"] = [str(r) for r in renames]
         return out
+
+
+def _no_hash(hash: Any) -> bool:
+    """True for ``hash="none"`` (or False): no identity hashes, bytes compared only."""
+    return hash is False or (isinstance(hash, str) and hash.lower() == "none")
 
 
 def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
@@ -272,9 +289,10 @@ def _compare_sets(
     *,
     cross_dtype: bool = False,
     check_names: bool = False,
-    hash_name: str = hashing.DEFAULT,
+    hash_name: str | None = hashing.DEFAULT,
     pair_row: Any = None,
     frame: bool = True,
+    file_hash_name: str | None = None,
 ) -> Any:
     """:func:`compare` of two open sets; ``hash_pool``/``hash_cache`` are shared by a matrix.
 
@@ -290,27 +308,33 @@ def _compare_sets(
         hash_pool = ThreadPoolExecutor(max_workers=2)
     # whole-file and data-section hashes run beside the comparison, only when asked for
     side = ThreadPoolExecutor(max_workers=3) if file_hashes else None
-    futures = {} if side is None else _start_file_hashes(side, sa, sb, chunk_bytes, hash_name)
+    fh_name = file_hash_name or hash_name or hashing.DEFAULT  # the scheme of file hashes
+    futures = {} if side is None else _start_file_hashes(side, sa, sb, chunk_bytes, fh_name)
     K.prime_allocator(4 * chunk_bytes)
     prog = K.Progress(sum(t.nbytes for t, _ in pairing.pairs), progress)
     rel = K.PageReleaser()
     try:
-        with np.errstate(over="ignore", invalid="ignore"):
-            rows = []
-            for ta, tb in pairing.pairs:
+        if not hasattr(pair_row, "prepare"):  # rows computed here: side by side
+            rows = _pairs_in_parallel(
+                pairing.pairs, chunk_bytes, hash_pool, prog, hash_cache, hash_name, pair_row
+            )
+        else:  # an engine's rows (computed elsewhere), in order
+            with np.errstate(over="ignore", invalid="ignore"):
+                rows = []
+                for ta, tb in pairing.pairs:
 
-                def compute(ta: Tensor = ta, tb: Tensor = tb) -> dict[str, Any]:
-                    return compare_pair(
-                        ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache, hash_name
-                    )
+                    def compute(ta: Tensor = ta, tb: Tensor = tb) -> dict[str, Any]:
+                        return compare_pair(
+                            ta, tb, chunk_bytes, hash_pool, prog, rel, hash_cache, hash_name
+                        )
 
-                rows.append(compute() if pair_row is None else pair_row(ta, tb, compute))
+                    rows.append(pair_row(ta, tb, compute))
         prog.finish()
         _collect_data_hashes(rows)
         done = (
             {}
             if side is None
-            else _finish_file_hashes(side, futures, sb, pairing, rows, chunk_bytes, hash_name)
+            else _finish_file_hashes(side, futures, sb, pairing, rows, chunk_bytes, fh_name)
         )
     finally:
         rel.flush()
@@ -330,6 +354,63 @@ def _compare_sets(
         df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
     df.attrs.update(attrs)
     return df
+
+
+def _workers() -> int:
+    """Threads comparing tensor pairs side by side: this process's CPUs, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def _pairs_in_parallel(
+    pairs: list[tuple[Tensor, Tensor]],
+    chunk_bytes: int,
+    hash_pool: ThreadPoolExecutor,
+    prog: K.Progress,
+    hash_cache: dict[int, Any] | None,
+    hash_name: str | None,
+    pair_row: Any = None,
+) -> list[dict[str, Any]]:
+    """The rows of ``pairs``, in order, each pair compared whole by one of a few threads.
+
+    ``pair_row(ta, tb, compute)``, if given, supplies each row (calling ``compute`` when
+    it must be computed); it is called from several threads, for pairs of distinct names.
+
+    numpy releases the GIL in its loops, so tensors compared side by side use every core.
+    A pair is walked by one thread from its first chunk to its last, so each row's sums
+    are added in the same order as on one thread: the rows do not depend on the number
+    of threads. Each thread releases the pages it read (its own PageReleaser).
+    """
+    cache: dict[int, Any] = {} if hash_cache is None else hash_cache
+    local = threading.local()
+    releasers: list[K.PageReleaser] = []
+
+    def one(pair: tuple[Tensor, Tensor]) -> dict[str, Any]:
+        rel = getattr(local, "rel", None)
+        if rel is None:
+            rel = local.rel = K.PageReleaser()
+            releasers.append(rel)
+        ta, tb = pair
+
+        def compute() -> dict[str, Any]:
+            return compare_pair(ta, tb, chunk_bytes, hash_pool, prog, rel, cache, hash_name)
+
+        # numpy's error state is per thread (a context variable): set it in each
+        with np.errstate(over="ignore", invalid="ignore"):
+            return compute() if pair_row is None else pair_row(ta, tb, compute)
+
+    n = min(_workers(), len(pairs))
+    try:
+        if n <= 1:
+            return [one(p) for p in pairs]
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-compare") as pool:
+            return list(pool.map(one, pairs))
+    finally:
+        for rel in releasers:
+            rel.flush()
 
 
 def _pair_up(
@@ -400,7 +481,7 @@ def _collect_data_hashes(rows: list[dict[str, Any]]) -> None:
     """Replace each row's pending per-tensor hashes by ``data_hash_a``/``_b``."""
     for row in rows:
         fa, fb = row.pop("_hashes")
-        row["data_hash_a"] = fa.result()
+        row["data_hash_a"] = None if fa is None else fa.result()  # None: no hash asked for
         row["data_hash_b"] = row["data_hash_a"] if fb is None else fb.result()
 
 
@@ -416,8 +497,13 @@ def _finish_file_hashes(
     """The file and data-section hashes; b's section is hashed only when it can differ."""
     # b's data section is a's when both hold the same tensors, in the same disk order,
     # every one compared and bit-identical
-    same_section = [t.name for t, _ in pairing.pairs] == pairing.order_a == pairing.order_b and all(
-        r["n_diff"] == 0 and r["data_hash_a"] == r["data_hash_b"] for r in rows
+    same_section = (
+        [t.name for t, _ in pairing.pairs] == pairing.order_a == pairing.order_b
+        and all(r["n_diff"] == 0 and r["data_hash_a"] == r["data_hash_b"] for r in rows)
+        and not any(  # equal values in two byte orders are not equal bytes
+            ta.dtype.itemsize > 1 and ta.dtype.isnative != tb.dtype.isnative
+            for ta, tb in pairing.pairs
+        )
     )
     if not same_section:
         futures["data_section_hash_b"] = side.submit(section_hash, sb, chunk_bytes, hash_name)
@@ -456,6 +542,14 @@ def _attrs(
             for ta, tb in ((sa[n], sb[n]) for n in pairing.common)
             if ta.param_id != tb.param_id
         },
+        # compared on their values; their bytes differ, so the pair is not bit-identical
+        "byte_order_diff": [
+            ta.name
+            for ta, tb in pairing.pairs
+            if kind_of(ta) != "bytes"
+            and ta.dtype.itemsize > 1
+            and ta.dtype.isnative != tb.dtype.isnative
+        ],
         "file_hash_a": done.get("file_hash_a"),
         "file_hash_b": done.get("file_hash_b"),
         "data_section_hash_a": done.get("data_section_hash_a"),
@@ -548,7 +642,8 @@ def summarize(df: pd.DataFrame) -> dict[str, Any]:
         ``frac_diff``, ``n_tensors_diff``, ``worst_rel_fro`` and ``worst_rel_fro_name``,
         ``max_ulp`` and ``max_ulp_name``, ``max_abs``, ``only_in_a``, ``only_in_b``,
         ``mismatched`` (names), ``rounded`` (names compared after rounding, see
-        ``cross_dtype``), ``n_not_compared`` (only in a + only in b + mismatched),
+        ``cross_dtype``), ``byte_order_diff`` (names whose equal values are stored in
+        two byte orders), ``n_not_compared`` (only in a + only in b + mismatched),
         ``complete`` (False when ``df`` lost rows of the
         comparison, e.g. ``df[df.n_diff == 0]``), and ``identical``: True only when the
         frame is complete, every tensor the two sides share was compared and is
@@ -617,6 +712,7 @@ def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict
         "only_in_b": list(attrs["only_in_b"]),
         "mismatched": mismatched,
         "rounded": [r["name"] for r in attrs.get("rounded", [])],
+        "byte_order_diff": list(attrs.get("byte_order_diff", [])),
         "n_not_compared": len(attrs["only_in_a"]) + len(attrs["only_in_b"]) + len(mismatched),
         "complete": complete,
         "identical": bool(
@@ -624,6 +720,7 @@ def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict
             and not nothing_selected
             and n_diff == 0
             and all(r["data_hash_a"] == r["data_hash_b"] for r in rows)  # bytes too, not values
+            and not attrs.get("byte_order_diff")  # equal values stored in two byte orders
             and not attrs["only_in_a"]
             and not attrs["only_in_b"]
             and not mismatched
