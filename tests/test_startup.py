@@ -88,3 +88,13 @@ def test_compare_loads_its_reader_alone_and_hashes_only_what_it_prints(tmp_path)
     pc.write_bytes(pa.read_bytes())
     head, mods = _probe_all("compare", str(pc), str(pb))
     assert head["code"] == 1 and "dmlib.io.burnpack" in mods and "dmlib.io.safetensors" in mods
+
+
+def test_matrix_command_imports_no_pandas(tmp_path):
+    a = np.arange(8, dtype=np.float32)
+    paths = []
+    for i, arr in enumerate([a, a, a + 1]):
+        paths.append(tmp_path / f"r{i}.safetensors")
+        dmlib.write_safetensors(paths[-1], {"w": arr})
+    got = _probe("matrix", *(f"r{i}={p}" for i, p in enumerate(paths)), "--control", "r2")
+    assert got == {"code": 1, "ml_dtypes": False, "pandas": False}

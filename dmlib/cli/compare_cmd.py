@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-import threading
 from typing import Any
 
 from dmlib.cli import add_common_epilog
@@ -207,14 +205,12 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
-    from dmlib.stats.matrix import matrix
+    from dmlib.stats.matrix import matrix_records
 
     runs = labelled_paths(args.runs)
-    # pandas (the result is a DataFrame) is imported while the runs are read: numpy
-    # releases the interpreter during its loops, so the import costs no wall time
-    threading.Thread(target=importlib.import_module, args=("pandas",), daemon=True).start()
+    # plain records, not a DataFrame: the command starts without importing pandas
     with engine_of(args) as engine:
-        df = matrix(
+        rows, attrs = matrix_records(
             runs,
             control=args.control,
             include=args.include,
@@ -222,10 +218,10 @@ def run_matrix(args: argparse.Namespace) -> int:
             hash=_hash_of(args),
             engine=engine,
         )
-    v = df.attrs["verdict"]
+    v = attrs["verdict"]
     code = 0 if all(p["identical"] for p in v["pairs"]) else 1
     if args.json:
-        doc = {"verdict": v, "pairs": df.attrs["pairs"], "rows": df}
+        doc = {"verdict": v, "pairs": attrs["pairs"], "rows": rows}
         print(json.dumps(jsonable(doc, default=str), indent=1))
         return code
     cols = [
@@ -239,9 +235,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "max_ulp",
         "worst_rel_fro",
     ]
-    import pandas as pd
-
-    print(table(pd.DataFrame(v["pairs"], columns=cols), cols))
+    print(table(v["pairs"], cols))
     print(format_verdict(v))
     sys.stdout.flush()
     return code

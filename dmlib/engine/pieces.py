@@ -107,20 +107,21 @@ def compare_piece(spec: PieceSpec) -> dict[str, Any]:
             va, vb = ca.view(elem), cb.view(elem)
             neq = np.not_equal(ca.view(bits), cb.view(bits))
             same = not neq.any()
+            start = off // elem.itemsize
+            acc = K.Acc()
             if info is not None and (aa_from is not None or not same):
                 # sums a*a from the first differing chunk on; the driver asks for the
                 # chunks before it only when the tensor differs (aa_piece)
                 aa_from = off if aa_from is None else aa_from
-                acc = K.Acc()
-                K.add_aa(acc, va, vb, info)
-                chunks_aa.append(acc.aa)
+                acc_aa = K.Acc()
+                if same:
+                    K.add_aa(acc_aa, va, vb, info)
+                else:  # (one pass of the compiled kernel where there is one)
+                    K.float_pair(acc_aa, acc, va, vb, start, info)
+                chunks_aa.append(acc_aa.aa)
             if same:
                 continue
-            start = off // elem.itemsize
-            acc = K.Acc()
-            if info is not None:
-                K.float_chunk(acc, va, vb, start, info, neq)
-            else:
+            if info is None:
                 K.int_chunk(acc, va, vb, start)
             differing.append(
                 {

@@ -14,6 +14,7 @@ from typing import Any
 
 from dmlib.hashing import hash_file
 from dmlib.machine import cpu_flags, cpu_model, machine_line
+from dmlib.stats._kernels import kernel_name
 
 __all__ = ["collect", "cpu_flags", "cpu_model", "machine_line", "torch_facts"]
 
@@ -88,6 +89,9 @@ def collect(
         "platform": f"{platform.system()} {platform.machine()}",
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        # float32/float64 comparison sums: the compiled kernel's order or numpy's (their
+        # last bits may differ; dmlib/stats/_kernels.py)
+        "comparison_kernels": kernel_name(),
         "torch": torch,
         "inputs": files,
     }

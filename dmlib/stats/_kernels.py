@@ -18,7 +18,9 @@ from __future__ import annotations
 import collections
 import math
 import mmap
+import os
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -204,6 +206,10 @@ def _to_f64(bits: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def add_aa(acc: Acc, ua: np.ndarray, ub: np.ndarray, info: FloatBits) -> None:
     """Add sum a*a over the chunk's pairs that are finite on both sides (bit views ua, ub)."""
+    kernel = compiled_for(info)
+    if kernel is not None:  # the same sum as float_pair's, so every engine agrees
+        acc.aa += _run(kernel, ua, ub)[0]
+        return
     xa = ua.view(info.dtype)
     # einsum upcasts block by block (float64 accumulation, no float64 copy of the chunk)
     aa = float(np.einsum("i,i->", xa, xa, dtype=np.float64))
@@ -214,6 +220,92 @@ def add_aa(acc: Acc, ua: np.ndarray, ub: np.ndarray, info: FloatBits) -> None:
         x = xa[keep].astype(np.float64)
         aa = _dot(x, x)
     acc.aa += aa
+
+
+# -- the optional compiled kernel (dmlib/stats/_fused.c, built by setup.py where a C
+# compiler is) ---------------------------------------------------------------------------
+
+try:
+    from dmlib.stats import _fused  # type: ignore[attr-defined]
+except ImportError:  # not built (no compiler at install): the numpy kernels do everything
+    _fused = None
+
+#: Use the compiled kernel where it covers the dtype (float32, float64); False, or the
+#: environment variable ``DMLIB_KERNELS=numpy``, runs the numpy kernels everywhere.
+USE_COMPILED = os.environ.get("DMLIB_KERNELS", "").lower() != "numpy"
+_scratch = threading.local()
+
+
+def compiled_for(info: FloatBits | None) -> Any:
+    """The compiled kernel for this float format (``_fused.f32``/``f64``), or None."""
+    if _fused is None or not USE_COMPILED or info is None or info.irregular:
+        return None
+    if info.dtype == np.float32:
+        return _fused.f32
+    if info.dtype == np.float64:
+        return _fused.f64
+    return None
+
+
+def kernel_name() -> str:
+    """Which kernels compare float32/float64 chunks here: ``"compiled"`` or ``"numpy"``."""
+    return "compiled" if _fused is not None and USE_COMPILED else "numpy"
+
+
+def float_pair(
+    acc_aa: Acc, acc: Acc, ua: np.ndarray, ub: np.ndarray, start: int, info: FloatBits
+) -> None:
+    """:func:`add_aa` into ``acc_aa`` and :func:`float_chunk` into ``acc`` (they may be one
+    Acc), in one pass of the compiled kernel where it covers the dtype."""
+    kernel = compiled_for(info)
+    if kernel is None:
+        add_aa(acc_aa, ua, ub, info)
+        float_chunk(acc, ua, ub, start, info)
+        return
+    aa, n_diff, first, max_abs, sad, sdd, max_ulp, nan_p, nan_n, inf_m, counts = _run(
+        kernel, ua, ub
+    )
+    acc_aa.aa += aa
+    if not n_diff:
+        return
+    if acc.first is None:
+        acc.first = start + first
+    acc.n_diff += n_diff
+    acc.n_nan_payload += nan_p
+    acc.n_nan_vs_num += nan_n
+    acc.n_inf_mismatch += inf_m
+    if max_ulp < 0:  # every differing pair involves a NaN or an infinity
+        return
+    acc.max_ulp = max(acc.max_ulp, max_ulp)
+    _add_counts(acc, counts)
+    acc.max_abs = max(acc.max_abs, max_abs)
+    acc.sad += sad
+    acc.sdd += sdd
+
+
+def _run(kernel: Any, ua: np.ndarray, ub: np.ndarray) -> tuple:
+    """The kernel on one chunk pair: its ten statistics and the chunk's ULP counts (the
+    bins up to its largest distance; the thread's scratch bins are left zeroed)."""
+    scratch = getattr(_scratch, "counts", None)
+    if scratch is None:
+        scratch = _scratch.counts = np.zeros(_NBINS, np.int64)
+    out = list(kernel(np.ascontiguousarray(ua), np.ascontiguousarray(ub), scratch))
+    max_ulp = out[6] = out[6] - 1  # (the kernel returns it + 1, unsigned)
+    counts = None
+    if max_ulp >= 0:
+        top = min(max_ulp, ULP_EXACT + 1) + 1
+        counts = scratch[:top].copy()
+        scratch[:top] = 0
+    return (*out, counts)
+
+
+def _add_counts(acc: Acc, small: np.ndarray) -> None:
+    """Add one chunk's ULP counts (bins 0..its largest distance) to ``acc.counts``."""
+    if small.size > acc.counts.size:
+        grown = np.zeros(max(small.size, min(_NBINS, 4 * acc.counts.size)), np.int64)
+        grown[: acc.counts.size] = acc.counts
+        acc.counts = grown
+    acc.counts[: small.size] += small
 
 
 def finite_ulps(
@@ -237,6 +329,9 @@ def float_chunk(
     neq: np.ndarray | None = None,
 ) -> None:
     """All statistics of one float chunk (bit views ``ua``/``ub``, ``neq`` = ``ua != ub``)."""
+    if compiled_for(info) is not None:
+        float_pair(Acc(), acc, ua, ub, start, info)
+        return
     idx = np.flatnonzero(ua != ub if neq is None else neq)
     if idx.size == 0:
         return
@@ -261,12 +356,7 @@ def float_chunk(
         ulp = np.minimum(ulp, info.bits.type(ULP_EXACT + 1), out=ulp)
     if ulp.dtype == np.uint64:
         ulp = ulp.astype(np.intp)  # bincount takes what casts safely to intp
-    small = np.bincount(ulp)  # as long as the largest distance, usually a few bins
-    if small.size > acc.counts.size:
-        grown = np.zeros(max(small.size, min(_NBINS, 4 * acc.counts.size)), np.int64)
-        grown[: acc.counts.size] = acc.counts
-        acc.counts = grown
-    acc.counts[: small.size] += small
+    _add_counts(acc, np.bincount(ulp))  # as long as the largest distance: a few bins
     xa = _to_f64(ga, info.dtype)
     d = _to_f64(gb, info.dtype)
     d -= xa

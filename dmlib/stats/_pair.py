@@ -156,6 +156,7 @@ def compare_pair(
     acc = K.Acc()
     differing = False
     bits = bits_dtype(elem)
+    compiled = K.compiled_for(info)  # float32/float64 with the compiled kernel built
     inline_b: Any = None  # b's hasher, once b is known to differ (a copy of a's state then)
 
     def feed(raw_a: np.ndarray, raw_b: np.ndarray) -> None:  # (only when inline is set)
@@ -173,7 +174,12 @@ def compare_pair(
         # (once the tensor is known to differ, straight to the mask: most chunks will too)
         if not differing and _same_bytes(ca, cb):
             continue
-        # the integer mask the float statistics reuse
+        if compiled is not None and info is not None and differing:
+            # one pass of the compiled kernel: a.a, and the differing pairs if any
+            K.float_pair(acc, acc, va, vb, start, info)
+            continue
+        # the integer mask the float statistics reuse (differing bytes, unless a side
+        # was byte-swapped: values are compared, so a mask decides)
         neq = np.not_equal(ca.view(bits), cb.view(bits))
         same = not neq.any()
         if same:
@@ -194,7 +200,9 @@ def compare_pair(
                 inline_b = inline.copy()
             else:
                 hash_b = digest(tb)
-        if info is not None:
+        if compiled is not None and info is not None:
+            K.float_pair(acc, acc, va, vb, start, info)
+        elif info is not None:
             K.add_aa(acc, va, vb, info)
             K.float_chunk(acc, va, vb, start, info, neq)
         else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,34 @@ def matrix(
         ``attrs["verdict"]`` is :func:`verdict` of it, ``attrs["pairs"]`` maps
         ``"a/b"`` to that pair's compare attrs.
     """
+    return _frame(
+        *_matrix_rows(
+            runs, control=control, include=include, exclude=exclude, file_hashes=file_hashes,
+            chunk_bytes=chunk_bytes, progress=progress, hash=hash, engine=engine,
+        )
+    )  # fmt: skip
+
+
+def matrix_records(
+    runs: Mapping[str, Source], **kwargs: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`matrix` as ``(rows, attrs)``: plain dicts (every column, None where null) and
+    the attrs, verdict included, without importing pandas (the command line's path)."""
+    return _matrix_rows(runs, **kwargs)
+
+
+def _matrix_rows(
+    runs: Mapping[str, Source],
+    *,
+    control: str | None = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    file_hashes: bool = False,
+    chunk_bytes: int = 4 << 20,
+    progress: bool | None = None,
+    hash: str | None = None,
+    engine: str = "local",
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     labels = list(runs)
     if len(labels) < 2:
         raise DmlibError(f"matrix needs at least two runs, got {len(labels)}")
@@ -125,14 +154,19 @@ def matrix(
             attrs["summary"] = summarize_records(rows, attrs)
             pair_attrs[f"{la}/{lb}"] = attrs
             all_rows += [{"a": la, "b": lb, **r} for r in rows]
+    attrs = {"runs": labels, "control": control, "pairs": pair_attrs}
+    attrs["verdict"] = _verdict(all_rows, attrs, control)
+    return all_rows, attrs
+
+
+def _frame(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> pd.DataFrame:
     import pandas as pd
 
     # one DataFrame for all pairs (one per pair cost more than the comparisons)
-    out = pd.DataFrame(all_rows, columns=["a", "b", *COLUMNS])
+    out = pd.DataFrame(rows, columns=["a", "b", *COLUMNS])
     for col in NULLABLE_INT:
         out[col] = out[col].astype("UInt64" if col == "max_ulp" else "Int64")
-    out.attrs = {"runs": labels, "control": control, "pairs": pair_attrs}
-    out.attrs["verdict"] = verdict(out, control=control)
+    out.attrs = attrs
     return out
 
 
@@ -181,11 +215,6 @@ def _distinct_rows(
     return pair_row
 
 
-def _worst(values: pd.Series) -> float | None:
-    v = values.astype("float64").dropna()
-    return float(v.max()) if len(v) else None
-
-
 def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
     """Same-seed pairs against the control, from a :func:`matrix` result.
 
@@ -209,18 +238,24 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
     # read them once and work on the rows alone
     df.attrs = {}
     try:
-        return _verdict(df, attrs, control)
+        rows = df.to_dict("records")
     finally:
         df.attrs = attrs
+    return _verdict(rows, attrs, control)
 
 
-def _verdict(df: pd.DataFrame, attrs: dict[str, Any], control: str | None) -> dict[str, Any]:
+def _verdict(
+    rows: list[dict[str, Any]], attrs: dict[str, Any], control: str | None
+) -> dict[str, Any]:
     if control is None:
         control = attrs.get("control")
     pair_attrs = attrs.get("pairs", {})
+    by_pair: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_pair.setdefault((r["a"], r["b"]), []).append(r)
     pairs = [
-        _pair_verdict(df, la, lb, control, pair_attrs.get(f"{la}/{lb}", {}))
-        for la, lb in _pair_keys(df, attrs)
+        _pair_verdict(by_pair.get((la, lb), []), la, lb, control, pair_attrs.get(f"{la}/{lb}", {}))
+        for la, lb in _pair_keys(rows, attrs)
     ]
     same = [p for p in pairs if not p["control"]]
     ctrl = [p for p in pairs if p["control"]]
@@ -237,44 +272,72 @@ def _verdict(df: pd.DataFrame, attrs: dict[str, Any], control: str | None) -> di
         "control_max_ulp": _worst_of(ctrl, "max_ulp", min),
         "separation_orders": _separation(same_rel, ctrl_rel),
         "identical_pairs": [f"{p['a']}/{p['b']}" for p in pairs if p["identical"]],
-        "never_differ": _never_differ(df, control),
+        "never_differ": _never_differ(rows, control),
         "always_identical": bool(same) and all(p["identical"] for p in same),
     }
 
 
-def _pair_keys(df: pd.DataFrame, attrs: dict[str, Any]) -> list[tuple[str, str]]:
-    """The (a, b) pairs of a matrix frame, in the order matrix formed them."""
+def _pair_keys(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (a, b) pairs of a matrix's rows, in the order matrix formed them."""
     if "runs" in attrs:
         return list(itertools.combinations(attrs["runs"], 2))
-    return list(dict.fromkeys(zip(df["a"], df["b"], strict=True)))
+    return list(dict.fromkeys((r["a"], r["b"]) for r in rows))
+
+
+def _num(v: Any) -> float | None:
+    """A cell as a float, None when null (None, NaN, pandas' NA)."""
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except TypeError:  # pandas.NA
+        return None
+    return None if math.isnan(f) else f
+
+
+def _worst(rows: list[dict[str, Any]], col: str) -> float | None:
+    vals = [v for v in (_num(r.get(col)) for r in rows) if v is not None]
+    return max(vals) if vals else None
 
 
 def _pair_verdict(
-    df: pd.DataFrame, la: str, lb: str, control: str | None, attrs: dict[str, Any]
+    g: list[dict[str, Any]], la: str, lb: str, control: str | None, attrs: dict[str, Any]
 ) -> dict[str, Any]:
     """One pair's line of the verdict, from its rows and its compare attrs."""
-    g = df[df["a"].eq(la) & df["b"].eq(lb)]
     mism = bool(attrs.get("only_in_a") or attrs.get("only_in_b") or attrs.get("mismatched"))
-    numel, n_diff = int(g["numel"].sum()), int(g["n_diff"].sum())
+    numel, n_diff = sum(int(r["numel"]) for r in g), sum(int(r["n_diff"]) for r in g)
+    max_ulp = _worst(g, "max_ulp")
     return {
         "a": la,
         "b": lb,
         "control": control in (la, lb),
         "identical": n_diff == 0
-        # (equal when both are None: no hash asked for; pandas' == says False there)
-        and all(x == y for x, y in zip(g["data_hash_a"], g["data_hash_b"], strict=True))
+        # (equal when both are None: no hash asked for)
+        and all(_same(r.get("data_hash_a"), r.get("data_hash_b")) for r in g)
         and not attrs.get("byte_order_diff")  # equal values, different bytes
         and not mism,
         "numel": numel,
         "n_diff": n_diff,
         "frac_diff": n_diff / numel if numel else 0.0,
-        "worst_rel_fro": _worst(g["rel_fro"]),
-        "max_ulp": None if g["max_ulp"].isna().all() else int(g["max_ulp"].max()),
+        "worst_rel_fro": _worst(g, "rel_fro"),
+        "max_ulp": None if max_ulp is None else int(max_ulp),
         # max_ulp is set by the few elements nearest zero, where one ULP is tiny;
         # the worst tensor's median says how far a typical differing element moved
-        "worst_median_ulp": None if g["median_ulp"].isna().all() else float(g["median_ulp"].max()),
-        "max_abs": _worst(g["max_abs"]),
+        "worst_median_ulp": _worst(g, "median_ulp"),
+        "max_abs": _worst(g, "max_abs"),
     }
+
+
+def _same(x: Any, y: Any) -> bool:
+    """Two hash cells hold the same digest (both null counts as the same: none computed)."""
+    return (None if _null(x) else x) == (None if _null(y) else y)
+
+
+def _null(v: Any) -> bool:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return True
+    pd = sys.modules.get("pandas")  # pandas.NA, in a frame's cells
+    return pd is not None and v is pd.NA
 
 
 def _worst_of(pairs: list[dict[str, Any]], key: str, agg: Any = max) -> Any:
@@ -292,10 +355,12 @@ def _separation(same_rel: float | None, ctrl_rel: float | None) -> float | None:
     return math.log10(ctrl_rel / same_rel) if ctrl_rel > 0 else -math.inf
 
 
-def _never_differ(df: pd.DataFrame, control: str | None) -> list[str]:
-    """Tensors with ``n_diff == 0`` in every pair without the control."""
-    same_rows = df[~(df["a"].eq(control) | df["b"].eq(control))] if control is not None else df
-    if not len(same_rows):
-        return []
-    per_name = same_rows.groupby("name", sort=False)["n_diff"].max()
-    return [str(n) for n, v in per_name.items() if v == 0]
+def _never_differ(rows: list[dict[str, Any]], control: str | None) -> list[str]:
+    """Tensors with ``n_diff == 0`` in every pair without the control, in order of first row."""
+    worst: dict[str, int] = {}
+    for r in rows:
+        if control is not None and control in (r["a"], r["b"]):
+            continue
+        name = str(r["name"])
+        worst[name] = max(worst.get(name, 0), int(r["n_diff"]))
+    return [n for n, v in worst.items() if v == 0]
