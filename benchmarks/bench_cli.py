@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     A, B, A2 = WORK / "a.safetensors", WORK / "b.safetensors", WORK / "a_copy.safetensors"
     T1, T2 = WORK / "tiny_a.safetensors", WORK / "tiny_b.safetensors"
     copies = [WORK / f"run{i}.safetensors" for i in range(5)]
+    from dmlib.stats._kernels import kernel_name
+
     result: dict = {
+        "kernels": kernel_name(),
         "size_bytes": size,
         "repeat": repeat,
         "cpus": os.cpu_count(),
@@ -169,9 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         warm(A, B)
         numpy_script = [py, "-m", "benchmarks.bench_compare", "--child", "numpy", str(A), str(B)]
         result["differing"] = interleaved(
-            {"dmlib compare": [*dm, "compare", str(A), str(B)], "numpy script": numpy_script},
+            {
+                "dmlib compare": [*dm, "compare", str(A), str(B)],
+                "numpy script": numpy_script,
+                # the same command without the compiled kernel (dmlib/stats/_fused.c)
+                "dmlib compare, numpy kernels": [
+                    "env", "DMLIB_KERNELS=numpy", *dm, "compare", str(A), str(B),
+                ],
+            },
             min(repeat, 2),  # the numpy script takes tens of seconds a run here
-        )
+        )  # fmt: skip
         runs = [f"r{i}={c}" for i, c in enumerate([A, A2, *copies])] + [f"ctrl={B}"]
         warm(A, A2, B, *copies)
         result["matrix"] = interleaved(
@@ -219,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             ">= 15x faster",
         ),
         (
+            "15% differ, numpy kernels: seconds (script)",
+            d["numpy script"]["best_seconds"],
+            d["dmlib compare, numpy kernels"]["best_seconds"],
+            ">= 15x faster",
+        ),
+        (
             "identical: CPU seconds (cmp)",
             i["cmp"]["best_cpu_seconds"],
             i["dmlib compare"]["best_cpu_seconds"],
@@ -249,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         / i["cmp"]["best_seconds"],
         "differing_speedup_vs_numpy": d["numpy script"]["best_seconds"]
         / d["dmlib compare"]["best_seconds"],
+        "differing_numpy_kernels_speedup_vs_numpy": d["numpy script"]["best_seconds"]
+        / d["dmlib compare, numpy kernels"]["best_seconds"],
         "identical_cpu_vs_cmp": i["dmlib compare"]["best_cpu_seconds"]
         / i["cmp"]["best_cpu_seconds"],
         "differing_cpu_speedup_vs_numpy": d["numpy script"]["best_cpu_seconds"]

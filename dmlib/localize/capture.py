@@ -87,6 +87,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 _NP_DTYPES: dict[Any, np.dtype] = {}
+_NP_NAMES: dict[Any, str] = {}  # numpy's dtype.name is computed in Python on every call
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
@@ -263,7 +264,8 @@ class Recorder:
             "call": call,
             "kind": kind,
             "slot": slot,
-            "dtype": _np_dtype(t.dtype).name,
+            "dtype": _NP_NAMES.get(t.dtype)
+            or _NP_NAMES.setdefault(t.dtype, _np_dtype(t.dtype).name),
             "shape": list(shape),
             "hash": self.scheme,
             "digest": None,
