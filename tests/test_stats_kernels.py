@@ -22,9 +22,9 @@ from dmlib.stats.ulp import float_bits
 from dmlib.tensor import ArrayTensorSet
 
 pytestmark = pytest.mark.skipif(
-    K._fused is None,
-    reason="dmlib.stats._fused is not built (no C compiler when dmlib was installed): "
-    "the numpy kernels run everywhere",
+    K._fused is None or not K.USE_COMPILED,
+    reason="dmlib.stats._fused is not built (no C compiler when dmlib was installed) or "
+    "DMLIB_KERNELS=numpy: the numpy kernels run everywhere",
 )
 
 WIDTH = {np.float32: (np.uint32, 32), np.float64: (np.uint64, 64)}

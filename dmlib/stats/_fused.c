@@ -7,7 +7,7 @@
  * another order, so their last bits may differ from the numpy kernels' (both engines,
  * local and Dask, use the same kernel on one machine).
  *
- * f32(a, b, counts) / f64(a, b, counts): a and b are the chunks' bits (read-only
+ * same(a, b): memcmp of two buffers. f32(a, b, counts) / f64(a, b, counts): a and b are the chunks' bits (read-only
  * buffers of equal length, native byte order), counts a writable int64 buffer of
  * NBINS = 65538 bins that the ULP distance of every finite differing pair is counted
  * into (distances above 65536 in the last bin). Returns
@@ -163,10 +163,27 @@ static PyObject *call(PyObject *args, Py_ssize_t width, int is64) {
     return res;
 }
 
+/* same(a, b): True when two read-only buffers hold the same bytes (memcmp, without the
+ * interpreter lock) */
+static PyObject *py_same(PyObject *self, PyObject *args) {
+    Py_buffer ba, bb;
+    if (!PyArg_ParseTuple(args, "y*y*", &ba, &bb)) return NULL;
+    int equal = ba.len == bb.len;
+    if (equal && ba.len) {
+        Py_BEGIN_ALLOW_THREADS
+        equal = memcmp(ba.buf, bb.buf, (size_t)ba.len) == 0;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&ba);
+    PyBuffer_Release(&bb);
+    return PyBool_FromLong(equal);
+}
+
 static PyObject *py_f32(PyObject *self, PyObject *args) { return call(args, 4, 0); }
 static PyObject *py_f64(PyObject *self, PyObject *args) { return call(args, 8, 1); }
 
 static PyMethodDef methods[] = {
+    {"same", py_same, METH_VARARGS, "True when two buffers hold the same bytes (memcmp)"},
     {"f32", py_f32, METH_VARARGS, "statistics of a float32 chunk pair (see the source)"},
     {"f64", py_f64, METH_VARARGS, "statistics of a float64 chunk pair (see the source)"},
     {NULL, NULL, 0, NULL},

@@ -247,6 +247,11 @@ def compiled_for(info: FloatBits | None) -> Any:
     return None
 
 
+def compiled_same() -> Any:
+    """``memcmp`` of two contiguous buffers (the compiled module's ``same``), or None."""
+    return _fused.same if _fused is not None and USE_COMPILED else None
+
+
 def kernel_name() -> str:
     """Which kernels compare float32/float64 chunks here: ``"compiled"`` or ``"numpy"``."""
     return "compiled" if _fused is not None and USE_COMPILED else "numpy"

@@ -248,8 +248,11 @@ def _same_bytes(ca: np.ndarray, cb: np.ndarray) -> bool:
     divide, a block at a time, stopping at the first block that differs)."""
     if ca.nbytes != cb.nbytes:
         return False
-    n8 = ca.nbytes // 8 * 8
     ua, ub = ca.view(np.uint8).reshape(-1), cb.view(np.uint8).reshape(-1)
+    same = K.compiled_same()
+    if same is not None and ua.flags.c_contiguous and ub.flags.c_contiguous:
+        return bool(same(ua, ub))  # memcmp, the interpreter lock released
+    n8 = ca.nbytes // 8 * 8
     for off in range(0, n8, _EQ_BLOCK):
         end = min(off + _EQ_BLOCK, n8)
         if not np.array_equal(ua[off:end].view(np.uint64), ub[off:end].view(np.uint64)):
