@@ -38,14 +38,24 @@ formats that store plain hex SHA-256: version-1 capture manifests, file manifest
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dmlib.errors import DmlibError
+
+if TYPE_CHECKING:
+    import hashlib
+
+
+def _sha256(data: bytes | memoryview = b"") -> hashlib._Hash:
+    """A SHA-256 hasher (hashlib is imported when one is first needed: start-up time)."""
+    import hashlib
+
+    return hashlib.sha256(data)
+
 
 #: Piece size of the combinable scheme (bytes).
 PIECE = 64 << 20
@@ -118,7 +128,7 @@ class Hasher:
         self.name = algorithm(name)
         self.nbytes = 0
         if self.name == SHA256:
-            self._h: Any = hashlib.sha256()
+            self._h: Any = _sha256()
         else:
             b3 = _blake3()
             self._b3 = (lambda: b3(max_threads=threads)) if threads > 1 else b3
@@ -192,16 +202,16 @@ def digest_file(
 
 
 def new_hasher() -> hashlib._Hash:
-    return hashlib.sha256()
+    return _sha256()
 
 
 def hash_bytes(data: bytes | memoryview | np.ndarray) -> str:
     """Bare SHA-256 hex of exactly these bytes (an ndarray as its raw C-order bytes)."""
-    return hashlib.sha256(_as_bytes(data)).hexdigest()
+    return _sha256(_as_bytes(data)).hexdigest()
 
 
 def hash_chunks(chunks: Iterable[bytes | memoryview | np.ndarray]) -> str:
-    h = hashlib.sha256()
+    h = _sha256()
     for c in chunks:
         h.update(_as_bytes(c))
     return h.hexdigest()

@@ -9,7 +9,6 @@ the second's) and :func:`suggest_alignment` finds the mapping that pairs the mos
 
 from __future__ import annotations
 
-import difflib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -166,4 +165,6 @@ def closest(word: str, names: Iterable[str], n: int = 3) -> list[str]:
     """The names most like ``word`` (glob characters ignored), for "did you mean" messages."""
     names = list(names)
     plain = "".join(c for c in word if c not in "*?[]")
+    import difflib  # only when a suggestion is made (start-up time)
+
     return difflib.get_close_matches(plain, names, n=n, cutoff=0.0) if names else []

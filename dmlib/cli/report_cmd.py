@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import html
 import os
 import sys
 from pathlib import Path
@@ -224,6 +223,8 @@ def _name(study: Any, studies: list[Any]) -> str:
 
 
 def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]]) -> None:
+    import html
+
     rows = []
     for study, target, results in done:
         rel = os.path.relpath(target, out).replace(os.sep, "/")
