@@ -7,6 +7,8 @@ one-process gloo group for tensors saved in several chunks) and loads them back.
 from __future__ import annotations
 
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -93,7 +95,19 @@ def _sharded_checkpoint(
         dist.destroy_process_group()
         """
     )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+    # torch's gloo process group sometimes aborts at teardown ("terminate called without
+    # an active exception", about 1 run in 12 on this project's machine): a torch race,
+    # not the checkpoint's. Such a run is written again from scratch.
+    for attempt in range(4):
+        shutil.rmtree(path, ignore_errors=True)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+        aborted = proc.returncode == -signal.SIGABRT and b"terminate called" in proc.stderr
+        if not aborted or attempt == 3:
+            break
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"DCP writer failed ({proc.returncode}): {proc.stderr.decode()[-800:]}"
+        )
     full = (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) / np.float32(7)).astype(
         np.float32
     )
