@@ -31,7 +31,14 @@ from dmlib.engine.local import Content, group_contents
 from dmlib.errors import DmlibError
 from dmlib.sources import Patterns, Source, check_selection, opened, select
 from dmlib.stats._pair import NULLABLE_INT, identical_row
-from dmlib.stats.compare import COLUMNS, _compare_sets, _no_hash, _workers, summarize_records
+from dmlib.stats.compare import (
+    COLUMNS,
+    _compare_sets,
+    _no_hash,
+    _num,
+    _workers,
+    summarize_records,
+)
 from dmlib.tensor import Tensor
 
 if TYPE_CHECKING:  # imported where the frame is built: the command line starts without it
@@ -282,17 +289,6 @@ def _pair_keys(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> list[tuple[
     if "runs" in attrs:
         return list(itertools.combinations(attrs["runs"], 2))
     return list(dict.fromkeys((r["a"], r["b"]) for r in rows))
-
-
-def _num(v: Any) -> float | None:
-    """A cell as a float, None when null (None, NaN, pandas' NA)."""
-    if v is None:
-        return None
-    try:
-        f = float(v)
-    except TypeError:  # pandas.NA
-        return None
-    return None if math.isnan(f) else f
 
 
 def _worst(rows: list[dict[str, Any]], col: str) -> float | None:
