@@ -162,15 +162,13 @@ def group_contents(
     groups = list(by_name.values())
     result: dict[int, Content] = {}
     n = max(1, min(workers, len(groups)))
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-group") if n > 1 else None
     try:
-        if n == 1:
-            for g in groups:
-                result.update(one_name(g))
-        else:
-            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-group") as pool:
-                for part in pool.map(one_name, groups):
-                    result.update(part)
+        for part in map(one_name, groups) if pool is None else pool.map(one_name, groups):
+            result.update(part)
     finally:
+        if pool is not None:  # on an error or Ctrl-C, names not yet started are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
         for rel in releasers:
             rel.flush()
     return result

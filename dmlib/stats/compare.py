@@ -403,12 +403,14 @@ def _pairs_in_parallel(
             return compute() if pair_row is None else pair_row(ta, tb, compute)
 
     n = min(_workers(), len(pairs))
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-compare") if n > 1 else None
     try:
-        if n <= 1:
+        if pool is None:
             return [one(p) for p in pairs]
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-compare") as pool:
-            return list(pool.map(one, pairs))
+        return list(pool.map(one, pairs))
     finally:
+        if pool is not None:  # on an error or Ctrl-C, pairs not yet started are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
         for rel in releasers:
             rel.flush()
 
