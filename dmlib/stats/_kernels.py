@@ -1,12 +1,16 @@
 """One streaming pass over a pair of tensors: every statistic of :func:`dmlib.compare`.
 
 A tensor pair is walked in chunks of its raw (memory-mapped) bytes. Each chunk is first
-compared as bytes (8-byte words, memory-bound); only chunks with a difference pay for the
-integer mask and the float math. The identity hash (:mod:`dmlib.hashing`) of side a is
-fed each chunk right after its comparison, while its pages are mapped (BLAKE3 on every
-core; SHA-256, sequential, runs on a worker thread instead, over the same pages); side b
-is hashed on a worker thread only once a chunk is found to differ (identical bytes have
-side a's digest), so identical tensors are hashed once.
+compared as bytes (``memcmp`` in the compiled module, else numpy on 8-byte words:
+memory-bound); only chunks with a difference pay for the float math. Float32 and float64
+chunks get every statistic in one pass of the optional compiled kernel
+(``dmlib/stats/_fused.c``, see :func:`kernel_name`); other dtypes, or every dtype without
+it, use the numpy kernels below (a mask, the differing places, then the statistics on
+them). When identity hashes are asked for (:mod:`dmlib.hashing`), side a's hash is fed
+each chunk right after its comparison, while its pages are mapped (BLAKE3 on every core;
+SHA-256, sequential, runs on a worker thread instead, over the same pages); side b is
+hashed only once a chunk is found to differ (identical bytes have side a's digest), so
+identical tensors are hashed once.
 
 Memory is bounded by the chunk size: the ULP median comes from exact counts of every
 distance 0..ULP_EXACT plus one overflow count, refined by re-reading the tensor only
