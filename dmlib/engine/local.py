@@ -3,8 +3,7 @@
 :func:`group_contents` is the first step of a comparison of many runs (``dmlib.matrix``):
 it sorts every tensor of every run into distinct contents, so that pairs of identical
 contents are known without reading them again and full statistics are computed once per
-distinct pair of contents. :func:`hash_tensors` hashes tensors on a pool (the step
-ladder's first step).
+distinct pair of contents. The step ladder uses it too.
 
 Grouping, per tensor name, in run order: every tensor is compared byte by byte with the
 first run's tensor of that name (the reference is walked once, chunk by chunk, each chunk
@@ -31,20 +30,6 @@ import numpy as np
 from dmlib import hashing
 from dmlib.stats import _kernels as K
 from dmlib.tensor import Tensor
-
-
-def hash_tensors(
-    pool: ThreadPoolExecutor,
-    tensors: Iterable[Tensor],
-    chunk_bytes: int,
-    hash_name: str,
-    cache: dict[int, Future[str]],
-) -> dict[int, Future[str]]:
-    """Submit one hash per tensor not yet in ``cache`` (keyed by ``id(tensor)``); returns ``cache``."""
-    for t in tensors:
-        if id(t) not in cache:
-            cache[id(t)] = pool.submit(K.hash_views, [t.raw()], chunk_bytes, hash_name)
-    return cache
 
 
 class Content:

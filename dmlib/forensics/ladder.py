@@ -265,9 +265,6 @@ class _Shared:
                 self.norms[k] = _norm(t.load(), NORM_CHUNK)
         return self.norms[k]
 
-    def close(self) -> None:
-        """Nothing is left running (kept for the callers' ``finally``)."""
-
 
 def _compare(
     sa: TensorSet, sb: TensorSet, kind: str, shared: _Shared | None = None
@@ -456,36 +453,33 @@ def _ladder(
     gs = as_groups(groups) if groups is not None else None
     steps = sorted({s for _, s in good})
     rows = []
-    # every checkpoint's tensors hashed once up front: pairs of equal contents (bit-identical
-    # runs) then cost no second read, and each distinct pair of contents is compared once
+    # every checkpoint's tensors sorted into contents up front: pairs of equal contents
+    # (bit-identical runs) then cost no second read, and each distinct pair is compared once
     shared = _Shared(engine)
-    try:
-        shared.hash(t for key in sorted(good) for t in sets[key].disk_order() if keep(t.name))
-        plan = [
-            (step, ra, rb)
-            for step in steps
-            for ra, rb in pairs
-            if (ra, step) in good and (rb, step) in good
-        ]
-        # the a side's norms (rows quote ||a||), each distinct content once, in one graph
-        shared.prefetch_norms(
-            t for key in dict.fromkeys((ra, step) for step, ra, _ in plan)
-            for t in _plain(sets[key], keep, gs)
-        )  # fmt: skip
-        if shared.remote is not None:  # every distinct pair of contents in one graph
-            together = []
-            for step, ra, rb in plan:
-                sa, sb = sets[(ra, step)], sets[(rb, step)]
-                for ta in _plain(sa, keep, gs):
-                    tb = sb.get(ta.name)
-                    if tb is not None and (tb.dtype, tb.shape) == (ta.dtype, ta.shape):
-                        together.append((ta, tb))
-            shared.pair_row.prepare(together)  # type: ignore[attr-defined]
+    shared.hash(t for key in sorted(good) for t in sets[key].disk_order() if keep(t.name))
+    plan = [
+        (step, ra, rb)
+        for step in steps
+        for ra, rb in pairs
+        if (ra, step) in good and (rb, step) in good
+    ]
+    # the a side's norms (rows quote ||a||), each distinct content once, in one graph
+    shared.prefetch_norms(
+        t for key in dict.fromkeys((ra, step) for step, ra, _ in plan)
+        for t in _plain(sets[key], keep, gs)
+    )  # fmt: skip
+    if shared.remote is not None:  # every distinct pair of contents in one graph
+        together = []
         for step, ra, rb in plan:
-            for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
-                rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
-    finally:
-        shared.close()
+            sa, sb = sets[(ra, step)], sets[(rb, step)]
+            for ta in _plain(sa, keep, gs):
+                tb = sb.get(ta.name)
+                if tb is not None and (tb.dtype, tb.shape) == (ta.dtype, ta.shape):
+                    together.append((ta, tb))
+        shared.pair_row.prepare(together)  # type: ignore[attr-defined]
+    for step, ra, rb in plan:
+        for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
+            rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
     df = pd.DataFrame(rows, columns=LADDER_COLUMNS)
     if len(df):
         df["rank"] = (

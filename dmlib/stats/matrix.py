@@ -22,7 +22,6 @@ import itertools
 import math
 import sys
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from dmlib import hashing
@@ -125,10 +124,8 @@ def _matrix_rows(
         remote = DaskPairs(chunk_bytes, None)
     all_rows: list[dict[str, Any]] = []
     pair_attrs: dict[str, Any] = {}
-    hash_pool = ThreadPoolExecutor(max_workers=2)  # file hashes only
     with contextlib.ExitStack() as stack:
         sets = {label: stack.enter_context(opened(src)) for label, src in runs.items()}
-        stack.callback(hash_pool.shutdown, wait=True, cancel_futures=True)  # before closing
         every = list(dict.fromkeys(n for ts in sets.values() for n in ts))
         check_selection(every, [], include, exclude, f"any of the runs {labels}")
         selected = []
@@ -151,7 +148,6 @@ def _matrix_rows(
                 file_hashes,
                 chunk_bytes,
                 progress,
-                hash_pool=hash_pool,
                 hash_name=None,  # each content's digest comes from the grouping
                 file_hash_name=hash_name,
                 pair_row=pair_row,
