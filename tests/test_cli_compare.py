@@ -150,3 +150,7 @@ def test_hashes_only_where_the_output_shows_them(files, capsys):
     assert main(["matrix", "--json", f"a={files['a']}", f"c={files['c']}"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert all(r["data_hash_a"].startswith("blake3-64MiB:") for r in doc["rows"])
+    # whole-file hashes without a scheme: bad input, one line, exit 2
+    assert main(["compare", "--file-hashes", "--hash", "none", files["a"], files["b"]]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "need a hash scheme" in err

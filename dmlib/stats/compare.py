@@ -226,7 +226,10 @@ def _compare(
         raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
     hash_name = None if _no_hash(hash) else hashing.algorithm(hash)
     if hash_name is None and file_hashes:
-        raise DmlibError("file_hashes=True needs a hash scheme: pass hash='blake3' or 'sha256'")
+        raise DmlibError(
+            "whole-file hashes (file_hashes=True, --file-hashes) need a hash scheme: "
+            "blake3 or sha256, not none"
+        )
     pair_row = None
     if check_engine(engine) == "dask":
         if file_hashes:
