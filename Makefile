@@ -41,7 +41,7 @@ report: $(VENV)/.report
 # The notebook collection in JupyterLab; each notebook's parameters cell names the lab study it
 # opens on (STUDY = ...): point it at another study.toml to run it on other runs.
 lab: $(VENV)/.report
-	$(VENV)/bin/jupyter lab dmlib/report/notebooks
+	$(VENV)/bin/jupyter lab notebooks
 
 # The report's browser test wants headless Chromium (Debian's package). Installed when missing and
 # this is root with apt-get; otherwise that one test skips and says why.

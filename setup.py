@@ -1,13 +1,20 @@
-"""The optional compiled kernel; everything else is declared in pyproject.toml.
+"""The optional compiled kernel and the package layout (the notebooks/ folder shipped as
+``dmlib.notebooks``); everything else is declared in pyproject.toml.
 
 ``dmlib.stats._fused`` (dmlib/stats/_fused.c, the float32/float64 comparison pass) is
 built where a C compiler is; without one the install goes on and dmlib uses its numpy
 kernels (``optional=True``).
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
+    # the notebook collection lives at the top of the repository (notebooks/, what a user
+    # opens) and ships inside the wheel as dmlib/notebooks/, so `dmlib report` finds it
+    # after a plain `pip install` (dmlib.report.runner looks there first)
+    packages=[*find_packages(include=["dmlib", "dmlib.*"]), "dmlib.notebooks"],
+    package_dir={"dmlib.notebooks": "notebooks"},
+    package_data={"dmlib": ["py.typed"], "dmlib.notebooks": ["*.ipynb"]},
     ext_modules=[
         Extension(
             "dmlib.stats._fused",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -79,3 +80,54 @@ def test_version_is_written_once():
     assert py["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dmlib.__version__"}
     assert importlib.metadata.version("dmlib") == dmlib.__version__
     assert (REPO / "dmlib" / "py.typed").is_file()
+
+
+def test_the_notebook_collection_is_top_level_and_points_at_the_lab():
+    """What a newcomer opens: notebooks/ beside dmlib/ and data/, each parameters cell naming a
+    lab study by a path that exists from that folder."""
+    import json
+
+    from dmlib.report.runner import PACKAGE_NOTEBOOKS
+
+    found = sorted((REPO / "notebooks").glob("*.ipynb"))
+    assert found, "no notebooks in notebooks/"
+    assert not (REPO / "dmlib" / "report" / "notebooks").exists()
+    assert PACKAGE_NOTEBOOKS.resolve() == (REPO / "notebooks").resolve()
+    for nb in found:
+        cells = json.loads(nb.read_text())["cells"]
+        params = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        assert len(params) == 1, nb.name
+        study = re.search(r'^STUDY = "([^"]+)"', "".join(params[0]["source"]), flags=re.M)
+        assert study, nb.name
+        assert (REPO / "notebooks" / study.group(1)).resolve().is_file(), (nb.name, study.group(1))
+
+
+def test_the_wheel_ships_the_notebooks_and_the_report_finds_them(tmp_path):
+    """A plain `pip install` of the wheel carries dmlib/notebooks/*.ipynb, and dmlib imported
+    from the unpacked wheel (not this checkout) runs the report on those."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "wheel"), str(REPO)],
+        check=True, capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "wheel").glob("dmlib-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("dmlib/notebooks/"))
+    assert shipped == sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert not [n for n in names if n.startswith("notebooks/")]  # not a top-level package
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import dmlib.report.runner as r; print(r.PACKAGE_NOTEBOOKS); "
+         "print(len(r.find_notebooks()))"],
+        check=True, capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )  # fmt: skip
+    where, count = out.stdout.split()
+    assert Path(where) == site / "dmlib" / "notebooks"
+    assert int(count) == len(shipped)

@@ -39,7 +39,27 @@ __all__ = [
 
 KERNEL_NAME = "dmlib-python3"
 INJECTED_TAG = "injected-parameters"
-PACKAGE_NOTEBOOKS = Path(__file__).resolve().parent / "notebooks"
+
+
+def _shipped_notebooks() -> Path:
+    """The notebook collection: ``dmlib/notebooks/`` in an installed wheel, else the
+    top-level ``notebooks/`` of the source checkout dmlib is imported from."""
+    package = Path(__file__).resolve().parent.parent
+    wheel = package / "notebooks"
+    if wheel.is_dir():
+        return wheel
+    # a source checkout (editable install, or PYTHONPATH): notebooks/ beside dmlib/, only
+    # where that folder is this project's (its pyproject.toml names dmlib), never a stray
+    # notebooks/ folder of another package beside an installed dmlib
+    checkout = package.parent
+    try:
+        ours = 'name = "dmlib"' in (checkout / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        ours = False
+    return checkout / "notebooks" if ours else wheel
+
+
+PACKAGE_NOTEBOOKS = _shipped_notebooks()
 # the inline backend: figures a notebook makes are shown in it even when the caller's
 # environment says MPLBACKEND=Agg (as `make` did)
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
