@@ -22,5 +22,5 @@ setup(
             optional=True,
             extra_compile_args=["-O3"],
         )
-    ]
+    ],
 )
