@@ -23,3 +23,25 @@ def burnpack_fixtures() -> Path:
             f"real Burn fixtures not found at {BURNPACK_FIXTURES} (../shared/fixtures beside the checkout)"
         )
     return BURNPACK_FIXTURES
+
+
+# Modules whose tests start notebook kernels, a Dask cluster or real models: marked `slow`
+# here, in one place, so that `pytest -m "not slow"` is a quick inner loop; `make test` runs
+# everything. A test of another module that takes more than ~10 s marks itself.
+SLOW_MODULES = {
+    "test_notebooks.py": "runs the report notebooks in kernels",
+    "test_report_study.py": "builds reports (notebook kernels)",
+    "test_engine_dask.py": "a Dask LocalCluster",
+    "test_engine_dask_forensics.py": "a Dask LocalCluster",
+    "test_lab_ladder.py": "trains the lab's ladder runs",
+    "test_lab_qr.py": "runs the lab's QR generator",
+    "test_lab_packed_ops.py": "captures the lab's packed model at op level",
+    "test_localize_minilm.py": "the real MiniLM model",
+    "test_minilm.py": "the real MiniLM model",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

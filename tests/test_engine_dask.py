@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pandas as pd
 import pytest
+from _support.dask_cluster import DASK_START_S, local_client
 
 import dmlib
 from dmlib import hashing
@@ -19,19 +20,15 @@ from dmlib.errors import DmlibError
 
 distributed = pytest.importorskip("distributed")
 
-PIECE = 1 << 20  # 1 MiB pieces (the rule is the same at 64 MiB): several per tensor here
-CHUNK = 1 << 18
-
 
 @pytest.fixture(scope="module")
 def client():
-    cluster = distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-    )
-    c = distributed.Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
+    with local_client(2) as c:
+        yield c
+
+
+PIECE = 1 << 20  # 1 MiB pieces (the rule is the same at 64 MiB): several per tensor here
+CHUNK = 1 << 18
 
 
 @pytest.fixture
@@ -103,7 +100,7 @@ def test_a_killed_worker_is_retried_and_the_answer_is_exact(client, small_pieces
 
     th = threading.Thread(target=run)
     th.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + DASK_START_S
     while not client.processing() or not any(client.processing().values()):
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -113,7 +110,7 @@ def test_a_killed_worker_is_retried_and_the_answer_is_exact(client, small_pieces
     th.join(timeout=300)
     assert not th.is_alive()
     pd.testing.assert_frame_equal(out["df"], local, check_exact=True)
-    client.wait_for_workers(2, timeout=60)
+    client.wait_for_workers(2, timeout=DASK_START_S)  # its replacement, on a busy machine
 
 
 def test_a_path_the_workers_cannot_see_is_one_clear_error(client, tmp_path):

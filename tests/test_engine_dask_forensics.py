@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from _support.dask_cluster import local_client
 
 import dmlib
 from dmlib import hashing
@@ -20,22 +21,19 @@ from dmlib.forensics import ladder as ladder_mod
 from dmlib.forensics.factors import FactorGroup
 
 distributed = pytest.importorskip("distributed")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with local_client(2) as c:
+        yield c
+
+
 torch = pytest.importorskip("torch")
 
 STEPS = (3, 17, 40)
 LOWRANK = FactorGroup.lowrank("{prefix}.lora_a", "{prefix}.lora_b")
 SVD = FactorGroup.svd("{prefix}.u", "{prefix}.s", "{prefix}.v")
-
-
-@pytest.fixture(scope="module")
-def client():
-    cluster = distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-    )
-    c = distributed.Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
 
 
 def _model(seed: int) -> dict[str, np.ndarray]:

@@ -131,3 +131,11 @@ def test_the_wheel_ships_the_notebooks_and_the_report_finds_them(tmp_path):
     where, count = out.stdout.split()
     assert Path(where) == site / "dmlib" / "notebooks"
     assert int(count) == len(shipped)
+
+
+def test_the_slow_list_names_test_modules_that_exist():
+    """conftest's SLOW_MODULES would silently mark nothing after a rename."""
+    from conftest import SLOW_MODULES
+
+    for name in SLOW_MODULES:
+        assert (REPO / "tests" / name).is_file(), name
