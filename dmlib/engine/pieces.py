@@ -21,7 +21,7 @@ import numpy as np
 
 from dmlib import hashing
 from dmlib.stats import _kernels as K
-from dmlib.stats.ulp import float_bits, ulp_bits
+from dmlib.stats.ulp import float_bits
 
 
 @dataclass(frozen=True)
@@ -150,24 +150,22 @@ def compare_piece(spec: PieceSpec) -> dict[str, Any]:
 
 def aa_piece(spec: PieceSpec) -> list[float]:
     """Per-chunk sum a*a over pairs finite on both sides (a piece without differences)."""
-    info = float_bits(_dtype(spec))
-    out = []
-    with np.errstate(over="ignore", invalid="ignore"):
-        for _, ca, cb in _chunks(spec):
-            acc = K.Acc()
-            K.add_aa(acc, ca.view(info.bits), cb.view(info.bits), info)
-            out.append(acc.aa)
-    return out
+    return _squares_piece(spec, of_b=False)
 
 
 def bb_piece(spec: PieceSpec) -> list[float]:
     """Per-chunk sum b*b over pairs finite on both sides (the rare near-zero-b case)."""
+    return _squares_piece(spec, of_b=True)
+
+
+def _squares_piece(spec: PieceSpec, *, of_b: bool) -> list[float]:
     info = float_bits(_dtype(spec))
     out = []
     with np.errstate(over="ignore", invalid="ignore"):
         for _, ca, cb in _chunks(spec):
+            first, other = (cb, ca) if of_b else (ca, cb)
             acc = K.Acc()
-            K.add_aa(acc, cb.view(info.bits), ca.view(info.bits), info)
+            K.add_aa(acc, first.view(info.bits), other.view(info.bits), info)
             out.append(acc.aa)
     return out
 
@@ -178,15 +176,7 @@ def rescan_piece(spec: PieceSpec, lo: int, hi: int, shift: int) -> np.ndarray:
     nb = ((hi - lo) >> shift) + 1
     out = np.zeros(nb, np.int64)
     for _, ca, cb in _chunks(spec):
-        ua, ub = ca.view(info.bits), cb.view(info.bits)
-        idx = np.flatnonzero(ua != ub)
-        if idx.size == 0:
-            continue
-        ga, gb = ua[idx], ub[idx]
-        fin, _, _ = K.finite_ulps(ga, gb, info)
-        u = ulp_bits(ga[fin], gb[fin], info).astype(np.uint64)
-        u = u[(u >= np.uint64(lo)) & (u <= np.uint64(hi))]
-        out += np.bincount(((u - np.uint64(lo)) >> np.uint64(shift)).astype(np.intp), minlength=nb)
+        K.add_ulp_bincount(out, ca, cb, info, lo, hi, shift)
     return out
 
 

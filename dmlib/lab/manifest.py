@@ -93,15 +93,3 @@ def update_manifest(out: Path, sections: list[dict[str, Any]]) -> dict[str, Any]
         doc["datasets"][sec["name"]] = entry
     atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
-
-
-def verify_manifest(out: Path) -> list[str]:
-    """Files whose sha256 no longer matches the manifest (empty list when all match)."""
-    doc = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    bad = []
-    for ds in doc["datasets"].values():
-        for f, info in ds["files"].items():
-            p = out / f
-            if not p.exists() or hashing.hash_file(p) != info["sha256"]:
-                bad.append(f)
-    return bad

@@ -324,6 +324,25 @@ def finite_ulps(
     return info.finite(ga) & info.finite(gb), info.nan(ga), info.nan(gb)
 
 
+def add_ulp_bincount(
+    out: np.ndarray, ca: np.ndarray, cb: np.ndarray, info: FloatBits, lo: int, hi: int, shift: int
+) -> None:
+    """``out += bincount((u - lo) >> shift)`` over the finite differing ULP distances ``u`` in
+    ``[lo, hi]`` of one chunk pair: the exact-median rescan's pass (:func:`kth_ulp`), the
+    same for the local engine and a Dask piece."""
+    ua, ub = ca.view(info.bits), cb.view(info.bits)
+    idx = np.flatnonzero(ua != ub)
+    if idx.size == 0:
+        return
+    ga, gb = ua[idx], ub[idx]
+    fin, _, _ = finite_ulps(ga, gb, info)
+    u = ulp_bits(ga[fin], gb[fin], info).astype(np.uint64)
+    u = u[(u >= np.uint64(lo)) & (u <= np.uint64(hi))]
+    out += np.bincount(
+        ((u - np.uint64(lo)) >> np.uint64(shift)).astype(np.intp), minlength=len(out)
+    )
+
+
 def _dot(x: np.ndarray, y: np.ndarray) -> float:
     # einsum's own loop, not BLAS: a multi-threaded BLAS dot on a busy machine is 10-100x slower
     return float(np.einsum("i,i->", x, y))

@@ -14,7 +14,7 @@ from dmlib import hashing
 from dmlib.dtypes import bits_dtype, dtype_label, is_float, native
 from dmlib.errors import DmlibError
 from dmlib.stats import _kernels as K
-from dmlib.stats.ulp import float_bits, ulp_bits
+from dmlib.stats.ulp import float_bits
 from dmlib.tensor import PACKINGS, Tensor, unpack
 
 DEFAULT_CHUNK = 4 << 20
@@ -382,13 +382,5 @@ def _rescan(
     nb = ((hi - lo) >> shift) + 1
     out = np.zeros(nb, np.int64)
     for _, ca, cb in _chunk_pairs(ta, tb, info.bits, chunk_bytes, rel):
-        ua, ub = ca.view(info.bits), cb.view(info.bits)
-        idx = np.flatnonzero(ua != ub)
-        if idx.size == 0:
-            continue
-        ga, gb = ua[idx], ub[idx]
-        fin, _, _ = K.finite_ulps(ga, gb, info)
-        u = ulp_bits(ga[fin], gb[fin], info).astype(np.uint64)
-        u = u[(u >= np.uint64(lo)) & (u <= np.uint64(hi))]
-        out += np.bincount(((u - np.uint64(lo)) >> np.uint64(shift)).astype(np.intp), minlength=nb)
+        K.add_ulp_bincount(out, ca, cb, info, lo, hi, shift)
     return out
