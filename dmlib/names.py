@@ -73,7 +73,9 @@ class Rename:
             try:
                 re.compile(pattern)
             except re.error as err:
-                raise DmlibError(f"invalid regular expression in name rule {text!r}: {err}") from None
+                raise DmlibError(
+                    f"invalid regular expression in name rule {text!r}: {err}"
+                ) from None
             return cls(side, pattern, repl, regex=True)
         old, eq, new = rest.partition("=")
         if not colon or not eq or side not in ("a", "b") or (not old and not new):

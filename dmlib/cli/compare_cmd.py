@@ -196,7 +196,9 @@ def run_compare(args: argparse.Namespace) -> int:
             f"data_section_hash_{side}: {at['data_section_hash_' + side]}  file_hash_{side}: {at['file_hash_' + side]}"
         )
     if at.get("rename_detected"):
-        print(f"note: names paired by the detected mapping {' '.join(at['rename'])} (--rename overrides)")
+        print(
+            f"note: names paired by the detected mapping {' '.join(at['rename'])} (--rename overrides)"
+        )
     if at["alignment_hint"]:
         h = at["alignment_hint"]
         print(

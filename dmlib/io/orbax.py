@@ -331,3 +331,12 @@ def _set_step(ts: TensorSet, step_dir: str | None) -> None:
     if step is not None:
         ts.scalars["step"] = step
         ts.layout["step_from"] = where
+
+
+def checkpoints_in(folder: str | os.PathLike[str]) -> list[str] | None:
+    """For folder discovery (study init, ladders): a CheckpointManager folder's step
+    folders in step order, ``[folder]`` for one step or item folder, None for anything else."""
+    k = kind(folder)
+    if k == "manager":
+        return list(step_folders(folder).values())
+    return [os.fspath(folder)] if k is not None else None

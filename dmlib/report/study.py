@@ -383,7 +383,11 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
 
 def _checkpoints_in(folder: Path) -> list[Path]:
     from dmlib.io import detect_format
+    from dmlib.io.orbax import checkpoints_in
 
+    orbax = checkpoints_in(folder)  # an Orbax manager folder's steps, or one step folder
+    if orbax is not None:
+        return [Path(p) for p in orbax]
     out = []
     for p in sorted(folder.iterdir()):
         if p.is_file() and not p.name.startswith("."):
