@@ -1,0 +1,457 @@
+"""Orbax checkpoints (OCDBT + zarr v2/v3, no-OCDBT folders), read without tensorstore.
+
+Oracles: the real files of ``../shared/fixtures/jax`` (orbax-checkpoint 0.12.8) against
+their reference ``.npz`` (numpy), and stores written here by tensorstore, read back by
+tensorstore. Corrupted copies are made of the real files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import SHARED_FIXTURES
+
+import dmlib
+from dmlib.cli import main
+from dmlib.errors import DmlibError
+
+JAX = SHARED_FIXTURES / "jax"
+
+LAYOUTS = [
+    ("orbax_ocdbt_zarr2/A_step10", "A_step_10"),
+    ("orbax_ocdbt_zarr2/A_step0", "A_step_0"),
+    ("orbax_ocdbt_zarr2/B_step10", "B_step_10"),
+    ("orbax_ocdbt_zarr2/D_step10", "D_step_10"),
+    ("orbax_ocdbt_zarr2/A_step10/default", "A_step_10"),
+    ("orbax_ocdbt_zarr2/A_step10/default/_METADATA", "A_step_10"),
+    ("orbax_ocdbt_zarr3/A_step10", "A_step_10"),
+    ("orbax_no_ocdbt/A_step10", "A_step_10"),
+]
+
+
+@pytest.fixture
+def jax_fixtures() -> Path:
+    if not JAX.is_dir():
+        pytest.skip(
+            f"real JAX fixtures not found at {JAX} (../shared/fixtures beside the checkout)"
+        )
+    return JAX
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for dirpath, dirs, files in os.walk(dst):
+        for n in dirs + files:
+            os.chmod(os.path.join(dirpath, n), 0o755 if n in dirs else 0o644)
+    os.chmod(dst, 0o755)
+    return dst
+
+
+@pytest.mark.parametrize(("layout", "ref"), LAYOUTS)
+def test_every_layout_equals_its_reference_npz(jax_fixtures, layout, ref):
+    z = np.load(jax_fixtures / "reference" / f"{ref}.npz")
+    with dmlib.open_tensors(jax_fixtures / layout) as ts:
+        assert ts.format == "orbax"
+        # Orbax names are the pytree paths joined with '.'; an nnx.State leaf ends in 'value'
+        by_ref = {n.removesuffix(".value"): n for n in ts}
+        assert sorted(by_ref) == sorted(z.files)
+        for name in z.files:
+            want, t = z[name], ts[by_ref[name]]
+            got = t.load()
+            assert (t.shape, t.dtype) == (want.shape, want.dtype), name
+            assert got.shape == want.shape and got.tobytes() == want.tobytes(), name
+        # 0-d leaves stay 0-d; the step is the checkpoint's own record of it
+        assert ts[by_ref["optimizer.step"]].shape == ()
+        assert ts[by_ref["optimizer.opt_state.0.count"]].shape == ()
+        assert ts.scalars["step"] == int(z["optimizer.step"])
+
+
+def test_reading_is_lazy_and_never_writes(jax_fixtures, tmp_path, monkeypatch):
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10", tmp_path / "10")
+    before = {p: p.stat().st_mtime_ns for p in step.rglob("*")}
+    from dmlib.io import zarr_
+
+    calls = []
+    real = zarr_.read_array
+    monkeypatch.setattr(
+        zarr_, "read_array", lambda *a, **k: calls.append(a[0].name) or real(*a, **k)
+    )
+    with dmlib.open_tensors(step) as ts:
+        opened = list(calls)  # the 0-d step leaves only (the recorded step)
+        ts["model.l2.kernel.value"].load()
+    assert set(opened) <= {"optimizer.step.value", "optimizer.opt_state.0.count.value"}
+    assert calls[len(opened) :] == ["model.l2.kernel.value"]
+    assert {p: p.stat().st_mtime_ns for p in step.rglob("*")} == before
+
+
+def test_layout_facts(jax_fixtures, capsys):
+    with dmlib.open_tensors(jax_fixtures / "orbax_ocdbt_zarr3/A_step10") as ts:
+        lay = ts.layout
+    assert lay["layout"] == "orbax-ocdbt" and lay["zarr_format"] == 3
+    assert lay["ocdbt_version"] == 0 and lay["btree_height"] == 0 and lay["keys"] == 40
+    arr = lay["arrays"]["model.l1.kernel"]
+    assert arr["chunks"] == [16, 64] and arr["grid"] == [1, 1]
+    assert arr["compressor"] == "sharding_indexed[zstd]+crc32c index"
+    assert main(["inspect", str(jax_fixtures / "orbax_ocdbt_zarr2/A_step10")]) == 0
+    out = capsys.readouterr().out
+    assert "orbax" in out and "zarr_format=2" in out and "btree_height=0" in out
+    assert "model.l1.kernel.value" in out and "16x64" in out and "zstd" in out
+
+
+# ----------------------------------------------------------------------------- the questions
+
+
+def test_cli_same_seed_identical_other_seed_different(jax_fixtures, capsys):
+    d = jax_fixtures / "orbax_ocdbt_zarr2"
+    assert main(["compare", str(d / "A_step10"), str(d / "B_step10")]) == 0
+    assert "IDENTICAL" in capsys.readouterr().out
+    assert main(["compare", str(d / "A_step10"), str(d / "D_step10")]) == 1
+    assert "DIFFERENT" in capsys.readouterr().out
+    # the same state in three layouts and in flax msgpack
+    for other in (
+        jax_fixtures / "orbax_ocdbt_zarr3/A_step10",
+        jax_fixtures / "orbax_no_ocdbt/A_step10",
+        jax_fixtures / "msgpack/A_step_10.msgpack",
+        jax_fixtures / "reference/A_step_10.npz",
+    ):
+        assert main(["compare", str(d / "A_step10"), str(other)]) == 0, other
+        out = capsys.readouterr().out
+        assert "0 of 20 compared tensors differ" in out, other
+
+
+def test_matrix_verdict(jax_fixtures, capsys):
+    d = jax_fixtures / "orbax_ocdbt_zarr2"
+    argv = ["matrix", f"A={d / 'A_step10'}", f"B={d / 'B_step10'}", f"D={d / 'D_step10'}"]
+    assert main([*argv, "--control", "D", "--json"]) == 1
+    v = json.loads(capsys.readouterr().out)["verdict"]
+    assert v["identical_pairs"] == ["A/B"] and v["control"] == "D"
+    # the control's distance, recomputed with numpy from the reference files
+    za, zd = (np.load(jax_fixtures / "reference" / f"{r}_step_10.npz") for r in "AD")
+    worst = max(
+        float(
+            np.linalg.norm(za[n].astype(np.float64) - zd[n])
+            / np.linalg.norm(za[n].astype(np.float64))
+        )
+        for n in za.files
+        if za[n].dtype.kind == "f" and np.linalg.norm(za[n]) > 0
+    )
+    assert v["control_rel_fro"] == pytest.approx(worst, rel=1e-6)
+
+
+def test_manager_folder_is_a_ladder(jax_fixtures, tmp_path, capsys):
+    d = jax_fixtures / "orbax_ocdbt_zarr2"
+    for run, last in (("A", "A_step10"), ("B", "B_step10"), ("D", "D_step10")):
+        _copy(d / "A_step0", tmp_path / run / "0")
+        _copy(d / last, tmp_path / run / "10")
+    with pytest.raises(DmlibError, match="CheckpointManager folder .*steps 0, 10"):
+        dmlib.open_tensors(tmp_path / "A")
+    argv = ["ladder", *(f"{r}={tmp_path / r}" for r in "ABD"), "--json"]
+    assert main(argv) == 1
+    doc = json.loads(capsys.readouterr().out)
+    checks = doc["checks"] if "checks" in doc else doc["step_checks"]
+    assert {c["status"] for c in checks} == {"ok"}
+    assert sorted({(c["run"], c["step"], c["recorded_step"]) for c in checks}) == [
+        (r, s, s) for r in "ABD" for s in (0, 10)
+    ]
+    text = json.dumps(doc)
+    assert main(["ladder", *(f"{r}={tmp_path / r}" for r in "ABD")]) == 1
+    out = capsys.readouterr().out
+    assert "A/B: bit-identical at every step" in out
+    assert "A/D: first diverges at step 10" in out
+    assert text
+
+
+def test_study_init_finds_orbax_runs(jax_fixtures, tmp_path):
+    from dmlib.report.study import load_study
+    from dmlib.report.studyfile import init_from_folder
+
+    d = jax_fixtures / "orbax_ocdbt_zarr2"
+    _copy(d / "A_step0", tmp_path / "A" / "0")
+    _copy(d / "A_step10", tmp_path / "A" / "10")
+    _copy(d / "D_step10", tmp_path / "D" / "step_10")
+    (tmp_path / "study.toml").write_text(init_from_folder(tmp_path))
+    study = load_study(tmp_path / "study.toml")
+    assert study.runs["A"].checkpoints == {0: tmp_path / "A" / "0", 10: tmp_path / "A" / "10"}
+    assert study.runs["D"].checkpoints == {10: tmp_path / "D" / "step_10"}
+
+
+def test_step_from_folder_name_when_the_state_has_none(tmp_path):
+    ts_ = pytest.importorskip("tensorstore")
+    item = tmp_path / "step_7" / "default"
+    _ts_write(ts_, item, "w", np.arange(6, dtype="<f4").reshape(2, 3), chunks=[2, 3])
+    (tmp_path / "step_7" / "_CHECKPOINT_METADATA").write_text("{}")
+    with dmlib.open_tensors(tmp_path / "step_7") as ts:
+        assert ts.scalars["step"] == 7 and "folder" in ts.layout["step_from"]
+
+
+# ----------------------------------------------------------------------------- damaged copies
+
+
+def _refused(path: Path, capsys, *words: str) -> str:
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert str(path) in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def test_truncated_data_file(jax_fixtures, tmp_path, capsys):
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10", tmp_path / "10")
+    biggest = max((step / "default/ocdbt.process_0/d").iterdir(), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    _refused(step, capsys, "beyond the file")
+
+
+def test_flipped_crc_byte(jax_fixtures, tmp_path, capsys):
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10", tmp_path / "10")
+    m = step / "default/manifest.ocdbt"
+    raw = bytearray(m.read_bytes())
+    raw[-2] ^= 0x10
+    m.write_bytes(bytes(raw))
+    _refused(step, capsys, "CRC-32C")
+    # a B+tree node (the top-level one, in default/d/)
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10", tmp_path / "10b")
+    (node,) = (step / "default/d").iterdir()
+    raw = bytearray(node.read_bytes())
+    raw[-1] ^= 0x01
+    node.write_bytes(bytes(raw))
+    _refused(step, capsys, "CRC-32C")
+
+
+def test_flipped_shard_index_crc(jax_fixtures, tmp_path, capsys):
+    pytest.importorskip("tensorstore")
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr3/A_step10", tmp_path / "10")
+    from dmlib.io.ocdbt import open_store
+
+    db = open_store(step / "default")
+    ref = db.keys["model.l2.kernel/c/0/0"]
+    assert not isinstance(ref, bytes)  # 16 KiB: stored out of line
+    f = step / "default" / ref.path
+    raw = bytearray(f.read_bytes())
+    raw[ref.offset + ref.length - 1] ^= 0x01  # the last byte of the shard: its index CRC
+    f.write_bytes(bytes(raw))
+    with dmlib.open_tensors(step) as ts:  # the metadata is intact: the error comes on load
+        ts["model.l1.kernel"].load()
+        with pytest.raises(DmlibError, match="shard index CRC-32C mismatch"):
+            ts["model.l2.kernel"].load()
+    assert main(["compare", str(step), str(jax_fixtures / "orbax_ocdbt_zarr3/A_step10")]) == 2
+    assert "CRC-32C" in capsys.readouterr().err
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _reencode_manifest(path: Path, edit) -> None:
+    """Rewrite ``manifest.ocdbt`` with ``edit(body) -> body`` and a valid CRC (crc32c package)."""
+    import crc32c
+    import zstandard
+
+    raw = path.read_bytes()
+    assert raw[12:14] == b"\x00\x01"  # version 0, zstd
+    body = edit(zstandard.ZstdDecompressor().decompress(raw[14:-4]))
+    comp = zstandard.ZstdCompressor().compress(body)
+    head = raw[:4] + struct.pack("<Q", 14 + len(comp) + 4) + b"\x00\x01"
+    out = head + comp
+    path.write_bytes(out + struct.pack("<I", crc32c.crc32c(out)))
+
+
+def test_node_reference_out_of_bounds(jax_fixtures, tmp_path, capsys):
+    pytest.importorskip("crc32c")
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10", tmp_path / "10")
+    (node,) = (step / "default/d").iterdir()
+    size = node.stat().st_size
+    # the root reference ends the version entry: ... data_file_id, offset, length, ...; the
+    # top-level manifest names one data file (d/<hex>) and one version at offset 0
+    name = f"d/{node.name}".encode()
+
+    def edit(body: bytes) -> bytes:
+        i = body.index(name) + len(name)
+        # num_versions=1, generation (1 byte), root height, file id 0, offset 0, length
+        assert body[i] == 1 and body[i + 3 : i + 5] == b"\x00\x00", body[i : i + 8].hex()
+        length = _varint(size)
+        assert body[i + 5 : i + 5 + len(length)] == length
+        return body[: i + 4] + _varint(size - 10) + body[i + 5 :]
+
+    _reencode_manifest(step / "default/manifest.ocdbt", edit)
+    _refused(step, capsys, "beyond the file")
+
+
+def test_missing_and_stray_chunks(jax_fixtures, tmp_path, capsys):
+    step = _copy(jax_fixtures / "orbax_no_ocdbt/A_step10", tmp_path / "10")
+    leaf = step / "default/model.l2.kernel"
+    (leaf / "1.0").write_bytes((leaf / "0.0").read_bytes())
+    _refused(step, capsys, "model.l2.kernel/1.0", "not a chunk of its grid")
+    (leaf / "1.0").unlink()
+    (leaf / "0.0").unlink()
+    with dmlib.open_tensors(step) as ts:
+        with pytest.raises(DmlibError, match="chunk model.l2.kernel/0.0 is missing"):
+            ts["model.l2.kernel"].load()
+
+
+def test_unknown_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    assert main(["inspect", str(tmp_path / "x")]) == 2
+    assert "directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- written by tensorstore
+
+
+def _kv(root: Path, path: str, **config) -> dict:
+    kv = {"driver": "ocdbt", "base": f"file://{root}/", "path": f"{path}/"}
+    if config:
+        kv["config"] = config
+    return kv
+
+
+def _ts_write(ts_, root, name, arr, *, chunks, zarr3=None, fill=None, **config):
+    """Write ``arr`` with tensorstore (zarr v2 + zstd, or the zarr v3 metadata given) into
+    the OCDBT database at ``root``; what tensorstore reads back."""
+    meta: dict = {"shape": list(arr.shape)}
+    if zarr3:
+        meta.update(zarr3)
+        driver = "zarr3"
+    else:
+        # ml_dtypes types (numpy kind 'V') by name, the others by their numpy string
+        ml = arr.dtype.kind == "V" or arr.dtype.type.__module__.startswith("ml_dtypes")
+        dt = arr.dtype.name if ml else arr.dtype.str
+        meta.update(chunks=chunks, dtype=dt, compressor={"id": "zstd", "level": 1})
+        if fill is not None:
+            meta["fill_value"] = fill
+        driver = "zarr"
+    spec = {
+        "driver": driver,
+        "kvstore": _kv(root, name, **config),
+        "metadata": meta,
+        "create": True,
+    }
+    ts_.open(spec).result().write(arr).result()
+    return ts_.open({"driver": driver, "kvstore": _kv(root, name)}).result().read().result()
+
+
+def test_many_chunks_and_interior_nodes_against_tensorstore(tmp_path):
+    ts_ = pytest.importorskip("tensorstore")
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((300, 200)).astype("<f4")
+    want = _ts_write(ts_, tmp_path, "big", a, chunks=[8, 8], max_decoded_node_bytes=1024)
+    b = rng.integers(-9, 9, (7, 5, 3)).astype("<i8")
+    want_b = _ts_write(ts_, tmp_path, "nest/b", b, chunks=[2, 2, 2])
+    with dmlib.open_tensors(tmp_path) as ts:
+        assert ts.layout["btree_height"] >= 2 and ts.layout["btree_nodes"] > 10
+        assert ts.layout["arrays"]["big"]["grid"] == [38, 25]  # edge chunks overhang
+        assert ts["big"].load().tobytes() == np.asarray(want).tobytes() == a.tobytes()
+        assert ts["nest/b"].load().tobytes() == np.asarray(want_b).tobytes()
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+     "float8_e4m3b11fnuz", "int4", "<f2", "<f8", ">f4", "|b1", "<u2", "<c8"],
+)  # fmt: skip
+def test_dtypes_against_tensorstore(tmp_path, dtype):
+    ts_ = pytest.importorskip("tensorstore")
+    rng = np.random.default_rng(1)
+    dt = np.dtype(getattr(ml_dtypes, dtype)) if dtype[0] not in "<>|" else np.dtype(dtype)
+    x = rng.standard_normal((5, 3)).astype(dt) if dt.kind != "b" else rng.random((5, 3)) > 0.5
+    want = np.asarray(_ts_write(ts_, tmp_path, "x", x, chunks=[2, 2]))
+    with dmlib.open_tensors(tmp_path) as ts:
+        t = ts["x"]
+        got = t.load()
+        assert t.shape == (5, 3) and got.dtype.newbyteorder("=") == want.dtype
+        assert got.astype(want.dtype).tobytes() == want.tobytes()
+
+
+def test_scalar_against_tensorstore(tmp_path):
+    ts_ = pytest.importorskip("tensorstore")
+    want = _ts_write(ts_, tmp_path, "count", np.array(7, "<i4"), chunks=[])
+    with dmlib.open_tensors(tmp_path) as ts:
+        assert ts["count"].shape == () and ts["count"].load() == np.asarray(want) == 7
+        assert ts.scalars["step"] == 7  # optax's count, the only step record here
+
+
+def test_zarr3_sharded_against_tensorstore(tmp_path):
+    ts_ = pytest.importorskip("tensorstore")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((96, 80)).astype(ml_dtypes.bfloat16)
+    codec = {
+        "name": "sharding_indexed",
+        "configuration": {
+            "chunk_shape": [16, 16],
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+            "index_codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "crc32c"},
+            ],
+        },
+    }
+    z3 = {
+        "data_type": "bfloat16",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [64, 64]}},
+        "codecs": [codec],
+    }
+    want = _ts_write(ts_, tmp_path, "w", x, chunks=None, zarr3=z3)
+    with dmlib.open_tensors(tmp_path) as ts:
+        assert ts.layout["arrays"]["w"]["grid"] == [2, 2]
+        assert ts["w"].load().tobytes() == np.asarray(want).tobytes() == x.tobytes()
+
+
+def test_absent_chunks_need_the_writers_word(tmp_path):
+    """tensorstore skips chunks equal to the fill value: absent is an error unless
+    ``_METADATA`` says such chunks were not stored."""
+    ts_ = pytest.importorskip("tensorstore")
+    x = np.zeros((4, 6), "<f4")
+    x[:2, :3] = 1.5
+    want = np.asarray(_ts_write(ts_, tmp_path, "w", x, chunks=[2, 3], fill=0))
+    with dmlib.open_tensors(tmp_path) as ts:
+        with pytest.raises(DmlibError, match="chunk w/0.1 is missing"):
+            ts["w"].load()
+    md = {
+        "tree_metadata": {
+            "('w',)": {"key_metadata": [{"key": "w", "key_type": 2}],
+                       "value_metadata": {"value_type": "np.ndarray"}},
+        },
+        "store_array_data_equal_to_fill_value": False,
+    }  # fmt: skip
+    (tmp_path / "_METADATA").write_text(json.dumps(md))
+    with dmlib.open_tensors(tmp_path) as ts:
+        assert ts["w"].load().tobytes() == want.tobytes()
+
+
+def test_no_ocdbt_written_by_tensorstore(tmp_path):
+    ts_ = pytest.importorskip("tensorstore")
+    x = np.arange(60, dtype="<i4").reshape(6, 10)
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "file", "path": f"{tmp_path}/item/w/"},
+        "metadata": {"shape": [6, 10], "chunks": [4, 4], "dtype": "<i4", "compressor": None,
+                     "dimension_separator": "/"},
+        "create": True,
+    }  # fmt: skip
+    ts_.open(spec).result().write(x).result()
+    md = {
+        "tree_metadata": {
+            "('w',)": {
+                "key_metadata": [{"key": "w"}],
+                "value_metadata": {"value_type": "np.ndarray"},
+            }
+        }
+    }
+    (tmp_path / "item" / "_METADATA").write_text(json.dumps(md))
+    with dmlib.open_tensors(tmp_path / "item") as ts:
+        assert ts.layout["layout"] == "orbax-zarr-dirs"
+        assert ts["w"].load().tobytes() == x.tobytes()
