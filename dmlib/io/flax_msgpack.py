@@ -56,10 +56,15 @@ def _dtype(name: Any, where: str, path: str) -> np.dtype:
         import ml_dtypes
 
         if hasattr(ml_dtypes, name) and name not in ("finfo", "iinfo"):
-            return np.dtype(getattr(ml_dtypes, name))
-        return np.dtype(name)
+            dt = np.dtype(getattr(ml_dtypes, name))
+        else:
+            dt = np.dtype(name)
     except TypeError:
         raise UnsupportedError(f"{where}: dtype {name!r} is not supported", path=path) from None
+    # numbers only: no object, string or structured dtypes
+    if dt.kind not in "biufc" and not dt.type.__module__.startswith("ml_dtypes"):
+        raise UnsupportedError(f"{where}: dtype {name!r} is not a numeric dtype", path=path)
+    return dt
 
 
 def _array(ext: _Ext, where: str, path: str) -> Any:
