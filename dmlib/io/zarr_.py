@@ -362,11 +362,25 @@ def read_array(arr: ZarrArray, get: Get, path: str, *, absent_ok: bool) -> np.nd
     ``absent_ok``: a chunk that is not stored holds the fill value (the writer skipped
     chunks equal to it); otherwise an absent chunk is an error naming its key.
     """
+    limit = math.prod(arr.chunks) * arr.dtype.itemsize
+    if arr.chunks == arr.shape and arr.shard is None and arr.order == "C" and 0 not in arr.shape:
+        # one chunk the size of the array (Orbax's layout on one device): no placement copy
+        key = arr.chunk_key(tuple(0 for _ in arr.shape))
+        raw = get(key)
+        if raw is not None:
+            codecs = arr.inner if arr.zarr_format == 3 else [{"name": arr.compressor}]
+            data = _decode(raw, codecs, limit, f"chunk {key}", path)
+            if len(data) != limit:
+                raise FormatError(
+                    f"chunk {key}: decodes to {len(data)} bytes, a chunk of "
+                    f"{list(arr.chunks)} is {limit}",
+                    path=path,
+                )
+            return np.frombuffer(data, arr.dtype).reshape(arr.shape)
     out = _fill(arr, path)
     if 0 in arr.shape:
         return out
     filled = [0]
-    limit = math.prod(arr.chunks) * arr.dtype.itemsize
     for idx in product(*(range(g) for g in arr.grid())):
         key = arr.chunk_key(idx)
         raw = get(key)
