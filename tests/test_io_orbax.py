@@ -301,6 +301,43 @@ def test_missing_and_stray_chunks(jax_fixtures, tmp_path, capsys):
             ts["model.l2.kernel"].load()
 
 
+def test_step_folder_with_two_items(jax_fixtures, tmp_path):
+    step = _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10", tmp_path / "10")
+    _copy(jax_fixtures / "orbax_no_ocdbt/A_step10/default", step / "ema")
+    z = np.load(jax_fixtures / "reference/A_step_10.npz")
+    with dmlib.open_tensors(step) as ts:
+        assert ts.layout["items_read"] == ["default", "ema"]
+        assert len(ts) == 2 * len(z.files)
+        assert ts["ema.model.l1.kernel"].load().tobytes() == z["model.l1.kernel"].tobytes()
+        assert (
+            ts["default.model.l1.kernel.value"].load().tobytes() == z["model.l1.kernel"].tobytes()
+        )
+
+
+def test_missing_dependency_names_the_extra(jax_fixtures, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    assert main(["inspect", str(jax_fixtures / "orbax_ocdbt_zarr2/A_step10")]) == 2
+    assert "pip install 'dmlib[formats]'" in capsys.readouterr().err
+
+
+def test_non_array_leaves_are_listed(jax_fixtures, tmp_path, capsys):
+    step = _copy(jax_fixtures / "orbax_no_ocdbt/A_step10", tmp_path / "10")
+    md_path = step / "default/_METADATA"
+    md = json.loads(md_path.read_text())
+    md["tree_metadata"]["('note\x1b[2J',)"] = {
+        "key_metadata": [{"key": "note\x1b[2J", "key_type": 2}],
+        "value_metadata": {"value_type": "string"},
+    }
+    md_path.write_text(json.dumps(md))
+    with dmlib.open_tensors(step) as ts:
+        assert ts.layout["not_read"] == {"note\x1b[2J": "string"} and len(ts) == 20
+    assert main(["inspect", str(step), "--no-hash"]) == 0
+    out = capsys.readouterr().out
+    assert "not read: 'note\\x1b[2J' ('string', not an array)" in out and "\x1b" not in out
+
+
 def test_unknown_folder_is_one_line(tmp_path, capsys):
     (tmp_path / "x").mkdir()
     assert main(["inspect", str(tmp_path / "x")]) == 2

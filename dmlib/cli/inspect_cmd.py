@@ -40,7 +40,7 @@ def _print_arrays(lay: dict, out) -> None:
     """An Orbax item's arrays: zarr version, chunk shape, chunk grid, compression."""
     rows = [
         {
-            "array": name,
+            "array": name if name.isprintable() else ascii(name),
             "zarr": a.get("zarr_format"),
             "chunks": "x".join(map(str, a.get("chunks", []))) or "scalar",
             "grid": "x".join(map(str, a.get("grid", []))) or "1",
@@ -51,7 +51,7 @@ def _print_arrays(lay: dict, out) -> None:
     ]
     _print_table(rows, ["array", "zarr", "chunks", "grid", "inner_chunks", "compression"], out)
     for name, vtype in (lay.get("not_read") or {}).items():
-        print(f"not read: {name} ({vtype}, not an array)", file=out)
+        print(f"not read: {ascii(name)} ({ascii(vtype)}, not an array)", file=out)
     print(file=out)
 
 
