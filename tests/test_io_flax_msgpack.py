@@ -7,10 +7,11 @@ reference ``.npz``; files built here with the msgpack package in flax's encoding
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SHARED_FIXTURES
 
 import dmlib
 from dmlib.cli import main
@@ -18,7 +19,8 @@ from dmlib.errors import DmlibError
 
 msgpack = pytest.importorskip("msgpack")
 
-JAX = SHARED_FIXTURES / "jax"
+# ../shared/fixtures beside the checkout, as tests/conftest.py locates it
+JAX = (Path(__file__).resolve().parent.parent / ".." / "shared" / "fixtures" / "jax").resolve()
 
 
 @pytest.fixture

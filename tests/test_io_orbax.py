@@ -16,13 +16,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SHARED_FIXTURES
 
 import dmlib
 from dmlib.cli import main
 from dmlib.errors import DmlibError
 
-JAX = SHARED_FIXTURES / "jax"
+# ../shared/fixtures beside the checkout, as tests/conftest.py locates it
+JAX = (Path(__file__).resolve().parent.parent / ".." / "shared" / "fixtures" / "jax").resolve()
 
 LAYOUTS = [
     ("orbax_ocdbt_zarr2/A_step10", "A_step_10"),
@@ -490,3 +490,17 @@ def test_no_ocdbt_written_by_tensorstore(tmp_path):
     with dmlib.open_tensors(tmp_path / "item") as ts:
         assert ts.layout["layout"] == "orbax-zarr-dirs"
         assert ts["w"].load().tobytes() == x.tobytes()
+
+
+def test_zstd_output_is_bounded_without_a_content_size():
+    zstandard = pytest.importorskip("zstandard")
+    from dmlib.io.ocdbt import zstd_decompress
+
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(8 << 20))
+    assert len(bomb) < 4096
+    with pytest.raises(DmlibError, match="more than 1048576 bytes"):
+        zstd_decompress(bomb, 1 << 20, "node", "x")
+    sized = zstandard.ZstdCompressor().compress(bytes(8 << 20))
+    with pytest.raises(DmlibError, match="claims 8388608 bytes"):
+        zstd_decompress(sized, 1 << 20, "node", "x")
+    assert zstd_decompress(bomb, 8 << 20, "node", "x") == bytes(8 << 20)

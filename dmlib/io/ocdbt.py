@@ -30,7 +30,7 @@ __all__ = ["OcdbtStore", "crc32c", "open_store"]
 MANIFEST = "manifest.ocdbt"
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
-_MAX_ENTRIES = 50_000_000  # keys plus nodes visited: a DAG of shared nodes stays bounded
+_MAX_ENTRIES = 20_000_000  # entries visited over all paths: shared nodes stay bounded
 _MAX_MANIFEST = 64 << 20
 
 _EXTRA = "pip install 'dmlib[formats]'"
@@ -63,8 +63,11 @@ def zstd_decompress(data: bytes | memoryview, limit: int, what: str, path: str) 
                 f"{what}: zstd frame claims {size} bytes (at most {limit})", path=path
             )
         dctx = zstandard.ZstdDecompressor()
-        if size == zstandard.CONTENTSIZE_UNKNOWN:
-            out = dctx.decompressobj().decompress(bytes(data))
+        if size == zstandard.CONTENTSIZE_UNKNOWN:  # read at most limit + 1 bytes
+            import io
+
+            with dctx.stream_reader(io.BytesIO(bytes(data))) as reader:
+                out = reader.read(limit + 1)
             if len(out) > limit:
                 raise FormatError(f"{what}: decodes to more than {limit} bytes", path=path)
             return out
@@ -208,7 +211,7 @@ class OcdbtStore:
         self.manifest = self._read_manifest()
         self.height = self.manifest.root_height
         self._visited = 0
-        self._seen: dict[Ref, int] = {}
+        self._cache: dict[tuple[Ref, str], tuple[int, list[tuple[Any, ...]]]] = {}
         if self.manifest.root is not None:
             self._walk(self.manifest.root, self.height, b"", self.manifest.root_transitive)
         if self.manifest.num_keys != len(self.keys):
@@ -409,35 +412,74 @@ class OcdbtStore:
                 raise cur.fail(f"entry {i}: subtree prefix {c} longer than its key")
         return keys, common
 
-    def _walk(self, ref: Ref, height: int, prefix: bytes, transitive: str) -> int:
-        """Read the subtree at ``ref`` into ``self.keys``; the number of keys it holds."""
+    def _parsed(self, ref: Ref, transitive: str) -> tuple[int, list[tuple[Any, ...]]]:
+        """A node read, checked and decoded once: (height, entries). Interior entries are
+        (key, subtree prefix length, child Ref, child transitive path, key count); leaf
+        entries (relative key, inline bytes or value Ref)."""
+        ck = (ref, transitive)
+        if ck in self._cache:
+            return self._cache[ck]
         what = f"B+tree node {ref.path}@{ref.offset}"
-        self._visited += 1
-        if self._visited > _MAX_ENTRIES:
-            raise FormatError(f"B+tree has more than {_MAX_ENTRIES} nodes", path=self.root)
-        got, cur, files, n = self._node(ref, transitive, what)
-        if got != height:
-            raise cur.fail(f"height {got}, its parent expects {height}")
+        height, cur, files, n = self._node(ref, transitive, what)
         if height == 0:
-            return self._leaf(cur, files, n, prefix)
-        keys, common = self._keys(cur, n, interior=True)
-        fids = cur.varints(n)
-        offs = cur.varints(n)
-        lens = cur.varints(n)
-        nkeys = cur.varints(n)
-        cur.varints(n)  # num_tree_bytes
-        cur.varints(n)  # num_indirect_value_bytes
-        cur.done()
+            out = (0, self._leaf(cur, files, n))
+        else:
+            keys, common = self._keys(cur, n, interior=True)
+            fids, offs, lens, nkeys = (cur.varints(n) for _ in range(4))
+            cur.varints(n)  # num_tree_bytes
+            cur.varints(n)  # num_indirect_value_bytes
+            cur.done()
+            entries: list[tuple[Any, ...]] = []
+            for i in range(n):
+                child, trans = _ref(cur, files, fids[i], offs[i], lens[i])
+                self.check(child, f"{what}: child {i}")
+                entries.append((keys[i], common[i], child, trans, nkeys[i]))
+            out = (height, entries)
+        self._cache[ck] = out
+        return out
+
+    def _walk(self, ref: Ref, height: int, prefix: bytes, transitive: str) -> int:
+        """Read the subtree at ``ref`` into ``self.keys``; the number of keys it holds.
+
+        A node may be reached by more than one path (the format allows it): it is read
+        once, and the entries visited over all paths are bounded."""
+        got, entries = self._parsed(ref, transitive)
+        self._visited += len(entries) + 1
+        if self._visited > _MAX_ENTRIES:
+            raise FormatError(
+                f"B+tree visits more than {_MAX_ENTRIES} entries (nodes shared too often?)",
+                path=self.root,
+            )
+        where = f"B+tree node {ref.path}@{ref.offset}"
+        if got != height:
+            raise FormatError(f"{where}: height {got}, its parent expects {height}", path=self.root)
+        if height == 0:
+            for key, value in entries:
+                full = prefix + key
+                try:
+                    name = full.decode()
+                except UnicodeDecodeError:
+                    raise FormatError(
+                        f"{where}: key {full!r} is not UTF-8", path=self.root
+                    ) from None
+                if name in self.keys:
+                    raise FormatError(
+                        f"{where}: key {name!r} appears twice in the tree", path=self.root
+                    )
+                self.keys[name] = value
+            return len(entries)
         total = 0
-        for i in range(n):
-            child, trans = _ref(cur, files, fids[i], offs[i], lens[i])
-            got_keys = self._walk(child, height - 1, prefix + keys[i][: common[i]], trans)
-            if got_keys != nkeys[i]:
-                raise cur.fail(f"child {i} holds {got_keys} keys, the node records {nkeys[i]}")
+        for i, (key, common, child, trans, nkeys) in enumerate(entries):
+            got_keys = self._walk(child, height - 1, prefix + key[:common], trans)
+            if got_keys != nkeys:
+                raise FormatError(
+                    f"{where}: child {i} holds {got_keys} keys, the node records {nkeys}",
+                    path=self.root,
+                )
             total += got_keys
         return total
 
-    def _leaf(self, cur: _Cursor, files: list[tuple[str, str]], n: int, prefix: bytes) -> int:
+    def _leaf(self, cur: _Cursor, files: list[tuple[str, str]], n: int) -> list[tuple[Any, ...]]:
         keys, _ = self._keys(cur, n, interior=False)
         lengths = cur.varints(n)
         kinds = cur.varints(n, 1)
@@ -447,22 +489,13 @@ class OcdbtStore:
         values: dict[int, bytes | Ref] = {}
         for k, i in enumerate(indirect):
             ref, _ = _ref(cur, files, fids[k], offs[k], lengths[i])
-            self.check(ref, f"value of {(prefix + keys[i])!r}")
+            self.check(ref, f"value of key {keys[i]!r}")
             values[i] = ref
         for i in range(n):
             if kinds[i] == 0:
                 values[i] = cur.take(lengths[i])
         cur.done()
-        for i in range(n):
-            full = prefix + keys[i]
-            try:
-                name = full.decode()
-            except UnicodeDecodeError:
-                raise cur.fail(f"key {full!r} is not UTF-8") from None
-            if name in self.keys:
-                raise cur.fail(f"key {name!r} appears twice in the tree")
-            self.keys[name] = values[i]
-        return n
+        return [(keys[i], values[i]) for i in range(n)]
 
     def describe(self) -> dict[str, Any]:
         """Layout facts for ``inspect``: format, compression, tree height, nodes, files."""
