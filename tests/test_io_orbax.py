@@ -178,6 +178,14 @@ def test_study_init_finds_orbax_runs(jax_fixtures, tmp_path):
     study = load_study(tmp_path / "study.toml")
     assert study.runs["A"].checkpoints == {0: tmp_path / "A" / "0", 10: tmp_path / "A" / "10"}
     assert study.runs["D"].checkpoints == {10: tmp_path / "D" / "step_10"}
+    # provenance hashes the files inside checkpoint folders
+    inputs = study.input_files()
+    assert tmp_path / "A/10/default/manifest.ocdbt" in inputs
+    assert all(p.is_file() for p in inputs)
+    # the resolved study a report writes lists a run's checkpoints: folders are accepted
+    (tmp_path / "listed.toml").write_text('[runs]\nA = ["A/0", "A/10"]\n')
+    listed = load_study(tmp_path / "listed.toml")
+    assert listed.runs["A"].checkpoints == {0: tmp_path / "A/0", 10: tmp_path / "A/10"}
 
 
 def test_step_from_folder_name_when_the_state_has_none(tmp_path):
