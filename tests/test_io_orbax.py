@@ -453,13 +453,15 @@ def test_zarr3_sharded_against_tensorstore(tmp_path):
         assert ts["w"].load().tobytes() == np.asarray(want).tobytes() == x.tobytes()
 
 
-def test_absent_chunks_need_the_writers_word(tmp_path):
+@pytest.mark.parametrize("fill", [0, 2.5])
+def test_absent_chunks_need_the_writers_word(tmp_path, fill):
     """tensorstore skips chunks equal to the fill value: absent is an error unless
-    ``_METADATA`` says such chunks were not stored."""
+    ``_METADATA`` says such chunks were not stored (then they hold the fill value)."""
     ts_ = pytest.importorskip("tensorstore")
-    x = np.zeros((4, 6), "<f4")
+    x = np.full((4, 6), fill, "<f4")
     x[:2, :3] = 1.5
-    want = np.asarray(_ts_write(ts_, tmp_path, "w", x, chunks=[2, 3], fill=0))
+    want = np.asarray(_ts_write(ts_, tmp_path, "w", x, chunks=[2, 3], fill=fill))
+    assert want.tobytes() == x.tobytes()
     with dmlib.open_tensors(tmp_path) as ts:
         with pytest.raises(DmlibError, match="chunk w/0.1 is missing"):
             ts["w"].load()
@@ -512,3 +514,16 @@ def test_zstd_output_is_bounded_without_a_content_size():
     with pytest.raises(DmlibError, match="claims 8388608 bytes"):
         zstd_decompress(sized, 1 << 20, "node", "x")
     assert zstd_decompress(bomb, 8 << 20, "node", "x") == bytes(8 << 20)
+
+
+def test_fill_value_spellings():
+    from dmlib.io.zarr_ import ZarrArray, _fill_value
+
+    def fill(dtype, v):
+        return _fill_value(ZarrArray("x", 3, (1,), np.dtype(dtype), (1,), fill=v), "p")
+
+    assert fill(ml_dtypes.bfloat16, "0x3fc0").astype(np.float32) == 1.5  # 0 01111111 1000000
+    assert np.isnan(fill("<f4", "NaN")) and fill("<f8", "-Infinity") == -np.inf
+    assert fill("<i4", None) == 0 and fill("<u2", 7) == 7
+    with pytest.raises(DmlibError, match="fill_value"):
+        fill("<f4", "not a number")

@@ -311,7 +311,7 @@ def _shard(
     raw: bytes,
     what: str,
     path: str,
-    filled: list[int],
+    absent: list[tuple[tuple[int, ...], tuple[int, ...]]],
 ) -> None:
     """Unpack one ``sharding_indexed`` shard: its index, then each inner chunk."""
     inner = arr.shard or ()
@@ -333,7 +333,7 @@ def _shard(
         if any(s >= dim for s, dim in zip(sub, arr.shape)) and off == length == (1 << 64) - 1:
             continue
         if off == length == (1 << 64) - 1:
-            filled[0] += 1
+            absent.append((sub, inner))
             continue
         if off + length > len(raw):
             raise FormatError(
@@ -344,16 +344,35 @@ def _shard(
         _place(out, arr, sub, inner, data, f"{what} inner chunk {k}", path)
 
 
-def _fill(arr: ZarrArray, path: str) -> np.ndarray:
-    out = np.zeros(arr.shape, arr.dtype)
-    if arr.fill not in (None, 0, 0.0, False):
-        try:
-            out[...] = arr.fill
-        except (TypeError, ValueError):
-            raise UnsupportedError(
-                f"{arr.name}: fill_value {short_repr(arr.fill)}", path=path
-            ) from None
-    return out
+def _fill_value(arr: ZarrArray, path: str) -> np.ndarray:
+    """The array's fill value as one element of its dtype (zarr's JSON spellings: numbers,
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x..."`` bit patterns; null is 0)."""
+    v = arr.fill
+    try:
+        if v is None:
+            return np.zeros((), arr.dtype)
+        if isinstance(v, str) and v.startswith("0x"):
+            bits = np.array(int(v, 16), f"<u{arr.dtype.itemsize}")
+            return bits.view(arr.dtype.newbyteorder("<")).astype(arr.dtype)
+        if isinstance(v, str):
+            v = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(v, v)
+            return np.array(float(v)).astype(arr.dtype)
+        return np.array(v).astype(arr.dtype)
+    except (TypeError, ValueError, OverflowError):
+        raise UnsupportedError(
+            f"{arr.name}: fill_value {short_repr(arr.fill)}", path=path
+        ) from None
+
+
+def _fill_absent(out: np.ndarray, arr: ZarrArray, absent: list, path: str) -> None:
+    """Absent chunks (the writer skipped those equal to the fill value) get the fill value."""
+    if not absent:
+        return
+    value = _fill_value(arr, path)
+    if not value.tobytes().strip(b"\0"):
+        return  # all zero bits: what the output starts as
+    for origin, box in absent:
+        out[tuple(slice(o, min(o + b, d)) for o, b, d in zip(origin, box, arr.shape))] = value
 
 
 def read_array(arr: ZarrArray, get: Get, path: str, *, absent_ok: bool) -> np.ndarray:
@@ -377,26 +396,28 @@ def read_array(arr: ZarrArray, get: Get, path: str, *, absent_ok: bool) -> np.nd
                     path=path,
                 )
             return np.frombuffer(data, arr.dtype).reshape(arr.shape)
-    out = _fill(arr, path)
+    out = np.zeros(arr.shape, arr.dtype)
     if 0 in arr.shape:
         return out
-    filled = [0]
+    absent: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for idx in product(*(range(g) for g in arr.grid())):
         key = arr.chunk_key(idx)
         raw = get(key)
+        origin = tuple(i * c for i, c in zip(idx, arr.chunks))
         if raw is None:
             if not absent_ok:
                 raise FormatError(f"{arr.name}: chunk {key} is missing", path=path)
+            absent.append((origin, arr.chunks))
             continue
-        origin = tuple(i * c for i, c in zip(idx, arr.chunks))
         if arr.shard is not None:
-            _shard(out, arr, origin, raw, f"chunk {key}", path, filled)
+            _shard(out, arr, origin, raw, f"chunk {key}", path, absent)
             continue
         codecs = arr.inner if arr.zarr_format == 3 else [{"name": arr.compressor}]
         data = _decode(raw, codecs, limit, f"chunk {key}", path)
         _place(out, arr, origin, arr.chunks, data, f"chunk {key}", path)
-    if filled[0] and not absent_ok:
+    if absent and not absent_ok:
         raise FormatError(
-            f"{arr.name}: {filled[0]} inner chunks are missing from their shards", path=path
+            f"{arr.name}: {len(absent)} inner chunks are missing from their shards", path=path
         )
+    _fill_absent(out, arr, absent, path)
     return out
