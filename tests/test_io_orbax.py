@@ -527,3 +527,84 @@ def test_fill_value_spellings():
     assert fill("<i4", None) == 0 and fill("<u2", 7) == 7
     with pytest.raises(DmlibError, match="fill_value"):
         fill("<f4", "not a number")
+
+
+# ----------------------------------------------------------------------------- a database built by hand
+# (encodings of tensorstore's OCDBT format description: uncompressed nodes, one data file)
+
+
+def _frame(magic: int, body: bytes) -> bytes:
+    import crc32c
+
+    out = struct.pack(">I", magic) + struct.pack("<Q", 14 + len(body) + 4) + b"\x00\x00" + body
+    return out + struct.pack("<I", crc32c.crc32c(out))
+
+
+def _table(paths: list[bytes]) -> bytes:
+    out = _varint(len(paths)) + b"".join(_varint(0) for _ in paths[1:])
+    out += b"".join(_varint(len(p)) for p in paths) + b"".join(_varint(0) for _ in paths)
+    return out + b"".join(paths)
+
+
+def _keys(ks: list[bytes], common: list[int] | None = None) -> bytes:
+    out = b"".join(_varint(0) for _ in ks[1:]) + b"".join(_varint(len(k)) for k in ks)
+    out += b"".join(_varint(c) for c in common or [])
+    return out + b"".join(ks)
+
+
+def _leaf(items: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"\x00" + _table([]) + _varint(len(items)) + _keys([k for k, _ in items])
+    body += b"".join(_varint(len(x)) for _, x in items) + b"".join(_varint(0) for _ in items)
+    return _frame(0x0CDB20DE, body + b"".join(x for _, x in items))
+
+
+def _interior(entries: list[tuple[bytes, int, int, int, int]], path: bytes) -> bytes:
+    """entries: (key, subtree common prefix length, offset, length, keys below)."""
+    body = b"\x01" + _table([path]) + _varint(len(entries))
+    body += _keys([e[0] for e in entries], [e[1] for e in entries])
+    zeros = [0] * len(entries)
+    for col in (zeros, [e[2] for e in entries], [e[3] for e in entries],
+                [e[4] for e in entries], [e[3] for e in entries], zeros):  # fmt: skip
+        body += b"".join(_varint(c) for c in col)
+    return _frame(0x0CDB20DE, body)
+
+
+def _manifest(path: bytes, off: int, length: int, height: int, nkeys: int) -> bytes:
+    body = bytes(16) + _varint(0) + _varint(100) + _varint(1 << 23) + b"\x04" + _varint(0)
+    body += _table([path]) + _varint(1) + _varint(1) + bytes([height]) + _varint(0)
+    body += _varint(off) + _varint(length) + _varint(nkeys) + _varint(length) + _varint(0)
+    return _frame(0x0CDB3A2A, body + struct.pack("<Q", 0) + _varint(0))
+
+
+def test_a_node_shared_by_three_parents(tmp_path, monkeypatch):
+    """The format lets several interior entries point at one node (each adding its own key
+    prefix): read once, its keys under every prefix, as tensorstore reads them."""
+    pytest.importorskip("crc32c")
+    ts_ = pytest.importorskip("tensorstore")
+    lf = _leaf([(b"x", b"1"), (b"y", b"22")])
+    entries = [(k, 1, 0, len(lf), 2) for k in (b"a", b"b", b"cq")]
+    root = _interior(entries, b"d/f")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/f").write_bytes(lf + root)
+    (tmp_path / "manifest.ocdbt").write_bytes(_manifest(b"d/f", len(lf), len(root), 1, 6))
+    kv = ts_.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/"}).result()
+    want = {k.decode(): kv.read(k).result().value for k in kv.list().result()}
+    assert want == {"ax": b"1", "ay": b"22", "bx": b"1", "by": b"22", "cx": b"1", "cy": b"22"}
+    from dmlib.io import ocdbt
+
+    db = ocdbt.open_store(tmp_path)
+    assert {k: db.get(k) for k in db.keys} == want and db.nodes == 2 and db.height == 1
+    # the entries visited over all paths are bounded (here: 4 + 3 x 3)
+    monkeypatch.setattr(ocdbt, "_MAX_ENTRIES", 12)
+    with pytest.raises(DmlibError, match="visits more than 12 entries"):
+        ocdbt.open_store(tmp_path)
+    # a child reference past the end of its file
+    bad = _interior([(b"a", 1, 0, len(lf) + 50, 2)], b"d/f")
+    (tmp_path / "d/f").write_bytes(lf + bad)
+    (tmp_path / "manifest.ocdbt").write_bytes(_manifest(b"d/f", len(lf), len(bad), 1, 2))
+    with pytest.raises(DmlibError, match="child 0 at d/f"):
+        ocdbt.open_store(tmp_path)
+    # a data file path leaving the database folder
+    (tmp_path / "manifest.ocdbt").write_bytes(_manifest(b"../f", 0, len(lf), 0, 2))
+    with pytest.raises(DmlibError, match="not a plain relative path"):
+        ocdbt.open_store(tmp_path)
