@@ -322,6 +322,26 @@ def test_step_folder_with_two_items(jax_fixtures, tmp_path):
         )
 
 
+def test_v1_layout_marker_and_other_checkpointables(jax_fixtures, tmp_path):
+    """Orbax's V1 API: a checkpoint folder marked by an empty ``orbax.checkpoint`` file,
+    checkpointables in subfolders (``pytree/``, and others that hold no arrays)."""
+    from dmlib.io.orbax import step_folders
+
+    ck = tmp_path / "run" / "7"
+    _copy(jax_fixtures / "orbax_ocdbt_zarr2/A_step10/default", ck / "pytree")
+    (ck / "orbax.checkpoint").write_bytes(b"")
+    (ck / "dataset").mkdir()
+    (ck / "dataset" / "state.json").write_text("{}")
+    z = np.load(jax_fixtures / "reference/A_step_10.npz")
+    for path in (ck, ck / "orbax.checkpoint"):
+        with dmlib.open_tensors(path) as ts:
+            assert ts.layout["items_read"] == ["pytree"]
+            assert ts.layout["items_not_read"] == ["dataset"]
+            assert ts["model.l3.kernel.value"].load().tobytes() == z["model.l3.kernel"].tobytes()
+    assert step_folders(tmp_path / "run") == {7: str(ck)}
+    assert step_folders(tmp_path) == {}  # run/ holds checkpoints; it is not one
+
+
 def test_missing_dependency_names_the_extra(jax_fixtures, monkeypatch, capsys):
     import sys
 

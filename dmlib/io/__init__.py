@@ -58,7 +58,7 @@ _MODULES = (
     "safetensors", "sharded", "torch_", "zarr_",
 )  # fmt: skip
 # files inside an Orbax folder that stand for the folder itself
-_ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt")
+_ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint")
 
 
 def _reader(module: str) -> ModuleType:

@@ -35,6 +35,7 @@ __all__ = ["can_open", "kind", "open_orbax", "recorded_step", "step_folders"]
 
 TREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+V1_MARKER = "orbax.checkpoint"  # the empty file in every checkpoint of Orbax's V1 API
 _ARRAY_TYPES = {"jax.Array", "np.ndarray", "scalar"}
 _STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
 _MAX_JSON = 256 << 20
@@ -56,6 +57,11 @@ def _items(path: str) -> list[str]:
     return [n for n in names if _is_item(os.path.join(path, n))]
 
 
+def _is_step(path: str) -> bool:
+    marks = (CHECKPOINT_METADATA, V1_MARKER)
+    return any(os.path.isfile(os.path.join(path, m)) for m in marks) or bool(_items(path))
+
+
 def kind(path: str | os.PathLike[str]) -> str | None:
     """``"item"``, ``"step"``, ``"manager"`` for an Orbax folder of that kind, else None."""
     path = os.fspath(path)
@@ -63,7 +69,7 @@ def kind(path: str | os.PathLike[str]) -> str | None:
         return None
     if _is_item(path):
         return "item"
-    if os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)) or _items(path):
+    if _is_step(path):
         return "step"
     if step_folders(path):
         return "manager"
@@ -86,11 +92,7 @@ def step_folders(path: str | os.PathLike[str]) -> dict[int, str]:
     for n in names:
         m = _STEP_DIR.match(n)
         full = os.path.join(path, n)
-        if (
-            m
-            and os.path.isdir(full)
-            and (os.path.isfile(os.path.join(full, CHECKPOINT_METADATA)) or _items(full))
-        ):
+        if m and os.path.isdir(full) and _is_step(full):
             out.setdefault(int(m.group(1)), full)
     return dict(sorted(out.items()))
 
@@ -309,6 +311,11 @@ def open_orbax(path: str | os.PathLike[str]) -> TensorSet:
             else {"items": {i: p[1] for i, p in zip(items, parts)}}
         )
         layout["items_read"] = items
+        others = sorted(
+            n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)) and n not in items
+        )
+        if others:  # checkpointables that hold no arrays (a dataset iterator, JSON)
+            layout["items_not_read"] = others
     else:
         tensors, layout = _open_item(path)
         parent = os.path.dirname(path)
