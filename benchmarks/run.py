@@ -20,6 +20,7 @@ PROFILE = {
     "bench_cli": ["--size-mib", "512", "--repeat", "3"],
     "bench_dask": ["--size-mib", "1024", "--repeat", "2"],
     "bench_read": ["--size-mib", "512", "--repeat", "3"],
+    "bench_orbax": ["--size-mib", "512"],
 }
 
 

@@ -4,11 +4,19 @@ The same weights often carry different names in two files: a training wrapper sa
 under ``model.``, ``torch.nn.parallel.DistributedDataParallel`` under ``module.``,
 ``torch.compile`` under ``_orig_mod.``. :class:`Rename` maps one side's names
 (``"a:model.="`` strips ``model.`` from the first set's names, ``"b:=model."`` adds it to
-the second's) and :func:`suggest_alignment` finds the mapping that pairs the most names.
+the second's; ``"b:re:/=."`` is a regular expression rule, every match replaced) and
+:func:`suggest_alignment` finds the prefix mapping that pairs the most names.
+
+Across frameworks the same state also differs in separators and in a trailing ``value``
+(JAX: Orbax writes ``model.l1.kernel.value`` for an ``nnx.State`` leaf, an npz export has
+``model/l1/kernel`` or ``model.l1.kernel``): :func:`detect_mapping` finds the one rule set
+(``/`` to ``.``, a trailing ``.value`` dropped, on either side) that pairs the names, and
+only when exactly one does.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +30,7 @@ __all__ = [
     "Rename",
     "apply_renames",
     "closest",
+    "detect_mapping",
     "parse_renames",
     "suggest_alignment",
 ]
@@ -34,7 +43,9 @@ KNOWN_PREFIXES = ("model.", "module.", "_orig_mod.", "module._orig_mod.", "_orig
 class Rename:
     """Replace the prefix ``old`` by ``new`` in the names of one side (``"a"`` or ``"b"``).
 
-    Names that do not start with ``old`` keep their name.
+    Names that do not start with ``old`` keep their name. With ``regex=True``, ``old`` is
+    a regular expression and every match in a name is replaced by ``new`` (``re.sub``:
+    ``\\1`` refers to a group); spelled ``SIDE:re:REGEX=REPLACEMENT``.
 
     Examples
     --------
@@ -45,11 +56,27 @@ class Rename:
     side: str
     old: str
     new: str
+    regex: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Rename:
-        """From ``SIDE:OLD=NEW`` (SIDE ``a`` or ``b``; OLD or NEW may be empty, not both)."""
+        """From ``SIDE:OLD=NEW`` (SIDE ``a`` or ``b``; OLD or NEW may be empty, not both),
+        or ``SIDE:re:REGEX=REPLACEMENT`` (split at the last ``=``)."""
         side, colon, rest = str(text).partition(":")
+        if colon and side in ("a", "b") and rest.startswith("re:"):
+            pattern, eq, repl = rest[3:].rpartition("=")
+            if not eq or not pattern:
+                raise DmlibError(
+                    f"invalid name rule {text!r}; expected SIDE:re:REGEX=REPLACEMENT, e.g. "
+                    "'b:re:/=.' (every '/' of B's names becomes '.')"
+                )
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise DmlibError(
+                    f"invalid regular expression in name rule {text!r}: {err}"
+                ) from None
+            return cls(side, pattern, repl, regex=True)
         old, eq, new = rest.partition("=")
         if not colon or not eq or side not in ("a", "b") or (not old and not new):
             raise DmlibError(
@@ -59,10 +86,19 @@ class Rename:
         return cls(side, old, new)
 
     def apply(self, name: str) -> str:
+        if self.regex:
+            try:
+                return _compiled(self.old).sub(self.new, name)
+            except (re.error, IndexError) as err:  # a replacement naming a missing group
+                raise DmlibError(f"name rule {self}: {err}") from None
         return self.new + name[len(self.old) :] if name.startswith(self.old) else name
 
     def __str__(self) -> str:
-        return f"{self.side}:{self.old}={self.new}"
+        return f"{self.side}:{'re:' if self.regex else ''}{self.old}={self.new}"
+
+
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
 
 
 def parse_renames(specs: Any) -> list[Rename]:
@@ -158,6 +194,81 @@ def suggest_alignment(names_a: Sequence[str], names_b: Sequence[str]) -> dict[st
         "spec": " ".join(str(r) for r in best[1]),
         "shared_before": before,
         "shared_after": best[0],
+    }
+
+
+_SLASH = r"/"
+_VALUE = r"\.value$"
+
+
+def _rules(names: set[str], side: str) -> list[list[Rename]]:
+    """The separator / trailing-``value`` rule sets that change some of ``names``."""
+    sep = any("/" in n for n in names)
+    val = any(n.endswith((".value", "/value")) for n in names)
+    one = [Rename(side, _SLASH, ".", regex=True)] if sep else []
+    two = [Rename(side, _VALUE, "", regex=True)] if val else []
+    out: list[list[Rename]] = [[]]
+    out += [one] if one else []
+    out += [two] if two else []
+    out += [one + two] if one and two else []
+    return out
+
+
+def _mapped(names: set[str], rules: list[Rename]) -> dict[str, str] | None:
+    """``{new: old}``, or None when the rules map two names onto one."""
+    out: dict[str, str] = {}
+    for n in names:
+        m = n
+        for r in rules:
+            m = r.apply(m)
+        if m in out:
+            return None
+        out[m] = n
+    return out
+
+
+def detect_mapping(names_a: Sequence[str], names_b: Sequence[str]) -> dict[str, Any] | None:
+    """The separator / ``.value`` rules that pair names of two frameworks, when unambiguous.
+
+    Candidate rules, on either side: every ``/`` becomes ``.``; a trailing ``.value`` is
+    dropped. The rule set chosen pairs more names than the names do as they are, maps no
+    two names of a side onto one, and is the only set (of the fewest rules) giving that
+    many pairs; otherwise None (nothing is renamed without being sure).
+
+    Returns
+    -------
+    dict or None
+        ``{"renames": [Rename...], "spec": "b:re:/=. a:re:\\.value$=", "shared_before": n,
+        "shared_after": m}``.
+    """
+    a, b = set(names_a), set(names_b)
+    before = len(a & b)
+    found: list[tuple[int, int, list[Rename], frozenset[tuple[str, str]]]] = []
+    for ra in _rules(a, "a"):
+        ma = _mapped(a, ra)
+        if ma is None:
+            continue
+        for rb in _rules(b, "b"):
+            mb = _mapped(b, rb)
+            if mb is None or not (ra or rb):
+                continue
+            pairs = frozenset((ma[k], mb[k]) for k in ma.keys() & mb.keys())
+            found.append((len(pairs), len(ra) + len(rb), ra + rb, pairs))
+    if not found:
+        return None
+    best = max(f[0] for f in found)
+    if best <= before:
+        return None
+    fewest = min(f[1] for f in found if f[0] == best)
+    top = [f for f in found if f[0] == best and f[1] == fewest]
+    if len({f[3] for f in top}) != 1:
+        return None
+    rules = top[0][2]
+    return {
+        "renames": rules,
+        "spec": " ".join(str(r) for r in rules),
+        "shared_before": before,
+        "shared_after": best,
     }
 
 

@@ -390,7 +390,11 @@ class ArrayTensorSet(TensorSet):
     ) -> None:
         tensors = {}
         for name, arr in arrays.items():
-            a = np.ascontiguousarray(arr)
+            # np.ascontiguousarray returns at least 1-d: a 0-d array (optax's ``count``)
+            # must keep its shape ()
+            a = np.asarray(arr)
+            if not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)
             tensors[name] = Tensor(
                 name,
                 a.dtype,

@@ -537,6 +537,20 @@ OTHERS: list[tuple[str, str, Callable[[], bytes], type[DmlibError], str]] = [
         "not a loadable PyTorch",
     ),
     (
+        "flax-msgpack-cut",
+        "c.msgpack",
+        lambda: b"\x81\xa1w\xc7\x20\x01\x93",
+        FormatError,
+        "not a valid msgpack file",
+    ),
+    (
+        "flax-msgpack-unknown-extension",
+        "x.msgpack",
+        lambda: b"\x81\xa1w\xd4\x63\x00",
+        UnsupportedError,
+        "extension type 99",
+    ),
+    (
         "unknown-format",
         "x.weights",
         lambda: b"\x01\x02\x03 definitely not a checkpoint",
@@ -561,6 +575,8 @@ def test_bad_input_table(
 ) -> None:
     if fname.endswith(".pt"):
         pytest.importorskip("torch")
+    if fname.endswith(".msgpack"):
+        pytest.importorskip("msgpack")
     path = tmp_path / fname
     path.write_bytes(build())
     with pytest.raises(error) as info:
@@ -592,7 +608,7 @@ def test_the_table_builders_make_valid_files_when_not_broken(tmp_path: Path) -> 
 
 def test_directory_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="is a directory") as info:
-        dmlib.open_tensors(tmp_path)
+        dmlib.open_tensors(tmp_path)  # an empty folder: neither DCP nor Orbax
     assert str(tmp_path) in str(info.value)
     missing = tmp_path / "nope.bpk"
     with pytest.raises(DmlibError, match="no such file") as info:

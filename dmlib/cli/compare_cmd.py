@@ -50,7 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SIDE:OLD=NEW",
         help="map names before comparing: replace the prefix OLD by NEW in side a's or b's "
         "names, e.g. a:model.= strips 'model.' from A's names, b:=module. adds 'module.' to "
-        "B's; applied before --include/--exclude; repeatable",
+        "B's; SIDE:re:REGEX=REPL replaces every match of a regular expression (b:re:/=. turns "
+        "B's '/' into '.'); applied before --include/--exclude; repeatable. Without it, '/' "
+        "separators and JAX's trailing '.value' are mapped when one rule set alone pairs the names",
     )
     p.add_argument(
         "--cross-dtype",
@@ -192,6 +194,10 @@ def run_compare(args: argparse.Namespace) -> int:
     for side in ("a", "b") if args.file_hashes else ():
         print(
             f"data_section_hash_{side}: {at['data_section_hash_' + side]}  file_hash_{side}: {at['file_hash_' + side]}"
+        )
+    if at.get("rename_detected"):
+        print(
+            f"note: names paired by the detected mapping {' '.join(at['rename'])} (--rename overrides)"
         )
     if at["alignment_hint"]:
         h = at["alignment_hint"]

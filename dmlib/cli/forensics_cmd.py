@@ -70,7 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is flagged.",
     )
     lad.add_argument(
-        "ckpts", nargs="+", metavar="LABEL:STEP=PATH", help="one checkpoint of one run"
+        "ckpts",
+        nargs="+",
+        metavar="LABEL:STEP=PATH",
+        help="one checkpoint of one run (LABEL=FOLDER: every step folder of an Orbax "
+        "CheckpointManager folder)",
     )
     lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
     lad.add_argument(
@@ -155,12 +159,27 @@ def parse_group(text: str):
     return FactorGroup.lowrank(*pats, transpose_a=trans[0], transpose_b=trans[1])
 
 
+def _manager_steps(path: str) -> dict[int, str]:
+    """An Orbax CheckpointManager folder's step folders (empty for anything else)."""
+    import os
+
+    if not os.path.isdir(path):
+        return {}
+    from dmlib.io.orbax import step_folders
+
+    return step_folders(path)
+
+
 def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
-    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items."""
+    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items (and ``LABEL=FOLDER`` for an
+    Orbax CheckpointManager folder: its numbered step folders)."""
     ladder: dict[str, dict[int, str]] = {}
     for item in items:
         head, sep, path = item.partition("=")
         label, colon, step = head.rpartition(":")
+        if sep and head and not colon and _manager_steps(path):  # LABEL=ORBAX_MANAGER_FOLDER
+            ladder.setdefault(head, {}).update(_manager_steps(path))
+            continue
         if not sep or not colon or not label or not path or not step.lstrip("-").isdigit():
             raise DmlibError(f"expected LABEL:STEP=PATH (e.g. s5a:5=runs/s5a/m.bpk), got {item!r}")
         steps = ladder.setdefault(label, {})

@@ -18,7 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tensors (name, dtype, shape, numel, offset, param_id, data hash) and, for burnpack "
         "files, the padding census.",
     )
-    p.add_argument("path", help="checkpoint file (burnpack, safetensors, .npy/.npz, torch)")
+    p.add_argument(
+        "path",
+        help="checkpoint file (burnpack, safetensors, .npy/.npz, torch, flax msgpack) or "
+        "folder (DCP, Orbax step or item)",
+    )
     add_format(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument(
@@ -30,6 +34,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _print_table(rows: list[dict], cols: list[str], out) -> None:
     print(table(rows, cols, cell=lambda v: "" if v is None else str(v)), file=out)
+
+
+def _print_arrays(lay: dict, out) -> None:
+    """An Orbax item's arrays: zarr version, chunk shape, chunk grid, compression."""
+    rows = [
+        {
+            "array": name if name.isprintable() else ascii(name),
+            "zarr": a.get("zarr_format"),
+            "chunks": "x".join(map(str, a.get("chunks", []))) or "scalar",
+            "grid": "x".join(map(str, a.get("grid", []))) or "1",
+            "inner_chunks": "x".join(map(str, a.get("inner_chunks", []))),
+            "compression": a.get("compressor"),
+        }
+        for name, a in lay["arrays"].items()
+    ]
+    _print_table(rows, ["array", "zarr", "chunks", "grid", "inner_chunks", "compression"], out)
+    for name, vtype in (lay.get("not_read") or {}).items():
+        print(f"not read: {ascii(name)} ({ascii(vtype)}, not an array)", file=out)
+    print(file=out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
                 file=out,
             )
     elif lay:
-        print("layout: " + ", ".join(f"{k}={v}" for k, v in lay.items()), file=out)
+        plain = {k: v for k, v in lay.items() if k not in ("arrays", "not_read", "items")}
+        print("layout: " + ", ".join(f"{k}={v}" for k, v in plain.items()), file=out)
+    if isinstance(lay.get("arrays"), dict):  # Orbax: per array, its zarr chunking
+        _print_arrays(lay, out)
     if doc["metadata"]:
         print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["metadata"].items()), file=out)
     if doc["scalars"]:

@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
     from dmlib.tensor import TensorSet
 
-FORMATS = ("burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf", "burn-mpk")
+FORMATS = (
+    "burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf", "burn-mpk", "orbax",
+    "flax-msgpack",
+)  # fmt: skip
 
 # (format, reader module, its magic check) in detection order; suffixes are the fallback
 _MAGIC: list[tuple[str, str, str]] = [
@@ -34,6 +37,7 @@ _MAGIC: list[tuple[str, str, str]] = [
     ("gguf", "gguf", "can_open"),
     ("burn-mpk", "burn_mpk", "can_open"),
     ("safetensors", "safetensors", "can_open"),
+    ("flax-msgpack", "flax_msgpack", "can_open"),
 ]
 _SUFFIX = {
     ".bpk": "burnpack",
@@ -47,8 +51,14 @@ _SUFFIX = {
     ".ckpt": "torch",
     ".gguf": "gguf",
     ".mpk": "burn-mpk",
+    ".msgpack": "flax-msgpack",
 }
-_MODULES = ("burn_mpk", "burnpack", "dcp", "gguf", "numpy_", "safetensors", "sharded", "torch_")
+_MODULES = (
+    "burn_mpk", "burnpack", "dcp", "flax_msgpack", "gguf", "numpy_", "ocdbt", "orbax",
+    "safetensors", "sharded", "torch_", "zarr_",
+)  # fmt: skip
+# files inside an Orbax folder that stand for the folder itself
+_ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint")
 
 
 def _reader(module: str) -> ModuleType:
@@ -104,6 +114,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         path
     ):
         return "dcp"
+    if _orbax_folder(path) is not None:
+        return "orbax"
     if path.endswith(".index.json") and _reader("sharded").can_open(path):
         _check_file(path)
         return _reader("sharded").shard_format(path)
@@ -130,6 +142,15 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         f"unrecognised file (first bytes {head[:8]!r}); pass format= one of {', '.join(FORMATS)}",
         path=path,
     )
+
+
+def _orbax_folder(path: str) -> str | None:
+    """The Orbax step or item folder ``path`` is (or names, by one of its metadata files)."""
+    if os.path.basename(path) in _ORBAX_FILES and os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    if os.path.isdir(path) and _reader("orbax").kind(path) is not None:
+        return path
+    return None
 
 
 def _zip_kind(path: str) -> str | None:
@@ -162,7 +183,8 @@ def open_tensors(
         (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), or a
         PyTorch Distributed Checkpoint directory (``.metadata`` + ``*.distcp``), or a
         GGUF file (quantized tensors as their blocks; see :func:`dmlib.io.gguf.open_gguf`),
-        or a Burn named MessagePack record (``.mpk``, ``.mpk.gz``).
+        or a Burn named MessagePack record (``.mpk``, ``.mpk.gz``), or an Orbax step or
+        item folder (JAX; see :mod:`dmlib.io.orbax`), or a flax msgpack file.
     format
         Skip detection and read as this format.
     record
@@ -176,7 +198,14 @@ def open_tensors(
         )
     if record is not None and fmt != "burnpack":
         raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
-    if fmt == "dcp":
+    if fmt == "orbax":
+        folder = _orbax_folder(path)
+        if folder is None:
+            raise FormatError(
+                "not an Orbax checkpoint folder (no _METADATA or manifest.ocdbt)", path=path
+            )
+        path = folder
+    elif fmt == "dcp":
         if not _reader("dcp").can_open(path):
             raise FormatError(
                 f"not a DCP checkpoint directory (no {_reader('dcp').METADATA} in it)", path=path
@@ -186,6 +215,10 @@ def open_tensors(
     try:
         if fmt == "dcp":
             return _reader("dcp").open_dcp(path)
+        if fmt == "orbax":
+            return _reader("orbax").open_orbax(path)
+        if fmt == "flax-msgpack":
+            return _reader("flax_msgpack").open_flax_msgpack(path)
         if fmt in ("safetensors", "torch") and path.endswith(".index.json"):  # sharded.can_open
             return _reader("sharded").open_index(path)
         if fmt == "burnpack":

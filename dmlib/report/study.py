@@ -235,7 +235,8 @@ class Study:
         """Every file the study reads (checkpoints, anatomy files, capture folders' files)."""
         files: list[Path] = []
         for r in self.runs.values():
-            files += r.checkpoints.values()
+            for ck in r.checkpoints.values():  # a checkpoint folder (Orbax): its files
+                files += sorted(p for p in ck.rglob("*") if p.is_file()) if ck.is_dir() else [ck]
         files += self.anatomy
         if self.captures is not None:
             c = self.captures
@@ -356,7 +357,10 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
                 raise DmlibError(
                     f"run {label!r}: the list of checkpoint files is empty", path=where
                 )
-            files = [_existing(root, t, where, f"run {label!r}: checkpoint") for t in text]
+            files = [
+                _existing(root, t, where, f"run {label!r}: checkpoint", checkpoint=True)
+                for t in text
+            ]
             runs[label] = _stepped(label, " ".join(text), files, where)
             continue
         target = _under(root, text)
@@ -383,7 +387,11 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
 
 def _checkpoints_in(folder: Path) -> list[Path]:
     from dmlib.io import detect_format
+    from dmlib.io.orbax import checkpoints_in
 
+    orbax = checkpoints_in(folder)  # an Orbax manager folder's steps, or one step folder
+    if orbax is not None:
+        return [Path(p) for p in orbax]
     out = []
     for p in sorted(folder.iterdir()):
         if p.is_file() and not p.name.startswith("."):
@@ -593,8 +601,15 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
     return out
 
 
-def _existing(root: Path, text: str, where: Path, what: str, *, folder: bool = False) -> Path:
+def _existing(
+    root: Path, text: str, where: Path, what: str, *, folder: bool = False, checkpoint: bool = False
+) -> Path:
     p = _under(root, text)
+    if checkpoint and p.is_dir():  # a checkpoint that is a folder (an Orbax step folder)
+        from dmlib.io.orbax import checkpoints_in
+
+        if checkpoints_in(p) == [os.fspath(p)]:
+            return p
     if not (p.is_dir() if folder else p.is_file()):
         raise DmlibError(
             f"{what} {text!r} not found (paths are relative to the study file)", path=where

@@ -150,6 +150,12 @@ def init_from_runs(
     return "\n".join(lines) + "\n"
 
 
+def _orbax_steps(folder: Path) -> list[str] | None:
+    from dmlib.io.orbax import checkpoints_in
+
+    return checkpoints_in(folder)
+
+
 def init_from_folder(folder: Path, *, title: str | None = None) -> str:
     """A study file from what a folder holds, every guess written as a comment to check.
 
@@ -180,6 +186,10 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
             continue
         if p.is_dir() and (p / "manifest.json").is_file():
             captures[p.name] = p.name
+        elif p.is_dir() and _orbax_steps(p) is not None:  # Orbax: a manager or step folder
+            n = len(_orbax_steps(p) or [])
+            runs[_label(p.name, runs)] = p.name + "/"
+            notes[p.name + "/"] = f"Orbax, {n} step folder{'s' if n > 1 else ''}"
         elif p.is_dir():
             n = sum(is_checkpoint(q) for q in p.iterdir())
             if n:

@@ -239,6 +239,12 @@ def _compare(
         pair_row = DaskPairs(chunk_bytes, hash_name)
     renames = parse_renames(rename)
     with opened(a) as sa, opened(b) as sb:
+        detected = None
+        if not renames:  # separators / JAX's trailing ".value", when only one rule set pairs them
+            from dmlib.names import detect_mapping
+
+            detected = detect_mapping(list(sa), list(sb))
+            renames = detected["renames"] if detected else []
         sa2 = apply_renames(sa, renames, "a")
         sb2 = apply_renames(_pair_single_arrays(sa, sb), renames, "b")
         out = _compare_sets(
@@ -248,6 +254,7 @@ def _compare(
         )  # fmt: skip
         attrs = out.attrs if frame else out[1]
         attrs["rename"] = [str(r) for r in renames]
+        attrs["rename_detected"] = detected is not None
         return out
 
 

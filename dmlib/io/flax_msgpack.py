@@ -1,0 +1,202 @@
+"""flax's msgpack checkpoints (``flax.serialization.to_bytes``), read with msgpack.
+
+flax serialises a state dict (nested maps of string keys) as MessagePack, with arrays as
+extension types whose payload is itself MessagePack: ``(shape, dtype name, raw bytes)``
+(ext 1: an ndarray; ext 3: a numpy scalar; ext 2: a Python complex as ``(re, im)``).
+Arrays larger than flax's chunk limit are written as maps marked
+``__msgpack_chunked_array__`` holding the shape and the flattened pieces. Plain numbers,
+strings and booleans are leaves too; they become ``scalars``.
+
+Names are the key paths joined with ``.``; the recorded step (``scalars['step']``) is a
+0-d ``step`` leaf, else an optax ``count``, as for Orbax. The file is decoded whole when
+opened (msgpack has no index); nothing in it is executed: only the three extension codes
+above are accepted, and each payload is checked (shape, dtype, byte length).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from dmlib.errors import FormatError, MissingDependencyError, UnsupportedError
+from dmlib.io._checks import shape_problem, short_repr
+from dmlib.tensor import ArrayTensorSet, TensorSet
+
+__all__ = ["can_open", "open_flax_msgpack"]
+
+_MAPS = (b"\xde", b"\xdf") + tuple(bytes([b]) for b in range(0x80, 0x90))
+# ext 1 or 3 whose payload is a 3-element array: flax's encoding of an array
+_ARRAY_EXT = re.compile(rb"(?:\xc7.|\xc8..|\xc9....|[\xd4-\xd8])[\x01\x03]\x93", re.DOTALL)
+_MAX_DEPTH = 64
+
+
+class _Ext:
+    __slots__ = ("code", "data")
+
+    def __init__(self, code: int, data: bytes) -> None:
+        self.code = code
+        self.data = data
+
+
+def can_open(head: bytes, path: str) -> bool:
+    """A MessagePack map, named ``.msgpack`` or holding flax's array extension early on."""
+    if head[:1] not in _MAPS:
+        return False
+    return path.lower().endswith(".msgpack") or _ARRAY_EXT.search(head) is not None
+
+
+def _dtype(name: Any, where: str, path: str) -> np.dtype:
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise FormatError(f"{where}: dtype {short_repr(name)} is not a dtype name", path=path)
+    try:
+        import ml_dtypes
+
+        if hasattr(ml_dtypes, name) and name not in ("finfo", "iinfo"):
+            dt = np.dtype(getattr(ml_dtypes, name))
+        else:
+            dt = np.dtype(name)
+    except TypeError:
+        raise UnsupportedError(f"{where}: dtype {name!r} is not supported", path=path) from None
+    # numbers only: no object, string or structured dtypes
+    if dt.kind not in "biufc" and not dt.type.__module__.startswith("ml_dtypes"):
+        raise UnsupportedError(f"{where}: dtype {name!r} is not a numeric dtype", path=path)
+    return dt
+
+
+def _array(ext: _Ext, where: str, path: str) -> Any:
+    import msgpack
+
+    try:
+        payload = msgpack.unpackb(ext.data, raw=False, strict_map_key=False)
+    except Exception as err:  # msgpack raises several types for damaged data
+        raise FormatError(
+            f"{where}: damaged array payload ({type(err).__name__})", path=path
+        ) from None
+    if ext.code == 2:
+        if not (isinstance(payload, (list, tuple)) and len(payload) == 2):
+            raise FormatError(f"{where}: complex payload is not (re, im)", path=path)
+        return complex(float(payload[0]), float(payload[1]))
+    if not (
+        isinstance(payload, (list, tuple)) and len(payload) == 3 and isinstance(payload[2], bytes)
+    ):
+        raise FormatError(f"{where}: array payload is not (shape, dtype, bytes)", path=path)
+    shape, dname, raw = payload
+    dtype = _dtype(dname, where, path)
+    problem = shape_problem(
+        list(shape) if isinstance(shape, (list, tuple)) else shape, dtype.itemsize
+    )
+    if problem:
+        raise FormatError(f"{where}: {problem}", path=path)
+    want = math.prod(shape) * dtype.itemsize
+    if len(raw) != want:
+        raise FormatError(
+            f"{where}: {len(raw)} bytes for shape {list(shape)} {dtype.name} ({want})", path=path
+        )
+    return np.frombuffer(raw, dtype).reshape(tuple(shape))
+
+
+def _chunked(node: dict[str, Any], where: str, path: str) -> np.ndarray:
+    shape_d, chunks_d = node.get("shape"), node.get("chunks")
+    if not isinstance(shape_d, dict) or not isinstance(chunks_d, dict):
+        raise FormatError(f"{where}: chunked array without shape and chunks maps", path=path)
+    shape = tuple(shape_d.get(str(i)) for i in range(len(shape_d)))
+    pieces = [chunks_d.get(str(i)) for i in range(len(chunks_d))]
+    if not all(isinstance(p, np.ndarray) for p in pieces) or not pieces:
+        raise FormatError(f"{where}: chunked array pieces are not arrays", path=path)
+    flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces])
+    problem = shape_problem(list(shape), flat.dtype.itemsize)
+    if problem or math.prod(shape) != flat.size:  # type: ignore[arg-type]
+        raise FormatError(
+            f"{where}: chunks hold {flat.size} values, shape {list(shape)}", path=path
+        )
+    return flat.reshape(shape)  # type: ignore[arg-type]
+
+
+def _flatten(
+    node: Any,
+    prefix: str,
+    arrays: dict[str, np.ndarray],
+    scalars: dict[str, Any],
+    path: str,
+    depth: int = 0,
+) -> None:
+    if depth > _MAX_DEPTH:
+        raise FormatError(f"{prefix or 'root'}: nested deeper than {_MAX_DEPTH}", path=path)
+    if isinstance(node, _Ext):
+        if node.code not in (1, 2, 3):
+            raise UnsupportedError(
+                f"{prefix}: msgpack extension type {node.code} (flax uses 1-3)", path=path
+            )
+        node = _array(node, prefix, path)
+    if isinstance(node, dict):
+        if node.get("__msgpack_chunked_array__") is True:
+            arrays[prefix] = _chunked(_resolve(node, prefix, path, depth), prefix, path)
+            return
+        for k, v in node.items():
+            if not isinstance(k, (str, int)):
+                raise FormatError(f"{prefix}: map key {short_repr(k)} is not a string", path=path)
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), arrays, scalars, path, depth + 1)
+    elif isinstance(node, np.ndarray):
+        arrays[prefix] = node
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), arrays, scalars, path, depth + 1)
+    elif node is None or isinstance(node, (bool, int, float, str, complex)):
+        scalars[prefix] = node if not isinstance(node, complex) else str(node)
+    else:
+        raise FormatError(f"{prefix}: unexpected value of type {type(node).__name__}", path=path)
+
+
+def _resolve(node: dict[str, Any], where: str, path: str, depth: int) -> dict[str, Any]:
+    """A chunked-array map with its extension-typed pieces decoded."""
+    chunks = node.get("chunks")
+    if isinstance(chunks, dict):
+        chunks = {
+            k: _array(v, f"{where}.chunks.{k}", path) if isinstance(v, _Ext) else v
+            for k, v in chunks.items()
+        }
+    return {**node, "chunks": chunks}
+
+
+def open_flax_msgpack(path: str | os.PathLike[str]) -> TensorSet:
+    """Open a ``flax.serialization.to_bytes`` file as a TensorSet (decoded when opened)."""
+    path = os.fspath(path)
+    try:
+        import msgpack
+    except ImportError:
+        raise MissingDependencyError(
+            "reading flax msgpack files needs msgpack: pip install 'dmlib[formats]'", path=path
+        ) from None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        tree = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_Ext, use_list=True)
+    except FormatError:
+        raise
+    except Exception as err:  # ExtraData, ValueError, UnpackValueError, ...
+        raise FormatError(
+            f"not a valid msgpack file ({type(err).__name__}: {short_repr(str(err), 120)})",
+            path=path,
+        ) from None
+    if not isinstance(tree, dict):
+        raise FormatError(
+            f"top level is {type(tree).__name__}, not a map (a flax state dict)", path=path
+        )
+    arrays: dict[str, np.ndarray] = {}
+    scalars: dict[str, Any] = {}
+    _flatten(tree, "", arrays, scalars, path)
+    ts = ArrayTensorSet(arrays, path=path, format="flax-msgpack", scalars=scalars)
+    from dmlib.io.orbax import recorded_step
+
+    step, where = recorded_step(ts)
+    if step is None and isinstance(scalars.get("step"), int):
+        step, where = scalars["step"], "scalar 'step'"
+    if step is not None:
+        ts.scalars["step"] = step
+        ts.layout["step_from"] = where
+    ts.layout["layout"] = "flax-msgpack"
+    return ts

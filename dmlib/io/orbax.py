@@ -1,0 +1,349 @@
+"""Orbax checkpoints (JAX): step folders, item folders and CheckpointManager folders.
+
+Orbax (orbax-checkpoint 0.12) writes, per saved step, a folder (``10/``) holding
+``_CHECKPOINT_METADATA`` and one folder per item (``default/``). An item folder holds
+``_METADATA`` (JSON: the pytree, one entry per leaf with its key path) and the arrays:
+by default in an OCDBT database (``manifest.ocdbt``, see :mod:`dmlib.io.ocdbt`) holding
+zarr v2 or v3 arrays (:mod:`dmlib.io.zarr_`) under keys ``<leaf path joined by '.'>/...``;
+with ``use_ocdbt=False`` one zarr folder per leaf. A CheckpointManager folder holds the
+numbered step folders; dmlib reads it as a step ladder (:func:`step_folders`).
+
+Tensor names are the leaf key paths joined with ``.`` (``model.l1.kernel.value``: an
+``nnx.State`` leaf ends in ``value``). Arrays are read, chunk by chunk, when loaded; at
+open, the B+tree and every array's metadata are read and checked, and every stored chunk
+key must belong to its array's chunk grid. The recorded step (``scalars['step']``) is the
+0-d ``step`` leaf (flax.nnx ``optimizer.step``), else an optax ``count``, else the
+number in the step folder's name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dmlib.errors import DmlibError, FormatError, TruncatedError
+from dmlib.io._checks import short_repr
+from dmlib.tensor import Tensor, TensorSet
+
+__all__ = ["can_open", "kind", "open_orbax", "recorded_step", "step_folders"]
+
+TREE_METADATA = "_METADATA"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+V1_MARKER = "orbax.checkpoint"  # the empty file in every checkpoint of Orbax's V1 API
+_ARRAY_TYPES = {"jax.Array", "np.ndarray", "scalar"}
+_STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
+_MAX_JSON = 256 << 20
+
+
+def _is_item(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, "manifest.ocdbt")):
+        return True
+    return os.path.isfile(os.path.join(path, TREE_METADATA))
+
+
+def _items(path: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    return [n for n in names if _is_item(os.path.join(path, n))]
+
+
+def _is_step(path: str) -> bool:
+    marks = (CHECKPOINT_METADATA, V1_MARKER)
+    return any(os.path.isfile(os.path.join(path, m)) for m in marks) or bool(_items(path))
+
+
+def kind(path: str | os.PathLike[str]) -> str | None:
+    """``"item"``, ``"step"``, ``"manager"`` for an Orbax folder of that kind, else None."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return None
+    if _is_item(path):
+        return "item"
+    if _is_step(path):
+        return "step"
+    if step_folders(path):
+        return "manager"
+    return None
+
+
+def can_open(path: str) -> bool:
+    """A step folder or an item folder (a manager folder is a ladder, not one checkpoint)."""
+    return kind(path) in ("item", "step")
+
+
+def step_folders(path: str | os.PathLike[str]) -> dict[int, str]:
+    """A CheckpointManager folder's steps: step number -> step folder (numeric names)."""
+    path = os.fspath(path)
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return out
+    for n in names:
+        m = _STEP_DIR.match(n)
+        full = os.path.join(path, n)
+        if m and os.path.isdir(full) and _is_step(full):
+            out.setdefault(int(m.group(1)), full)
+    return dict(sorted(out.items()))
+
+
+def _json(path: str, folder: str) -> Any:
+    if os.path.getsize(path) > _MAX_JSON:
+        raise FormatError(f"{os.path.basename(path)} is larger than {_MAX_JSON} bytes", path=folder)
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise FormatError(f"{os.path.basename(path)} is not JSON ({err})", path=folder) from None
+
+
+def _leaves(md: Any, folder: str) -> tuple[dict[str, str], dict[str, str]]:
+    """From ``_METADATA``: (name -> value type) for array leaves, and the skipped others."""
+    tree = md.get("tree_metadata") if isinstance(md, dict) else None
+    if not isinstance(tree, dict):
+        raise FormatError(f"{TREE_METADATA} has no tree_metadata object", path=folder)
+    arrays: dict[str, str] = {}
+    other: dict[str, str] = {}
+    for key, entry in tree.items():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, dict) and "key" in k for k in keys):
+            raise FormatError(
+                f"{TREE_METADATA}: leaf {short_repr(key)} has no key path", path=folder
+            )
+        name = ".".join(str(k["key"]) for k in keys)
+        vm = entry.get("value_metadata") or {}
+        vtype = str(vm.get("value_type", "?")) if isinstance(vm, dict) else "?"
+        if name in arrays or name in other:
+            raise FormatError(f"{TREE_METADATA}: two leaves named {name!r}", path=folder)
+        if vtype in _ARRAY_TYPES and not (isinstance(vm, dict) and vm.get("skip_deserialize")):
+            arrays[name] = vtype
+        else:
+            other[name] = vtype
+    return arrays, other
+
+
+def _safe_name(name: str, folder: str) -> None:
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise FormatError(f"leaf name {name!r} is not a plain relative path", path=folder)
+
+
+class _DirStore:
+    """The no-OCDBT layout: each key ``<leaf>/<rest>`` a file under the item folder."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def get(self, key: str) -> bytes | None:
+        _safe_name(key, self.root)
+        full = os.path.join(self.root, *key.split("/"))
+        if not os.path.isfile(full):
+            return None
+        with open(full, "rb") as f:
+            return f.read()
+
+    def keys_under(self, leaf: str) -> list[str]:
+        base = os.path.join(self.root, *leaf.split("/"))
+        out = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            out += [f"{rel}/{f}" for f in files]
+        return out
+
+
+class _KvStore:
+    """The OCDBT layout, through :class:`dmlib.io.ocdbt.OcdbtStore`."""
+
+    def __init__(self, root: str) -> None:
+        from dmlib.io.ocdbt import open_store
+
+        self.root = root
+        self.db = open_store(root)
+
+    def get(self, key: str) -> bytes | None:
+        return self.db.get(key)
+
+    def keys_under(self, leaf: str) -> list[str]:
+        return [k for k in self.db.keys if k.startswith(leaf + "/")]
+
+
+def _array_meta(store: Any, name: str, folder: str) -> Any:
+    from dmlib.io.zarr_ import parse_metadata
+
+    for fname, fmt in ((".zarray", 2), ("zarr.json", 3)):
+        raw = store.get(f"{name}/{fname}")
+        if raw is not None:
+            return parse_metadata(name, raw, fmt, folder)
+    raise FormatError(f"leaf {name!r}: no .zarray or zarr.json stored for it", path=folder)
+
+
+def _check_keys(arr: Any, store: Any, folder: str) -> None:
+    """Every stored key of the leaf is its metadata or a chunk of its grid."""
+    from itertools import product
+
+    expect = {arr.chunk_key(i) for i in product(*(range(g) for g in arr.grid()))}
+    meta = {f"{arr.name}/.zarray", f"{arr.name}/zarr.json", f"{arr.name}/.zattrs"}
+    stray = [k for k in store.keys_under(arr.name) if k not in expect and k not in meta]
+    if stray:
+        raise FormatError(
+            f"leaf {arr.name!r}: stored key {stray[0]!r} is not a chunk of its grid "
+            f"{list(arr.grid())} ({len(stray)} such keys)",
+            path=folder,
+        )
+
+
+def _loader(arr: Any, store: Any, folder: str, absent_ok: bool) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        from dmlib.io.zarr_ import read_array
+
+        out = read_array(arr, store.get, folder, absent_ok=absent_ok)
+        return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
+
+    return load
+
+
+def recorded_step(ts: TensorSet) -> tuple[int | None, str]:
+    """(the step a JAX checkpoint records, where): a 0-d integer ``step`` leaf (nnx's
+    ``optimizer.step``), else an optax ``count`` (all agreeing); (None, why) otherwise."""
+    found: dict[str, list[tuple[str, int]]] = {"step": [], "count": []}
+    for name, t in ts.items():
+        last = [p for p in re.split(r"[./]", name) if p != "value"][-1:]
+        if t.shape == () and t.dtype.kind in "iu" and last and last[0] in found:
+            found[last[0]].append((name, int(np.asarray(t.load()).item())))
+    for key in ("step", "count"):
+        values = {v for _, v in found[key]}
+        if len(values) == 1:
+            return values.pop(), found[key][0][0]
+        if len(values) > 1:
+            return None, f"{key} leaves disagree: {found[key]}"
+    return None, "no 0-d step or count leaf"
+
+
+def _open_item(path: str, prefix: str = "") -> tuple[dict[str, Tensor], dict[str, Any]]:
+    mpath = os.path.join(path, TREE_METADATA)
+    md = _json(mpath, path) if os.path.isfile(mpath) else None
+    ocdbt = os.path.isfile(os.path.join(path, "manifest.ocdbt"))
+    store: Any = _KvStore(path) if ocdbt else _DirStore(path)
+    if md is not None:
+        names, other = _leaves(md, path)
+    elif ocdbt:
+        names = {
+            k.rsplit("/", 1)[0]: "?"
+            for k in store.db.keys
+            if k.endswith(("/.zarray", "/zarr.json"))
+        }
+        other = {}
+    else:
+        raise FormatError(f"no {TREE_METADATA} and no manifest.ocdbt: not an Orbax item", path=path)
+    absent_ok = isinstance(md, dict) and md.get("store_array_data_equal_to_fill_value") is False
+    tensors: dict[str, Tensor] = {}
+    arrays: dict[str, Any] = {}
+    for name in names:
+        _safe_name(name, path)
+        arr = _array_meta(store, name, path)
+        _check_keys(arr, store, path)
+        full = prefix + name
+        tensors[full] = Tensor(
+            full,
+            arr.dtype,
+            arr.shape,
+            nbytes=math.prod(arr.shape) * arr.dtype.itemsize,
+            dtype_name=arr.dtype.name,
+            source=_loader(arr, store, path, absent_ok),
+            path=path,
+            in_buffer=False,
+        )
+        arrays[full] = arr.describe()
+    fmts = sorted({a["zarr_format"] for a in arrays.values()})
+    layout: dict[str, Any] = {
+        "layout": "orbax-ocdbt" if ocdbt else "orbax-zarr-dirs",
+        "zarr_format": fmts[0] if len(fmts) == 1 else fmts,
+        "compression": ",".join(sorted({a["compressor"] for a in arrays.values()})) or "-",
+    }
+    if ocdbt:
+        layout.update(store.db.describe())
+    if other:
+        layout["not_read"] = {prefix + k: v for k, v in other.items()}
+    layout["arrays"] = arrays
+    return tensors, layout
+
+
+def open_orbax(path: str | os.PathLike[str]) -> TensorSet:
+    """Open an Orbax step folder or item folder as a lazy TensorSet."""
+    path = os.path.abspath(os.fspath(path))
+    k = kind(path)
+    if k == "manager":
+        steps = step_folders(path)
+        raise FormatError(
+            f"is an Orbax CheckpointManager folder (steps {', '.join(map(str, steps))}): open "
+            "one step folder, or pass the folder to `dmlib ladder`",
+            path=path,
+        )
+    if k is None:
+        raise FormatError(
+            "not an Orbax checkpoint folder (no _METADATA or manifest.ocdbt)", path=path
+        )
+    step_dir: str | None = None
+    if k == "step":
+        step_dir = path
+        items = _items(path)
+        if not items:
+            raise TruncatedError(
+                "Orbax step folder without an item folder (incomplete save?)", path=path
+            )
+        parts = [
+            _open_item(os.path.join(path, i), "" if len(items) == 1 else f"{i}.") for i in items
+        ]
+        tensors = {n: t for p in parts for n, t in p[0].items()}
+        layout: dict[str, Any] = (
+            dict(parts[0][1])
+            if len(parts) == 1
+            else {"items": {i: p[1] for i, p in zip(items, parts)}}
+        )
+        layout["items_read"] = items
+        others = sorted(
+            n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)) and n not in items
+        )
+        if others:  # checkpointables that hold no arrays (a dataset iterator, JSON)
+            layout["items_not_read"] = others
+    else:
+        tensors, layout = _open_item(path)
+        parent = os.path.dirname(path)
+        if os.path.isfile(os.path.join(parent, CHECKPOINT_METADATA)):
+            step_dir = parent
+    ts = TensorSet(tensors, path=path, format="orbax", layout=layout)
+    _set_step(ts, step_dir)
+    return ts
+
+
+def _set_step(ts: TensorSet, step_dir: str | None) -> None:
+    try:
+        step, where = recorded_step(ts)
+    except DmlibError:
+        raise
+    if step is None and step_dir is not None:
+        m = _STEP_DIR.match(os.path.basename(step_dir))
+        if m:
+            step, where = int(m.group(1)), f"step folder name {os.path.basename(step_dir)!r}"
+    if step is not None:
+        ts.scalars["step"] = step
+        ts.layout["step_from"] = where
+
+
+def checkpoints_in(folder: str | os.PathLike[str]) -> list[str] | None:
+    """For folder discovery (study init, ladders): a CheckpointManager folder's step
+    folders in step order, ``[folder]`` for one step or item folder, None for anything else."""
+    k = kind(folder)
+    if k == "manager":
+        return list(step_folders(folder).values())
+    return [os.fspath(folder)] if k is not None else None
