@@ -13,26 +13,26 @@ the dtype says (little-endian, as Burn writes them), checks the byte length agai
 shape, and keeps a tensor whose dtype it cannot interpret (a quantized ``QFloat``, a
 variant given by index) as opaque bytes. Plain values elsewhere in the record (numbers,
 strings, bools) become ``scalars``. The whole record is decoded in memory (MessagePack
-has no index to seek by); a ``.mpk.gz`` is decompressed first, up to a size limit.
+has no index to seek by); a ``.mpk.gz`` is decompressed first, in a streaming way, refused as soon as it
+outgrows the limits of :mod:`dmlib._limits` (which scale with the machine's memory).
 """
 
 from __future__ import annotations
 
-import gzip
 import math
 import os
 import zlib
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.dtypes import LazyDtypes
 from dmlib.errors import FormatError, MissingDependencyError, TruncatedError
 from dmlib.io._checks import shape_problem, short_repr
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 SUFFIXES = (".mpk", ".mpk.gz")
-MAX_UNZIPPED = 64 << 30  # a record larger than this is refused rather than filling memory
 MAX_DEPTH = 64
 
 # Burn DType name -> numpy dtype (as burnpack names them)
@@ -71,18 +71,14 @@ def _decode(path: str) -> Any:
         raise MissingDependencyError(
             "reading Burn .mpk records needs msgpack: pip install 'dmlib[formats]'", path=path
         ) from None
+    raw: bytes | bytearray
     with open(path, "rb") as f:
-        raw = f.read()
-    if path.lower().endswith(".gz") or raw[:2] == b"\x1f\x8b":
-        try:
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            raw = d.decompress(raw, MAX_UNZIPPED)
-            if d.unconsumed_tail:
-                raise FormatError(f"decompresses to more than {MAX_UNZIPPED} bytes", path=path)
-            if not d.eof:
-                raise TruncatedError("gzip stream ends early", path=path)
-        except (zlib.error, gzip.BadGzipFile, EOFError) as err:
-            raise FormatError(f"damaged gzip stream ({err})", path=path) from None
+        head = f.read(2)
+        f.seek(0)
+        if path.lower().endswith(".gz") or head == b"\x1f\x8b":
+            raw = _gunzip(f, os.fstat(f.fileno()).st_size, path)
+        else:
+            raw = f.read()
     try:
         # strict: one value exactly; maps keyed by strings; bytes stay bytes
         return msgpack.unpackb(
@@ -108,6 +104,35 @@ def _decode(path: str) -> Any:
         ) from None
 
 
+_CHUNK = 1 << 20  # compressed bytes fed to the decompressor at a time
+
+
+def _gunzip(f: BinaryIO, size: int, path: str) -> bytearray:
+    """The one gzip member in ``f``, inflated chunk by chunk and refused as soon as it
+    outgrows :func:`dmlib._limits.allowed_output` of the file's size (never in full first)."""
+    allowed = _limits.allowed_output(size)
+    out = bytearray()
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        while not d.eof:
+            data = d.unconsumed_tail or f.read(_CHUNK)
+            if not data:
+                raise TruncatedError("gzip stream ends early", path=path)
+            out += d.decompress(data, allowed + 1 - len(out))
+            if len(out) > allowed:
+                raise FormatError(
+                    f"refused: {_limits.human(size)} of gzip inflate to more than "
+                    f"{_limits.human(allowed)}, the most allowed for it on this machine; "
+                    f"{_limits.limit_hint()}",
+                    path=path,
+                )
+    except zlib.error as err:
+        raise FormatError(f"damaged gzip stream ({err})", path=path) from None
+    if d.unused_data or f.read(1):
+        raise FormatError("bytes after the gzip stream (one gzip member expected)", path=path)
+    return out  # msgpack reads the bytearray itself: no second copy
+
+
 def _dtype_name(value: Any) -> str | None:
     """A DType as rmp_serde writes it: the variant name, or a one-key map {name: payload}."""
     if isinstance(value, str):
@@ -124,6 +149,7 @@ def _is_tensor(node: Any) -> bool:
 def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     """Open a Burn NamedMpk record (``.mpk`` or ``.mpk.gz``) as a TensorSet."""
     path = os.fspath(path)
+    stamp = FileStamp.take(path)
     doc = _decode(path)
     if not isinstance(doc, dict) or "item" not in doc:
         raise FormatError("not a Burn record (no top-level 'item')", path=path)
@@ -234,7 +260,13 @@ def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     if opaque:
         layout["opaque"] = opaque
     return TensorSet(
-        tensors, path=path, format="burn-mpk", metadata=metadata, scalars=scalars, layout=layout
+        tensors,
+        path=path,
+        format="burn-mpk",
+        metadata=metadata,
+        scalars=scalars,
+        layout=layout,
+        stamp=stamp,
     )
 
 
