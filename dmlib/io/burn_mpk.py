@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import zlib
 from typing import Any, BinaryIO
 
@@ -108,28 +109,54 @@ _CHUNK = 1 << 20  # compressed bytes fed to the decompressor at a time
 
 
 def _gunzip(f: BinaryIO, size: int, path: str) -> bytearray:
-    """The one gzip member in ``f``, inflated chunk by chunk and refused as soon as it
-    outgrows :func:`dmlib._limits.allowed_output` of the file's size (never in full first)."""
+    """The one gzip member in ``f``, inflated piece by piece into a buffer of the size its
+    trailer declares (ISIZE, RFC 1952), refused as soon as it outgrows that or
+    :func:`dmlib._limits.allowed_output` of the file's size: never inflated in full first,
+    never more held than the smaller of the two."""
     allowed = _limits.allowed_output(size)
-    out = bytearray()
+    if size < 20:  # header 10, the shortest deflate stream 2, trailer 8
+        raise TruncatedError(f"{size} bytes, too short for a gzip stream", path=path)
+    f.seek(size - 4)
+    (declared,) = struct.unpack("<I", f.read(4))
+    f.seek(0)
+    if declared > allowed:
+        raise FormatError(
+            f"refused: {_limits.human(size)} of gzip declare {_limits.human(declared)} "
+            f"inflated, more than the {_limits.human(allowed)} allowed for them on this "
+            f"machine; {_limits.limit_hint()}",
+            path=path,
+        )
+    out = bytearray(declared)  # zero pages: memory is taken as they are written
+    n, target = 0, declared
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
         while not d.eof:
             data = d.unconsumed_tail or f.read(_CHUNK)
             if not data:
                 raise TruncatedError("gzip stream ends early", path=path)
-            out += d.decompress(data, allowed + 1 - len(out))
-            if len(out) > allowed:
-                raise FormatError(
-                    f"refused: {_limits.human(size)} of gzip inflate to more than "
-                    f"{_limits.human(allowed)}, the most allowed for it on this machine; "
-                    f"{_limits.limit_hint()}",
-                    path=path,
-                )
+            piece = d.decompress(data, 16 * _CHUNK)
+            while n + len(piece) > target:  # ISIZE is the length mod 2**32: maybe 4 GiB more
+                target += 1 << 32
+                if target > allowed:
+                    what = (
+                        f"inflate to more than {_limits.human(allowed)}, the most allowed for "
+                        "them on this machine"
+                        if n + len(piece) > allowed
+                        else f"inflate past the {declared} bytes their trailer declares"
+                    )
+                    raise FormatError(
+                        f"refused: {_limits.human(size)} of gzip {what}; {_limits.limit_hint()}",
+                        path=path,
+                    )
+            if n + len(piece) > len(out):
+                out += bytes(target - len(out))
+            out[n : n + len(piece)] = piece
+            n += len(piece)
     except zlib.error as err:
         raise FormatError(f"damaged gzip stream ({err})", path=path) from None
     if d.unused_data or f.read(1):
         raise FormatError("bytes after the gzip stream (one gzip member expected)", path=path)
+    del out[n:]
     return out  # msgpack reads the bytearray itself: no second copy
 
 
