@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -22,9 +21,9 @@ import numpy as np
 import pytest
 
 import dmlib
-from dmlib.stats.compare import compare_records
 from dmlib.errors import FormatError
 from dmlib.io.safetensors import write_safetensors
+from dmlib.stats.compare import compare_records
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 1 << 18  # float32 elements per tensor: 1 MiB, several chunks at chunk_bytes=64 KiB
