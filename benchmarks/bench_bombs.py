@@ -2,8 +2,8 @@
 
 "Before" is the reader of git revision ``--baseline`` (default ``b6eb418``, the last one
 without the bounds), its module source taken with ``git show`` into a temporary folder and
-imported next to today's dmlib; "after" is ``dmlib inspect FILE`` of this checkout. Each is
-one child process measured from fork to exit with its peak RSS from ``wait4``
+imported next to today's dmlib; "after" is the same harness with this checkout's reader
+(``dmlib.io.<module>``), so both pay the same start-up. Each is one child process measured from fork to exit with its peak RSS from ``wait4``
 (benchmarks/_proc.py). The bombs are built by tests/_bombs.py (honest sizes and CRCs):
 
 - ``npz``: two members of ``--npz-mib`` MiB of zeros each (about 600 KB at the default):
@@ -35,7 +35,7 @@ RESULTS = HERE / "results" / "bombs.json"
 sys.path.insert(0, str(ROOT / "tests"))
 import _bombs  # noqa: E402
 
-# the old reader of a format, imported from the baseline's source next to today's dmlib
+# open a file with one reader module (the baseline's, or today's) and load every tensor
 _OLD = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -104,7 +104,10 @@ def main() -> None:
                 [sys.executable, "-c", _OLD, str(work), f"old_{module}", fn, str(path)],
                 ok=(0, 1, 2),
             )
-            after = run_cpu([sys.executable, "-m", "dmlib", "inspect", str(path)], ok=(2,))
+            after = run_cpu(
+                [sys.executable, "-c", _OLD, str(work), f"dmlib.io.{module}", fn, str(path)],
+                ok=(2,),
+            )
             rows.append(
                 {
                     "bomb": name,

@@ -12,6 +12,7 @@ import copy
 import math
 import os
 import stat
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -33,11 +34,23 @@ class FileStamp:
     not touched (which would kill the process with SIGBUS).
     """
 
-    __slots__ = ("path", "key")
+    __slots__ = ("path", "key", "_ok")
+
+    #: seconds a successful check vouches for the file where ``recent=True`` is asked (the
+    #: checks before each chunk), so many small tensors of one file cost one stat per pair
+    RECENT = 0.001
 
     def __init__(self, path: str, st: os.stat_result) -> None:
         self.path = path
         self.key = _stat_key(st)
+        self._ok = -math.inf  # when a check last found the file unchanged (never, yet)
+
+    def __getstate__(self) -> tuple[str, tuple[int, ...]]:
+        return self.path, self.key
+
+    def __setstate__(self, state: tuple[str, tuple[int, ...]]) -> None:
+        self.path, self.key = state
+        self._ok = -math.inf
 
     @classmethod
     def take(cls, path: str | os.PathLike[str] | None) -> FileStamp | None:
@@ -51,13 +64,21 @@ class FileStamp:
             return None
         return cls(path, st) if stat.S_ISREG(st.st_mode) else None
 
-    def check(self) -> None:
-        """Raise :class:`FormatError` ("changed while reading") if the file is not as stamped."""
+    def check(self, *, recent: bool = False) -> None:
+        """Raise :class:`FormatError` ("changed while reading") if the file is not as stamped.
+
+        ``recent``: a check that passed less than :attr:`RECENT` seconds ago is enough
+        (for the guards before a chunk is touched; the checks before a result is
+        returned always stat the file).
+        """
+        if recent and time.monotonic() - self._ok < self.RECENT:
+            return
         try:
             now: tuple[int, ...] | None = _stat_key(os.stat(self.path))
         except (OSError, ValueError):
             now = None
         if now == self.key:
+            self._ok = time.monotonic()
             return
         if now is None:
             what = "it is gone"
@@ -203,7 +224,7 @@ class Tensor:
                 f"tensor {self.name!r} has no data source (file closed?)", path=self._path
             )
         if self._stamp is not None:
-            self._stamp.check()
+            self._stamp.check(recent=True)
         if callable(src):
             arr = src()
         elif self._in_buffer:
@@ -235,11 +256,12 @@ class Tensor:
         self.check_unchanged()
         return digest
 
-    def check_unchanged(self) -> None:
+    def check_unchanged(self, *, recent: bool = False) -> None:
         """Refuse (:class:`FormatError`, "changed while reading") if the tensor's file
-        changed since it was opened; nothing for in-memory tensors."""
+        changed since it was opened; nothing for in-memory tensors. ``recent``: see
+        :meth:`FileStamp.check`."""
         if self._stamp is not None:
-            self._stamp.check()
+            self._stamp.check(recent=recent)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.load()

@@ -131,9 +131,9 @@ from dmlib.stats import _pair
 from dmlib.tensor import Tensor
 a, b, checks = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
 if not checks:  # the control: what happens without the stamps
-    Tensor.check_unchanged = lambda self: None
+    Tensor.check_unchanged = lambda self, recent=False: None
     import dmlib.tensor
-    dmlib.tensor.FileStamp.check = lambda self: None
+    dmlib.tensor.FileStamp.check = lambda self, recent=False: None
 same = _pair._same_bytes
 calls = []
 def truncating(ca, cb):  # once the first chunk is compared, b shrinks to its header

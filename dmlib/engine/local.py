@@ -80,7 +80,7 @@ def equal_to_first(
         if not any(equal):
             break
         if off:  # raw() checked the files before the first chunk; a shrunk map is not touched
-            _check([first, *others])
+            _check([first, *others], recent=True)
         c0 = raw0[off : off + chunk_bytes]
         for i, r in enumerate(raws):
             if equal[i]:
@@ -92,10 +92,10 @@ def equal_to_first(
     return equal
 
 
-def _check(tensors: Iterable[Tensor]) -> None:
+def _check(tensors: Iterable[Tensor], recent: bool = False) -> None:
     """Refuse ("changed while reading") if the file of any of ``tensors`` changed."""
     for t in tensors:
-        t.check_unchanged()
+        t.check_unchanged(recent=recent)
 
 
 #: Contents of one name told apart by comparing bytes before the rest are hashed: each

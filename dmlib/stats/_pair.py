@@ -102,8 +102,8 @@ def _chunk_pairs(
     step = max(1, chunk_bytes // elem.itemsize) * elem.itemsize
     for off in range(0, ta.nbytes, step):
         if off:  # raw() checked the files before the first chunk; a shrunk map is not touched
-            ta.check_unchanged()
-            tb.check_unchanged()
+            ta.check_unchanged(recent=True)
+            tb.check_unchanged(recent=True)
         ca, cb = ra[off : off + step], rb[off : off + step]
         sa = ca.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_a else ca
         sb = cb.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_b else cb
