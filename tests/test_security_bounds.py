@@ -190,6 +190,18 @@ def test_mpk_gz_lying_about_its_size_stops_inflating_at_the_limit(tmp_path: Path
     assert peak < allowed + 300 * MIB < size
 
 
+def test_mpk_larger_than_one_record_may_take_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    p = tmp_path / "big.mpk"
+    with open(p, "wb") as f:  # a sparse file: 80 MiB declared, nothing written
+        f.write(_bombs.mpk_record_prefix(80 * MIB))
+        f.truncate(80 * MIB + 200)
+    code, err, peak = _dmlib("inspect", str(p), env={"DMLIB_MAX_DECOMPRESSED": "64M"})
+    assert code == 2
+    _one_line_naming(err, p, "refused", "decoded whole in memory")
+    assert peak < BOUND
+
+
 # -- counts and sizes declared in headers ----------------------------------------------------
 
 

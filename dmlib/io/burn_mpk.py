@@ -79,6 +79,14 @@ def _decode(path: str) -> Any:
         if path.lower().endswith(".gz") or head == b"\x1f\x8b":
             raw = _gunzip(f, os.fstat(f.fileno()).st_size, path)
         else:
+            size = os.fstat(f.fileno()).st_size
+            if size > _limits.max_decompressed():  # decoded whole: refuse, do not exhaust memory
+                raise FormatError(
+                    f"refused: a {_limits.human(size)} record is decoded whole in memory, more "
+                    f"than the {_limits.human(_limits.max_decompressed())} one record may take "
+                    f"on this machine; {_limits.limit_hint()}",
+                    path=path,
+                )
             raw = f.read()
     try:
         # strict: one value exactly; maps keyed by strings; bytes stay bytes
