@@ -150,7 +150,9 @@ def _archive_problem(infos: list[zipfile.ZipInfo], size: int) -> str | None:
                 f"member {info.filename!r} declares {_limits.human(info.file_size)}, more than "
                 f"the {_limits.human(cap)} one member may take on this machine"
             )
-        if info in packed and info.file_size > _limits.allowed_output(info.compress_size):
+        if info.compress_type != zipfile.ZIP_STORED and info.file_size > _limits.allowed_output(
+            info.compress_size
+        ):
             return (
                 f"member {info.filename!r} would inflate {_limits.human(info.compress_size)} "
                 f"to {_limits.human(info.file_size)}, more than the "
@@ -179,6 +181,10 @@ def _member_reader(
         held = last[0]() if last else None
         if held is not None:
             return held
+        if zf.fp is None:  # the set was closed
+            raise DmlibError(
+                f"member {info.filename!r} has no data source (file closed?)", path=path
+            )
         try:
             with zf.open(info) as f:
                 arr = np.lib.format.read_array(f, allow_pickle=False)
