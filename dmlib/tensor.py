@@ -11,15 +11,91 @@ from __future__ import annotations
 import copy
 import math
 import os
+import stat
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from dmlib import hashing
-from dmlib.errors import DmlibError, TensorNotFoundError
+from dmlib.errors import DmlibError, FormatError, TensorNotFoundError
 
 Scalar = int | float | bool | str | None
+
+
+class FileStamp:
+    """What a file looked like when a reader opened it: size, mtime, ctime, inode, device.
+
+    Every tensor read from the file carries its set's stamp; :meth:`check` runs before its
+    bytes are handed out and after a comparison or a hash of them, so a file truncated,
+    rewritten in place or replaced while dmlib reads it is refused ("changed while
+    reading") instead of yielding a result of neither version, and a shrunk memory map is
+    not touched (which would kill the process with SIGBUS).
+    """
+
+    __slots__ = ("path", "key", "_ok")
+
+    #: seconds a successful check vouches for the file where ``recent=True`` is asked (the
+    #: checks before each chunk), so many small tensors of one file cost one stat per pair
+    RECENT = 0.001
+
+    def __init__(self, path: str, st: os.stat_result) -> None:
+        self.path = path
+        self.key = _stat_key(st)
+        self._ok = -math.inf  # when a check last found the file unchanged (never, yet)
+
+    def __getstate__(self) -> tuple[str, tuple[int, ...]]:
+        return self.path, self.key
+
+    def __setstate__(self, state: tuple[str, tuple[int, ...]]) -> None:
+        self.path, self.key = state
+        self._ok = -math.inf
+
+    @classmethod
+    def take(cls, path: str | os.PathLike[str] | None) -> FileStamp | None:
+        """The stamp of a regular file now (None for no path, a folder, or an unreadable one)."""
+        if path is None:
+            return None
+        path = os.fspath(path)
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        return cls(path, st) if stat.S_ISREG(st.st_mode) else None
+
+    def check(self, *, recent: bool = False) -> None:
+        """Raise :class:`FormatError` ("changed while reading") if the file is not as stamped.
+
+        ``recent``: a check that passed less than :attr:`RECENT` seconds ago is enough
+        (for the guards before a chunk is touched; the checks before a result is
+        returned always stat the file).
+        """
+        if recent and time.monotonic() - self._ok < self.RECENT:
+            return
+        try:
+            now: tuple[int, ...] | None = _stat_key(os.stat(self.path))
+        except (OSError, ValueError):
+            now = None
+        if now == self.key:
+            self._ok = time.monotonic()
+            return
+        if now is None:
+            what = "it is gone"
+        elif now[0] != self.key[0]:
+            what = f"size {self.key[0]} -> {now[0]} bytes"
+        elif now[3:] != self.key[3:]:
+            what = "replaced by another file"
+        else:
+            what = "modified in place (its modification time changed)"
+        raise FormatError(
+            f"changed while reading ({what}); no result computed from it is reported",
+            path=self.path,
+        )
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 #: packing -> values per byte
@@ -84,6 +160,7 @@ class Tensor:
         "_source",
         "_path",
         "_in_buffer",
+        "_stamp",
     )
 
     def __init__(
@@ -129,6 +206,7 @@ class Tensor:
                 and source.shape != self.shape
             )
         self._in_buffer = in_buffer
+        self._stamp: FileStamp | None = None  # set by the TensorSet (see FileStamp)
 
     @property
     def numel(self) -> int:
@@ -145,6 +223,8 @@ class Tensor:
             raise DmlibError(
                 f"tensor {self.name!r} has no data source (file closed?)", path=self._path
             )
+        if self._stamp is not None:
+            self._stamp.check(recent=True)
         if callable(src):
             arr = src()
         elif self._in_buffer:
@@ -172,7 +252,16 @@ class Tensor:
 
     def data_hash(self) -> str:
         """SHA-256 (hex) of exactly this tensor's stored bytes."""
-        return hashing.hash_bytes(self.raw())
+        digest = hashing.hash_bytes(self.raw())
+        self.check_unchanged()
+        return digest
+
+    def check_unchanged(self, *, recent: bool = False) -> None:
+        """Refuse (:class:`FormatError`, "changed while reading") if the tensor's file
+        changed since it was opened; nothing for in-memory tensors. ``recent``: see
+        :meth:`FileStamp.check`."""
+        if self._stamp is not None:
+            self._stamp.check(recent=recent)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.load()
@@ -245,6 +334,7 @@ class TensorSet(Mapping[str, Tensor]):
         layout: Mapping[str, Any] | None = None,
         closer: Any = None,
         buffer: np.ndarray | None = None,
+        stamp: FileStamp | None = None,
     ) -> None:
         self._tensors: dict[str, Tensor] = dict(tensors or {})
         self.path = None if path is None else os.fspath(path)
@@ -255,6 +345,15 @@ class TensorSet(Mapping[str, Tensor]):
         self.layout: dict[str, Any] = dict(layout or {})
         self._closer = closer
         self._buf: np.ndarray | None = buffer
+        # the file as it was when opened (readers pass the stamp taken before they read
+        # the header); every tensor of a file gets that file's stamp
+        self.stamp: FileStamp | None = stamp if stamp is not None else FileStamp.take(self.path)
+        stamps: dict[str | None, FileStamp | None] = {self.path: self.stamp}
+        for t in self._tensors.values():
+            if t._stamp is None and t._path is not None:
+                if t._path not in stamps:
+                    stamps[t._path] = FileStamp.take(t._path)
+                t._stamp = stamps[t._path]
 
     # Mapping protocol
     def __getitem__(self, name: str) -> Tensor:
@@ -314,6 +413,16 @@ class TensorSet(Mapping[str, Tensor]):
         view = buf[start:end]
         return view
 
+    def check_unchanged(self) -> None:
+        """Refuse (:class:`FormatError`, "changed while reading") if any file this set
+        reads changed since it was opened."""
+        seen = {id(self.stamp): self.stamp} if self.stamp is not None else {}
+        for t in self._tensors.values():
+            if t._stamp is not None:
+                seen.setdefault(id(t._stamp), t._stamp)
+        for s in seen.values():
+            s.check()
+
     def renamed(self, names: Mapping[str, str]) -> TensorSet:
         """A set over the same bytes with tensors renamed ``old -> new`` (others keep their name)."""
         tensors = {}
@@ -331,6 +440,7 @@ class TensorSet(Mapping[str, Tensor]):
             scalars=self.scalars,
             layout=self.layout,
             buffer=self._buf,
+            stamp=self.stamp,
         )
 
     # derived facts
@@ -349,7 +459,12 @@ class TensorSet(Mapping[str, Tensor]):
         """SHA-256 of the whole file (None for in-memory sets)."""
         if self.path is None or not os.path.isfile(self.path):
             return None
-        return hashing.hash_file(self.path)
+        if self.stamp is not None:
+            self.stamp.check()
+        digest = hashing.hash_file(self.path)
+        if self.stamp is not None:  # a hash of neither version is never reported
+            self.stamp.check()
+        return digest
 
     def data_hash(self) -> str:
         """SHA-256 of all tensor bytes in disk order, metadata and padding excluded.
@@ -357,7 +472,9 @@ class TensorSet(Mapping[str, Tensor]):
         Two files with the same parameter values but different metadata (Burn's
         per-process ``param_id``) have the same data hash and different file hashes.
         """
-        return hashing.hash_chunks(t.raw() for t in self.disk_order())
+        digest = hashing.hash_chunks(t.raw() for t in self.disk_order())
+        self.check_unchanged()
+        return digest
 
     def table(self):  # -> pandas.DataFrame
         """One row per tensor in disk order: name, dtype (numpy's name), format_dtype (the

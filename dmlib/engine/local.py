@@ -79,6 +79,8 @@ def equal_to_first(
     for off in range(0, first.nbytes, chunk_bytes):
         if not any(equal):
             break
+        if off:  # raw() checked the files before the first chunk; a shrunk map is not touched
+            _check([first, *others], recent=True)
         c0 = raw0[off : off + chunk_bytes]
         for i, r in enumerate(raws):
             if equal[i]:
@@ -86,7 +88,14 @@ def equal_to_first(
                 equal[i] = _same_bytes(c0, c)
                 rel.add(c, roots[i])
         rel.add(c0, root0)
+    _check([first, *others])
     return equal
+
+
+def _check(tensors: Iterable[Tensor], recent: bool = False) -> None:
+    """Refuse ("changed while reading") if the file of any of ``tensors`` changed."""
+    for t in tensors:
+        t.check_unchanged(recent=recent)
 
 
 #: Contents of one name told apart by comparing bytes before the rest are hashed: each
@@ -134,6 +143,7 @@ def group_contents(
         hashed: dict[tuple, Content] = {}  # (layout, digest) -> content, for the rest
         for t in todo:
             digest = K.hash_views([t.raw()], chunk_bytes, scheme)
+            t.check_unchanged()
             key = (layout_key(t), digest)
             if key not in hashed:
                 hashed[key] = Content(_done(digest) if hash_name else None)
@@ -142,6 +152,7 @@ def group_contents(
             for t in ts:
                 if out[id(t)].digest is None:
                     out[id(t)].digest = _done(K.hash_views([t.raw()], chunk_bytes, hash_name))
+                    t.check_unchanged()
         return out
 
     groups = list(by_name.values())

@@ -13,26 +13,27 @@ the dtype says (little-endian, as Burn writes them), checks the byte length agai
 shape, and keeps a tensor whose dtype it cannot interpret (a quantized ``QFloat``, a
 variant given by index) as opaque bytes. Plain values elsewhere in the record (numbers,
 strings, bools) become ``scalars``. The whole record is decoded in memory (MessagePack
-has no index to seek by); a ``.mpk.gz`` is decompressed first, up to a size limit.
+has no index to seek by); a ``.mpk.gz`` is decompressed first, in a streaming way, refused as soon as it
+outgrows the limits of :mod:`dmlib._limits` (which scale with the machine's memory).
 """
 
 from __future__ import annotations
 
-import gzip
 import math
 import os
+import struct
 import zlib
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.dtypes import LazyDtypes
 from dmlib.errors import FormatError, MissingDependencyError, TruncatedError
 from dmlib.io._checks import shape_problem, short_repr
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 SUFFIXES = (".mpk", ".mpk.gz")
-MAX_UNZIPPED = 64 << 30  # a record larger than this is refused rather than filling memory
 MAX_DEPTH = 64
 
 # Burn DType name -> numpy dtype (as burnpack names them)
@@ -71,18 +72,22 @@ def _decode(path: str) -> Any:
         raise MissingDependencyError(
             "reading Burn .mpk records needs msgpack: pip install 'dmlib[formats]'", path=path
         ) from None
+    raw: bytes | bytearray
     with open(path, "rb") as f:
-        raw = f.read()
-    if path.lower().endswith(".gz") or raw[:2] == b"\x1f\x8b":
-        try:
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            raw = d.decompress(raw, MAX_UNZIPPED)
-            if d.unconsumed_tail:
-                raise FormatError(f"decompresses to more than {MAX_UNZIPPED} bytes", path=path)
-            if not d.eof:
-                raise TruncatedError("gzip stream ends early", path=path)
-        except (zlib.error, gzip.BadGzipFile, EOFError) as err:
-            raise FormatError(f"damaged gzip stream ({err})", path=path) from None
+        head = f.read(2)
+        f.seek(0)
+        if path.lower().endswith(".gz") or head == b"\x1f\x8b":
+            raw = _gunzip(f, os.fstat(f.fileno()).st_size, path)
+        else:
+            size = os.fstat(f.fileno()).st_size
+            if size > _limits.max_decompressed():  # decoded whole: refuse, do not exhaust memory
+                raise FormatError(
+                    f"refused: a {_limits.human(size)} record is decoded whole in memory, more "
+                    f"than the {_limits.human(_limits.max_decompressed())} one record may take "
+                    f"on this machine; {_limits.limit_hint()}",
+                    path=path,
+                )
+            raw = f.read()
     try:
         # strict: one value exactly; maps keyed by strings; bytes stay bytes
         return msgpack.unpackb(
@@ -108,6 +113,61 @@ def _decode(path: str) -> Any:
         ) from None
 
 
+_CHUNK = 1 << 20  # compressed bytes fed to the decompressor at a time
+
+
+def _gunzip(f: BinaryIO, size: int, path: str) -> bytearray:
+    """The one gzip member in ``f``, inflated piece by piece into a buffer of the size its
+    trailer declares (ISIZE, RFC 1952), refused as soon as it outgrows that or
+    :func:`dmlib._limits.allowed_output` of the file's size: never inflated in full first,
+    never more held than the smaller of the two."""
+    allowed = _limits.allowed_output(size)
+    if size < 20:  # header 10, the shortest deflate stream 2, trailer 8
+        raise TruncatedError(f"{size} bytes, too short for a gzip stream", path=path)
+    f.seek(size - 4)
+    (declared,) = struct.unpack("<I", f.read(4))
+    f.seek(0)
+    if declared > allowed:
+        raise FormatError(
+            f"refused: {_limits.human(size)} of gzip declare {_limits.human(declared)} "
+            f"inflated, more than the {_limits.human(allowed)} allowed for them on this "
+            f"machine; {_limits.limit_hint()}",
+            path=path,
+        )
+    out = bytearray(declared)  # zero pages: memory is taken as they are written
+    n, target = 0, declared
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        while not d.eof:
+            data = d.unconsumed_tail or f.read(_CHUNK)
+            if not data:
+                raise TruncatedError("gzip stream ends early", path=path)
+            piece = d.decompress(data, 16 * _CHUNK)
+            while n + len(piece) > target:  # ISIZE is the length mod 2**32: maybe 4 GiB more
+                target += 1 << 32
+                if target > allowed:
+                    what = (
+                        f"inflate to more than {_limits.human(allowed)}, the most allowed for "
+                        "them on this machine"
+                        if n + len(piece) > allowed
+                        else f"inflate past the {declared} bytes their trailer declares"
+                    )
+                    raise FormatError(
+                        f"refused: {_limits.human(size)} of gzip {what}; {_limits.limit_hint()}",
+                        path=path,
+                    )
+            if n + len(piece) > len(out):
+                out += bytes(target - len(out))
+            out[n : n + len(piece)] = piece
+            n += len(piece)
+    except zlib.error as err:
+        raise FormatError(f"damaged gzip stream ({err})", path=path) from None
+    if d.unused_data or f.read(1):
+        raise FormatError("bytes after the gzip stream (one gzip member expected)", path=path)
+    del out[n:]
+    return out  # msgpack reads the bytearray itself: no second copy
+
+
 def _dtype_name(value: Any) -> str | None:
     """A DType as rmp_serde writes it: the variant name, or a one-key map {name: payload}."""
     if isinstance(value, str):
@@ -124,6 +184,7 @@ def _is_tensor(node: Any) -> bool:
 def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     """Open a Burn NamedMpk record (``.mpk`` or ``.mpk.gz``) as a TensorSet."""
     path = os.fspath(path)
+    stamp = FileStamp.take(path)
     doc = _decode(path)
     if not isinstance(doc, dict) or "item" not in doc:
         raise FormatError("not a Burn record (no top-level 'item')", path=path)
@@ -234,7 +295,13 @@ def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
     if opaque:
         layout["opaque"] = opaque
     return TensorSet(
-        tensors, path=path, format="burn-mpk", metadata=metadata, scalars=scalars, layout=layout
+        tensors,
+        path=path,
+        format="burn-mpk",
+        metadata=metadata,
+        scalars=scalars,
+        layout=layout,
+        stamp=stamp,
     )
 
 

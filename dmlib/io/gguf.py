@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib import dtypes as _dtypes
 from dmlib.errors import (
     FormatError,
@@ -37,7 +38,7 @@ from dmlib.errors import (
     UnsupportedError,
 )
 from dmlib.io._checks import short_repr
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -133,6 +134,17 @@ class _Cursor:
         self.pos += n
         return out
 
+    def view(self, n: int, what: str) -> np.ndarray:
+        """Like :meth:`take`, without a copy: a view of the next ``n`` bytes of the map."""
+        if n < 0 or self.pos + n > len(self.buf):
+            raise TruncatedError(
+                f"{what} at byte {self.pos} needs {n} bytes, the file has {len(self.buf) - self.pos} left",
+                path=self.path,
+            )
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
     def scalar(self, code: str, what: str) -> Any:
         return struct.unpack(self.order + code, self.take(struct.calcsize(code), what))[0]
 
@@ -160,8 +172,7 @@ class _Cursor:
             n = self.scalar("Q", what + " length")
             if etype in _SCALARS:  # fixed width: check the length before reading
                 size = struct.calcsize(_SCALARS[etype])
-                raw = self.take(n * size, what)
-                return _Array(etype, n, raw)
+                return _Array(etype, n, self.view(n * size, what))
             if etype not in (8, 9):
                 raise FormatError(f"{what}: unknown array element type {etype}", path=self.path)
             if n > len(self.buf) - self.pos:  # every element takes at least one byte
@@ -169,13 +180,19 @@ class _Cursor:
                     f"{what}: {n} elements cannot fit in the bytes left", path=self.path
                 )
             start = self.pos
-            items = [self.value(etype, what, depth + 1) for _ in range(n)]
-            return _Array(etype, n, self.buf[start : self.pos].tobytes(), items)
+            # a long array is kept as its length and digest only: its items are walked
+            # (and checked) but not held, so a vocabulary of millions costs no objects
+            items: list | None = [] if n <= SHORT_ARRAY else None
+            for _ in range(n):
+                item = self.value(etype, what, depth + 1)
+                if items is not None:
+                    items.append(item)
+            return _Array(etype, n, self.buf[start : self.pos], items)
         raise FormatError(f"{what}: unknown value type {vtype}", path=self.path)
 
 
 class _Array:
-    def __init__(self, etype: int, n: int, raw: bytes, items: list | None = None) -> None:
+    def __init__(self, etype: int, n: int, raw: Any, items: list | None = None) -> None:
         self.etype, self.n, self.raw, self.items = etype, n, raw, items
 
     def text(self, order: str) -> str:
@@ -203,6 +220,7 @@ def _byte_order(head: bytes, path: str) -> Literal["<", ">"]:
 def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> TensorSet:
     """Open a GGUF file as a lazy TensorSet (quantized blocks as bytes, or dequantized)."""
     path = os.fspath(path)
+    stamp = FileStamp.take(path)  # before the header is read
     size = os.path.getsize(path)
     if size < 24:
         raise TruncatedError(f"{size} bytes, shorter than the 24-byte GGUF header", path=path)
@@ -295,6 +313,13 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
                 in_buffer=True,
             )
         elif dequantize:
+            if numel * 4 > _limits.max_decompressed():
+                raise FormatError(
+                    f"tensor {name!r}: dequantized it would take {_limits.human(numel * 4)}, "
+                    f"more than the {_limits.human(_limits.max_decompressed())} allowed on this "
+                    f"machine; {_limits.limit_hint()}",
+                    path=path,
+                )
             tensors[name] = Tensor(
                 name, np.dtype("f4"), shape, nbytes=numel * 4, dtype_name=f"{tname}->F32", path=path,
                 source=_dequantizer(buf, start, nbytes, gtype, shape, path, name),
@@ -329,7 +354,13 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
     if quant:
         layout["quantized" if not dequantize else "dequantized"] = quant
     return TensorSet(
-        tensors, path=path, format="gguf", metadata=metadata, layout=layout, buffer=buf
+        tensors,
+        path=path,
+        format="gguf",
+        metadata=metadata,
+        layout=layout,
+        buffer=buf,
+        stamp=stamp,
     )
 
 

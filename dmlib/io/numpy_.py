@@ -6,15 +6,17 @@ import math
 import os
 import struct
 import tokenize
+import weakref
 import zipfile
 import zlib
 from typing import IO, Any
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.errors import DmlibError, FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io._checks import shape_problem, short_repr
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 NPY_MAGIC = b"\x93NUMPY"
 
@@ -102,6 +104,7 @@ _NPY_ERRORS: tuple[type[BaseException], ...] = (
 def open_npy(path: str | os.PathLike[str]) -> TensorSet:
     path = os.fspath(path)
     name = os.path.splitext(os.path.basename(path))[0]
+    stamp = FileStamp.take(path)
     try:
         with open(path, "rb") as f:
             shape, _, dtype = _read_header(f)
@@ -123,37 +126,130 @@ def open_npy(path: str | os.PathLike[str]) -> TensorSet:
     if not arr.flags.c_contiguous:  # Fortran order: hand out a C-order copy, said in layout
         arr = np.ascontiguousarray(arr)
         offset = None
-    return TensorSet({name: _tensor(name, arr, path, offset)}, path=path, format="npy")
+    return TensorSet({name: _tensor(name, arr, path, offset)}, path=path, format="npy", stamp=stamp)
+
+
+def _archive_problem(infos: list[zipfile.ZipInfo], size: int) -> str | None:
+    """Why the archive's directory declares more work than its bytes can honestly hold.
+
+    Checked before any member is decompressed: compressed lengths that add up to more
+    than the file (members that overlap: one compressed run inflated many times), a member
+    larger than :func:`dmlib._limits.max_decompressed`, or members inflating more than
+    :func:`dmlib._limits.allowed_output` allows (alone, or all together).
+    """
+    packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    if sum(i.compress_size for i in infos) > size:
+        return (
+            f"members declare {_limits.human(sum(i.compress_size for i in infos))} of "
+            f"compressed data in a {_limits.human(size)} file (overlapping members)"
+        )
+    cap = _limits.max_decompressed()
+    for info in infos:
+        if info.file_size > cap:
+            return (
+                f"member {info.filename!r} declares {_limits.human(info.file_size)}, more than "
+                f"the {_limits.human(cap)} one member may take on this machine"
+            )
+        if info.compress_type != zipfile.ZIP_STORED and info.file_size > _limits.allowed_output(
+            info.compress_size
+        ):
+            return (
+                f"member {info.filename!r} would inflate {_limits.human(info.compress_size)} "
+                f"to {_limits.human(info.file_size)}, more than the "
+                f"{_limits.human(_limits.allowed_output(info.compress_size))} allowed"
+            )
+    total, packed_in = sum(i.file_size for i in packed), sum(i.compress_size for i in packed)
+    if total > _limits.allowed_output(packed_in):
+        return (
+            f"members would inflate {_limits.human(packed_in)} to {_limits.human(total)}, "
+            f"more than the {_limits.human(_limits.allowed_output(packed_in))} allowed"
+        )
+    return None
+
+
+def _member_reader(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, shape: tuple[int, ...], dtype: np.dtype, path: str
+) -> Any:
+    """A loader of one member's bytes (C order, as stored), decompressed when it is called.
+
+    The last array read is kept through a weak reference only: while a caller holds it,
+    a second load of the same member costs nothing; memory is never held for it here.
+    """
+    last: list[weakref.ref[np.ndarray]] = []
+
+    def load() -> np.ndarray:
+        held = last[0]() if last else None
+        if held is not None:
+            return held
+        if zf.fp is None:  # the set was closed
+            raise DmlibError(
+                f"member {info.filename!r} has no data source (file closed?)", path=path
+            )
+        try:
+            with zf.open(info) as f:
+                arr = np.lib.format.read_array(f, allow_pickle=False)
+        except (*_NPY_ERRORS, *_ZIP_ERRORS) as err:
+            raise FormatError(
+                f"member {info.filename!r} is not readable ({type(err).__name__}: "
+                f"{short_repr(str(err), 200)})",
+                path=path,
+            ) from None
+        if arr.shape != shape or arr.dtype != dtype:  # the header changed since open
+            raise FormatError(
+                f"member {info.filename!r} changed while reading (header now "
+                f"{arr.dtype} x {list(arr.shape)})",
+                path=path,
+            )
+        out = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        out.flags.writeable = False  # handed out as is by Tensor.raw(), so the weak ref holds
+        last[:] = [weakref.ref(out)]
+        return out
+
+    return load
 
 
 def open_npz(path: str | os.PathLike[str]) -> TensorSet:
+    """Open an ``.npz`` archive lazily: each member is decompressed when its tensor is loaded.
+
+    At open only the zip directory and each member's ``.npy`` header are read; the
+    directory is checked against the limits of :mod:`dmlib._limits` first, so a small
+    archive declaring gigabytes is refused before anything is inflated.
+    """
     path = os.fspath(path)
-    arrays: dict[str, np.ndarray] = {}
+    stamp = FileStamp.take(path)
+    tensors: dict[str, Tensor] = {}
+    zf: zipfile.ZipFile | None = None
     try:
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if info.is_dir():
-                    continue
-                key = info.filename.removesuffix(".npy")
-                if key in arrays:
-                    raise FormatError(f"archive holds {key!r} twice", path=path)
-                # check the member's header against its real size before numpy
-                # allocates what the header claims
-                with zf.open(info) as f:
-                    shape, _, dtype = _read_header(f)
-                    header_end = f.tell()
-                _check_size(
-                    f"member {info.filename!r}", shape, dtype, info.file_size - header_end, path
-                )
-                with zf.open(info) as f:
-                    arrays[key] = np.lib.format.read_array(f, allow_pickle=False)
+        zf = zipfile.ZipFile(path)
+        infos = [i for i in zf.infolist() if not i.is_dir()]
+        problem = _archive_problem(infos, os.path.getsize(path))
+        if problem is not None:
+            raise FormatError(f"refused: {problem}; {_limits.limit_hint()}", path=path)
+        for info in infos:
+            key = info.filename.removesuffix(".npy")
+            if key in tensors:
+                raise FormatError(f"archive holds {key!r} twice", path=path)
+            # check the member's header against its declared size before numpy
+            # allocates what the header claims
+            with zf.open(info) as f:
+                shape, fortran, dtype = _read_header(f)
+                header_end = f.tell()
+            where = f"member {info.filename!r}"
+            _check_size(where, shape, dtype, info.file_size - header_end, path)
+            shape = tuple(int(n) for n in shape)
+            tensors[key] = Tensor(
+                key, dtype, shape, nbytes=math.prod(shape) * dtype.itemsize, path=path,
+                source=_member_reader(zf, info, shape, dtype, path),
+            )  # fmt: skip
     except DmlibError:
+        if zf is not None:
+            zf.close()
         raise
     except (*_NPY_ERRORS, *_ZIP_ERRORS) as err:
+        if zf is not None:
+            zf.close()
         raise FormatError(
             f"not a readable .npz archive ({type(err).__name__}: {short_repr(str(err), 200)})",
             path=path,
         ) from None
-    return TensorSet(
-        {k: _tensor(k, a, path, None) for k, a in arrays.items()}, path=path, format="npz"
-    )
+    return TensorSet(tensors, path=path, format="npz", closer=zf.close, stamp=stamp)

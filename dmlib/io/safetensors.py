@@ -21,7 +21,7 @@ from dmlib import dtypes as _dtypes
 from dmlib.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_SUBBYTE, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io._checks import offsets_problem, shape_problem, short_repr
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -79,6 +79,7 @@ def _header(path: str, size: int, f) -> tuple[int, dict[str, Any]]:
 
 def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     path = os.fspath(path)
+    stamp = FileStamp.take(path)  # before the header is read
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         base, header = _header(path, size, f)
@@ -175,7 +176,13 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     if opaque:  # listed, hashed and compared byte by byte; never silently dropped
         layout["opaque"] = opaque
     return TensorSet(
-        tensors, path=path, format="safetensors", metadata=meta, layout=layout, buffer=buf
+        tensors,
+        path=path,
+        format="safetensors",
+        metadata=meta,
+        layout=layout,
+        buffer=buf,
+        stamp=stamp,
     )
 
 

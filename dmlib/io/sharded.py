@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from dmlib.errors import FormatError, UnsupportedError
-from dmlib.tensor import Tensor, TensorSet
+from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 #: shard suffix -> format
 SHARD_FORMATS = {".safetensors": "safetensors", ".bin": "torch", ".pt": "torch", ".pth": "torch"}
@@ -64,6 +64,7 @@ def open_index(index_path: str | os.PathLike[str]) -> TensorSet:
     from dmlib.io import open_tensors
 
     index_path = os.fspath(index_path)
+    stamp = FileStamp.take(index_path)
     index = _index(index_path)
     raw_meta = index.get("metadata") or {}
     if not isinstance(raw_meta, dict):
@@ -107,5 +108,5 @@ def open_index(index_path: str | os.PathLike[str]) -> TensorSet:
 
     return TensorSet(
         tensors, path=index_path, format=fmt, metadata=meta, scalars=scalars,
-        layout={"shards": sorted(shards), "shard_format": fmt}, closer=close,
+        layout={"shards": sorted(shards), "shard_format": fmt}, closer=close, stamp=stamp,
     )  # fmt: skip

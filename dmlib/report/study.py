@@ -274,6 +274,10 @@ def load_study(path: str | os.PathLike[str]) -> Study:
         raise DmlibError(f"cannot read the study file: {err}", path=path) from None
     except tomllib.TOMLDecodeError as err:
         raise DmlibError(f"not valid TOML: {err}", path=path) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise DmlibError(
+            "arrays or inline tables nest too deeply to be a study file", path=path
+        ) from None
     return from_dict(data, root=Path(os.path.abspath(path)).parent, path=path)
 
 

@@ -101,6 +101,9 @@ def _chunk_pairs(
     per = PACKINGS[ta.packing] if ta.packing is not None else 1
     step = max(1, chunk_bytes // elem.itemsize) * elem.itemsize
     for off in range(0, ta.nbytes, step):
+        if off:  # raw() checked the files before the first chunk; a shrunk map is not touched
+            ta.check_unchanged(recent=True)
+            tb.check_unchanged(recent=True)
         ca, cb = ra[off : off + step], rb[off : off + step]
         sa = ca.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_a else ca
         sb = cb.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_b else cb
@@ -140,7 +143,7 @@ def compare_pair(
         if hash_name is None:  # no identity hashes asked for: bytes are compared, not hashed
             return None
         if id(t) not in cache:
-            cache[id(t)] = pool.submit(K.hash_views, [t.raw()], chunk_bytes, hash_name)
+            cache[id(t)] = pool.submit(_hash_checked, t, t.raw(), chunk_bytes, hash_name)
         return cache[id(t)]
 
     kind = kind_of(ta)
@@ -214,10 +217,19 @@ def compare_pair(
         hash_b = cache[id(tb)] = Future()
         hash_b.set_result(inline_b.hexdigest())
     row = _row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
+    ta.check_unchanged()  # a row of bytes that changed under it is never returned
+    tb.check_unchanged()
     if hash_b is None and hash_a is not None:
         cache.setdefault(id(tb), hash_a)  # same bytes, same digest
     row["_hashes"] = (hash_a, hash_b)
     return row
+
+
+def _hash_checked(t: Tensor, raw: np.ndarray, chunk_bytes: int, hash_name: str) -> str:
+    """The digest of ``raw`` (``t``'s bytes), refused if ``t``'s file changed meanwhile."""
+    digest = K.hash_views([raw], chunk_bytes, hash_name)
+    t.check_unchanged()
+    return digest
 
 
 def _inline_hasher(ta: Tensor, cache: dict[int, Future[str]], hash_name: str | None) -> Any:
