@@ -257,6 +257,8 @@ def _kernel_manager(kernel_dir: Path, n: int) -> Any:
         kernel_spec_manager=ksm,
         transport="ipc",
         ip=str(kernel_dir.parent / f"ipc{n}"),
+        # the connection file too, so that nothing of a killed run is left elsewhere
+        connection_file=str(kernel_dir.parent / f"kernel-{n}.json"),
     )
 
 
@@ -348,8 +350,12 @@ def run_notebooks(
     # the figure folder for notebooks that do not configure one (the rule in notebook.py)
     env["DMLIB_FIGURE_DIR"] = str(params.get("FIGURE_DIR", "figures"))
     jobs = max(1, min(jobs or min(4, os.cpu_count() or 1), len(paths)))
+    from dmlib.report import outdir
+
+    outdir.clean_stale(Path(tempfile.gettempdir()), "dmlib-kernel-*")  # left by a killed run
     tmp = Path(tempfile.mkdtemp(prefix="dmlib-kernel-"))
     try:
+        outdir.write_owner(tmp)
         kernel_dir = _kernel_dir(tmp)
 
         async def main() -> list[NotebookResult]:
@@ -374,16 +380,26 @@ def run_notebooks(
 # paths of this machine
 
 
-def scrub(nb: Any, replacements: Sequence[tuple[str, str]]) -> None:
-    """Replace absolute paths of this machine in every text output (tracebacks, warnings)."""
+def _fixer(replacements: Sequence[tuple[str, str]]) -> Callable[[str], str] | None:
     pairs = sorted({(a, b) for a, b in replacements if a and a != os.sep}, key=lambda x: -len(x[0]))
     if not pairs:
-        return
+        return None
     rx = re.compile("|".join(re.escape(a) for a, _ in pairs))
     table = dict(pairs)
+    return lambda text: rx.sub(lambda m: table[m.group(0)], text)
 
-    def fix(text: str) -> str:
-        return rx.sub(lambda m: table[m.group(0)], text)
+
+def scrub_text(text: str, replacements: Sequence[tuple[str, str]]) -> str:
+    """``text`` with the absolute paths of ``replacements`` replaced (longest first)."""
+    fix = _fixer(replacements)
+    return text if fix is None else fix(text)
+
+
+def scrub(nb: Any, replacements: Sequence[tuple[str, str]]) -> None:
+    """Replace absolute paths of this machine in every text output (tracebacks, warnings)."""
+    fix = _fixer(replacements)
+    if fix is None:
+        return
 
     for c in nb.cells:
         for out in c.get("outputs", []) if c.cell_type == "code" else []:
