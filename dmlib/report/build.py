@@ -145,7 +145,9 @@ def build_report(
         (stage / "study.toml").write_text(resolved_toml(study, out), encoding="utf-8")
         # torch's ISA is asked in a child process while the notebooks run
         torch_box: dict[str, Any] = {}
-        probe = threading.Thread(target=lambda: torch_box.update(v=provenance.torch_facts()))
+        probe = threading.Thread(
+            target=lambda: torch_box.update(v=provenance.torch_facts()), daemon=True
+        )
         probe.start()
         all_params = {
             "STUDY": "study.toml",

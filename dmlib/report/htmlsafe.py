@@ -39,7 +39,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _PUNCT = re.compile(r"([!-/:-@\[-`{-~])")
 _ALWAYS = set("\\`*[]<>&$~|")
 # what opens a block at the start of a line: a heading, a list item, a setext underline
-_BLOCK_START = re.compile(r"^\s*(?:([#+=-])|\d+([.)]))")
+_BLOCK_START = re.compile(r"^\s*(?:(#{1,6}|[+-])(?=\s|$)|([=-])[=\-\s]*$|\d{1,9}([.)])(?=\s|$))")
 
 
 def visible(text: Any) -> str:
@@ -58,7 +58,8 @@ def md_text(text: Any) -> str:
     Escaped with a backslash: ``\\ ` * [ ] < > & $ ~ |`` everywhere, ``_`` unless it
     joins two letters or digits (``alpha_again`` stays readable: an underscore inside a
     word opens no emphasis), and at the start a character that would open a block
-    (``# + - = >``, ``1.``); control characters become a visible ``\\xNN``.
+    (``# x``, ``- x``, ``+ x``, ``1. x``, a line of ``=`` or ``-``); control characters
+    become a visible ``\\xNN``.
     """
     s = str(text)
     out = []
@@ -74,7 +75,7 @@ def md_text(text: Any) -> str:
     escaped = "".join(out)
     m = _BLOCK_START.match(escaped)
     if m:
-        at = m.start(1) if m.group(1) else m.start(2)
+        at = next(m.start(g) for g in (1, 2, 3) if m.group(g))
         escaped = escaped[:at] + "\\" + escaped[at:]
     return escaped
 

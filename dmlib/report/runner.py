@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -177,7 +178,7 @@ def require_jupyter() -> None:
 
     missing = [
         m
-        for m in ("nbclient", "nbconvert", "nbformat", "ipykernel")
+        for m in ("nbclient", "nbconvert", "nbformat", "ipykernel", "nh3")
         if importlib.util.find_spec(m) is None
     ]
     if missing:
@@ -300,6 +301,7 @@ async def _run_one(
         km=_kernel_manager(kernel_dir, n),
         timeout=timeout,
         resources={"metadata": {"path": str(cwd)}},
+        shutdown_kernel="immediate",  # the notebook is done (or interrupted): no grace needed
     )
     t0 = time.perf_counter()
     error = cell = None
@@ -357,6 +359,7 @@ def run_notebooks(
     try:
         outdir.write_owner(tmp)
         kernel_dir = _kernel_dir(tmp)
+        stopping = threading.Event()
 
         async def main() -> list[NotebookResult]:
             gate = asyncio.Semaphore(jobs)
@@ -365,15 +368,55 @@ def run_notebooks(
                 async with gate:
                     env_i = {**env, "DMLIB_NOTEBOOK": p.stem}
                     res = await _run_one(p, cwd, params, env_i, kernel_dir, i, timeout)
-                if progress is not None:
+                if progress is not None and not stopping.is_set():  # no "FAILED" on Ctrl-C
                     progress(res)
                 return res
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(paths))))
 
-        return asyncio.run(main())
+        return _interruptible(main, stopping)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _interruptible(main: Callable[[], Any], stopping: Any) -> Any:
+    """``asyncio.run(main())`` in a worker thread; Ctrl-C cancels it cleanly.
+
+    nbclient answers SIGINT in the main thread by killing its kernel under the running
+    cell (a traceback, then a failed assertion: exit 4). In a worker thread it installs no
+    signal handler; Ctrl-C reaches this thread as KeyboardInterrupt, which cancels the
+    notebooks' task (each client shuts its kernel down as it unwinds), waits for that, and
+    is raised again for the command line to exit 130.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    async def wrapped() -> Any:
+        box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        return await main()
+
+    def work() -> None:
+        try:
+            box["value"] = asyncio.run(wrapped())
+        except BaseException as err:  # handed to the calling thread
+            box["error"] = err
+        finally:
+            done.set()
+
+    # an Event, not Thread.join: a join interrupted by Ctrl-C can mark a running thread dead
+    threading.Thread(target=work, name="dmlib-notebooks", daemon=True).start()
+    try:
+        while not done.wait(0.25):
+            pass
+    except KeyboardInterrupt:
+        stopping.set()
+        if "task" in box:
+            box["loop"].call_soon_threadsafe(box["task"].cancel)
+        done.wait(30)  # each kernel is shut down as its client unwinds; Ctrl-C again stops waiting
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 # ---------------------------------------------------------------------------
