@@ -180,6 +180,8 @@ _ATTRIBUTES = {
     "col": {"span"},
     "colgroup": {"span"},
 }
+# control characters but tab, newline and carriage return (the page's own layout)
+_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _IMAGE_URI = re.compile(r"^data:image/(png|jpeg|gif|webp|svg\+xml);base64,[A-Za-z0-9+/=\s]*$")
 
 
@@ -199,6 +201,8 @@ def sanitize(fragment: str) -> str:
     """``fragment`` (a page body) with everything a shared report must not run removed."""
     import nh3
 
+    # a control character left in the page (a DataFrame cell, say) is shown, not hidden
+    fragment = _HIDDEN.sub(lambda m: f"\\x{ord(m.group(0)):02x}", fragment)
     return nh3.clean(
         fragment,
         tags=_TAGS,

@@ -132,7 +132,8 @@ def check_out(
             "its own reports; pass a new or empty folder to --out (nothing was deleted)",
             path=out,
         )
-    extra = sorted(set(listing(out)) - set(marker["files"]))
+    # files first: the one to name is what the user would lose
+    extra = sorted(set(listing(out)) - set(marker["files"]), key=lambda f: (f.endswith("/"), f))
     if extra:
         raise DmlibError(
             f"holds {extra[0]!r}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, "
