@@ -613,3 +613,36 @@ def test_control_characters_in_a_title_give_a_valid_study_toml(tmp_path):
     text = resolved_toml(study, tmp_path)
     assert tomllib.loads(text)["title"] == title
     assert "\x7f" not in text and "\\u007f" in text
+
+
+# ---------------------------------------------------------------------------
+# 5. a failing notebook's error, quoted in the index, names no path of this machine
+
+
+@pytest.mark.slow
+def test_a_failed_notebooks_error_in_the_index_names_no_machine_path(small_study, tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "STUDY = 'x'\nFIGURE_DIR = 'f'\nSMALL = False", metadata={"tags": ["parameters"]}
+        ),
+        nbformat.v4.new_code_cell(
+            "import os\nfrom dmlib import report\nstudy = report.load_study(STUDY)\n"
+            "raise ValueError(str(study.root / 'runs') + ' ' + os.path.join(os.getcwd(), 'x'))"
+        ),
+    ]
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    nbformat.write(nb, nbs / "fails.ipynb")
+    out = tmp_path / "rep"
+    args = ["report", str(small_study / "study.toml"), "--out", str(out), "--notebooks", str(nbs)]
+    assert cli(args) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    (row,) = summary["results"]
+    assert row["status"] == "FAILED" and row["error"].startswith("ValueError: ")
+    for page in ("index.html", "report.html", "summary.json"):
+        text = (out / page).read_text()
+        assert str(small_study) not in text and str(tmp_path) not in text, page
+    assert "<study>/runs" in row["error"]
