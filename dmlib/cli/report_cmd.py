@@ -14,7 +14,9 @@ from dmlib.errors import DmlibError
 REPORT_EXIT = """exit status:
   0  success: every notebook ran (those the study has no data for are skipped, and say so)
   1  a notebook failed: named with its cell number and error; the report is still written
-  2  bad input: one line on stderr (a missing file, a bad study); nothing is written"""
+  2  bad input: one line on stderr (a missing file, a bad study, an --out dmlib may not
+     replace); nothing is written or deleted
+  130  interrupted (Ctrl-C): one line; temporary folders removed, nothing left half-written"""
 
 STUDY_EXIT = """exit status:
   0  success: the study file was written
@@ -40,7 +42,8 @@ def register(sub: Any) -> None:
         "--out",
         required=True,
         metavar="DIR",
-        help="report folder (replaced if it holds an earlier report)",
+        help="report folder: new, empty, or an earlier report dmlib wrote (replaced); never "
+        "a folder of the study's inputs",
     )
     p.add_argument(
         "--run",
