@@ -313,8 +313,10 @@ def test_every_hostile_string_shows_as_text(hostile):
     numbers = json.loads((out / "numbers" / "capture_boundaries.json").read_text())
     assert numbers["culprit"] == MODULES[2]
     assert f"culprit (inputs identical, output differs): {MODULES[2]}." in text["index"]
-    for page in ("report", "index"):
-        assert visible(TITLE) in text[page]
+    for page in ("report", "index", "run_matrix"):  # run_matrix prints it (a stream output)
+        assert visible(TITLE) in text[page], page
+    for page in out.glob("*.html"):  # no control character left raw (an ANSI code as colour)
+        assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]", page.read_text()), page
 
 
 @pytest.mark.slow

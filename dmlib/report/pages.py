@@ -61,8 +61,27 @@ def notebook_body(nb: Any) -> str:
     # nbconvert gives an image without alt text a placeholder and logs a warning per page;
     # every image here is a figure the notebook saved, and says so
     exporter.log.setLevel(logging.ERROR)
-    body, _ = exporter.from_notebook_node(nb)
+    body, _ = exporter.from_notebook_node(_visible_streams(nb))
     return body.replace('alt="No description has been provided for this image"', 'alt="figure"')
+
+
+def _visible_streams(nb: Any) -> Any:
+    """A copy of ``nb`` whose printed text shows control characters as ``\\xNN``.
+
+    What a notebook prints holds names from the data; nbconvert would turn an ANSI escape
+    sequence in one into colour (hiding it). Tracebacks (error outputs) keep their colours.
+    """
+    import copy
+
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.get("output_type") == "stream" and isinstance(out.get("text"), str):
+                out["text"] = _STREAM_HIDDEN.sub(lambda m: f"\\x{ord(m.group(0)):02x}", out["text"])
+    return nb
+
+
+_STREAM_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def notebook_page(title: str, body: str) -> str:
