@@ -14,7 +14,9 @@ from dmlib.errors import DmlibError
 REPORT_EXIT = """exit status:
   0  success: every notebook ran (those the study has no data for are skipped, and say so)
   1  a notebook failed: named with its cell number and error; the report is still written
-  2  bad input: one line on stderr (a missing file, a bad study); nothing is written"""
+  2  bad input: one line on stderr (a missing file, a bad study, an --out dmlib may not
+     replace); nothing is written or deleted
+  130  interrupted (Ctrl-C): one line; temporary folders removed, nothing left half-written"""
 
 STUDY_EXIT = """exit status:
   0  success: the study file was written
@@ -40,7 +42,8 @@ def register(sub: Any) -> None:
         "--out",
         required=True,
         metavar="DIR",
-        help="report folder (replaced if it holds an earlier report)",
+        help="report folder: new, empty, or an earlier report dmlib wrote (replaced); never "
+        "a folder of the study's inputs",
     )
     p.add_argument(
         "--run",
@@ -184,8 +187,17 @@ def run_report(args: argparse.Namespace) -> int:
     studies = [_flag_study(args)] if flags else [load_study(s) for s in args.study]
     out = Path(args.out)
     targets = [out] if len(studies) == 1 else [out / _name(s, studies) for s in studies]
-    for t in targets:
-        check_out(t)
+    fresh = False
+    if len(studies) > 1:
+        from dmlib.report.build import study_inputs
+        from dmlib.report.outdir import check_collection, check_inputs
+
+        check_collection(out)
+        fresh = not os.path.lexists(out) or not any(out.iterdir())
+        for study in studies:  # the collection's folder must not be or hold any input
+            check_inputs(out, *study_inputs(study))
+    for study, t in zip(studies, targets, strict=True):
+        check_out(t, study)
     progress = sys.stderr
     worst = 0
     done = []
@@ -210,7 +222,7 @@ def run_report(args: argparse.Namespace) -> int:
         worst = max(worst, 1 if failed else 0)
         done.append((study, target, results))
     if len(studies) > 1:
-        _write_collection(out, done)
+        _write_collection(out, done, fresh=fresh)
     return worst
 
 
@@ -222,8 +234,15 @@ def _name(study: Any, studies: list[Any]) -> str:
     return base
 
 
-def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]]) -> None:
-    import html
+def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]], *, fresh: bool) -> None:
+    """``OUT/index.html`` linking every study's report, then the collection's marker.
+
+    ``fresh``: the folder was new or empty when the run began (dmlib filled it); else it
+    must still hold the marker of an earlier collection.
+    """
+    from dmlib.report.htmlsafe import esc, href, md_inline_html
+    from dmlib.report.outdir import check_collection, write_marker
+    from dmlib.report.pages import _page
 
     rows = []
     for study, target, results in done:
@@ -231,20 +250,23 @@ def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]]) -> Non
         ran = [r for r in results if r.status != "skipped"]
         ok = sum(r.status == "ok" for r in ran)
         findings = "".join(
-            f"<li><b>{html.escape(r.name)}</b>: {html.escape(str(r.numbers.get('finding') or r.status))}</li>"
+            f"<li><b>{esc(r.name)}</b>: "
+            + (md_inline_html(r.numbers["finding"]) if r.numbers.get("finding") else esc(r.status))
+            + "</li>"
             for r in ran
         )
         rows.append(
-            f'<h2><a href="{rel}/index.html">{html.escape(study.title)}</a></h2>'
-            f'<p>{ok} of {len(ran)} notebooks ran; one file: <a href="{rel}/report.html">{rel}/report.html</a></p>'
-            f"<ul>{findings}</ul>"
+            f'<h2><a href="{href(rel + "/index.html")}">{esc(study.title)}</a></h2>'
+            f'<p>{ok} of {len(ran)} notebooks ran; one file: <a href="{href(rel + "/report.html")}">'
+            f"{esc(rel)}/report.html</a></p><ul>{findings}</ul>"
         )
-    from dmlib.report.pages import _page
-
+    if not fresh:
+        check_collection(out)  # again: the folder may have changed while the notebooks ran
     out.mkdir(parents=True, exist_ok=True)
     (out / "index.html").write_text(
         _page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8"
     )
+    write_marker(out, "collection", {"reports": [t.name for _, t, _ in done]})
 
 
 def run_init(args: argparse.Namespace) -> int:

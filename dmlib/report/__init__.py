@@ -2,7 +2,8 @@
 
 Inside a notebook, ``from dmlib import report`` gives the helpers of
 :mod:`dmlib.report.notebook` (:func:`save_figure`, :func:`record`, :func:`finding`,
-:func:`skip`, :func:`say`, :func:`load_study`). The rest of the package:
+:func:`skip`, :func:`say`, :func:`load_study`, and :func:`md_code` / :func:`md_text`
+for names from the data in Markdown). The rest of the package:
 :mod:`~dmlib.report.study` (the ``study.toml`` format), :mod:`~dmlib.report.runner`
 (headless execution), :mod:`~dmlib.report.build` (``dmlib report``: the report folder),
 :mod:`~dmlib.report.pages` (HTML) and :mod:`~dmlib.report.provenance`.
@@ -17,6 +18,8 @@ from dmlib.report.notebook import (
     finding,
     load_numbers,
     load_study,
+    md_code,
+    md_text,
     notebook_name,
     numbers_path,
     record,
@@ -32,6 +35,8 @@ __all__ = [
     "finding",
     "load_numbers",
     "load_study",
+    "md_code",
+    "md_text",
     "notebook_name",
     "numbers_path",
     "record",

@@ -5,6 +5,11 @@ The report folder holds ``index.html``, one ``<notebook>.html`` (and executed
 ``report.html`` (everything in one file, figures embedded), ``provenance.json`` and the
 resolved ``study.toml``. It is built in a hidden sibling folder and renamed into place
 at the end, so an interrupted or refused run never leaves a folder that looks complete.
+
+The folder's marker (``.dmlib-report.json``, written last) names the study and lists the
+report's files: an existing ``--out`` is replaced only when it holds that marker and
+nothing else, and never when it is, holds or lies inside one of the study's inputs
+(:mod:`dmlib.report.outdir`).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from typing import Any
 from dmlib._json import jsonable
 from dmlib.errors import DmlibError
 from dmlib.report import notebook as nbhelp
-from dmlib.report import pages, provenance
+from dmlib.report import outdir, pages, provenance
 from dmlib.report.runner import (
     NotebookResult,
     find_notebooks,
     read_notebook,
     run_notebooks,
     scrub,
+    scrub_text,
 )
 from dmlib.report.study import Study
 from dmlib.report.studyfile import resolved_toml
@@ -71,16 +77,43 @@ def missing(nb: Any, study: Study) -> str | None:
     return None
 
 
-def check_out(out: str | os.PathLike[str]) -> None:
-    """Refuse a report folder that holds anything but an earlier report (it is replaced)."""
-    out = Path(out)
-    if not out.exists():
-        return
-    if not out.is_dir() or (any(out.iterdir()) and not (out / "summary.json").is_file()):
-        raise DmlibError(
-            "exists and does not hold a dmlib report; pass an empty or new folder to --out",
-            path=out,
-        )
+def study_inputs(study: Study) -> tuple[list[Path], list[Path]]:
+    """(paths a report folder must not be or hold, folders it must not lie inside).
+
+    The first: the study file and its folder, the study's root, every file it reads and
+    every run and capture folder. The second: the capture folders and the folders of
+    step ladders (read as a whole), but not the study's own folder, where a report may
+    sit beside the study file.
+    """
+    holds: list[Path] = [study.root]
+    if study.path is not None:
+        holds += [Path(study.path), Path(study.path).parent]
+    holds += study.input_files()
+    contains: list[Path] = []
+    for run in study.runs.values():
+        paths = list(run.checkpoints.values())
+        holds += [p.parent for p in paths]
+        if len(paths) > 1:
+            contains += [p.parent for p in paths]
+    c = study.captures
+    if c is not None:
+        folders = [*c.folders.values(), *c.repeats.values(), *c.ops.values()]
+        folders += [c.negative] if c.negative is not None else []
+        holds += folders
+        contains += folders
+    roots = {outdir._resolved(study.root)}
+    if study.path is not None:
+        roots.add(outdir._resolved(Path(study.path).parent))
+    contains = [f for f in dict.fromkeys(contains) if outdir._resolved(f) not in roots]
+    return list(dict.fromkeys(holds)), contains
+
+
+def check_out(out: str | os.PathLike[str], study: Study | None = None) -> None:
+    """Refuse a report folder dmlib may not replace: one that is not new, empty or an
+    earlier report dmlib wrote (its marker, nothing else), or one that is, holds or lies
+    inside an input of ``study``."""
+    holds, contains = study_inputs(study) if study is not None else ([], [])
+    outdir.check_out(out, holds, contains)
 
 
 def build_report(
@@ -98,18 +131,23 @@ def build_report(
     """Run the notebooks on ``study`` and write the report folder ``out`` (replaced if present)."""
     t0 = time.perf_counter()
     out = Path(out).resolve()
-    check_out(out)
+    check_out(out, study)
     paths = find_notebooks(notebooks, only)
     nbs = {p: read_notebook(p) for p in paths}
     skipped = {p: missing(nbs[p], study) for p in paths}
     to_run = [p for p in paths if skipped[p] is None]
     out.parent.mkdir(parents=True, exist_ok=True)
+    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
+        outdir.clean_stale(out.parent, pattern)  # left by a killed run
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
+        outdir.write_owner(stage)
         (stage / "study.toml").write_text(resolved_toml(study, out), encoding="utf-8")
         # torch's ISA is asked in a child process while the notebooks run
         torch_box: dict[str, Any] = {}
-        probe = threading.Thread(target=lambda: torch_box.update(v=provenance.torch_facts()))
+        probe = threading.Thread(
+            target=lambda: torch_box.update(v=provenance.torch_facts()), daemon=True
+        )
         probe.start()
         all_params = {
             "STUDY": "study.toml",
@@ -142,7 +180,17 @@ def build_report(
         probe.join()
         prov = provenance.collect(study.input_files(), study.root, torch=torch_box.get("v"))
         _write_outputs(study, stage, out, ordered, prov)
-        _replace(stage, out)
+        (stage / outdir.OWNER).unlink()
+        outdir.write_marker(
+            stage,
+            "report",
+            {
+                "title": study.title,
+                "study": Path(study.path).name if study.path is not None else None,
+                "version": prov["versions"].get("dmlib"),
+            },
+        )
+        _replace(stage, out, study)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -169,6 +217,7 @@ def _machine_paths(study: Study, stage: Path, out: Path) -> list[tuple[str, str]
         (sys.base_prefix + os.sep, "<python>/"),
         (str(Path.home()) + os.sep, "~/"),
         (tempfile.gettempdir() + os.sep, "<tmp>/"),
+        (os.getcwd() + os.sep, ""),
     ]
     return [(a, b) for a, b in pairs if len(a) > 1]
 
@@ -179,19 +228,22 @@ def _write_outputs(
     import nbformat
 
     figures = stage / "figures"
+    machine = _machine_paths(study, stage, out)
     bodies: dict[str, str] = {}
     rows = []
     for r in results:
         numbers_file = nbhelp.numbers_path(figures, r.name)
         r.numbers = nbhelp.load_numbers(numbers_file) if numbers_file.is_file() else {}
         if r.nb is not None:
-            scrub(r.nb, _machine_paths(study, stage, out))
+            scrub(r.nb, machine)
             (stage / f"{r.name}.ipynb").write_text(nbformat.writes(r.nb), encoding="utf-8")
             body = pages.notebook_body(r.nb)
             bodies[r.name] = body
             (stage / f"{r.name}.html").write_text(
                 pages.notebook_page(r.name, body), encoding="utf-8"
             )
+        if r.error is not None:  # quoted in the index and summary.json: no path of this machine
+            r.error = scrub_text(r.error, machine)
         rows.append(
             {
                 "name": r.name,
@@ -270,13 +322,27 @@ def _captures_row(study: Study) -> dict[str, Any] | None:
     }
 
 
-def _replace(stage: Path, out: Path) -> None:
-    """Move the finished report into place; an older report there goes only once it is done."""
+def _replace(stage: Path, out: Path, study: Study) -> None:
+    """Move the finished report into place; an older report there goes only once it is done.
+
+    The folder is checked again (it may have changed while the notebooks ran); an empty
+    one is removed with ``rmdir``, which cannot delete anything in it.
+    """
+    check_out(out, study)
     old = None
-    if out.exists():
-        check_out(out)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    stage.rename(out)
+    if os.path.lexists(out):
+        if not any(out.iterdir()):
+            out.rmdir()
+        else:
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            outdir.write_owner(old)
+    try:
+        stage.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+            (out / outdir.OWNER).unlink(missing_ok=True)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -7,6 +7,11 @@ the figures' numbers against dmlib directly. :func:`finding` states the notebook
 one-line result (shown in the report's index), :func:`skip` a section the study has no
 data for, :func:`say` computed prose.
 
+:func:`finding` and :func:`say` take Markdown: a name or label from the data goes into
+it through :func:`md_code` (a code span it cannot break out of) or :func:`md_text`
+(escaped text), never raw, so a report opened by someone else runs no script from a
+tensor name. :func:`skip` takes plain text and escapes it itself.
+
 The figure folder, the one rule: the ``folder`` argument, else :func:`configure`, else
 the environment variable ``DMLIB_FIGURE_DIR``, else ``reports/figures``. Numbers go
 beside it, in ``<figure folder>/../numbers/<notebook>.json``.
@@ -22,6 +27,7 @@ from typing import Any
 
 from dmlib._atomic import atomic_write, atomic_write_text
 from dmlib.errors import DmlibError
+from dmlib.report.htmlsafe import md_code, md_text
 
 __all__ = [
     "DEFAULT_FIGURE_DIR",
@@ -30,6 +36,8 @@ __all__ = [
     "finding",
     "load_numbers",
     "load_study",
+    "md_code",
+    "md_text",
     "notebook_name",
     "numbers_path",
     "record",
@@ -160,7 +168,11 @@ def _append(folder: str | os.PathLike[str] | None, key: str, value: Any) -> None
 
 
 def finding(text: str, *, folder: str | os.PathLike[str] | None = None) -> str:
-    """The notebook's one-line result, computed from the data (shown in the report's index)."""
+    """The notebook's one-line result, computed from the data (shown in the report's index).
+
+    ``text`` is Markdown whose data-derived parts went through :func:`md_code` /
+    :func:`md_text`; the index renders its code spans and escapes everything else.
+    """
     text = " ".join(str(text).split())
     record("finding", text, folder=folder)
     _display_markdown(f"**Finding:** {text}")
@@ -168,15 +180,23 @@ def finding(text: str, *, folder: str | os.PathLike[str] | None = None) -> str:
 
 
 def skip(reason: str, *, folder: str | os.PathLike[str] | None = None) -> None:
-    """Say, visibly and in one line, that a section is skipped and why (recorded under "skipped")."""
+    """Say, visibly and in one line, that a section is skipped and why (recorded under "skipped").
+
+    ``reason`` is plain text (it may quote names from the data): it is escaped for Markdown.
+    """
     reason = " ".join(str(reason).split())
     _append(folder, "skipped", reason)
-    _display_markdown(f"> *Skipped: {reason}*")
+    _display_markdown(f"> *Skipped: {md_text(reason)}*")
 
 
 def say(*lines: str) -> None:
-    """Computed prose: one paragraph, or a bulleted list when given several lines."""
-    text = lines[0] if len(lines) == 1 else "\n".join(f"* {ln}" for ln in lines)
+    """Computed prose (Markdown): one paragraph, or a bulleted list when given several lines.
+
+    Data-derived names and labels in ``lines`` must come through :func:`md_code` /
+    :func:`md_text`; newlines inside a line are shown as spaces (one line, one bullet).
+    """
+    flat = [" ".join(str(ln).split()) for ln in lines]
+    text = flat[0] if len(flat) == 1 else "\n".join(f"* {ln}" for ln in flat)
     _display_markdown(text)
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import pandas as pd
 
 from dmlib.errors import DmlibError
+from dmlib.report.htmlsafe import md_code as _c
+from dmlib.report.htmlsafe import md_text as _t
 from dmlib.report.prose import fmt
 
 __all__ = ["OpLevel", "op_level"]
@@ -36,11 +38,11 @@ def _patch_sentence(p: dict[str, Any] | None, what: str) -> str | None:
         return None
     verdict = {True: "confirmed", False: "not confirmed", None: "not run"}[p.get("confirmed")]
     where = p["boundary"].split(", ")
-    at = f"`{where[0]}`" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
+    at = _c(where[0]) + (f" and {len(where) - 1} more" if len(where) > 1 else "")
     text = f"{what} at {at}: {verdict}"
     if p.get("first_still_differing"):
-        text += f" (first boundary still differing: `{p['first_still_differing']}`)"
-    return text + (f"; {p['reason']}" if p.get("reason") else "")
+        text += f" (first boundary still differing: {_c(p['first_still_differing'])})"
+    return text + (f"; {_t(p['reason'])}" if p.get("reason") else "")
 
 
 def _threads(n: Any) -> str:
@@ -71,7 +73,7 @@ def op_level(captures: Any, *, backend: str = "auto") -> OpLevel:
         except (OSError, ValueError) as err:
             raise DmlibError(f"op findings unreadable: {err}", path=captures.op_findings) from None
     machine = recorded.get("machine")
-    on = f"on {machine}" if machine else "on a machine the study does not record"
+    on = f"on {_t(machine)}" if machine else "on a machine the study does not record"
     at = compare_captures(a, b, request=request).attrs
     first, culprit = at["first_divergent_op"], at["culprit_op"]
     numbers: dict[str, Any] = {
@@ -80,12 +82,13 @@ def op_level(captures: Any, *, backend: str = "auto") -> OpLevel:
         "op_machine": machine,
     }
     lines = []
+    ref_t, other_t = _t(ref), _t(other)
     if first is None:
-        lines.append(f"Op level ({ref} vs {other}, captured {on}): no recorded op differs.")
+        lines.append(f"Op level ({ref_t} vs {other_t}, captured {on}): no recorded op differs.")
     else:
         lines.append(
-            f"Op level ({ref} vs {other}, captured {on}): the first divergent op is `{first}`; "
-            + (f"the culprit op (inputs identical, output differs) is `{culprit}`."
+            f"Op level ({ref_t} vs {other_t}, captured {on}): the first divergent op is {_c(first)}; "
+            + (f"the culprit op (inputs identical, output differs) is {_c(culprit)}."
                if culprit else "no op has identical inputs and a differing output (no culprit op).")
         )  # fmt: skip
     table = pd.DataFrame()
@@ -97,8 +100,8 @@ def op_level(captures: Any, *, backend: str = "auto") -> OpLevel:
             numbers[f"op_arbitration_{row['run']}_max_ulp"] = row["max_ulp"]
             numbers[f"op_arbitration_{row['run']}_rel_err"] = row["rel_err"]
         lines.append(
-            f"fp64 arbitration of `{culprit}` (replayed in float64 from the dumped inputs; "
-            f"a = {ref}, b = {other}): {arb.verdict}: {arb.reason}."
+            f"fp64 arbitration of {_c(culprit)} (replayed in float64 from the dumped inputs; "
+            f"a = {ref_t}, b = {other_t}): {_t(arb.verdict)}: {_t(arb.reason)}."
         )
     found = recorded.get("findings") or {}
     patch = found.get("patch")
@@ -114,13 +117,13 @@ def op_level(captures: Any, *, backend: str = "auto") -> OpLevel:
             _patch_sentence(found.get("patch_control"), "control, an earlier matching op"),
         ]
         lines.append(
-            f"Patch test, recorded {on} (torch {found.get('torch', '?')}, "
+            f"Patch test, recorded {on} (torch {_t(found.get('torch', '?'))}, "
             f"{_threads(found.get('threads'))}): " + "; ".join(p for p in parts if p) + "."
         )
         if found.get("culprit_op") != culprit:
             lines.append(
-                f"The recorded patch test concerns `{found.get('culprit_op')}`, while these "
-                + (f"captures name `{culprit}`" if culprit else "captures name no culprit op")
+                f"The recorded patch test concerns {_c(found.get('culprit_op'))}, while these "
+                + (f"captures name {_c(culprit)}" if culprit else "captures name no culprit op")
                 + ": they were not made on the same machine or settings."
             )
     return OpLevel(numbers, lines, table)

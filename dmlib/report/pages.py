@@ -3,18 +3,23 @@
 Pages use nbconvert's ``basic`` template (the notebook's body, no scripts) inside a page
 of our own with a small inline stylesheet: nothing is fetched from the network, and a
 figure is the PNG the notebook saved, embedded as a ``data:`` URI where the notebook
-shows it.
+shows it. Every string from the data is escaped where it is written
+(:mod:`dmlib.report.htmlsafe`), and every page body is then passed through the
+sanitiser, so a finished page holds no script, no event attribute and no
+``javascript:`` URL, whatever the checkpoints' names say.
 """
 
 from __future__ import annotations
 
 import base64
-import html
 import logging
 import re
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from dmlib.report.htmlsafe import esc, href, md_inline_html, sanitize
 
 __all__ = ["index_page", "notebook_body", "notebook_page", "single_page"]
 
@@ -37,11 +42,12 @@ details{margin:.5em 0} code{background:#f6f8fa;padding:0 .2em}
 
 
 def _page(title: str, body: str) -> str:
+    """A whole page: our head (title escaped, our stylesheet), the body sanitised."""
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n"
-        f"<body>\n{body}\n</body></html>\n"
+        f"<title>{esc(title)}</title><style>{CSS}</style></head>\n"
+        f"<body>\n{sanitize(body)}\n</body></html>\n"
     )
 
 
@@ -55,8 +61,27 @@ def notebook_body(nb: Any) -> str:
     # nbconvert gives an image without alt text a placeholder and logs a warning per page;
     # every image here is a figure the notebook saved, and says so
     exporter.log.setLevel(logging.ERROR)
-    body, _ = exporter.from_notebook_node(nb)
+    body, _ = exporter.from_notebook_node(_visible_streams(nb))
     return body.replace('alt="No description has been provided for this image"', 'alt="figure"')
+
+
+def _visible_streams(nb: Any) -> Any:
+    """A copy of ``nb`` whose printed text shows control characters as ``\\xNN``.
+
+    What a notebook prints holds names from the data; nbconvert would turn an ANSI escape
+    sequence in one into colour (hiding it). Tracebacks (error outputs) keep their colours.
+    """
+    import copy
+
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.get("output_type") == "stream" and isinstance(out.get("text"), str):
+                out["text"] = _STREAM_HIDDEN.sub(lambda m: f"\\x{ord(m.group(0)):02x}", out["text"])
+    return nb
+
+
+_STREAM_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def notebook_page(title: str, body: str) -> str:
@@ -69,7 +94,7 @@ def _data_uri(path: Path) -> str:
 
 
 def _esc(x: Any) -> str:
-    return html.escape(str(x))
+    return esc(x)
 
 
 def _study_html(summary: Mapping[str, Any]) -> str:
@@ -128,8 +153,8 @@ def _notebooks_html(
                 f'<p class="status-FAILED">cell {r["failed_cell"]}: {_esc(r["error"])}</p>'
             )
         if r.get("finding"):
-            # findings mark names as `code`, as the notebook's Markdown shows them
-            text = re.sub(r"`([^`]+)`", r"<code>\1</code>", _esc(r["finding"]))
+            # a finding is Markdown (names in code spans, the rest escaped text)
+            text = md_inline_html(r["finding"])
             parts.append(f'<p class="finding">{text}</p>')
         if r.get("skipped_sections"):
             parts.append(
@@ -145,7 +170,7 @@ def _notebooks_html(
             parts.append(f'<div class="thumbs">{imgs}</div>')
         linked = (figure_links or {}).get(r["name"])
         if linked:
-            refs = ", ".join(f'<a href="#fig-{_esc(f)}">{_esc(f)}</a>' for f in linked)
+            refs = ", ".join(f'<a href="{_fragment("fig-" + f)}">{_esc(f)}</a>' for f in linked)
             parts.append(f'<p class="figlinks">Figures: {refs}</p>')
     return "\n".join(parts)
 
@@ -204,11 +229,18 @@ def _header(summary: Mapping[str, Any]) -> str:
     )
 
 
+def _fragment(anchor: str) -> str:
+    """``href`` of an element whose ``id`` is ``anchor`` (written with :func:`esc`)."""
+    return esc("#" + urllib.parse.quote(anchor, safe=""))
+
+
 def index_page(summary: Mapping[str, Any], figures: Path) -> str:
     """``index.html``: title, runs and control, per notebook its finding and thumbnails."""
     thumbs = {
         r["name"]: [
-            f"figures/{f}.png" for f in r.get("figures", []) if (figures / f"{f}.png").is_file()
+            href(f"figures/{f}.png")
+            for f in r.get("figures", [])
+            if (figures / f"{f}.png").is_file()
         ]
         for r in summary["results"]
     }
@@ -216,7 +248,7 @@ def index_page(summary: Mapping[str, Any], figures: Path) -> str:
         _header(summary)
         + '<p>The whole report in one file: <a href="report.html">report.html</a>.</p>'
         + _study_html(summary)
-        + _notebooks_html(summary["results"], thumbs, lambda n: f"{n}.html")
+        + _notebooks_html(summary["results"], thumbs, lambda n: href(f"{n}.html"))
         + _provenance_html(summary["provenance"])
     )
     return _page(summary["title"], body)
@@ -239,7 +271,9 @@ def single_page(summary: Mapping[str, Any], bodies: Mapping[str, str], figures: 
     body = (
         _header(summary)
         + _study_html(summary)
-        + _notebooks_html(summary["results"], {}, lambda n: f"#nb-{n}", figure_links=links)
+        + _notebooks_html(
+            summary["results"], {}, lambda n: _fragment(f"nb-{n}"), figure_links=links
+        )
         + _provenance_html(summary["provenance"])
         + "\n".join(sections)
     )

@@ -3,7 +3,9 @@
 Every sentence here is built from the numbers it quotes (and the step they belong to);
 nothing is written in advance, so no sentence can be false for someone else's runs.
 Each function returns ``(finding, lines)``: the notebook's one-line result and the
-bullet points of its conclusion.
+bullet points of its conclusion, as Markdown: every name, label and reason from the data
+goes in through :func:`~dmlib.report.htmlsafe.md_code` (names) or
+:func:`~dmlib.report.htmlsafe.md_text` (labels, phrases), so none can carry markup.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
+
+from dmlib.report.htmlsafe import md_code as _c
+from dmlib.report.htmlsafe import md_text as _t
 
 __all__ = ["captures", "columns", "fmt", "ladder", "matrix"]
 
@@ -34,7 +39,7 @@ def fmt(x: Any, digits: int = 3) -> str:
 
 
 def _list(names: Sequence[str], n: int = 5) -> str:
-    shown = ", ".join(f"`{x}`" for x in names[:n])
+    shown = ", ".join(_c(x) for x in names[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
@@ -43,7 +48,9 @@ def matrix(
 ) -> tuple[str, list[str]]:
     """Pairs of runs (``dmlib.matrix``'s verdict) ``when`` ("at step 20")."""
     pairs = verdict["pairs"]
-    control = verdict["control"]
+    control = _t(verdict["control"]) if verdict["control"] is not None else None
+    when_cap = _t(when.capitalize())
+    when = _t(when)
     others = [p for p in pairs if not p["control"]]
     k = len(verdict["identical_pairs"])
     same, ctrl, sep = (
@@ -54,7 +61,7 @@ def matrix(
     lines = []
     if control is None:
         finding = (
-            f"{when.capitalize()}: worst rel_fro over {len(pairs)} pairs of runs {fmt(same)}; "
+            f"{when_cap}: worst rel_fro over {len(pairs)} pairs of runs {fmt(same)}; "
             f"{k} of {len(pairs)} pairs bit-identical (no control declared)."
         )
         lines.append(
@@ -62,7 +69,7 @@ def matrix(
             "declare a run that is expected to differ (another seed) as `control`."
         )
     elif not others:
-        finding = f"{when.capitalize()}: the only pair involves the control {control}, rel_fro {fmt(ctrl)}."
+        finding = f"{when_cap}: the only pair involves the control {control}, rel_fro {fmt(ctrl)}."
     else:
         one = len(others) == 1
         body = (
@@ -71,7 +78,7 @@ def matrix(
             else f"differ{'s' if one else ''} by at most rel_fro {fmt(same)} (max {fmt(verdict['same_max_ulp'])} ULP)"
         )
         subject = (
-            f"the one pair without the control ({others[0]['a']}/{others[0]['b']})"
+            f"the one pair without the control ({_t(others[0]['a'])}/{_t(others[0]['b'])})"
             if one
             else f"the {len(others)} pairs without the control"
         )
@@ -79,7 +86,7 @@ def matrix(
             "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
         )
         finding = (
-            f"{when.capitalize()}: {subject} {body}; "
+            f"{when_cap}: {subject} {body}; "
             f"every pair with {control} by at least {fmt(ctrl)}{sep_text}."
         )
         if sep is not None and not math.isinf(sep):
@@ -108,7 +115,7 @@ def matrix(
         group = others if control is not None else pairs
         if 0 < k < len(group):
             lines.append(
-                f"{k} of {len(group)} pairs are bit-identical ({', '.join(verdict['identical_pairs'][:6])}) "
+                f"{k} of {len(group)} pairs are bit-identical ({', '.join(_t(x) for x in verdict['identical_pairs'][:6])}) "
                 "while the others differ: a difference between processes that some runs share and "
                 "others do not, rather than noise every run carries."
             )
@@ -149,6 +156,7 @@ def effective(eff: pd.DataFrame, stored: pd.DataFrame, control: str | None, when
         else pd.Series(False, index=stored.index)
     )
     same_s = stored.loc[~s_is_c, "worst_rel_fro"].max() if (~s_is_c).any() else None
+    when = _t(when)
     line = (
         f"Judged on the weight the factorised layers compute, pairs{' without the control' if control else ''} "
         f"differ by at most rel_fro {fmt(same_w)} {when}, against {fmt(same_s)} for the worst stored tensor."
@@ -163,11 +171,12 @@ def columns(
 ) -> tuple[str, list[str]]:
     """First divergent columns of factor tensors (``first_divergent_columns`` summary)."""
     n, ident = summary["n_pairs"], summary["n_identical"]
+    when_cap, when = _t(when.capitalize()), _t(when)
     if n == ident:
-        finding = f"{when.capitalize()}: all {n} factor-tensor pairs are bit-identical; no column diverges."
+        finding = f"{when_cap}: all {n} factor-tensor pairs are bit-identical; no column diverges."
         return finding, [finding]
     finding = (
-        f"{when.capitalize()}: the first divergent column ranges over {summary['first_col_min']}..{summary['first_col_max']} "
+        f"{when_cap}: the first divergent column ranges over {summary['first_col_min']}..{summary['first_col_max']} "
         f"(median {fmt(summary['first_col_median'])}) across {n - ident} differing factor-tensor pairs; {ident} of {n} bit-identical."
     )
     lines = [
@@ -229,7 +238,7 @@ def ladder(
     for pair, g in rates.dropna(subset=["slope"]).groupby("pair"):
         med = float(g["slope"].median())
         lines.append(
-            f"{pair}: rel_fro {'grows' if med > 0 else 'shrinks'} by a median {abs(med):.2g} decades per step "
+            f"{_t(pair)}: rel_fro {'grows' if med > 0 else 'shrinks'} by a median {abs(med):.2g} decades per step "
             f"over its groups (fit over steps {int(g['step_min'].min())}-{int(g['step_max'].max())} where rel_fro > 0)."
         )
     if small and len(at_last):
@@ -238,7 +247,7 @@ def ladder(
             a, b = g.loc[is_small, "rel_fro"].median(), g.loc[~is_small, "rel_fro"].median()
             if is_small.any() and (~is_small).any() and (a > 0 or b > 0):
                 lines.append(
-                    f"{pair} at step {last}: parameters of norm < {small_norm} have median rel_fro {fmt(a)}, "
+                    f"{_t(pair)} at step {last}: parameters of norm < {small_norm} have median rel_fro {fmt(a)}, "
                     f"the others {fmt(b)}."
                 )
     span = (
@@ -250,9 +259,11 @@ def ladder(
     )
     others = [p for p in pairs if p not in ctrl_pairs]
     if not others:
-        finding = f"Against {reference}, {span}: no run besides repeats and the control to compare."
+        finding = (
+            f"Against {_t(reference)}, {span}: no run besides repeats and the control to compare."
+        )
     elif earliest is None:
-        finding = f"Against {reference}, {span}: every run{' but the control' if ctrl_pairs else ''} is bit-identical at every step."
+        finding = f"Against {_t(reference)}, {span}: every run{' but the control' if ctrl_pairs else ''} is bit-identical at every step."
     else:
         at_o = at_last[at_last["pair"].isin(others)]
         top = (
@@ -260,23 +271,23 @@ def ladder(
         )
         word = "run" if len(others) == 1 else "runs"
         finding = (
-            f"Against {reference}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
-            f"{'diverges' if n_div == 1 else 'diverge'}, the earliest from step {earliest[0]} ({earliest[1]})"
+            f"Against {_t(reference)}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
+            f"{'diverges' if n_div == 1 else 'diverge'}, the earliest from step {earliest[0]} ({_t(earliest[1])})"
         )
         if top is not None:
-            finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} (`{top['name']}`, {top['pair']})"
+            finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} ({_c(top['name'])}, {_t(top['pair'])})"
         finding += "."
     for pair in ctrl_pairs:
         first = _first(df[df["pair"].eq(pair)])
-        finding += f" Control {pair}: " + (
+        finding += f" Control {_t(pair)}: " + (
             "bit-identical at every step." if first is None else f"differs from step {first} on."
         )
     for pair, sub in repeats.items():
         first = _first(sub)
         finding += (
-            f" Repeat {pair}: bit-identical at every step."
+            f" Repeat {_t(pair)}: bit-identical at every step."
             if first is None
-            else f" Repeat {pair}: differs from step {first}."
+            else f" Repeat {_t(pair)}: differs from step {first}."
         )
     if not repeats:
         lines.append(
@@ -295,7 +306,7 @@ def _first(sub: pd.DataFrame) -> int | None:
 def _pair_line(pair: str, sub: pd.DataFrame, *, repeat: bool = False) -> str:
     steps = sorted(int(s) for s in sub["step"].unique())
     first = _first(sub)
-    what = f"Repeat {pair}" if repeat else pair
+    what = f"Repeat {_t(pair)}" if repeat else _t(pair)
     if first is None:
         text = f"{what}: bit-identical at every step compared ({', '.join(map(str, steps))})."
         if repeat:
@@ -308,7 +319,7 @@ def _pair_line(pair: str, sub: pd.DataFrame, *, repeat: bool = False) -> str:
         + (f"bit-identical through step {before[-1]}, " if before else "")
         + f"differs from step {first} on"
         + ("" if before else " (the first step compared)")
-        + f"; max rel_fro {fmt(worst['rel_fro'])} at step {int(worst['step'])} (`{worst['name']}`)."
+        + f"; max rel_fro {fmt(worst['rel_fro'])} at step {int(worst['step'])} ({_c(worst['name'])})."
     )
     if repeat:
         text += " Runs of the same configuration do not reproduce each other here, so a difference in another run cannot be put down to its configuration alone."
@@ -322,12 +333,13 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
     for i, (label, df) in enumerate(results.items()):
         at = df.attrs
         unjudged = at.get("unjudged", [])
-        shown = "; ".join(f"`{u['boundary']}` ({u['reason']})" for u in unjudged[:4])
+        shown = "; ".join(f"{_c(u['boundary'])} ({_t(u['reason'])})" for u in unjudged[:4])
+        label = _t(label)
         shown += f"; and {len(unjudged) - 4} more" if len(unjudged) > 4 else ""
         if at["first_divergent_boundary"] is not None:
-            text = f"{label}: first divergent boundary `{at['first_divergent_boundary']}`"
+            text = f"{label}: first divergent boundary {_c(at['first_divergent_boundary'])}"
             text += (
-                f"; culprit (inputs identical, output differs): `{at['culprit']}`."
+                f"; culprit (inputs identical, output differs): {_c(at['culprit'])}."
                 if at["culprit"]
                 else "; no culprit (no boundary with identical inputs and a differing output)."
             )

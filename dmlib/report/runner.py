@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -177,7 +178,7 @@ def require_jupyter() -> None:
 
     missing = [
         m
-        for m in ("nbclient", "nbconvert", "nbformat", "ipykernel")
+        for m in ("nbclient", "nbconvert", "nbformat", "ipykernel", "nh3")
         if importlib.util.find_spec(m) is None
     ]
     if missing:
@@ -257,6 +258,8 @@ def _kernel_manager(kernel_dir: Path, n: int) -> Any:
         kernel_spec_manager=ksm,
         transport="ipc",
         ip=str(kernel_dir.parent / f"ipc{n}"),
+        # the connection file too, so that nothing of a killed run is left elsewhere
+        connection_file=str(kernel_dir.parent / f"kernel-{n}.json"),
     )
 
 
@@ -298,6 +301,7 @@ async def _run_one(
         km=_kernel_manager(kernel_dir, n),
         timeout=timeout,
         resources={"metadata": {"path": str(cwd)}},
+        shutdown_kernel="immediate",  # the notebook is done (or interrupted): no grace needed
     )
     t0 = time.perf_counter()
     error = cell = None
@@ -348,9 +352,14 @@ def run_notebooks(
     # the figure folder for notebooks that do not configure one (the rule in notebook.py)
     env["DMLIB_FIGURE_DIR"] = str(params.get("FIGURE_DIR", "figures"))
     jobs = max(1, min(jobs or min(4, os.cpu_count() or 1), len(paths)))
+    from dmlib.report import outdir
+
+    outdir.clean_stale(Path(tempfile.gettempdir()), "dmlib-kernel-*")  # left by a killed run
     tmp = Path(tempfile.mkdtemp(prefix="dmlib-kernel-"))
     try:
+        outdir.write_owner(tmp)
         kernel_dir = _kernel_dir(tmp)
+        stopping = threading.Event()
 
         async def main() -> list[NotebookResult]:
             gate = asyncio.Semaphore(jobs)
@@ -359,31 +368,81 @@ def run_notebooks(
                 async with gate:
                     env_i = {**env, "DMLIB_NOTEBOOK": p.stem}
                     res = await _run_one(p, cwd, params, env_i, kernel_dir, i, timeout)
-                if progress is not None:
+                if progress is not None and not stopping.is_set():  # no "FAILED" on Ctrl-C
                     progress(res)
                 return res
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(paths))))
 
-        return asyncio.run(main())
+        return _interruptible(main, stopping)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _interruptible(main: Callable[[], Any], stopping: Any) -> Any:
+    """``asyncio.run(main())`` in a worker thread; Ctrl-C cancels it cleanly.
+
+    nbclient answers SIGINT in the main thread by killing its kernel under the running
+    cell (a traceback, then a failed assertion: exit 4). In a worker thread it installs no
+    signal handler; Ctrl-C reaches this thread as KeyboardInterrupt, which cancels the
+    notebooks' task (each client shuts its kernel down as it unwinds), waits for that, and
+    is raised again for the command line to exit 130.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    async def wrapped() -> Any:
+        box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        return await main()
+
+    def work() -> None:
+        try:
+            box["value"] = asyncio.run(wrapped())
+        except BaseException as err:  # handed to the calling thread
+            box["error"] = err
+        finally:
+            done.set()
+
+    # an Event, not Thread.join: a join interrupted by Ctrl-C can mark a running thread dead
+    threading.Thread(target=work, name="dmlib-notebooks", daemon=True).start()
+    try:
+        while not done.wait(0.25):
+            pass
+    except KeyboardInterrupt:
+        stopping.set()
+        if "task" in box:
+            box["loop"].call_soon_threadsafe(box["task"].cancel)
+        done.wait(30)  # each kernel is shut down as its client unwinds; Ctrl-C again stops waiting
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 # ---------------------------------------------------------------------------
 # paths of this machine
 
 
-def scrub(nb: Any, replacements: Sequence[tuple[str, str]]) -> None:
-    """Replace absolute paths of this machine in every text output (tracebacks, warnings)."""
+def _fixer(replacements: Sequence[tuple[str, str]]) -> Callable[[str], str] | None:
     pairs = sorted({(a, b) for a, b in replacements if a and a != os.sep}, key=lambda x: -len(x[0]))
     if not pairs:
-        return
+        return None
     rx = re.compile("|".join(re.escape(a) for a, _ in pairs))
     table = dict(pairs)
+    return lambda text: rx.sub(lambda m: table[m.group(0)], text)
 
-    def fix(text: str) -> str:
-        return rx.sub(lambda m: table[m.group(0)], text)
+
+def scrub_text(text: str, replacements: Sequence[tuple[str, str]]) -> str:
+    """``text`` with the absolute paths of ``replacements`` replaced (longest first)."""
+    fix = _fixer(replacements)
+    return text if fix is None else fix(text)
+
+
+def scrub(nb: Any, replacements: Sequence[tuple[str, str]]) -> None:
+    """Replace absolute paths of this machine in every text output (tracebacks, warnings)."""
+    fix = _fixer(replacements)
+    if fix is None:
+        return
 
     for c in nb.cells:
         for out in c.get("outputs", []) if c.cell_type == "code" else []:

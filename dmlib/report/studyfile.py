@@ -26,13 +26,25 @@ def _key(k: str) -> str:
     return k if _BARE.match(k) else json.dumps(k)
 
 
+def _string(v: str) -> str:
+    """A TOML basic string: JSON's escapes (valid TOML) plus DEL, which TOML also forbids
+    raw (a title holding U+007F made an invalid study.toml)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DmlibError(
+            f"cannot write {v!r} into a study file: it is not valid Unicode (a lone surrogate)"
+        ) from None
+    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
 def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+        return _string(v)
     if isinstance(v, (list, tuple)):
         if len(v) > 3:
             return "[\n" + "".join(f"    {_value(x)},\n" for x in v) + "]"
