@@ -125,7 +125,7 @@ _ATOMS = (str, int, float, bool, type(None), bytes, complex)
 
 def _safe_key(k: Any) -> bool:
     """Hashing and comparing this key costs O(its size): a plain value, or a flat tuple of them."""
-    if isinstance(k, _ATOMS) or isinstance(k, (Const, Func)):
+    if isinstance(k, (*_ATOMS, Const, Func, Record)):  # records hash by identity
         return True
     return type(k) is tuple and len(k) <= 64 and all(isinstance(i, _ATOMS) for i in k)
 
@@ -411,7 +411,7 @@ def load(
     except Exception as err:  # a damaged pickle raises any of a dozen types
         text = " ".join(str(err).split())[:120]
         raise FormatError(
-            f"{what} is not a valid pickle ({type(err).__name__}: {text})", path=path
+            f"unreadable {what}, not a valid pickle ({type(err).__name__}: {text})", path=path
         ) from None
     check_shape(obj, what=what, path=path, limits=limits)
     return obj
