@@ -289,9 +289,9 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
         obj = _torch_load(path, is_zip)
         _unpickle.check_shape(obj, what="the file", path=path)
         reader = f"torch.load(weights_only=True) (the file holds {why.what})"
-    except UnsafePickleError:
+    except UnsafePickleError as err:
         cls = _top_class(path, is_zip)
-        if cls is not None:
+        if cls is not None and f"names {cls}," in err.message:  # the object itself is refused
             raise NotTensorsError(
                 f"a pickled object of class {cls}, no tensors (dmlib does not unpickle it)",
                 path=path,
