@@ -152,8 +152,9 @@ def _boxes_tile(size: tuple[int, ...], chunks: list[Box]) -> str | None:
     """Why the chunks do not tile a tensor of ``size`` exactly (None when they do).
 
     Every chunk inside the tensor and their volumes adding up to its volume leave one
-    way to fail: two chunks overlap. That is found by a sweep, O(n log n) in one or two
-    dimensions; in more, chunks are compared with those their first two ranges meet.
+    way to fail: two chunks overlap. That is found by a sweep, O(n log n), in one or two
+    dimensions; in more, by counting chunks per cell of the grid their edges draw (any
+    grid-like sharding), or by the sweep with a bounded number of comparisons.
     """
     for off, sz in chunks:
         if len(off) != len(size) or len(sz) != len(size):
@@ -166,7 +167,7 @@ def _boxes_tile(size: tuple[int, ...], chunks: list[Box]) -> str | None:
     boxes = [(o, s) for o, s in chunks if math.prod(s)]
     if len(size) == 0:
         return None if len(boxes) == 1 else "a scalar saved in more than one chunk"
-    return _overlap(boxes)
+    return _overlap(boxes) if len(size) <= 2 else _overlap_grid(size, boxes)
 
 
 MAX_COMPARISONS = 5_000_000  # box pairs compared in 3+ dimensions before giving up
@@ -210,6 +211,36 @@ def _overlap(boxes: list[Box]) -> str | None:
                     return f"chunks at {list(b[0])} and {list(o)} overlap"
         starts.insert(at, key)
     return None
+
+
+MAX_CELLS = 4_000_000  # cells of the grid the chunks' edges draw, painted in 3+ dimensions
+
+
+def _overlap_grid(size: tuple[int, ...], boxes: list[Box]) -> str | None:
+    """Which two boxes overlap, counted on the grid of their edges (or the bounded sweep)."""
+    edges = [sorted({0, d, *(o[k] for o, _ in boxes), *(o[k] + s[k] for o, s in boxes)})
+             for k, d in enumerate(size)]  # fmt: skip
+    if math.prod(len(e) - 1 for e in edges) > MAX_CELLS:
+        return _overlap(boxes)
+    count = np.zeros([len(e) - 1 for e in edges], np.int32)
+    painted = 0
+    spans = []
+    for o, s in boxes:
+        span = tuple(
+            slice(bisect.bisect_left(e, a), bisect.bisect_left(e, a + n))
+            for e, a, n in zip(edges, o, s)
+        )
+        painted += math.prod(sl.stop - sl.start for sl in span)
+        if painted > 4 * MAX_CELLS:
+            return _overlap(boxes)
+        count[span] += 1
+        spans.append(span)
+    if count.max(initial=0) <= 1:
+        return None
+    cell = np.unravel_index(int(np.argmax(count)), count.shape)
+    two = [boxes[i][0] for i, sp in enumerate(spans)
+           if all(sl.start <= c < sl.stop for sl, c in zip(sp, cell))][:2]  # fmt: skip
+    return f"chunks at {list(two[0])} and {list(two[1])} overlap"
 
 
 def _load_image(image: bytes, what: str, path: str) -> Any:
