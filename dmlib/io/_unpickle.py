@@ -222,6 +222,7 @@ class _Restricted(_U):
     # -- names
     def find_class(self, module: str, name: str) -> Any:
         what = f"{module}.{name}"
+        what = what if len(what) <= 160 else f"{what[:120]}... ({len(what)} characters)"
         if "." in name or "<" in name:
             raise UnsafePickleError(f"names {what} (a dotted qualified name)")
         entry = self._table.get((module, name))

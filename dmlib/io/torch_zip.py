@@ -547,7 +547,8 @@ def read_legacy(path: str) -> Any:
             raise FormatError(f"storage {key!r} is named twice with different types or sizes")
         return storages[key]
 
-    with open(path, "rb") as f:
+    with open(path, "rb") as raw_file:
+        f = _Capped(raw_file, buf.size)
         head = []
         for what in ("magic number", "protocol version", "system info"):
             head.append(_unpickle.load(f, BASE_TABLE, what=f"the {what} pickle", path=path))
@@ -582,10 +583,28 @@ def read_legacy(path: str) -> Any:
     return obj
 
 
-def stored_dtype(name: str) -> tuple[int, np.dtype | None]:
-    """Bytes per element and numpy dtype of a torch dtype name (for DCP's metadata)."""
-    item, _ = DTYPES[name]
-    return item, numpy_dtype(name)
+class _Capped:
+    """A file read by the unpickler: no read asks for more than the file still holds (a
+    pickle declaring a 2**60-byte string would otherwise have the buffer allocate it)."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self._f, self._size = f, size
+
+    def _left(self, n: int) -> int:
+        left = max(self._size - self._f.tell(), 0)
+        return left if n is None or n < 0 else min(n, left)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(self._left(n))
+
+    def readline(self, n: int = -1) -> bytes:
+        return self._f.readline(self._left(n))
+
+    def readinto(self, b: Any) -> int:
+        return self._f.readinto(memoryview(b)[: self._left(len(b))])
+
+    def tell(self) -> int:
+        return self._f.tell()
 
 
 __all__ = ["NeedsTorch", "NumpyArray", "Storage", "StoredTensor", "read_legacy", "read_zip"]
