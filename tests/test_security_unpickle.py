@@ -179,7 +179,7 @@ def _payloads(cmd: str) -> dict[str, tuple[bytes, tuple[str, ...]]]:
         "EXT1 opcode": (_p2(b"\x82\x01"), ("EXT1",)),
         "memo index bomb": (_p2(b"]r\xff\xff\xff\xff"), ("memo index",)),
         "nesting 100,000 deep": (_p2(nested), ("deep",)),
-        "shared-reference bomb": (_p2(sharing), ("expands to more than",)),
+        "shared-reference bomb": (_p2(sharing), ("expands to at least",)),
         "a list that contains itself": (_p2(b"]q\x00h\x00a"), ("contains itself",)),
         "a dict keyed by a nested tuple": (_p2(b"}K\x00\x85\x85K\x01s"), ("dictionary key",)),
     }
@@ -333,6 +333,6 @@ def test_sharing_bomb_is_refused_fast_and_small(tmp_path: Path) -> None:
     assert len(payload) < 1024
     path = _torch_zip(tmp_path, payload)
     start = time.perf_counter()
-    with pytest.raises(FormatError, match="expands to more than"):
+    with pytest.raises(FormatError, match="expands to at least"):
         dmlib.open_tensors(path)
     assert time.perf_counter() - start < 0.5

@@ -476,7 +476,7 @@ def check_shape(obj: Any, *, what: str, path: str | None, limits: Limits = LIMIT
             total > limits.free_leaves and total > limits.max_sharing * stored
         ):
             raise FormatError(
-                f"{what} refers to the same containers so often that it expands to more than "
+                f"{what} refers to the same containers so often that it expands to at least "
                 f"{total} entries from {stored} stored ones; refusing to expand it",
                 path=path,
             )
