@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dmlib
 from dmlib.cli import main
@@ -336,3 +338,44 @@ def test_sharing_bomb_is_refused_fast_and_small(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="expands to at least"):
         dmlib.open_tensors(path)
     assert time.perf_counter() - start < 0.5
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(body=st.binary(max_size=64), proto=st.sampled_from([b"", b"\x80\x02", b"\x80\x04"]))
+def test_arbitrary_bytes_are_read_or_refused_never_another_error(body: bytes, proto: bytes) -> None:
+    """Whatever the bytes, the unpickler returns or raises dmlib's refusal (or hands over)."""
+    from dmlib.io import _unpickle, torch_zip
+
+    try:
+        _unpickle.load(proto + body, torch_zip.TABLE, what="data.pkl", path="x.pt",
+                       torch_only=torch_zip.TORCH_ONLY)  # fmt: skip
+    except (FormatError, _unpickle.NeedsTorch):
+        pass
+
+
+_TOKENS = [
+    b"]", b"}", b")", b"(", b"K\x01", b"K\x00", b"N", b"\x88", b"\x89", b"t", b"l", b"a", b"e",
+    b"s", b"u", b"b", b"R", b"\x81", b"\x85", b"\x86", b"\x87", b"0", b"2", b"1", b"q\x00",
+    b"h\x00", b"q\x01", b"h\x01", b"\x94", b"\x8f", b"\x90", b"\x91", b"C\x04abcd", b"Q",
+    _str("u4"), _str("latin1"), _str("storage"), _str("0"), b"J\xff\xff\xff\x7f",
+    _glob("torch._utils", "_rebuild_tensor_v2"), _glob("torch._utils", "_rebuild_parameter"),
+    _glob("collections", "OrderedDict"), _glob("torch", "Size"), _glob("numpy", "dtype"),
+    _glob("numpy.core.multiarray", "_reconstruct"), _glob("numpy", "ndarray"),
+    _glob("torch", "FloatStorage"), _glob("_codecs", "encode"), _glob("torch", "Tensor"),
+    _glob("torch._tensor", "_rebuild_from_type_v2"), _glob("builtins", "set"),
+    _glob("torch", "device"), _glob("torch", "bfloat16"), _sglob("torch", "float32"),
+]  # fmt: skip
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, database=None)
+@given(tokens=st.lists(st.sampled_from(_TOKENS), max_size=40))
+def test_opcode_sequences_of_the_table_are_read_or_refused(tokens: list[bytes]) -> None:
+    """Sequences of the very opcodes and globals the readers allow, in any order."""
+    from dmlib.io import _unpickle, torch_zip
+
+    for table in (torch_zip.TABLE, __import__("dmlib.io.dcp", fromlist=["_TABLE"])._TABLE):
+        try:
+            _unpickle.load(b"\x80\x02" + b"".join(tokens) + b".", table, what="p", path="x",
+                           torch_only=torch_zip.TORCH_ONLY)  # fmt: skip
+        except (FormatError, _unpickle.NeedsTorch):
+            pass
