@@ -190,8 +190,8 @@ _OP = {name: getattr(pickle, name)[0] for name in dir(pickle) if name.isupper() 
 _PLAIN_OPS = """MARK STOP POP POP_MARK DUP FLOAT INT BININT BININT1 LONG BININT2 NONE STRING
 BINSTRING SHORT_BINSTRING UNICODE BINUNICODE APPEND EMPTY_DICT APPENDS GET BINGET LONG_BINGET
 LIST EMPTY_LIST TUPLE EMPTY_TUPLE BINFLOAT PROTO TUPLE1 TUPLE2 TUPLE3 NEWTRUE NEWFALSE LONG1
-LONG4 BINBYTES SHORT_BINBYTES SHORT_BINUNICODE BINUNICODE8 BINBYTES8 EMPTY_SET BYTEARRAY8
-FRAME GLOBAL STACK_GLOBAL BINPERSID""".split()
+LONG4 BINBYTES SHORT_BINBYTES SHORT_BINUNICODE BINUNICODE8 BINBYTES8 EMPTY_SET
+GLOBAL STACK_GLOBAL BINPERSID""".split()
 _OPCODE_NAMES = {code: name for name, code in _OP.items()}
 
 
@@ -218,6 +218,27 @@ class _Restricted(_U):
         self._pload = persistent_load
         self._limits = limits
         self.memo: dict[int, Any] = {}
+
+    def load(self) -> Any:
+        """pickle's own loop, reading straight from the file: a frame is a length hint
+        (``FRAME`` is skipped), the bytes come in the same order either way."""
+        self.read, self.readline = self._file_read, self._file_readline
+        self.metastack: list[Any] = []
+        self.stack: list[Any] = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
+
+    def _frame(self) -> None:
+        self.read(8)
 
     # -- names
     def find_class(self, module: str, name: str) -> Any:
@@ -328,10 +349,13 @@ class _Restricted(_U):
         self.memo[i] = self.stack[-1]
 
     def _binput(self) -> None:
-        self._memo_at(self.read(1)[0])
+        self.memo[self.read(1)[0]] = self.stack[-1]  # at most 255
 
     def _long_binput(self) -> None:
-        self._memo_at(int.from_bytes(self.read(4), "little"))
+        i = int.from_bytes(self.read(4), "little")
+        if i > self._limits.max_memo:
+            raise UnsafePickleError(f"memo index {i} (at most {self._limits.max_memo})")
+        self.memo[i] = self.stack[-1]
 
     def _memoize(self) -> None:
         self._memo_at(len(self.memo))
@@ -369,6 +393,7 @@ for _name, _fn in {
     "LONG_BINPUT": _Restricted._long_binput,
     "MEMOIZE": _Restricted._memoize,
     "PUT": _Restricted._put_text,
+    "FRAME": _Restricted._frame,
 }.items():
     _Restricted.dispatch[_OP[_name]] = _fn
 

@@ -446,7 +446,8 @@ def read_zip(source: str | bytes, path: str | None, what: str | None = None) -> 
     what = what or "data.pkl"
     try:
         if isinstance(source, str):
-            buf: np.ndarray = np.memmap(source, dtype=np.uint8, mode="r")
+            # a plain ndarray over the map: slicing a memmap subclass costs 10x more
+            buf: np.ndarray = np.memmap(source, dtype=np.uint8, mode="r").view(np.ndarray)
             zf = zipfile.ZipFile(source)
         else:
             buf = np.frombuffer(source, np.uint8)
@@ -524,7 +525,7 @@ PROTOCOL_VERSION = 1001
 
 def read_legacy(path: str) -> Any:
     """The object a legacy (non-zip) ``torch.save`` file holds."""
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     keys_seen: dict[str, tuple[str, int]] = {}
     storages: dict[str, Storage] = {}
 
