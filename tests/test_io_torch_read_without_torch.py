@@ -74,9 +74,7 @@ def _every_dtype() -> dict:
     out["float8_e8m0fnu"] = x.abs().clamp_min(1e-3).to(torch.float8_e8m0fnu)
     out["complex64"] = torch.complex(x, -x)
     out["complex128"] = torch.complex(x, x).to(torch.complex128)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
-        out["complex32"] = torch.complex(x, -x).to(torch.complex32)
+    # complex32: tests/test_io_torch_more.py (torch warns once a process on creating one)
     raw = torch.tensor([[0x21, 0xF7], [0x09, 0x3C]], dtype=torch.uint8)
     out["float4_e2m1fn_x2"] = raw.view(torch.float4_e2m1fn_x2)
     out["bits8"] = raw.view(torch.bits8)
@@ -98,7 +96,6 @@ def test_every_dtype_as_torch_load_reads_it(tmp_path, monkeypatch):
         ours["bfloat16"].load().astype(np.float32), oracle["bfloat16"].float().numpy()
     )
     np.testing.assert_array_equal(ours["complex64"].load(), oracle["complex64"].numpy())
-    assert ours["complex32"].shape == (3, 4, 2)
 
 
 def test_legacy_format_as_torch_load_reads_it(tmp_path, monkeypatch):

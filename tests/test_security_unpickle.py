@@ -278,7 +278,7 @@ def test_every_payload_is_refused_naming_the_global_and_runs_nothing(
         assert "\n" not in msg and len(msg) < 600, (name, msg)
         assert msg.startswith(str(path)), (name, msg)
         assert any(f in msg for f in fragments), (name, msg)
-        assert took < 2.0, (name, took)  # bombs are refused, not expanded
+        assert took < 5.0, (name, took)  # bombs are refused, not expanded (that took minutes)
         assert not sentinel.exists(), name
         results[name] = type(info.value).__name__
     assert len(results) == len(payloads) >= 25
