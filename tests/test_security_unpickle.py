@@ -379,3 +379,18 @@ def test_opcode_sequences_of_the_table_are_read_or_refused(tokens: list[bytes]) 
                            torch_only=torch_zip.TORCH_ONLY)  # fmt: skip
         except (FormatError, _unpickle.NeedsTorch):
             pass
+
+
+@pytest.mark.parametrize("reader", ["torch-zip", "torch-legacy"])
+def test_what_is_handed_to_torch_is_vetted_by_the_same_table(tmp_path: Path, reader: str) -> None:
+    """A construct left to torch.load (a quantized tensor), then os.system: dmlib refuses
+    the file itself, naming the global, before torch sees it."""
+    sentinel = tmp_path / "sentinel"
+    payload = _p2(
+        b"(" + _glob("torch._utils", "_rebuild_qtensor")
+        + _call(_glob("os", "system"), _str(f"touch {sentinel}")) + b"l"
+    )  # fmt: skip
+    path = READERS[reader](tmp_path, payload)
+    with pytest.raises(UnsafePickleError, match=r"names os\.system, which is not in its table"):
+        _read_all(path)
+    assert not sentinel.exists()

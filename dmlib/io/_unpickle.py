@@ -511,3 +511,57 @@ def check_shape(obj: Any, *, what: str, path: str | None, limits: Limits = LIMIT
             )
     top = _children(obj)
     return 1 if top is None else leaves[id(obj)]
+
+
+def vet_globals(
+    f: Any,
+    table: Mapping[tuple[str, str], Any],
+    torch_only: frozenset[tuple[str, str]],
+    *,
+    what: str,
+    path: str | None,
+    count: int = 1,
+) -> None:
+    """Before a pickle is handed to torch's own loader: every global it names is in
+    ``table`` or ``torch_only`` (exact pairs), and it uses no opcode that builds an object
+    of a class it names in its own way (INST, OBJ, EXT*) or computes a name (STACK_GLOBAL).
+
+    ``f`` is a binary file positioned at the first of ``count`` pickles back to back.
+    """
+    import pickletools
+
+    try:
+        for _ in range(count):
+            for op, arg, _pos in pickletools.genops(f):
+                if op.name == "GLOBAL":
+                    module, _, name = str(arg).partition(" ")
+                    if "." in name or (
+                        (module, name) not in table and (module, name) not in torch_only
+                    ):
+                        raise UnsafePickleError(
+                            f"names {module}.{name}, which is not in its table of allowed globals"
+                        )
+                elif op.name in (
+                    "INST",
+                    "OBJ",
+                    "EXT1",
+                    "EXT2",
+                    "EXT4",
+                    "STACK_GLOBAL",
+                    "NEXT_BUFFER",
+                    "READONLY_BUFFER",
+                ):
+                    raise UnsafePickleError(
+                        f"uses opcode {op.name}, which dmlib does not hand to torch"
+                    )
+                elif op.name == "STOP":
+                    break
+    except UnsafePickleError as err:
+        raise UnsafePickleError(
+            f"{what} {err.message}; refusing to unpickle it", path=path
+        ) from None
+    except Exception as err:  # a damaged pickle: torch would refuse it as well
+        text = " ".join(str(err).split())[:120]
+        raise FormatError(
+            f"unreadable {what}, not a valid pickle ({type(err).__name__}: {text})", path=path
+        ) from None

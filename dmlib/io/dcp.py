@@ -248,7 +248,12 @@ def _load_image(image: bytes, what: str, path: str) -> Any:
     try:
         return torch_zip.read_zip(image, path, what)
     except _unpickle.NeedsTorch:
-        pass
+        with zipfile.ZipFile(io.BytesIO(image)) as z:  # read_zip listed it: it opens
+            pkl = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            with z.open(pkl[0]) as f:
+                _unpickle.vet_globals(
+                    f, torch_zip.TABLE, torch_zip.TORCH_ONLY, what=f"{what}: data.pkl", path=path
+                )
     except FormatError as err:  # the same class, the chunk named
         text = err.message.removeprefix(f"{what}: ").removeprefix(f"{what} ")
         raise type(err)(f"{what} is not a loadable torch.save image ({text})", path=path) from None

@@ -236,6 +236,22 @@ def _torch_load(path: str, is_zip: bool) -> Any:
         raise FormatError(f"not a loadable PyTorch state dict ({_why(err)})", path=path) from None
 
 
+def _vet(path: str, is_zip: bool) -> None:
+    """Every global of the file's pickles is in dmlib's torch table or its torch-only list."""
+    if is_zip:
+        with zipfile.ZipFile(path) as z:
+            pkl = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            with z.open(pkl[0]) as f:
+                _unpickle.vet_globals(
+                    f, torch_zip.TABLE, torch_zip.TORCH_ONLY, what="data.pkl", path=path
+                )
+        return
+    with open(path, "rb") as f:  # magic, protocol, system info, the object, storage keys
+        _unpickle.vet_globals(
+            f, torch_zip.TABLE, torch_zip.TORCH_ONLY, what="the file's pickles", path=path, count=5
+        )
+
+
 def _top_class(path: str, is_zip: bool) -> str | None:
     """``module.Class`` when the file's pickle is one object of a class (its first global)."""
     try:
@@ -286,6 +302,7 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
         obj = torch_zip.read_zip(path, path) if is_zip else torch_zip.read_legacy(path)
         reader = "dmlib (torch not imported)"
     except _unpickle.NeedsTorch as why:
+        _vet(path, is_zip)  # no name outside dmlib's table and its torch-only list reaches torch
         obj = _torch_load(path, is_zip)
         _unpickle.check_shape(obj, what="the file", path=path)
         reader = f"torch.load(weights_only=True) (the file holds {why.what})"
