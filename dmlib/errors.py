@@ -49,6 +49,15 @@ class LayoutError(FormatError):
     """Tensor offsets are inconsistent: overlap, out of bounds, wrong length, unsolvable base."""
 
 
+class UnsafePickleError(FormatError):
+    """A pickle names a global, an opcode or a call outside its reader's table, or asks for
+    unbounded work (nesting, shared references): refused before anything is built from it."""
+
+
+class NotTensorsError(FormatError):
+    """The file holds something other than tensors (a pickled settings object...): named, not read."""
+
+
 class UnsupportedError(DmlibError, ValueError):
     """A valid file using something dmlib does not support (version, dtype, format)."""
 
@@ -75,8 +84,10 @@ __all__ = [
     "FormatError",
     "LayoutError",
     "MissingDependencyError",
+    "NotTensorsError",
     "TensorNotFoundError",
     "TruncatedError",
     "UnknownFormatError",
+    "UnsafePickleError",
     "UnsupportedError",
 ]

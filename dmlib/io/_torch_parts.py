@@ -132,3 +132,46 @@ def entries(name: str, t: Any, path: str) -> dict[str, Tensor]:
     out = {f"{name}.{k}": _dense(f"{name}.{k}", v, path) for k, v in parts.items()}
     out[f"{name}.shape"] = _tensor(f"{name}.shape", shape, path, "int64")
     return out
+
+
+def stored_entries(name: str, st: Any, path: str) -> dict[str, Tensor]:
+    """The Tensor of a tensor read without torch (a ``torch_zip.StoredTensor``), exactly as
+    :func:`_dense` makes it from the same tensor loaded by torch: same dtype, shape, bytes."""
+    from dmlib.io.torch_zip import DTYPES, numpy_dtype
+
+    dname = st.dtype_name
+    item = DTYPES[dname][0]
+    shape = tuple(st.shape)
+    numel = st.numel
+
+    def contiguous() -> np.ndarray:
+        return np.ascontiguousarray(st.array(path)).reshape(-1).view(np.uint8)
+
+    if dname == "float4_e2m1fn_x2":
+        import ml_dtypes
+
+        logical = (*shape[:-1], 2 * shape[-1]) if shape else (2,)
+        return {name: Tensor(
+            name, np.dtype(ml_dtypes.float4_e2m1fn), logical, nbytes=numel, source=contiguous,
+            path=path, dtype_name=dname, packing="fp4x2",
+        )}  # fmt: skip
+    base = numpy_dtype(dname)
+    if base is None:  # a dtype numpy does not know: its stored bytes
+        return {name: Tensor(
+            name, np.dtype("u1"), shape, nbytes=numel * item, source=contiguous, path=path,
+            dtype_name=dname, opaque=True,
+        )}  # fmt: skip
+    if dname == "complex32":  # (real, imaginary) float16 pairs, one more axis
+        base, shape = np.dtype("<f2"), (*shape, 2)
+    return {name: Tensor(
+        name, base, shape, nbytes=numel * item, source=contiguous, path=path, dtype_name=dname
+    )}  # fmt: skip
+
+
+def array_entry(name: str, arr: np.ndarray, path: str) -> dict[str, Tensor]:
+    """A numpy array pickled inside a torch file (an RNG state) as a Tensor."""
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr.flags.writeable = False
+    return {name: _tensor(name, arr, path, arr.dtype.name)}

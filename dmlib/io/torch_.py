@@ -1,6 +1,10 @@
-"""PyTorch state dicts (``.pt``, ``.pth``, ``.bin``), through torch when it is installed.
+"""PyTorch state dicts (``.pt``, ``.pth``, ``.bin``), read without importing torch.
 
-Only ``weights_only=True`` loading: dmlib never unpickles arbitrary objects.
+``torch.save`` files (zip and legacy) are read by :mod:`dmlib.io.torch_zip` through dmlib's
+restricted unpickler: nothing outside its table of names is built, no code from the file
+runs. torch is imported only when the file holds a construct that reader leaves to torch
+(quantized or sparse tensors, a big-endian file); then ``torch.load(weights_only=True)``
+reads it. ``layout["reader"]`` says which path was taken (``dmlib inspect`` prints it).
 
 Nested containers are flattened to dotted names (``{"model": {"fc.weight": t}}`` ->
 ``model.fc.weight``); tensors become the set's tensors and plain values (numbers,
@@ -12,14 +16,22 @@ Optimizer state is named after the parameters where the file allows it (see
 from __future__ import annotations
 
 import os
+import pickletools
+import sys
 import warnings
 import zipfile
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from dmlib.errors import FormatError, MissingDependencyError, UnsupportedError
-from dmlib.io import _torch_parts
+from dmlib.errors import (
+    FormatError,
+    MissingDependencyError,
+    NotTensorsError,
+    UnsafePickleError,
+    UnsupportedError,
+)
+from dmlib.io import _torch_parts, _unpickle, torch_zip
 from dmlib.tensor import Tensor, TensorSet
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -41,6 +53,18 @@ def is_torch_zip(names: list[str]) -> bool:
     return any(n == "data.pkl" or (n.endswith("/data.pkl") and n.count("/") == 1) for n in names)
 
 
+def _is_tensor(obj: Any) -> bool:
+    """A tensor of the file: read by dmlib (``StoredTensor``) or by torch (``torch.Tensor``)."""
+    if isinstance(obj, torch_zip.StoredTensor):
+        return True
+    torch = sys.modules.get("torch")  # never imported here: only when torch read the file
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _is_leaf(obj: Any) -> bool:
+    return _is_tensor(obj) or isinstance(obj, torch_zip.NumpyArray)
+
+
 def _flatten(
     obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[str, str], path: str
 ) -> None:
@@ -48,28 +72,29 @@ def _flatten(
 
     ``where`` remembers each name's key path, so two leaves that flatten to one name
     (``{"a.b": x, "a": {"b": y}}``, or keys ``0`` and ``"0"``) are refused, not overwritten.
+    Walked with a stack, depth first in the containers' order (``_unpickle.check_shape``
+    has bounded the depth and the number of leaves).
     """
-    import torch
-
-    if isinstance(obj, (torch.Tensor, bool, int, float, str)) or obj is None:
-        name = ".".join(map(str, keys))
-        keypath = "".join(f"[{k!r}]" for k in keys)
-        if name in out:
-            raise UnsupportedError(
-                f"entries {where[name]} and {keypath} both flatten to the name {name!r}; "
-                "dmlib names entries by joining keys with '.', so one would hide the other",
-                path=path,
-            )
-        out[name] = obj
-        where[name] = keypath
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _flatten(v, (*keys, k), out, where, path)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flatten(v, (*keys, i), out, where, path)
-    else:  # a value of another type (bytes, complex, torch.dtype...): named, not dropped
-        out.setdefault(SKIPPED, []).append(f"{'.'.join(map(str, keys))} ({type(obj).__name__})")
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(obj, keys)]
+    while stack:
+        node, ks = stack.pop()
+        if _is_leaf(node) or isinstance(node, (bool, int, float, str)) or node is None:
+            name = ".".join(map(str, ks))
+            keypath = "".join(f"[{k!r}]" for k in ks)
+            if name in out:
+                raise UnsupportedError(
+                    f"entries {where[name]} and {keypath} both flatten to the name {name!r}; "
+                    "dmlib names entries by joining keys with '.', so one would hide the other",
+                    path=path,
+                )
+            out[name] = node
+            where[name] = keypath
+        elif isinstance(node, Mapping):
+            stack.extend(reversed([(v, (*ks, k)) for k, v in node.items()]))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed([(v, (*ks, i)) for i, v in enumerate(node)]))
+        else:  # a value of another type (bytes, complex, torch.dtype...): named, not dropped
+            out.setdefault(SKIPPED, []).append(f"{'.'.join(map(str, ks))} ({type(node).__name__})")
 
 
 SKIPPED = "\0skipped"  # key of the list of values neither tensors nor plain (never a name)
@@ -85,8 +110,6 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
     indices (``model.parameters()`` order, no buffers). Otherwise the ids stay and the note
     says why.
     """
-    import torch
-
     if not isinstance(obj, Mapping):
         return {}, None
     opts = [
@@ -99,7 +122,7 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
     models = [
         k
         for k, v in obj.items()
-        if isinstance(v, Mapping) and v and all(isinstance(t, torch.Tensor) for t in v.values())
+        if isinstance(v, Mapping) and v and all(_is_tensor(t) for t in v.values())
     ]
     if isinstance(obj.get("state"), Mapping) and isinstance(obj.get("param_groups"), list):
         opts = [None]  # the file is an optimizer's state dict itself
@@ -128,7 +151,7 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
                 v.dim() == 0 or v.shape == sd[n].shape
                 for i, n in zip(ids, named, strict=True)
                 for v in (opt["state"].get(i) or {}).values()
-                if isinstance(v, torch.Tensor)
+                if _is_tensor(v)
             )
             named = named if shapes_ok else []
         if named and len(set(named)) == len(named):
@@ -187,18 +210,14 @@ def _why(err: Exception) -> str:
     return f"{type(err).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
 
 
-def open_torch(path: str | os.PathLike[str]) -> TensorSet:
-    path = os.fspath(path)
+def _torch_load(path: str, is_zip: bool) -> Any:
+    """The file read by ``torch.load(weights_only=True)`` (constructs dmlib leaves to torch)."""
     try:
         import torch
     except ImportError:
         raise MissingDependencyError(
-            "reading PyTorch checkpoints needs torch: pip install 'dmlib[torch]'", path=path
+            "reading this PyTorch checkpoint needs torch: pip install 'dmlib[torch]'", path=path
         ) from None
-    try:
-        is_zip = zipfile.is_zipfile(path)
-    except zipfile.BadZipFile as err:  # is_zipfile itself raises on some damaged end records
-        raise FormatError(f"damaged zip archive ({err})", path=path) from None
     if is_zip:
         _check_archive(path)
     try:
@@ -212,12 +231,92 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
             warnings.filterwarnings(
                 "ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning
             )
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except Exception as err:  # torch raises many types for corrupt or unsafe files
         raise FormatError(f"not a loadable PyTorch state dict ({_why(err)})", path=path) from None
+
+
+def _vet(path: str, is_zip: bool) -> None:
+    """Every global of the file's pickles is in dmlib's torch table or its torch-only list."""
+    if is_zip:
+        with zipfile.ZipFile(path) as z:
+            pkl = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            with z.open(pkl[0]) as f:
+                _unpickle.vet_globals(
+                    f, torch_zip.TABLE, torch_zip.TORCH_ONLY, what="data.pkl", path=path
+                )
+        return
+    with open(path, "rb") as f:  # magic, protocol, system info, the object, storage keys
+        _unpickle.vet_globals(
+            f, torch_zip.TABLE, torch_zip.TORCH_ONLY, what="the file's pickles", path=path, count=5
+        )
+
+
+def _top_class(path: str, is_zip: bool) -> str | None:
+    """``module.Class`` when the file's pickle is one object of a class (its first global)."""
+    try:
+        if is_zip:
+            with zipfile.ZipFile(path) as z:
+                pkl = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+                with z.open(pkl[0]) as f:
+                    head = f.read(4096)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(4096)
+        strings: list[str] = []
+        for op, arg, _pos in pickletools.genops(head):
+            if op.name in ("PROTO", "FRAME", "MEMOIZE", "BINPUT", "PUT", "LONG_BINPUT"):
+                continue
+            if op.name == "GLOBAL":
+                module, _, name = str(arg).partition(" ")
+                break
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE") and len(strings) < 2:
+                strings.append(str(arg))
+                continue
+            if op.name == "STACK_GLOBAL" and len(strings) == 2:
+                module, name = strings
+                break
+            return None
+        else:
+            return None
+    except Exception:  # only a better message was at stake
+        return None
+    return f"{module}.{name}" if name[:1].isupper() and "." not in name else None
+
+
+def open_torch(path: str | os.PathLike[str]) -> TensorSet:
+    path = os.fspath(path)
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as err:  # is_zipfile itself raises on some damaged end records
+        raise FormatError(f"damaged zip archive ({err})", path=path) from None
+    if not is_zip:
+        with open(path, "rb") as f:
+            if not f.read(len(LEGACY_MAGIC)).startswith(LEGACY_MAGIC):
+                raise FormatError(
+                    "not a loadable PyTorch state dict (neither a torch.save zip archive "
+                    "nor a legacy torch.save file)",
+                    path=path,
+                )
+    try:
+        obj = torch_zip.read_zip(path, path) if is_zip else torch_zip.read_legacy(path)
+        reader = "dmlib (torch not imported)"
+    except _unpickle.NeedsTorch as why:
+        _vet(path, is_zip)  # no name outside dmlib's table and its torch-only list reaches torch
+        obj = _torch_load(path, is_zip)
+        _unpickle.check_shape(obj, what="the file", path=path)
+        reader = f"torch.load(weights_only=True) (the file holds {why.what})"
+    except UnsafePickleError as err:
+        cls = _top_class(path, is_zip)
+        if cls is not None and f"names {cls}," in err.message:  # the object itself is refused
+            raise NotTensorsError(
+                f"a pickled object of class {cls}, no tensors (dmlib does not unpickle it)",
+                path=path,
+            ) from None
+        raise
     flat: dict[str, Any] = {}
     _flatten(obj, (), flat, {}, path)
-    if not any(isinstance(v, torch.Tensor) for v in flat.values()) and not isinstance(obj, Mapping):
+    if not any(_is_tensor(v) for v in flat.values()) and not isinstance(obj, Mapping):
         raise UnsupportedError(
             f"holds a {type(obj).__name__}, not a state dict of tensors", path=path
         )
@@ -232,15 +331,25 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
     skipped = flat.pop(SKIPPED, None)
     if skipped:
         metadata["entries_not_read"] = ", ".join(skipped)
-    scalars = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    scalars = {k: v for k, v in flat.items() if not _is_leaf(v)}
     tensors: dict[str, Tensor] = {}
     for name, t in flat.items():
         if name in scalars:
             continue
-        for part, tensor in _torch_parts.entries(name, t, path).items():
+        if isinstance(t, torch_zip.StoredTensor):
+            parts = _torch_parts.stored_entries(name, t, path)
+        elif isinstance(t, torch_zip.NumpyArray):
+            assert t.array is not None  # a NumpyArray leaves the unpickler built
+            parts = _torch_parts.array_entry(name, t.array, path)
+        else:
+            parts = _torch_parts.entries(name, t, path)
+        for part, tensor in parts.items():
             if part in tensors or (part != name and part in flat):
                 raise FormatError(
                     f"tensor {name!r}: its part {part!r} collides with another name", path=path
                 )
             tensors[part] = tensor
-    return TensorSet(tensors, path=path, format="torch", metadata=metadata, scalars=scalars)
+    return TensorSet(
+        tensors, path=path, format="torch", metadata=metadata, scalars=scalars,
+        layout={"reader": reader},
+    )  # fmt: skip
