@@ -163,7 +163,7 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
 
 
 #: keyword names under which a tuple of past (key, value) tensors is a KV cache
-CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "past")
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "past", "cache")
 
 
 def is_cache(obj: Any) -> bool:
@@ -338,18 +338,27 @@ class Recorder:
             return self.record(module, call, "input", slot, t, extra={"cache": True})
         suffix = "" if call == 0 else f"#{call}"
         name = f"{module}:{slot}{suffix}"
-        arr = _to_numpy(t)
-        flat = np.ascontiguousarray(np.moveaxis(arr, 2, 1)).reshape(len(rows[0]), -1)
-        requests: dict[str, Any] = {}
-        for rid, idx in rows[1].items():
-            digest, blocks = request_hashes(flat[idx], self.block_rows, self.scheme)
-            requests[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
-        entry = {
-            "name": name, "module": module, "call": call, "kind": "input", "slot": slot,
-            "dtype": arr.dtype.name, "shape": list(arr.shape), "hash": self.scheme,
-            "digest": digest_hex(arr, self.scheme), "row_dims": None, "requests": requests,
-            "dump": None, "leading": None, "cache": True,
-        }  # fmt: skip
+        key = self._identity(t, ("cache", len(rows[0])))
+        first = self._seen.get(key) if key is not None else None
+        if first is not None and first[0]() is t:  # this layer's cache, unchanged since
+            same = first[1]
+            entry = dict(same, name=name, module=module, call=call, slot=slot)
+        else:
+            arr = _to_numpy(t)
+            flat = np.ascontiguousarray(np.moveaxis(arr, 2, 1)).reshape(len(rows[0]), -1)
+            requests: dict[str, Any] = {}
+            for rid, idx in rows[1].items():
+                digest, blocks = request_hashes(flat[idx], self.block_rows, self.scheme)
+                requests[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
+            entry = {
+                "name": name, "module": module, "call": call, "kind": "input", "slot": slot,
+                "dtype": arr.dtype.name, "shape": list(arr.shape), "hash": self.scheme,
+                "digest": digest_hex(arr, self.scheme), "row_dims": None,
+                "requests": requests, "dump": None, "leading": None, "cache": True,
+            }  # fmt: skip
+            if key is not None:
+                self._seen[key] = (weakref.ref(t), entry)
+        entry.pop("step", None)
         if self.step:
             entry["step"] = self.step
         self.boundaries.append(entry)
@@ -425,6 +434,8 @@ class Recorder:
             entry["step"] = self.step
         row_map = self.row_map
         k = row_map.row_dims(shape) if row_map is not None and row_mapped else None
+        if k is not None and self.step and not self._prompt_rows(shape, k):
+            k = None  # a later pass (a decode step): the row map is the first pass's layout
         if self.layout is None and row_map is not None and row_map.batch:
             self.layout = (row_map.batch, len(row_map) // row_map.batch)  # a nested row map
         if k == 2 and self.layout is None:
@@ -477,6 +488,19 @@ class Recorder:
         while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
             self._wait_oldest()
         return name
+
+    def _prompt_rows(self, shape: tuple[int, ...], k: int) -> bool:
+        """Whether a later pass's tensor is laid out exactly as the row map's rows.
+
+        The first pass may flatten any leading dims to the row map's length; a later one
+        (``generate()``'s decode steps feed ``(batch, 1, ...)``) only ``(batch, seq)`` or
+        ``(batch * seq,)`` itself, so that ``(batch, 1, seq)`` is never read per position.
+        """
+        rm = cast(RowMap, self.row_map)
+        if k == 1:
+            return shape[0] == len(rm)
+        batch = rm.batch or (self.layout[0] if self.layout else None)
+        return k == 2 and batch is not None and shape[0] == batch and shape[0] * shape[1] == len(rm)
 
     def _identity(self, t: Any, how: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The key under which a tensor counts as already recorded, None: never shared."""

@@ -269,7 +269,7 @@ class Boundary:
     row_axes: tuple[int, int] | None = None
     hash: str = hashing.SHA256  # the scheme of every digest of this boundary
     layout: bool = False  # an input declared (or named) as following the batch layout
-    step: int | None = None  # forward pass (decode step) of a generate() capture
+    step: int = 0  # forward pass (decode step, from 0) of a multi-pass capture
     cache: bool = False  # a KV-cache tensor: per request along its position axis
 
     @property
@@ -340,7 +340,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             row_axes=_axes(d.get("row_axes"), len(d["shape"])),
             hash=str(scheme),
             layout=bool(d.get("layout", False)),
-            step=None if d.get("step") is None else int(d["step"]),
+            step=int(d.get("step") or 0),
             cache=bool(d.get("cache", False)),
         )
     except (KeyError, TypeError, ValueError) as err:
