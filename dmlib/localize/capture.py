@@ -63,6 +63,8 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 
 
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
+INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
+_LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
 
 
 def _require_torch() -> None:
@@ -71,22 +73,31 @@ def _require_torch() -> None:
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU numpy array with the tensor's exact bytes (bf16/f8 through ml_dtypes)."""
-    from dmlib import dtypes
+    """A CPU numpy array with the tensor's exact bytes (bf16/f8 through ml_dtypes).
 
+    ml_dtypes (over a second to import) is imported only for a tensor that needs it.
+    """
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    special = {
-        torch.bfloat16: (torch.int16, dtypes.BFLOAT16),
-        torch.float8_e4m3fn: (torch.int8, dtypes.FLOAT8_E4M3FN),
-        torch.float8_e5m2: (torch.int8, dtypes.FLOAT8_E5M2),
-    }
-    if t.dtype in special:
-        view, np_dtype = special[t.dtype]
-        return t.view(view).numpy().view(np_dtype)
+    if t.dtype in _SPECIAL:
+        from dmlib import dtypes
+
+        view, name = _SPECIAL[t.dtype]
+        return t.view(view).numpy().view(getattr(dtypes, name))
     return t.numpy()
+
+
+_SPECIAL: dict[Any, tuple[Any, str]] = (
+    {}
+    if torch is None
+    else {
+        torch.bfloat16: (torch.int16, "BFLOAT16"),
+        torch.float8_e4m3fn: (torch.int8, "FLOAT8_E4M3FN"),
+        torch.float8_e5m2: (torch.int8, "FLOAT8_E5M2"),
+    }
+)
 
 
 _NP_DTYPES: dict[Any, np.dtype] = {}
@@ -282,7 +293,6 @@ class Recorder:
         self.root = root  # the label of the hooked model itself
         self.layout_inputs = tuple(layout_inputs)
         self.step = 0  # forward passes of the model begun before this one (decode step)
-        self._layout_cache: dict[tuple[str, str], bool] = {}
         # BLAKE3 and SHA-256 release the GIL, so boundaries are hashed (and dumped) on
         # worker threads while the forward pass goes on; each works on a private copy of
         # the tensor, taken in the hook, because a later in-place op may change the
@@ -314,14 +324,14 @@ class Recorder:
 
     def is_layout(self, module: str, slot: str) -> bool:
         """Whether input ``slot`` of ``module`` follows the batch layout (a mask, positions)."""
-        key = (module, slot)
-        hit = self._layout_cache.get(key)
+        key = (self.layout_inputs, module, slot)
+        hit = _LAYOUT_HITS.get(key)
         if hit is None:
             name = f"{module}:{slot}"
             hit = is_layout_slot(slot, self.layout_inputs) or any(
                 fnmatch.fnmatchcase(name, p) for p in self.layout_inputs
             )
-            self._layout_cache[key] = hit
+            _LAYOUT_HITS[key] = hit
         return hit
 
     def record_cache(self, module: str, call: int, slot: str, t: Any) -> str:
@@ -476,12 +486,12 @@ class Recorder:
             return name
         entry["hash"] = self.scheme  # (a failed device checksum falls back to the host)
         arr = _to_numpy(t)
-        if self._pool is not None:
-            arr = np.array(arr, copy=True)
-        rows = self._rows(arr, k, axes)
-        if self._pool is None:
-            self._hash(entry, arr, rows)
+        if self._pool is None or arr.nbytes <= INLINE_BYTES:
+            # no worker for a small tensor: handing it over costs more than hashing it
+            self._hash(entry, arr, self._rows(arr, k, axes))
             return name
+        arr = np.array(arr, copy=True)
+        rows = self._rows(arr, k, axes)
         fut = self._pool.submit(self._hash, entry, arr, rows)
         self._pending.append((fut, arr.nbytes))
         self._pending_bytes += arr.nbytes
@@ -673,7 +683,17 @@ class Recorder:
                 path=self.path,
             )
 
-    def write_manifest(self, *, complete: bool, error: str | None = None) -> None:
+    def write_manifest(
+        self, *, complete: bool, error: str | None = None, durable: bool = True
+    ) -> None:
+        """Write ``manifest.json`` (atomically; ``durable=False``: without fsync, for the
+        in-progress marker, whose loss leaves a folder a reader refuses just the same)."""
+        if not durable:
+            head = json.dumps(self.manifest(complete=complete, error=error) | {"boundaries": []})
+            tmp = self.path / (MANIFEST + ".tmp")
+            tmp.write_text(head)
+            os.replace(tmp, self.path / MANIFEST)
+            return
         m = self.manifest(complete=complete, error=error)
         boundaries = m.pop("boundaries")
         # one boundary per line: compact, yet diffable and readable with grep
@@ -788,7 +808,7 @@ def capture(
         root=root,
         layout_inputs=(*LAYOUT_INPUTS, *extra_layout),
     )
-    rec.write_manifest(complete=False)  # marks the directory as a capture in progress
+    rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
     handles: list[Any] = []
     tracker = None
     if ops:
