@@ -118,7 +118,7 @@ def request_hashes(
     n = rows.shape[0]
     if scheme == hashing.BLAKE3 and rows.size and flat.nbytes <= hashing.PIECE:
         # the same digests as digest_hex, without its per-call array handling
-        b3, mv, rb = hashing._blake3(), memoryview(flat.reshape(-1)), flat.shape[1]
+        b3, mv, rb = hashing._blake3(), flat.reshape(-1).data, flat.shape[1]
         blocks = [
             b3(mv[i * rb : (i + block_rows) * rb]).hexdigest() for i in range(0, n, block_rows)
         ]
