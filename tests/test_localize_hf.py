@@ -215,6 +215,9 @@ def test_gqa_heads_are_an_equivalence_with_ops(tmp_path):
                       ops=True, op_modules="model.layers.0.self_attn", dump="*")  # fmt: skip
     plant.remove()
     heads = df[df["note"].fillna("").str.contains("head layout differs")]
+    # transformers runs SDPA on the 2 KV heads alone (no mask: enable_gqa) and repeats them
+    # to 4 when a padding mask is passed: the key and value inputs change shape
+    assert len(heads) >= 2, df["note"].dropna().unique()[:5]
     for name in heads["boundary"]:
         assert df.set_index("boundary").loc[name, "identical"] is pd_na()
     assert not (df["role"].isin(["culprit", "carrier"]) & df["note"].fillna("").str.contains(
