@@ -109,12 +109,12 @@ def test_ops_without_row_layout_are_hashed_whole_and_listed(tmp_path):
     with dmlib.capture(m, tmp_path / "c", modules="", row_map=rows, ops=True):
         out = m(x)
     c = dmlib.open_capture(tmp_path / "c")
-    assert [o.id for o in op_table(c)] == ["model/aten.sum#0", "model/aten.mul#0"]
-    s = c.boundary("model/aten.sum#0")
+    assert [o.id for o in op_table(c)] == ["(model)/aten.sum#0", "(model)/aten.mul#0"]
+    s = c.boundary("(model)/aten.sum#0")
     assert s.row_dims is None and s.shape == (3, F) and s.requests == {}
-    assert "model/aten.sum#0" in c.manifest["whole_only"]
-    assert c.boundary("model/aten.sum#0:input0").row_dims == 2  # its input keeps the rows
-    assert c.boundary("model/aten.mul#0").digest == blake3(out.numpy().tobytes()).hexdigest()
+    assert "(model)/aten.sum#0" in c.manifest["whole_only"]
+    assert c.boundary("(model)/aten.sum#0:input0").row_dims == 2  # its input keeps the rows
+    assert c.boundary("(model)/aten.mul#0").digest == blake3(out.numpy().tobytes()).hexdigest()
 
 
 def test_capture_with_ops_leaves_outputs_byte_identical(tmp_path):
@@ -183,23 +183,28 @@ def test_alignment_pairs_by_sequence_not_by_name(tmp_path):
         with torch.no_grad(), dmlib.capture(m, tmp_path / kind, modules="", row_map=rows, ops=True):
             m(x)
     a, b = dmlib.open_capture(tmp_path / "alone"), dmlib.open_capture(tmp_path / "packed")
-    assert [o.id for o in op_table(a)] == ["model/aten.mul#0", "model/aten.add#0"]
+    assert [o.id for o in op_table(a)] == ["(model)/aten.mul#0", "(model)/aten.add#0"]
     assert [o.id for o in op_table(b)] == [
-        "model/aten.add#0",
-        "model/aten.mul#0",
-        "model/aten.add#1",
+        "(model)/aten.add#0",
+        "(model)/aten.mul#0",
+        "(model)/aten.add#1",
     ]
     al = align(a, b)
     # by name, a's add#0 would meet b's extra add#0; by sequence it meets add#1
-    assert al.partner["model/aten.add#0"] == "model/aten.add#1"
-    assert al.partner["model/aten.mul#0"] == "model/aten.mul#0"
+    assert al.partner["(model)/aten.add#0"] == "(model)/aten.add#1"
+    assert al.partner["(model)/aten.mul#0"] == "(model)/aten.mul#0"
     assert al.partings == [
-        {"owner": "model", "at": "model/aten.mul#0", "a_ops": [], "b_ops": ["model/aten.add#0"]}
+        {
+            "owner": "(model)",
+            "at": "(model)/aten.mul#0",
+            "a_ops": [],
+            "b_ops": ["(model)/aten.add#0"],
+        }
     ]
     df = dmlib.compare_captures(a, b, request="q")
     assert df.attrs["first_divergent_boundary"] is None
-    assert df.set_index("boundary").loc["model/aten.add#0", "identical"]
-    assert "first parting at model/aten.mul#0" in verdict(df)
+    assert df.set_index("boundary").loc["(model)/aten.add#0", "identical"]
+    assert "first parting at (model)/aten.mul#0" in verdict(df)
 
 
 class Swap(nn.Module):
@@ -216,9 +221,9 @@ def test_unrelated_ops_are_never_paired(tmp_path):
     df = dmlib.compare_captures(tmp_path / "alone", tmp_path / "packed", request="q")
     t = df.set_index("boundary")
     # x * 0.25 and x / 4 give the same bits, but they are different ops: not compared
-    assert t.loc["model/aten.mul#0", "identical"] is pd_na()
-    assert "part here" in t.loc["model/aten.mul#0", "note"]
-    assert t.loc["model", "identical"]  # the module output itself is compared by name
+    assert t.loc["(model)/aten.mul#0", "identical"] is pd_na()
+    assert "part here" in t.loc["(model)/aten.mul#0", "note"]
+    assert t.loc["(model)", "identical"]  # the module output itself is compared by name
     assert df.attrs["op_alignment"]["n_paired"] == 0
 
 
@@ -270,11 +275,11 @@ def test_zero_dim_op_tensors_dump_and_read_back(tmp_path):
                                         dump="*"):  # fmt: skip
         out = m(x)
     c = dmlib.open_capture(tmp_path / "c")
-    b = c.boundary("model/aten.sum#0")
+    b = c.boundary("(model)/aten.sum#0")
     assert b.shape == ()
     got = c.tensor(b)
     assert got.shape == () and got.tobytes() == x.sum().numpy().tobytes()
-    assert c.tensor("model/aten.mul#0").tobytes() == out.numpy().tobytes()
+    assert c.tensor("(model)/aten.mul#0").tobytes() == out.numpy().tobytes()
     raw = (tmp_path / "c" / b.dump["file"]).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert json.loads(raw[8 : 8 + n])["tensor"]["shape"] == []  # safetensors' 0-d: shape []
@@ -305,7 +310,7 @@ def heads(tmp_path_factory):
 
 def test_head_major_rows_are_attributed(heads):
     c = dmlib.open_capture(heads / "packed")
-    t = c.boundary("model/aten.transpose#0")
+    t = c.boundary("(model)/aten.transpose#0")
     assert t.shape == (3, 2, S, F // 2) and t.row_axes == (0, 2) and t.row_dims is None
     assert t.row_shape == (2, F // 2)
     x, _ = layout("packed")
@@ -329,14 +334,14 @@ def test_head_major_plant_found_and_patched(heads):
     from dmlib.localize.patch import patch_test
 
     df = dmlib.compare_captures(heads / "alone", heads / "packed", request="q")
-    assert df.attrs["culprit_op"] == "model/dmtest.batch_round#0"
+    assert df.attrs["culprit_op"] == "(model)/dmtest.batch_round#0"
     t = df.set_index("boundary")
-    assert t.loc["model/dmtest.batch_round#0:input0", "identical"]
+    assert t.loc["(model)/dmtest.batch_round#0:input0", "identical"]
     # sum over the whole batch: same shape in both layouts, other requests' data inside
-    assert t.loc["model/aten.sum#0", "identical"] is pd_na()
-    assert "not comparable across layouts" in t.loc["model/aten.sum#0", "note"]
+    assert t.loc["(model)/aten.sum#0", "identical"] is pd_na()
+    assert "not comparable across layouts" in t.loc["(model)/aten.sum#0", "note"]
     same = dmlib.compare_captures(heads / "packed", heads / "packed").set_index("boundary")
-    assert same.loc["model/aten.sum#0", "identical"]  # one layout: the whole hash counts
+    assert same.loc["(model)/aten.sum#0", "identical"]  # one layout: the whole hash counts
     m = Heads()
     x, rows = layout("packed")
 
@@ -344,7 +349,7 @@ def test_head_major_plant_found_and_patched(heads):
         with torch.no_grad():
             return m(x)
 
-    res = patch_test(m, source=heads / "alone", boundary="model/dmtest.batch_round#0",
+    res = patch_test(m, source=heads / "alone", boundary="(model)/dmtest.batch_round#0",
                      request="q", row_map=rows, run=run)  # fmt: skip
     assert res.confirmed, str(res)
 

@@ -120,7 +120,7 @@ def test_patched_op_is_counted_as_the_capture_names_it(tmp_path):
     with torch.no_grad(), dmlib.capture(m, tmp_path / "src", modules=["", "child"], ops=True,
                                         row_map=rows, dump="*", dump_requests=["q"]):  # fmt: skip
         m(x)
-    target = "model/dmtest.batch_round#0"  # the parent's own call, the second one to run
+    target = "(model)/dmtest.batch_round#0"  # the parent's own call, the second one to run
     assert dmlib.open_capture(tmp_path / "src").boundary(target).index > dmlib.open_capture(
         tmp_path / "src").boundary("child/dmtest.batch_round#0").index  # fmt: skip
     rows_p, run = packed_run(m)
@@ -142,10 +142,12 @@ def test_patching_both_causes_at_once_is_confirmed(model, tmp_path):
     assert res.confirmed and res.boundary == ", ".join(both)
     t = res.table.set_index("boundary")
     assert not t.loc[both, "after_patch"].any() and t.loc[both, "identical_after"].all()
-    # with a boundary that already matched among them, nothing is confirmed
+    # a boundary that already matched among them is skipped, and the result says so
     res2 = patch_test(model, source=src, boundary=["model.stage1", *both], request="q",
                       row_map=rows, run=run)  # fmt: skip
-    assert res2.confirmed is False and "model.stage1 already matched" in res2.reason
+    assert res2.confirmed, res2.reason
+    assert "skipped 1 that already matched the source: model.stage1" in res2.reason
+    assert res2.table.attrs["skipped"] == ["model.stage1"]
     with pytest.raises(CaptureError, match="distinct"):
         patch_test(model, source=src, boundary=[QUIRK_OP, QUIRK_OP], request="q", row_map=rows,
                    run=run)  # fmt: skip

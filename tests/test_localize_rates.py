@@ -131,3 +131,11 @@ def test_rates_from_files_and_digest_rules(tmp_path):
         repeat_rates({"x": [a]})
     with pytest.raises(DmlibError, match="cannot hash"):
         digest(object())
+
+
+def test_wilson_bounds_at_zero_and_all_are_exact():
+    # by hand: at k = 0 the centre equals the half-width, so the lower bound is 0 exactly
+    # (the rounded difference was 1.39e-17); at k = n the upper bound is 1 exactly
+    assert wilson_interval(0, 20)[0] == 0.0
+    assert wilson_interval(20, 20)[1] == 1.0
+    assert f"{wilson_interval(0, 20)[0]:.3g}" == "0"

@@ -261,7 +261,7 @@ def test_bfloat16_bits_are_kept(tmp_path):
     ):
         lin(x)
     cap = dmlib.open_capture(tmp_path / "c")
-    got = cap.tensor("model")
+    got = cap.tensor("(model)")
     assert got.dtype == np.dtype(ml_dtypes.bfloat16)
     assert got.view(np.uint16).tolist() == x.view(torch.int16).numpy().view(np.uint16).tolist()
 

@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "boundary in execution order, per logical request: which boundaries differ, in which "
         "blocks of positions, and the culprit (inputs identical, output differs). With --repeat "
         "the verdict is valid only if the repeat captures are byte-identical; a planted one-bit "
-        "change is always checked (negative control). Prints boundaries that are not clean "
+        "change is checked wherever a boundary was dumped (negative control; without dumps "
+        "it is not run, and the verdict says why). Layout inputs (attention masks, position "
+        "ids, cache positions, cu_seqlens) follow the batch layout and are never judged. Prints boundaries that are not clean "
         "(--all: every boundary) and the verdict. A boundary is judged per request: rows per "
         "position through the row map, rows per sequence (first axis = batch) through the "
         "batch row the request fills alone, else the whole tensor when both captures have its "
@@ -112,7 +114,7 @@ def run_localize(args: argparse.Namespace) -> int:
         doc = {"rows": jsonable(df, default=str), "attrs": jsonable(dict(df.attrs), default=str)}
         print(json.dumps(doc, indent=1))
     else:
-        shown = df if args.all else df[df["role"] != "clean"]
+        shown = df if args.all else df[~df["role"].isin(["clean", "layout"])]
         if args.limit and len(shown) > args.limit:
             print(f"(first {args.limit} of {len(shown)} rows; --limit 0 for all)")
             shown = shown.head(args.limit)

@@ -14,15 +14,16 @@ operator included, needs a float64 ``reference`` callable. Float64 is not exact 
 its own error (about 1e-16 relative) is far below one float32 or float16 ULP, which is
 what the comparison needs.
 
-The replay runs through ``torch.ops`` where torch is importable and otherwise in numpy
-(:mod:`dmlib.localize.replay_np`: the same ops but convolution), so a report kernel
-without torch can arbitrate committed dumps; ``backend=`` chooses explicitly.
+The replay runs in numpy (:mod:`dmlib.localize.replay_np`: the same ops but convolution)
+unless torch is imported already or the op needs it, so reading and arbitrating committed
+dumps never imports torch; ``backend=`` chooses explicitly.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ import pandas as pd
 
 from dmlib.errors import CaptureError
 from dmlib.localize.captures import Capture, open_capture, request_key
-from dmlib.localize.ops import OpInfo, align, op_table
+from dmlib.localize.opalign import OpInfo, align, op_table
 
 # aten ops replayed as recorded (in float64); others need a reference callable
 REPLAYABLE = {
@@ -117,11 +118,23 @@ def _np64(arr: np.ndarray) -> np.ndarray:
     return np.array(a, copy=True)
 
 
-def _backend(backend: str) -> str:
+def _backend(backend: str, op: str | None = None) -> str:
+    """The backend a replay of ``op`` runs on.
+
+    ``"auto"`` keeps torch out of a process that has not imported it: numpy replays
+    every op it knows, torch (where importable) only the others (convolution) or where
+    torch is loaded already.
+    """
     if backend not in ("auto", "torch", "numpy"):
         raise CaptureError(f"backend {backend!r}: expected 'auto', 'torch' or 'numpy'")
     if backend != "auto":
         return backend
+    if "torch" in sys.modules:
+        return "torch"
+    from dmlib.localize.replay_np import REPLAYABLE_NUMPY
+
+    if op is None or _name(op) in REPLAYABLE_NUMPY or op in REPLAYABLE_NUMPY:
+        return "numpy"
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -148,10 +161,10 @@ def replay64(
     """The op's first output recomputed in float64 from this capture's whole dumps.
 
     ``backend``: ``"torch"`` (``torch.ops``), ``"numpy"`` (:mod:`~dmlib.localize.replay_np`)
-    or ``"auto"`` (torch where importable). A ``reference`` callable gets numpy arrays
+    or ``"auto"`` (see :func:`arbitrate`). A ``reference`` callable gets numpy arrays
     under the numpy backend, torch tensors otherwise.
     """
-    if _backend(backend) == "numpy":
+    if _backend(backend, op.op) == "numpy":
         return _replay_numpy(cap, op, reference)
     import torch
 
@@ -269,7 +282,8 @@ def arbitrate(
         it is not within one ULP everywhere.
     backend
         Where the float64 replay runs: ``"torch"``, ``"numpy"`` (no torch needed; no
-        convolution) or ``"auto"`` (torch where importable).
+        convolution) or ``"auto"`` (numpy for the ops it replays unless torch is
+        imported already; torch for the others).
     """
     _backend(backend)
     ca = a if isinstance(a, Capture) else open_capture(a)
@@ -283,6 +297,7 @@ def arbitrate(
             return Arbitration("(none)", "inconclusive", "the comparison names no culprit op",
                                pd.DataFrame(columns=COLUMNS))  # fmt: skip
     ops_a = {o.id: o for o in op_table(ca)}
+    op = op.partition(":")[0]  # a boundary of the op (``...#0:output1``) names the op
     if op not in ops_a:
         raise CaptureError(f"no op {op!r} in this capture (made with ops=True?)", path=ca.path)
     oa = ops_a[op]

@@ -12,6 +12,7 @@ a planted one-bit change, and optionally a different input).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from typing import Any
 
@@ -21,17 +22,23 @@ import pandas as pd
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
 from dmlib.localize.captures import (
+    LAYOUT_INPUTS,
     Boundary,
     Capture,
+    is_layout_slot,
     open_capture,
     request_hashes,
     request_key,
     same_scheme,
 )
-from dmlib.localize.ops import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
+from dmlib.localize.opalign import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
 
 CaptureLike = Capture | str | os.PathLike
-ROOT = "model"  # module label of the hooked model itself (``modules=[""]``): its outputs
+LAYOUT_NOTE = "layout input: follows the batch layout, not the request's data (not judged)"
+SECONDARY_NOTE = (
+    "a secondary output of an op whose first output matches (e.g. attention's logsumexp): "
+    "never the culprit"
+)
 
 COLUMNS = [
     "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
@@ -104,7 +111,7 @@ def _attribute(c: Capture, x: Boundary, r: str) -> tuple[str | None, Any]:
     but no row belongs to the request alone), ``("unknown", reason)`` (batch size unknown)
     or ``(None, reason)`` (no batch axis).
     """
-    if x.row_mapped:
+    if x.row_mapped or (x.cache and r in x.requests):
         return "token", x.requests[r]
     if c.batch is None or c.row_map is None:
         return (
@@ -128,13 +135,17 @@ def _judge_request(
     ka, va = _attribute(a, ba, r)
     kb, vb = _attribute(b, bb, r)
     if ka == kb == "token":
-        if ba.dtype != bb.dtype or ba.row_shape != bb.row_shape:
+        if ba.cache or bb.cache:
+            return _judge_cache(ba, bb, va, vb, r)
+        if ba.dtype != bb.dtype:
             blocks = [offsets[r] + k for k in range(len(va.blocks))]
             return (
                 False,
                 blocks,
                 f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}",
             )
+        if ba.row_shape != bb.row_shape:
+            return None, [], "not judged: " + _shape_reason(a, b, ba.row_shape, bb.row_shape)
         diff = [
             offsets[r] + k
             for k, (x, y) in enumerate(zip(va.blocks, vb.blocks, strict=True))
@@ -143,12 +154,15 @@ def _judge_request(
         return va.digest == vb.digest, diff, None
     if ka == kb == "sequence":
         note = f"per sequence (batch row {va[0]} vs {vb[0]})"
-        if ba.dtype != bb.dtype or ba.shape[1:] != bb.shape[1:]:
+        if ba.dtype != bb.dtype:
             return (
                 False,
                 [],
                 f"{note}: row {ba.dtype}{list(ba.shape[1:])} vs {bb.dtype}{list(bb.shape[1:])}",
             )
+        if ba.shape[1:] != bb.shape[1:]:
+            why = _shape_reason(a, b, ba.shape[1:], bb.shape[1:])
+            return None, [], f"not judged: {note}: {why}"
         return va[1] == vb[1], [], note
     # without the batch size, a first axis may be the batch: a whole tensor stands for the
     # request only when both captures place every request on the same rows
@@ -176,6 +190,52 @@ def _judge_request(
         else f"; {ba.dtype}{list(ba.shape)} vs {bb.dtype}{list(bb.shape)}"
     )
     return None, [], f"not judged: rows of request {r!r} not attributable {why}{shapes}"
+
+
+def _positions(c: Capture) -> int | None:
+    """Positions per batch row of a capture's layout (None: batch size unknown)."""
+    rm = c.row_map
+    return None if rm is None or not rm.batch else len(rm) // rm.batch
+
+
+def _shape_reason(a: Capture, b: Capture, sa: tuple[int, ...], sb: tuple[int, ...]) -> str:
+    """Why two shapes of one request's rows say nothing about its values."""
+    la, lb = _positions(a), _positions(b)
+    if len(sa) == len(sb):
+        odd = [i for i, (x, y) in enumerate(zip(sa, sb, strict=True)) if x != y]
+        if la is not None and lb is not None and all((sa[i], sb[i]) == (la, lb) for i in odd):
+            return (
+                f"the row's shape follows the layout ({list(sa)} vs {list(sb)}: "
+                f"{la} vs {lb} positions per batch row)"
+            )
+        if len(odd) == 1:
+            x, y = sa[odd[0]], sb[odd[0]]
+            if max(x, y) % min(x, y) == 0 and min(x, y) > 0:
+                return (
+                    f"head layout differs ({list(sa)} vs {list(sb)}: {x} vs {y} along axis "
+                    f"{odd[0]} of the row, e.g. grouped KV heads repeated in one layout only); "
+                    "an equivalence, not a difference"
+                )
+    return f"row shapes differ between layouts ({list(sa)} vs {list(sb)})"
+
+
+def _judge_cache(
+    ba: Boundary, bb: Boundary, va: Any, vb: Any, r: str
+) -> tuple[bool | None, list[int], str | None]:
+    """A request's KV-cache rows (per position: heads x head_dim) in two captures."""
+    ha, hb = (ba.shape[1], ba.shape[3]), (bb.shape[1], bb.shape[3])
+    if not (ba.cache and bb.cache) or ha != hb or ba.dtype != bb.dtype:
+        return None, [], (f"not judged: KV cache rows {ba.dtype}{list(ha)} vs {bb.dtype}{list(hb)}")
+    if va.n_rows != vb.n_rows:
+        return (
+            None,
+            [],
+            (
+                f"not judged: the KV cache holds {va.n_rows} positions of request {r!r} in A, "
+                f"{vb.n_rows} in B"
+            ),
+        )
+    return va.digest == vb.digest, [], f"KV cache: {va.n_rows} positions of request {r!r}"
 
 
 def _compare_one(
@@ -323,6 +383,7 @@ def compare_captures(
     request: Any = None,
     repeat: CaptureLike | tuple[CaptureLike, ...] | None = None,
     negative: CaptureLike | None = None,
+    layout_inputs: str | list[str] | tuple[str, ...] | None = None,
 ) -> pd.DataFrame:
     """One row per boundary of ``path_a`` in execution order, compared with ``path_b``.
 
@@ -338,6 +399,11 @@ def compare_captures(
         The comparison is called valid only when every repeat is byte-identical.
     negative
         A capture of a different input: the comparison must find it different.
+    layout_inputs
+        More input names (glob patterns on a keyword or a boundary name) whose values
+        follow the batch layout; with those the captures declared and
+        :data:`~dmlib.localize.captures.LAYOUT_INPUTS`, they get role ``layout`` and are
+        never judged (``attrs["layout_inputs"]`` lists them).
 
     Returns
     -------
@@ -362,17 +428,45 @@ def compare_captures(
     index = _block_index(a, requests)
     offsets = {r: i for i, (r, k, _, _) in enumerate(index) if k == 0}  # request -> first block id
     alignment = align(a, b)  # op boundaries pair by aligned op sequences, the rest by name
-    rows = [_boundary_row(a, b, ba, requests, offsets, alignment) for ba in a.boundaries]
+    patterns = _layout_patterns(a, b, layout_inputs)
+    rows = [_boundary_row(a, b, ba, requests, offsets, alignment, patterns) for ba in a.boundaries]
     _roles(rows)
     df = _frame(rows)
     paired = {v for v in alignment.partner.values() if v is not None}
-    df.attrs.update(_summary(a, b, requests, index, rows, paired))
+    df.attrs.update(_summary(a, b, requests, index, rows, paired, patterns))
+    df.attrs["steps"] = _steps(rows)
     df.attrs.update(_op_summary(rows, alignment))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)
     rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
     df.attrs["valid"] = None if rc is None else bool(rc["held"] and nc["passed"] is not False)
     return df
+
+
+def _layout_patterns(
+    a: Capture, b: Capture, extra: str | list[str] | tuple[str, ...] | None
+) -> tuple[str, ...]:
+    """Layout-input patterns: the defaults, both captures' declared ones, and ``extra``."""
+    out = list(LAYOUT_INPUTS)
+    for c in (a, b):
+        out += [str(p) for p in c.manifest.get("layout_inputs") or []]
+    out += [] if extra is None else [extra] if isinstance(extra, str) else list(extra)
+    return tuple(dict.fromkeys(out))
+
+
+def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Per forward pass (decode step) of a multi-pass capture: its first divergent boundary."""
+    steps = sorted({r["_step"] for r in rows})
+    if len(steps) < 2:
+        return None
+    out = []
+    for s in steps:
+        mine = [r for r in rows if r["_step"] == s]
+        first = next((r["boundary"] for r in mine if r["identical"] is False), None)
+        culprit = next((r["boundary"] for r in mine if r["role"] == "culprit"), None)
+        out.append({"step": s, "n_boundaries": len(mine), "first_divergent_boundary": first,
+                    "culprit": culprit})  # fmt: skip
+    return out
 
 
 def _check_comparable(a: Capture, b: Capture, request: Any) -> list[str]:
@@ -402,13 +496,23 @@ def _boundary_row(
     requests: list[str],
     offsets: dict[str, int],
     alignment: Alignment,
+    layout_inputs: tuple[str, ...] = LAYOUT_INPUTS,
 ) -> dict[str, Any]:
     """One boundary of ``a`` against its partner in ``b`` (its namesake, or for an op
     boundary the aligned op's): identity, blocks, statistics."""
     name_b = alignment.name_in_b(ba.name)
     bb = b.boundary(name_b) if name_b is not None and name_b in b else None
-    same, diff, note = _compare_one(a, b, ba, bb, requests, offsets)
-    if bb is None:
+    layout = _is_layout(ba, layout_inputs) or (bb is not None and _is_layout(bb, layout_inputs))
+    same: Any
+    diff: list[int]
+    note: str | None
+    if layout:
+        same, diff, note = None, [], LAYOUT_NOTE
+    else:
+        same, diff, note = _compare_one(a, b, ba, bb, requests, offsets)
+    if layout:
+        pass
+    elif bb is None:
         note = alignment.notes.get(ba.name, note)
     elif (
         same is not None
@@ -418,7 +522,8 @@ def _boundary_row(
         same, diff, note = None, [], LAYOUT_BOUND_NOTE
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
-           "diff_blocks": sorted(diff), "note": note}  # fmt: skip
+           "diff_blocks": sorted(diff), "note": note, "_layout": layout, "_slot": ba.slot,
+           "_step": ba.step}  # fmt: skip
     row.update(st or _NO_STATS)
     if st is None and same is True:
         # identical hashes imply zero differences even without dumped tensors
@@ -428,11 +533,20 @@ def _boundary_row(
                 "n_diff_rows": 0,
                 "max_abs": 0.0,
                 "rel_l2": 0.0,
-                "max_ulp": 0 if is_float(np.dtype(ba.dtype)) else None,
+                "max_ulp": 0 if is_float(ba.np_dtype) else None,
             }
         )
     row["_stats"] = st is not None
     return row
+
+
+def _is_layout(x: Boundary, patterns: tuple[str, ...]) -> bool:
+    """A layout input: flagged so by the capture, or an input slot or name the patterns match."""
+    if x.layout:
+        return True
+    if x.kind != "input" or x.cache:
+        return False
+    return is_layout_slot(x.slot, patterns) or any(fnmatch.fnmatchcase(x.name, p) for p in patterns)
 
 
 def _per_sequence(a: Capture, b: Capture, ba: Boundary, bb: Boundary, requests: list[str]) -> bool:
@@ -456,7 +570,7 @@ def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, A
 
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The rows as the documented columns, with nullable dtypes."""
-    df = pd.DataFrame(rows).drop(columns=["_stats", "call"])
+    df = pd.DataFrame(rows).drop(columns=["_stats", "call", "_layout", "_slot", "_step"])
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
         df[c] = df[c].astype("Int64")
@@ -472,24 +586,33 @@ def _summary(
     index: list[tuple[str, int, int, int]],
     rows: list[dict[str, Any]],
     paired: set[str] | frozenset[str] = frozenset(),
+    layout_inputs: tuple[str, ...] = LAYOUT_INPUTS,
 ) -> dict[str, Any]:
     """The attrs that summarise a comparison: first divergence, culprits, counts."""
     stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
-    diverged = [r for r in rows if r["identical"] is False]
-    culprits = [r["boundary"] for r in rows if r["role"] in ("culprit", "entry")]
+    secondary = [r for r in rows if r["identical"] is False and r["role"] == "secondary"]
+    diverged = [r for r in rows if r["identical"] is False and r["role"] != "secondary"]
+    culprits = [r["boundary"] for r in rows if r["role"] == "culprit"]
+    entries = [r["boundary"] for r in rows if r["role"] == "entry"]
+    layout = [r["boundary"] for r in rows if r["_layout"]]
     unjudged = [
         {"boundary": r["boundary"], "reason": (r["note"] or "").removeprefix("not judged: ")}
         for r in rows
-        if r["identical"] is None
+        if r["identical"] is None and not r["_layout"]
     ]
+    absent = [
+        x for x in b.boundaries
+        if x.name not in a and x.name not in paired  # an aligned op's partner is judged
+    ]  # fmt: skip
+    layout += [x.name for x in absent if _is_layout(x, layout_inputs)]
     unjudged += [
         {"boundary": x.name, "reason": "absent from the first capture"}
-        for x in b.boundaries
-        if x.name not in a and x.name not in paired  # an aligned op's partner is judged
+        for x in absent
+        if not _is_layout(x, layout_inputs)
     ]
-    outputs = [r for r in rows if r["module"] == ROOT and r["kind"] == "output"]
+    outputs = [r for r in rows if r["module"] == a.root and r["kind"] == "output"]
     outputs_match = bool(outputs) and all(r["identical"] is True for r in outputs)
-    if diverged:
+    if diverged or secondary:
         status = "different"
     elif unjudged and not outputs_match:
         status = "inconclusive"
@@ -501,9 +624,14 @@ def _summary(
         "requests": requests,
         "block_rows": a.block_rows,
         "block_index": [list(t) for t in index],
-        "first_divergent_boundary": diverged[0]["boundary"] if diverged else None,
+        "first_divergent_boundary": (diverged or secondary)[0]["boundary"]
+        if (diverged or secondary)
+        else None,
         "culprit": culprits[0] if culprits else None,
         "culprits": culprits,
+        "entry": entries[0] if entries else None,
+        "layout_inputs": layout,
+        "secondary": [r["boundary"] for r in secondary],
         "n_boundaries": len(rows),
         "n_comparable": sum(r["identical"] is not None for r in rows),
         "n_divergent": len(diverged),
@@ -554,42 +682,65 @@ def _negatives(
 
 
 def _roles(rows: list[dict[str, Any]]) -> None:
-    """Fill role, new_blocks and inherited_blocks (in place)."""
+    """Fill role, new_blocks and inherited_blocks (in place).
+
+    ``culprit``: an output whose judged inputs all match while it differs (a module's
+    output, or an op's first output); ``entry``: an input that differs before anything
+    recorded does (its producer was not captured); ``carrier``: differs because an input
+    does; ``secondary``: an op's other output differing while its first output matches;
+    ``layout``: a layout input, never judged; ``unjudged`` / ``clean`` as they say.
+    """
     inputs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    firsts: dict[tuple[str, int], dict[str, Any]] = {}
     seen_diff: set[int] = set()
     seen_any = False
     for r in rows:
-        if r["kind"] == "input":
+        if r["kind"] == "input" and not r["_layout"]:
             inputs.setdefault((r["module"], r["call"]), []).append(r)
+        elif r["kind"] == "output" and r["_slot"] == "output0":
+            firsts[(r["module"], r["call"])] = r
     candidates: list[dict[str, Any]] = []
     for r in rows:
         diff = set(r["diff_blocks"])
-        if r["identical"] is None:
+        base = seen_diff
+        if r["_layout"]:
+            r["role"] = "layout"
+        elif r["identical"] is None:
             r["role"] = "unjudged"
-            base = seen_diff
         elif r["identical"]:
             r["role"] = "clean"
-            base = seen_diff
         elif r["kind"] == "output":
             ins = [
                 i for i in inputs.get((r["module"], r["call"]), []) if i["identical"] is not None
             ]
-            if not ins:
+            first = firsts.get((r["module"], r["call"]))
+            if (
+                "/" in r["module"]
+                and r["_slot"] != "output0"
+                and first is not None
+                and (first["identical"] is True)
+            ):
+                r["role"] = "secondary"
+                r["note"] = r["note"] or SECONDARY_NOTE
+            elif not ins:
                 r["role"] = "undetermined"
-                base = seen_diff
             elif all(i["identical"] for i in ins):
-                r["role"] = "culprit"
+                r["role"] = (
+                    "culprit"
+                    if r["_slot"] == "output0" or "/" not in r["module"]
+                    else ("secondary")
+                )
                 base = set()
-                candidates.append(r)
+                if r["role"] == "culprit":
+                    candidates.append(r)
             else:
                 r["role"] = "carrier"
                 base = set().union(*(set(i["diff_blocks"]) for i in ins))
         else:
             r["role"] = "carrier" if seen_any else "entry"
-            base = seen_diff
         r["new_blocks"] = sorted(diff - base)
         r["inherited_blocks"] = sorted(diff & base)
-        if r["identical"] is False:
+        if r["identical"] is False and r["role"] != "secondary":
             seen_any = True
             seen_diff |= diff
     # a module whose inputs are clean but that contains a recorded culprit only encloses it
@@ -627,7 +778,13 @@ def capture_verdict(df: pd.DataFrame) -> str:
             lines.append(f"identical: all {at['n_comparable']} boundaries match")
     else:
         lines.append(f"first divergent boundary: {at['first_divergent_boundary']}")
-        lines.append(f"culprit (inputs identical, output differs): {at['culprit']}")
+        if at["culprit"] is not None or at.get("entry") is None:
+            lines.append(f"culprit (inputs identical, output differs): {at['culprit']}")
+        if at.get("entry") is not None and at["culprit"] is None:
+            lines.append(
+                f"the difference enters at an input: {at['entry']} (the module making it was "
+                "not captured; hook it, or capture with ops=True, to name the culprit)"
+            )
         if len(at["culprits"]) > 1:
             lines.append(f"other entry points: {', '.join(at['culprits'][1:6])}")
         if at.get("op_alignment") is not None:
@@ -645,6 +802,19 @@ def capture_verdict(df: pd.DataFrame) -> str:
         lines.append(
             f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries paired; {where}"
         )
+    if at.get("layout_inputs"):
+        lay = at["layout_inputs"]
+        lines.append(
+            f"layout inputs ({len(lay)}, not judged: they follow the batch layout, not the "
+            f"request): {', '.join(lay[:4])}"
+            + (f" and {len(lay) - 4} more" if len(lay) > 4 else "")
+        )
+    if at.get("stats_missing"):
+        lines.append(
+            f"statistics: '-' at {len(at['stats_missing'])} differing boundaries: they were not "
+            "dumped in both captures (hashes say where, not by how much; capture with dump= "
+            "matching them for element statistics)"
+        )
     rc = at["repeat_control"]
     n_inc = 0 if rc is None else sum(c.get("n_incomparable", 0) for c in rc["checks"])
     lines.append(
@@ -654,9 +824,14 @@ def capture_verdict(df: pd.DataFrame) -> str:
         + (f" ({n_inc} boundaries hashed with two schemes: not comparable)" if n_inc else "")
     )
     nc = at["negative_control"]
-    lines.append(
-        f"negative control: {({True: 'passed', False: 'FAILED', None: 'not run'})[nc['passed']]}"
-    )
+    if nc["passed"] is None:
+        why = next((c.get("reason") for c in nc["checks"] if c.get("reason")), None)
+        lines.append(
+            "negative control: not run"
+            + (f" ({why}: the planted one-bit check needs a dumped boundary)" if why else "")
+        )
+    else:
+        lines.append(f"negative control: {'passed' if nc['passed'] else 'FAILED'}")
     lines.append(f"valid: {at['valid']}")
     return "\n".join(lines)
 

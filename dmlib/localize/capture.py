@@ -42,6 +42,7 @@ from dmlib import _atomic, hashing
 from dmlib.errors import CaptureError, MissingDependencyError
 from dmlib.localize.captures import (
     FORMAT,
+    LAYOUT_INPUTS,
     MANIFEST,
     REQUEST_PREFIX,
     TENSOR_DIR,
@@ -49,7 +50,9 @@ from dmlib.localize.captures import (
     WHOLE_KEY,
     RowMap,
     digest_hex,
+    is_layout_slot,
     request_hashes,
+    root_label,
 )
 from dmlib.localize.ops import OpRecorder, quiet
 
@@ -60,6 +63,8 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 
 
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
+INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
+_LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
 
 
 def _require_torch() -> None:
@@ -68,22 +73,31 @@ def _require_torch() -> None:
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU numpy array with the tensor's exact bytes (bf16/f8 through ml_dtypes)."""
-    from dmlib import dtypes
+    """A CPU numpy array with the tensor's exact bytes (bf16/f8 through ml_dtypes).
 
+    ml_dtypes (over a second to import) is imported only for a tensor that needs it.
+    """
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    special = {
-        torch.bfloat16: (torch.int16, dtypes.BFLOAT16),
-        torch.float8_e4m3fn: (torch.int8, dtypes.FLOAT8_E4M3FN),
-        torch.float8_e5m2: (torch.int8, dtypes.FLOAT8_E5M2),
-    }
-    if t.dtype in special:
-        view, np_dtype = special[t.dtype]
-        return t.view(view).numpy().view(np_dtype)
+    if t.dtype in _SPECIAL:
+        from dmlib import dtypes
+
+        view, name = _SPECIAL[t.dtype]
+        return t.view(view).numpy().view(getattr(dtypes, name))
     return t.numpy()
+
+
+_SPECIAL: dict[Any, tuple[Any, str]] = (
+    {}
+    if torch is None
+    else {
+        torch.bfloat16: (torch.int16, "BFLOAT16"),
+        torch.float8_e4m3fn: (torch.int8, "FLOAT8_E4M3FN"),
+        torch.float8_e5m2: (torch.int8, "FLOAT8_E5M2"),
+    }
+)
 
 
 _NP_DTYPES: dict[Any, np.dtype] = {}
@@ -159,6 +173,67 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _tensors(o, f"{prefix}.{k}")
 
 
+#: keyword names under which a tuple of past (key, value) tensors is a KV cache
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "past", "cache")
+
+
+def is_cache(obj: Any) -> bool:
+    """A transformers ``Cache`` (``DynamicCache``, ``StaticCache``...), by its shape only."""
+    return (
+        not isinstance(obj, (dict, tuple, list))
+        and not torch.is_tensor(obj)
+        and (
+            isinstance(getattr(obj, "layers", None), list)
+            or hasattr(obj, "self_attention_cache")
+            or isinstance(getattr(obj, "key_cache", None), list)
+        )
+    )
+
+
+def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(slot, tensor) of each layer's keys and values in a KV cache (empty layers left out).
+
+    A ``Cache`` object as ``prefix.layers.{i}.keys`` / ``.values``; a tuple of past
+    (key, value) pairs as ``prefix.{i}.0`` / ``.1``.
+    """
+    if torch.is_tensor(obj):
+        if obj.numel():
+            yield prefix, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, o in enumerate(obj):
+            yield from _cache_tensors(o, f"{prefix}.{i}")
+    elif hasattr(obj, "self_attention_cache"):  # an EncoderDecoderCache
+        for part in ("self_attention_cache", "cross_attention_cache"):
+            yield from _cache_tensors(getattr(obj, part, None), f"{prefix}.{part}")
+    elif isinstance(getattr(obj, "layers", None), list):
+        for i, layer in enumerate(obj.layers):
+            for part in ("keys", "values"):
+                t = getattr(layer, part, None)
+                if torch.is_tensor(t) and t.numel():
+                    yield f"{prefix}.layers.{i}.{part}", t
+    elif isinstance(getattr(obj, "key_cache", None), list):  # older transformers
+        for part in ("key_cache", "value_cache"):
+            for i, t in enumerate(getattr(obj, part, None) or []):
+                if torch.is_tensor(t) and t.numel():
+                    yield f"{prefix}.{part}.{i}", t
+
+
+def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any, bool]]:
+    """(slot, tensor, is a KV-cache tensor) for a module call's inputs."""
+    for i, a in enumerate(args):
+        if is_cache(a):
+            for slot, t in _cache_tensors(a, f"input{i}"):
+                yield slot, t, True
+        else:
+            for slot, t in _tensors(a, f"input{i}"):
+                yield slot, t, False
+    for k, v in kwargs.items():
+        cache = is_cache(v) or (k in CACHE_KWARGS and isinstance(v, (tuple, list)))
+        walk = _cache_tensors if cache else _tensors
+        for slot, t in walk(v, f"input.{k}"):
+            yield slot, t, cache
+
+
 def default_modules(model: torch.nn.Module) -> list[str]:
     """Leaf modules plus top-level blocks: the root's children and ModuleList/Sequential items."""
     names = []
@@ -178,6 +253,13 @@ def default_modules(model: torch.nn.Module) -> list[str]:
 
 def _select(model: torch.nn.Module, modules: str | Iterable[str] | None) -> list[tuple[str, Any]]:
     named = dict(model.named_modules())
+    odd = [n for n in named if any(c in n for c in ":#/")]
+    if odd:
+        # boundary names are module:slot#call and op ids module/op#k: these would be ambiguous
+        raise CaptureError(
+            f"module name {odd[0]!r} holds ':', '#' or '/', which boundary names use as "
+            "separators; rename the submodule"
+        )
     if modules is None:
         chosen = default_modules(model)
     else:
@@ -204,8 +286,13 @@ class Recorder:
         metadata: dict[str, Any],
         hash_threads: int = 2,
         device_hash: bool = True,
+        root: str = "(model)",
+        layout_inputs: Sequence[str] = LAYOUT_INPUTS,
     ) -> None:
         self.path = path
+        self.root = root  # the label of the hooked model itself
+        self.layout_inputs = tuple(layout_inputs)
+        self.step = 0  # forward passes of the model begun before this one (decode step)
         # BLAKE3 and SHA-256 release the GIL, so boundaries are hashed (and dumped) on
         # worker threads while the forward pass goes on; each works on a private copy of
         # the tensor, taken in the hook, because a later in-place op may change the
@@ -234,6 +321,84 @@ class Recorder:
         # same version holds the same bytes
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
+
+    def is_layout(self, module: str, slot: str) -> bool:
+        """Whether input ``slot`` of ``module`` follows the batch layout (a mask, positions)."""
+        key = (self.layout_inputs, module, slot)
+        hit = _LAYOUT_HITS.get(key)
+        if hit is None:
+            name = f"{module}:{slot}"
+            hit = is_layout_slot(slot, self.layout_inputs) or any(
+                fnmatch.fnmatchcase(name, p) for p in self.layout_inputs
+            )
+            _LAYOUT_HITS[key] = hit
+        return hit
+
+    def record_cache(self, module: str, call: int, slot: str, t: Any) -> str:
+        """Hash one KV-cache tensor ``(batch, heads, positions, head_dim)`` per request.
+
+        Position ``j`` of batch row ``r`` is the row map's entry ``r * seq + j`` for
+        ``j < seq`` (the prompt), else the ``j - seq``-th generated token of the request
+        filling row ``r`` alone; padding and rows shared by several requests are left
+        out. Without a known (batch, seq) layout, or for another shape, it is hashed
+        whole and per batch row.
+        """
+        rows = self._cache_rows(tuple(int(d) for d in t.shape))
+        if rows is None:
+            return self.record(module, call, "input", slot, t, extra={"cache": True})
+        suffix = "" if call == 0 else f"#{call}"
+        name = f"{module}:{slot}{suffix}"
+        key = self._identity(t, ("cache", len(rows[0])))
+        first = self._seen.get(key) if key is not None else None
+        if first is not None and first[0]() is t:  # this layer's cache, unchanged since
+            same = first[1]
+            entry = dict(same, name=name, module=module, call=call, slot=slot)
+        else:
+            arr = _to_numpy(t)
+            flat = np.ascontiguousarray(np.moveaxis(arr, 2, 1)).reshape(len(rows[0]), -1)
+            requests: dict[str, Any] = {}
+            for rid, idx in rows[1].items():
+                digest, blocks = request_hashes(flat[idx], self.block_rows, self.scheme)
+                requests[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
+            entry = {
+                "name": name, "module": module, "call": call, "kind": "input", "slot": slot,
+                "dtype": arr.dtype.name, "shape": list(arr.shape), "hash": self.scheme,
+                "digest": digest_hex(arr, self.scheme), "row_dims": None,
+                "requests": requests, "dump": None, "leading": None, "cache": True,
+            }  # fmt: skip
+            if key is not None:
+                self._seen[key] = (weakref.ref(t), entry)
+        entry.pop("step", None)
+        if self.step:
+            entry["step"] = self.step
+        self.boundaries.append(entry)
+        return name
+
+    def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
+        """(entry per flattened (batch, position) row, request -> its rows in order)."""
+        rm = self.row_map
+        if rm is None or len(shape) != 4:
+            return None
+        batch = rm.batch or (self.layout[0] if self.layout else None)
+        if not batch or shape[0] != batch or len(rm) % batch:
+            return None
+        seq = len(rm) // batch
+        entries: list[Any] = []
+        for r in range(batch):
+            row = rm.entries[r * seq : (r + 1) * seq]
+            owners = {e[0] for e in row if e is not None}
+            owner = next(iter(owners)) if len(owners) == 1 else None
+            n = len(rm.requests[owner]) if owner is not None else 0
+            for j in range(shape[2]):
+                if j < seq:
+                    entries.append(row[j])
+                else:
+                    entries.append(None if owner is None else (owner, n + j - seq))
+        mine: dict[str, list[tuple[int, int]]] = {}
+        for i, e in enumerate(entries):
+            if e is not None:
+                mine.setdefault(e[0], []).append((e[1], i))
+        return entries, {rid: [i for _, i in sorted(v)] for rid, v in mine.items()}
 
     def _wants_dump(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.dump)
@@ -275,8 +440,12 @@ class Recorder:
             "leading": None,
             **(extra or {}),
         }
+        if self.step:
+            entry["step"] = self.step
         row_map = self.row_map
         k = row_map.row_dims(shape) if row_map is not None and row_mapped else None
+        if k is not None and self.step and not self._prompt_rows(shape, k):
+            k = None  # a later pass (a decode step): the row map is the first pass's layout
         if self.layout is None and row_map is not None and row_map.batch:
             self.layout = (row_map.batch, len(row_map) // row_map.batch)  # a nested row map
         if k == 2 and self.layout is None:
@@ -317,18 +486,31 @@ class Recorder:
             return name
         entry["hash"] = self.scheme  # (a failed device checksum falls back to the host)
         arr = _to_numpy(t)
-        if self._pool is not None:
-            arr = np.array(arr, copy=True)
-        rows = self._rows(arr, k, axes)
-        if self._pool is None:
-            self._hash(entry, arr, rows)
+        if self._pool is None or arr.nbytes <= INLINE_BYTES:
+            # no worker for a small tensor: handing it over costs more than hashing it
+            self._hash(entry, arr, self._rows(arr, k, axes))
             return name
+        arr = np.array(arr, copy=True)
+        rows = self._rows(arr, k, axes)
         fut = self._pool.submit(self._hash, entry, arr, rows)
         self._pending.append((fut, arr.nbytes))
         self._pending_bytes += arr.nbytes
         while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
             self._wait_oldest()
         return name
+
+    def _prompt_rows(self, shape: tuple[int, ...], k: int) -> bool:
+        """Whether a later pass's tensor is laid out exactly as the row map's rows.
+
+        The first pass may flatten any leading dims to the row map's length; a later one
+        (``generate()``'s decode steps feed ``(batch, 1, ...)``) only ``(batch, seq)`` or
+        ``(batch * seq,)`` itself, so that ``(batch, 1, seq)`` is never read per position.
+        """
+        rm = cast(RowMap, self.row_map)
+        if k == 1:
+            return shape[0] == len(rm)
+        batch = rm.batch or (self.layout[0] if self.layout else None)
+        return k == 2 and batch is not None and shape[0] == batch and shape[0] * shape[1] == len(rm)
 
     def _identity(self, t: Any, how: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The key under which a tensor counts as already recorded, None: never shared."""
@@ -457,6 +639,8 @@ class Recorder:
             "complete": complete,
             "hash": self.scheme,  # the host's scheme; each boundary names its own
             "block_rows": self.block_rows,
+            "root": self.root,
+            "layout_inputs": list(self.layout_inputs),
             "row_map": None if self.row_map is None else self.row_map.to_json(),
             "batch": None if self.row_map is None else self.row_map.batch,
             "whole_only": self.whole_only,
@@ -499,7 +683,17 @@ class Recorder:
                 path=self.path,
             )
 
-    def write_manifest(self, *, complete: bool, error: str | None = None) -> None:
+    def write_manifest(
+        self, *, complete: bool, error: str | None = None, durable: bool = True
+    ) -> None:
+        """Write ``manifest.json`` (atomically; ``durable=False``: without fsync, for the
+        in-progress marker, whose loss leaves a folder a reader refuses just the same)."""
+        if not durable:
+            head = json.dumps(self.manifest(complete=complete, error=error) | {"boundaries": []})
+            tmp = self.path / (MANIFEST + ".tmp")
+            tmp.write_text(head)
+            os.replace(tmp, self.path / MANIFEST)
+            return
         m = self.manifest(complete=complete, error=error)
         boundaries = m.pop("boundaries")
         # one boundary per line: compact, yet diffable and readable with grep
@@ -525,6 +719,7 @@ def capture(
     device_hash: bool = True,
     ops: bool = False,
     op_modules: str | Iterable[str] | None = None,
+    layout_inputs: str | Iterable[str] | None = None,
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -577,11 +772,29 @@ def capture(
     op_modules
         Module names or glob patterns whose ops are recorded (default: ``modules``);
         an op belongs to the innermost such module running it.
+    layout_inputs
+        More inputs whose values follow the batch layout rather than one request's data
+        (glob patterns on a keyword's name, ``"my_mask"``, or on a boundary name,
+        ``"blocks.*:input2"``), added to :data:`~dmlib.localize.captures.LAYOUT_INPUTS`
+        (attention masks, position ids, cache positions, cu_seqlens...). They are
+        hashed whole, flagged ``layout`` and never judged as the request's values.
+
+    KV caches (a transformers ``Cache`` or tuples of past keys and values under
+    ``past_key_values`` and kin) entering a hooked module are hashed per layer (keys,
+    values) and per request along their position axis (``cache``). Each forward pass of
+    the model after the first (a decode step of ``generate()``) is numbered in its
+    boundaries (``step``); :func:`dmlib.localize.hf.capture_generate` records the chosen
+    tokens as well.
     """
     _require_torch()
     path = Path(path)
     if block_rows < 1:
         raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
+    extra_layout = (
+        [] if layout_inputs is None
+        else [layout_inputs] if isinstance(layout_inputs, str) else list(layout_inputs)
+    )  # fmt: skip
+    root = root_label(n for n, _ in model.named_modules())
     _prepare_dir(path, overwrite)
     rec = Recorder(
         path,
@@ -592,8 +805,10 @@ def capture(
         metadata=dict(metadata or {}),
         hash_threads=int(hash_threads),
         device_hash=bool(device_hash),
+        root=root,
+        layout_inputs=(*LAYOUT_INPUTS, *extra_layout),
     )
-    rec.write_manifest(complete=False)  # marks the directory as a capture in progress
+    rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
     handles: list[Any] = []
     tracker = None
     if ops:
@@ -601,6 +816,7 @@ def capture(
             rec, model, _select(model, modules if op_modules is None else op_modules)
         )
     try:
+        handles.append(model.register_forward_pre_hook(_step_hook(rec), prepend=True))
         handles += _install_hooks(model, modules, rec)
         if tracker is None:
             yield rec
@@ -647,9 +863,20 @@ def _install_hooks(
 ) -> Iterator[Any]:
     """Register a pre- and a post-forward hook on every selected module; yields the handles."""
     for name, mod in _select(model, modules):
-        label = name or "model"
+        label = name or rec.root
         yield mod.register_forward_pre_hook(_pre_hook(rec, label), with_kwargs=True)
         yield mod.register_forward_hook(_post_hook(rec, label), with_kwargs=True)
+
+
+def _step_hook(rec: Recorder) -> Callable[..., None]:
+    """Numbers the model's forward passes: the n-th (from 0) sets ``rec.step = n``."""
+    calls = [0]
+
+    def hook(mod: Any, args: Any) -> None:
+        rec.step = calls[0]
+        calls[0] += 1
+
+    return hook
 
 
 def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:
@@ -658,10 +885,14 @@ def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:
     def hook(mod: Any, args: Any, kwargs: Any) -> None:
         call = rec.calls.get(name, 0)
         with quiet():  # the recorder's own tensor calls are not the model's ops
-            for slot, t in _tensors(tuple(args), "input"):
-                rec.record(name, call, "input", slot, t)
-            for slot, t in _tensors(dict(kwargs), "input"):
-                rec.record(name, call, "input", slot, t)
+            for slot, t, cache in _inputs(args, kwargs):
+                if cache:
+                    rec.record_cache(name, call, slot, t)
+                elif rec.is_layout(name, slot):
+                    rec.record(name, call, "input", slot, t, row_mapped=False,
+                               extra={"layout": True})  # fmt: skip
+                else:
+                    rec.record(name, call, "input", slot, t)
 
     return hook
 

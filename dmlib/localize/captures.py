@@ -20,11 +20,12 @@ boundary is not judged (:func:`same_scheme`).
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -44,6 +45,35 @@ MANIFEST = "manifest.json"
 TENSOR_DIR = "tensors"
 WHOLE_KEY = "tensor"  # safetensors key of a whole physical tensor
 REQUEST_PREFIX = "request:"  # safetensors key prefix of one request's rows
+#: Label of the hooked model itself (``modules=[""]``). A submodule may hold any name but
+#: one with a dot at its ends, so the label is chosen per capture (:func:`root_label`)
+#: and stored in the manifest (``"root"``); captures that store none used ``"model"``.
+ROOT = "(model)"
+OLD_ROOT = "model"
+#: Keyword inputs whose values follow the batch layout, not one request's data: never
+#: judged as the request's values (glob patterns on the keyword's name).
+LAYOUT_INPUTS = (
+    "attention_mask", "encoder_attention_mask", "position_ids", "cache_position",
+    "cu_seqlens*", "cu_seq_lens*", "max_seqlen*", "max_length_*", "seq_idx", "seq_lens",
+    "causal_mask", "sliding_window_mask", "mask", "*_mask_mapping", "bias_mask",
+)  # fmt: skip
+
+
+def root_label(module_names: Iterable[str]) -> str:
+    """A root label no submodule takes: ``(model)``, else ``((model))``..."""
+    names = set(module_names)
+    label = ROOT
+    while label in names:
+        label = f"({label})"
+    return label
+
+
+def is_layout_slot(slot: str, patterns: Iterable[str] = LAYOUT_INPUTS) -> bool:
+    """Whether an input slot (``input.attention_mask``, ``input.x.0``) is a layout input."""
+    if not slot.startswith("input."):
+        return False
+    key = slot[len("input.") :].split(".", 1)[0]
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
 
 
 def request_key(request: Any) -> str:
@@ -85,9 +115,15 @@ def request_hashes(
         if rows.size
         else rows.reshape(rows.shape[0], 0)
     )
-    blocks = [
-        digest_hex(flat[i : i + block_rows], scheme) for i in range(0, rows.shape[0], block_rows)
-    ]
+    n = rows.shape[0]
+    if scheme == hashing.BLAKE3 and rows.size and flat.nbytes <= hashing.PIECE:
+        # the same digests as digest_hex, without its per-call array handling
+        b3, mv, rb = hashing._blake3(), flat.reshape(-1).data, flat.shape[1]
+        blocks = [
+            b3(mv[i * rb : (i + block_rows) * rb]).hexdigest() for i in range(0, n, block_rows)
+        ]
+        return (blocks[0] if len(blocks) == 1 else b3(mv).hexdigest()), blocks
+    blocks = [digest_hex(flat[i : i + block_rows], scheme) for i in range(0, n, block_rows)]
     # one block holds every byte of the request: its digest is the request's
     return (blocks[0] if len(blocks) == 1 else digest_hex(flat, scheme)), blocks
 
@@ -238,6 +274,14 @@ class Boundary:
     # know only leading rows treat it as hashed whole
     row_axes: tuple[int, int] | None = None
     hash: str = hashing.SHA256  # the scheme of every digest of this boundary
+    layout: bool = False  # an input declared (or named) as following the batch layout
+    step: int = 0  # forward pass (decode step, from 0) of a multi-pass capture
+    cache: bool = False  # a KV-cache tensor: per request along its position axis
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype (bfloat16 and other ml_dtypes types import ml_dtypes)."""
+        return _dtypes.from_label(self.dtype)
 
     @property
     def row_mapped(self) -> bool:
@@ -301,6 +345,9 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             leading=None if d.get("leading") is None else [str(h) for h in d["leading"]],
             row_axes=_axes(d.get("row_axes"), len(d["shape"])),
             hash=str(scheme),
+            layout=bool(d.get("layout", False)),
+            step=int(d.get("step") or 0),
+            cache=bool(d.get("cache", False)),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(
@@ -345,6 +392,11 @@ class Capture:
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
+
+    @property
+    def root(self) -> str:
+        """The module label of the hooked model itself in this capture."""
+        return str(self.manifest.get("root") or OLD_ROOT)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -518,5 +570,6 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
 
 __all__ = [
     "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex",
-    "same_scheme", "FORMAT", "VERSION", "SCHEMES",
+    "same_scheme", "FORMAT", "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS", "root_label",
+    "is_layout_slot",
 ]  # fmt: skip

@@ -7,7 +7,8 @@ op output through a dispatch mode). The difference is confirmed as caused there 
 the boundary differed before the patch and every later comparable boundary of that
 request matches the source after it. A patch at a boundary that already matched changes
 nothing and is never confirmed. Several boundaries can be patched in one run (the same
-op in every layer, say) when the difference enters at each of them.
+op in every layer, say); those that already matched before the patch are skipped, and
+the result says which.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pandas as pd
 
 from dmlib.errors import CaptureError
 from dmlib.localize.boundaries import compare_captures
-from dmlib.localize.captures import Capture, RowMap, open_capture, request_key
+from dmlib.localize.captures import Capture, RowMap, open_capture, request_key, root_label
 from dmlib.localize.ops import ModuleStack, op_table
 
 
@@ -102,8 +103,10 @@ def torch_index(idx: np.ndarray, like: Any) -> Any:
 class _OpPatch(ModuleStack):
     """Replaces the request's rows of some ops' first outputs (by op id)."""
 
-    def __init__(self, selected, patches: dict[str, Callable[[Any], Any]], hits: dict) -> None:
-        super().__init__(selected)
+    def __init__(
+        self, selected, patches: dict[str, Callable[[Any], Any]], hits: dict, root: str
+    ) -> None:
+        super().__init__(selected, root)
         self.patches = patches
         self.hits = hits
 
@@ -121,10 +124,9 @@ class _OpPatch(ModuleStack):
 
 def _settings(src: Capture, model: Any) -> dict[str, Any]:
     """The hook selection that reproduces the source capture's boundary names."""
-    named = dict(model.named_modules())
 
     def real(label: str) -> str:
-        return "" if label == "model" and "model" not in named else label
+        return "" if label == src.root else label
 
     ops = op_table(src)
     op_names = {n for o in ops for n in [*o.inputs, *o.outputs]}
@@ -238,11 +240,12 @@ def _capture(
 
     hits: dict[str, int] = {}
     named = dict(model.named_modules())
+    root = root_label(named)
     handles = []
     for name, fn in mod_patches.items():
         # a module output: a forward hook registered before the capture's own
         label, _, call = name.partition("#")
-        mod = named["" if label == "model" and "model" not in named else label]
+        mod = named["" if label == root else label]
         handles.append(mod.register_forward_hook(_module_patch(name, int(call or 0), fn, hits)))
     patcher = None
     if op_patches:
@@ -250,7 +253,7 @@ def _capture(
         # second, on top) sees each op first and records the patched output; it hooks the
         # modules the capture gives ops to, so that it counts op calls as the capture names
         # them (a child's ops are the child's)
-        patcher = _OpPatch(_select(model, kw["op_modules"]), op_patches, hits)
+        patcher = _OpPatch(_select(model, kw["op_modules"]), op_patches, hits, root)
         handles += patcher.install()
     try:
         with (
@@ -295,34 +298,43 @@ def _result(
     )
     bnames = t["boundary"].to_numpy()
     pos = {n: int(np.flatnonzero(bnames == n)[0]) for n in names}
+    # a boundary that already matched is patched with its own bytes: it is skipped (said so)
+    skipped = [n for n in names if _tri(t["identical_before"].iloc[pos[n]]) is True]
+    active = {n: i for n, i in pos.items() if n not in skipped}
     patched = t["boundary"].isin(names).to_numpy()
     # the patched ops' other outputs (attention's logsumexp, say) are not downstream of them
     sibling = t["boundary"].str.startswith(tuple(n + ":output" for n in names)).to_numpy()
-    t["after_patch"] = (np.arange(len(t)) > min(pos.values())) & ~sibling & ~patched
+    start = min((active or pos).values())
+    t["after_patch"] = (np.arange(len(t)) > start) & ~sibling & ~patched
     label = ", ".join(names)
-    t.attrs.update({"boundary": label, "request": request})
+    t.attrs.update({"boundary": label, "request": request, "skipped": skipped})
     later = t[t["after_patch"] & t["identical_after"].notna()]
     still = later[~later["identical_after"].astype(bool)]
     first = None if still.empty else str(still["boundary"].iloc[0])
+    note = (
+        f" (skipped {len(skipped)} that already matched the source: {', '.join(skipped[:4])})"
+        if skipped and active
+        else ""
+    )
 
     def no(reason: str) -> PatchResult:
-        return PatchResult(False, label, request, first, reason, t)
+        return PatchResult(False, label, request, first, reason + note, t)
 
-    for n, i in pos.items():
-        at_before = _tri(t["identical_before"].iloc[i])
-        if at_before is True:
-            return no(f"{n} already matched the source before the patch: patching it changes "
-                      "nothing")  # fmt: skip
-        if at_before is None:
+    if not active:
+        what = names[0] if len(names) == 1 else f"all {len(names)} boundaries"
+        return no(f"{what} already matched the source before the patch: patching changes nothing")
+    for n, i in active.items():
+        if _tri(t["identical_before"].iloc[i]) is None:
             return no(f"{n} is not comparable between the two captures")
         if _tri(t["identical_after"].iloc[i]) is not True:
             return no(f"the patched boundary {n} still differs from the source")
     if later.empty:
-        return PatchResult(False, label, request, None, "no comparable boundary after the patch", t)
+        return no("no comparable boundary after the patch")
     if first is not None:
         return no(f"{len(still)} later boundaries still differ: another cause lies downstream")
     return PatchResult(True, label, request, None,
-                       f"all {len(later)} comparable later boundaries now match the source", t)  # fmt: skip
+                       f"all {len(later)} comparable later boundaries now match the source" + note,
+                       t)  # fmt: skip
 
 
 __all__ = ["PatchResult", "patch_test"]

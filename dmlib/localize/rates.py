@@ -40,7 +40,11 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     z2 = z * z
     centre = (k + z2 / 2) / (n + z2)
     half = z / (n + z2) * math.sqrt(k * (n - k) / n + z2 / 4)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at k = 0 (k = n) the bound is exactly 0 (1): centre and half-width are equal in
+    # exact arithmetic, and their rounded difference would print as 1.39e-17
+    lo = 0.0 if k == 0 else max(0.0, centre - half)
+    hi = 1.0 if k == n else min(1.0, centre + half)
+    return lo, hi
 
 
 def digest(obj: Any) -> str:

@@ -1,0 +1,219 @@
+"""Row maps of Hugging Face batches, and ``generate()`` captured whole.
+
+:func:`row_map_from_attention_mask` reads a padded batch (left or right padding) and
+:func:`row_map_packed` a packed one (``position_ids`` restarting at 0, or ``cu_seqlens``)
+into the nested row map :func:`dmlib.capture` takes: one list per batch row, one entry
+``(request_id, position)`` or ``None`` (padding) per position.
+
+:func:`capture_generate` runs ``model.generate(...)`` under :func:`dmlib.capture`: every
+forward pass (the prompt, then one per generated token) is recorded and numbered
+(``step``), and the tokens chosen for each request are stored in the manifest.
+:func:`compare_generations` compares two such captures: per request, both completions,
+the first step at which the chosen tokens part and, for that step's forward pass (the
+one that chose the token), its first divergent boundary and culprit.
+
+Nothing here imports torch or transformers at module level; masks and ids may be torch
+tensors, numpy arrays or nested lists.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dmlib.errors import CaptureError
+
+RowEntries = list[list[tuple[Any, int] | None]]
+
+
+def _array(x: Any, what: str) -> np.ndarray:
+    """A 2-d integer numpy array of ``x`` (a tensor, an array or nested lists)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2:
+        raise CaptureError(f"{what} has shape {list(a.shape)}; expected (batch, positions)")
+    return a
+
+
+def _ids(request_ids: Sequence[Any] | None, n: int, what: str) -> list[Any]:
+    ids = list(range(n)) if request_ids is None else list(request_ids)
+    if len(ids) != n:
+        raise CaptureError(f"{len(ids)} request ids for {n} {what}")
+    if len({str(i) for i in ids}) != len(ids):
+        raise CaptureError(f"request ids repeat: {ids}")
+    return ids
+
+
+def row_map_from_attention_mask(
+    attention_mask: Any, request_ids: Sequence[Any] | None = None
+) -> RowEntries:
+    """The row map of a padded batch: one request per batch row, padding where the mask is 0.
+
+    Works for left and right padding alike (and any other placement of the zeros): the
+    request's positions are counted over the mask's ones, in order. ``request_ids``
+    names the batch rows' requests (default ``0, 1, ...``).
+    """
+    mask = _array(attention_mask, "attention_mask") != 0
+    ids = _ids(request_ids, mask.shape[0], "batch rows")
+    out: RowEntries = []
+    for rid, row in zip(ids, mask, strict=True):
+        pos = np.cumsum(row) - 1
+        out.append([(rid, int(p)) if on else None for on, p in zip(row, pos, strict=True)])
+    return out
+
+
+def row_map_packed(
+    *,
+    position_ids: Any = None,
+    cu_seqlens: Any = None,
+    request_ids: Sequence[Any] | None = None,
+    length: int | None = None,
+) -> RowEntries:
+    """The row map of a packed batch: several requests one after another in a row.
+
+    Give ``position_ids`` (batch, positions) that restart at 0 where a request begins
+    (a row's trailing positions after the last request may be padding only when
+    ``attention_mask`` says so; here every position belongs to a request), or
+    ``cu_seqlens`` (cumulative lengths ``[0, n1, n1+n2, ...]`` of one packed row;
+    positions from the last offset to ``length`` are padding). Requests are numbered in
+    order of appearance unless ``request_ids`` names them.
+    """
+    if (position_ids is None) == (cu_seqlens is None):
+        raise CaptureError("row_map_packed needs exactly one of position_ids and cu_seqlens")
+    if cu_seqlens is not None:
+        cu = np.asarray(cu_seqlens.detach().cpu() if hasattr(cu_seqlens, "detach") else cu_seqlens)
+        cu = cu.astype(np.int64).reshape(-1)
+        if len(cu) < 2 or cu[0] != 0 or np.any(np.diff(cu) <= 0):
+            raise CaptureError(
+                f"cu_seqlens {cu.tolist()[:8]}: expected 0 then strictly increasing offsets"
+            )
+        total = int(cu[-1]) if length is None else int(length)
+        if total < cu[-1]:
+            raise CaptureError(f"length {total} is shorter than cu_seqlens' last offset {cu[-1]}")
+        ids = _ids(request_ids, len(cu) - 1, "packed requests")
+        row: list[tuple[Any, int] | None] = [None] * total
+        for k, rid in enumerate(ids):
+            for p in range(int(cu[k]), int(cu[k + 1])):
+                row[p] = (rid, p - int(cu[k]))
+        return [row]
+    pos = _array(position_ids, "position_ids").astype(np.int64)
+    starts = [(b, j) for b in range(pos.shape[0]) for j in range(pos.shape[1]) if pos[b, j] == 0]
+    if any(pos[b, 0] != 0 for b in range(pos.shape[0])):
+        raise CaptureError("position_ids of a packed batch must start every row at 0")
+    ids = _ids(request_ids, len(starts), "packed requests (positions restarting at 0)")
+    out: RowEntries = []
+    k = -1
+    for b in range(pos.shape[0]):
+        entries: list[tuple[Any, int] | None] = []
+        for j in range(pos.shape[1]):
+            if pos[b, j] == 0:
+                k += 1
+            elif pos[b, j] != pos[b, j - 1] + 1:
+                raise CaptureError(
+                    f"position_ids row {b} jumps from {pos[b, j - 1]} to {pos[b, j]} at {j}; "
+                    "expected each request's positions to count up from 0"
+                )
+            entries.append((ids[k], int(pos[b, j])))
+        out.append(entries)
+    return out
+
+
+def _row_owners(row_map: RowEntries) -> list[Any]:
+    """The request filling each batch row alone (None where a row holds several or none)."""
+    owners = []
+    for row in row_map:
+        ids = {str(e[0]) for e in row if e is not None}
+        owners.append(next(iter(ids)) if len(ids) == 1 else None)
+    return owners
+
+
+def capture_generate(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    row_map: RowEntries,
+    generate_kwargs: dict[str, Any],
+    **capture_kwargs: Any,
+) -> Any:
+    """``model.generate(**generate_kwargs)`` under :func:`dmlib.capture`; returns its output.
+
+    ``row_map`` is the nested row map of the prompt batch (one list per batch row, as
+    :func:`row_map_from_attention_mask` gives). Every forward pass is captured (its
+    boundaries carry ``step``); the manifest's metadata gains ``generate``: the prompt
+    length and, per request filling a batch row alone, the token ids it generated.
+    """
+    from dmlib.localize.capture import capture
+
+    rows = [list(r) for r in row_map]
+    if not rows or not all(isinstance(r, list) for r in rows):
+        raise CaptureError("capture_generate needs a nested row map (one list per batch row)")
+    kw = dict(generate_kwargs)
+    kw.setdefault("return_dict_in_generate", False)
+    with capture(model, path, row_map=rows, **capture_kwargs) as rec:
+        out = model.generate(**kw)
+        seqs = out if hasattr(out, "shape") else out.sequences
+        seq = _array(seqs, "generate() output")
+        prompt = len(rows[0])
+        tokens = {
+            str(o): [int(t) for t in seq[b, prompt:]]
+            for b, o in enumerate(_row_owners(rows))
+            if o is not None
+        }
+        rec.metadata["generate"] = {"prompt_positions": prompt, "tokens": tokens,
+                                    "passes": rec.step + 1}  # fmt: skip
+    return out
+
+
+def compare_generations(
+    a: Any, b: Any, *, request: Any = None, **compare_kwargs: Any
+) -> dict[str, Any]:
+    """Two :func:`capture_generate` captures: where do the chosen tokens first part?
+
+    Returns ``{"requests": {id: {"tokens_a", "tokens_b", "first_parting_step",
+    "first_divergent_boundary", "culprit"}}, "steps": [...], "table": DataFrame}``:
+    ``first_parting_step`` is the index of the first generated token that differs (None
+    where one completion is a prefix of the other); the boundary and culprit are those
+    of that step's forward pass (the pass that chose it). ``steps`` lists each forward
+    pass's first divergent boundary (:func:`dmlib.compare_captures`' ``attrs["steps"]``).
+    """
+    from dmlib.localize.boundaries import compare_captures
+    from dmlib.localize.captures import open_capture, request_key
+
+    ca, cb = open_capture(a), open_capture(b)
+    for c in (ca, cb):
+        if not c.metadata.get("generate"):
+            raise CaptureError("not a capture_generate capture (no generate metadata)", path=c.path)
+    ga: dict[str, Any] = ca.metadata["generate"]
+    gb: dict[str, Any] = cb.metadata["generate"]
+    wanted = [request_key(request)] if request is not None else None
+    common = sorted(set(ga["tokens"]) & set(gb["tokens"]))
+    keys = [k for k in common if wanted is None or k in wanted]
+    if wanted and not keys:
+        raise CaptureError(f"request {request!r} generated no tokens alone in a batch row",
+                           path=ca.path)  # fmt: skip
+    out: dict[str, Any] = {"requests": {}, "steps": None, "table": None}
+    for k in keys:
+        df = compare_captures(ca, cb, request=k, **compare_kwargs)
+        ta, tb = ga["tokens"][k], gb["tokens"][k]
+        part = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), None)
+        step = None
+        if part is not None and df.attrs["steps"] is not None:
+            step = next((s for s in df.attrs["steps"] if s["step"] == part), None)
+        out["requests"][k] = {
+            "tokens_a": ta, "tokens_b": tb, "first_parting_step": part,
+            "first_divergent_boundary": None if step is None else step["first_divergent_boundary"],
+            "culprit": None if step is None else step["culprit"],
+        }  # fmt: skip
+        out["steps"], out["table"] = df.attrs["steps"], df
+    return out
+
+
+__all__ = [
+    "capture_generate", "compare_generations", "row_map_from_attention_mask", "row_map_packed",
+]  # fmt: skip
