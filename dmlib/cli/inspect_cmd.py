@@ -8,6 +8,7 @@ import sys
 
 from dmlib.cli import add_common_epilog
 from dmlib.cli._table import add_format, table
+from dmlib.textsafe import shown
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_table(rows: list[dict], cols: list[str], out) -> None:
-    print(table(rows, cols, cell=lambda v: "" if v is None else str(v)), file=out)
+    print(table(rows, cols, cell=lambda v: "" if v is None else shown(v)), file=out)
+
+
+def _pairs(table: dict, limit: int = 50) -> str:
+    """``k=v, ...`` with keys and values escaped and cut; past ``limit`` entries, a count."""
+    items = list(table.items())
+    text = ", ".join(f"{shown(k)}={shown(v)}" for k, v in items[:limit])
+    return text + (f", ... ({len(items) - limit:,} more)" if len(items) > limit else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         out.write("\n")
         return 0
     print(
-        f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",
+        f"{shown(doc['path'])}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",
         file=out,
     )
     lay = doc["layout"]
@@ -56,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
                 file=out,
             )
     elif lay:
-        print("layout: " + ", ".join(f"{k}={v}" for k, v in lay.items()), file=out)
+        print("layout: " + _pairs(lay), file=out)
     if doc["metadata"]:
-        print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["metadata"].items()), file=out)
+        print("metadata: " + _pairs(doc["metadata"]), file=out)
     if doc["scalars"]:
-        print("scalars: " + ", ".join(f"{k}={v}" for k, v in doc["scalars"].items()), file=out)
+        print("scalars: " + _pairs(doc["scalars"]), file=out)
     if doc["file_hash"]:
         print(f"file_hash {doc['file_hash']}\ndata_hash {doc['data_hash']}", file=out)
     print(file=out)
