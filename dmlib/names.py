@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,3 +279,86 @@ def closest(word: str, names: Iterable[str], n: int = 3) -> list[str]:
     import difflib  # only when a suggestion is made (start-up time)
 
     return difflib.get_close_matches(plain, names, n=n, cutoff=0.0) if names else []
+
+
+#: Seconds one user regex may spend on one name (main thread) before it is refused.
+REGEX_BUDGET = 1.0
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def _nested_repeat(tree: Any, inside: bool = False) -> bool:
+    """Whether a parsed pattern repeats (max > 1) something that itself repeats or branches."""
+    import re._constants as c  # the parser's own opcodes (Python 3.11+)
+
+    for op, av in tree:
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+            lo, hi, sub = av
+            if hi > 1 and inside:
+                return True
+            if _nested_repeat(sub, inside or hi > 1):
+                return True
+        elif op == c.BRANCH:
+            if inside:
+                return True
+            if any(_nested_repeat(s, inside) for s in av[1]):
+                return True
+        elif op in (c.SUBPATTERN, c.ATOMIC_GROUP, c.ASSERT, c.ASSERT_NOT):
+            sub = av[-1]
+            if _nested_repeat(sub, inside):
+                return True
+    return False
+
+
+def user_regex(pattern: str, what: str) -> Callable[[str], bool]:
+    """``search`` of a regular expression given by a user or a shared file, bounded in time.
+
+    Refused (:class:`DmlibError`, naming ``what``): an invalid pattern, and one that
+    repeats a repetition or an alternation (``(a+)+``, ``(a|b)*``), whose matching time
+    can grow exponentially with the name. Each match in the main thread runs under
+    :data:`REGEX_BUDGET` seconds (a SIGALRM timer; the regex engine checks for signals);
+    a match over budget is refused naming the pattern and the name's length.
+    """
+    import re
+    import re._parser as parser
+
+    try:
+        rx = re.compile(pattern)
+        tree = parser.parse(pattern)
+    except re.error as err:
+        raise DmlibError(f"{what}: bad regular expression {pattern!r}: {err}") from None
+    if _nested_repeat(tree.data if hasattr(tree, "data") else tree):
+        raise DmlibError(
+            f"{what}: regular expression {pattern!r} repeats a repetition or an alternation "
+            "(like (a+)+ or (a|b)*), which can take exponential time on a long name; rewrite it "
+            "without the nested repeat"
+        )
+    return lambda name: _timed_search(rx, name, what)
+
+
+def _timed_search(rx: Any, name: str, what: str) -> bool:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(
+        signal.ITIMER_REAL
+    ) != (0.0, 0.0):
+        return rx.search(name) is not None  # no timer to borrow: the structural check only
+
+    def over(signum: int, frame: Any) -> None:
+        raise _OverBudget()
+
+    previous = signal.signal(signal.SIGALRM, over)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, REGEX_BUDGET)
+        return rx.search(name) is not None
+    except _OverBudget:
+        raise DmlibError(
+            f"{what}: regular expression {rx.pattern[:100]!r} took more than {REGEX_BUDGET:g} s "
+            f"on a name of {len(name):,} characters; refused (simplify the pattern)"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

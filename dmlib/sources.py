@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -113,11 +112,9 @@ GLOB_CHARS = "*?["
 
 def _matcher(pattern: str) -> Callable[[str], bool]:
     if pattern.startswith("re:"):
-        try:
-            rx = re.compile(pattern[3:])
-        except re.error as err:
-            raise DmlibError(f"bad regular expression {pattern!r}: {err}") from None
-        return lambda name: rx.search(name) is not None
+        from dmlib.names import user_regex  # bounded: no pattern hangs on a long name
+
+        return user_regex(pattern[3:], f"pattern {pattern[:100]!r}")
     if not any(c in pattern for c in GLOB_CHARS):
         return lambda name: pattern in name
     return lambda name: fnmatch.fnmatchcase(name, pattern)

@@ -41,6 +41,7 @@ def test_made_on_names_the_recorded_machine():
 def test_packed_study_lists_what_exists_and_loads(tmp_path):
     for name in ("alone", "packed", "different", "alone_repeat"):
         (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")  # a study reads only captures
     text = study_text("packed", ENV, tmp_path)
     assert (
         'padded = "padded"' not in text
@@ -52,6 +53,7 @@ def test_packed_study_lists_what_exists_and_loads(tmp_path):
     assert set(study.captures.folders) == {"alone", "packed"} and not study.captures.ops
     for name in ("alone", "packed"):
         (tmp_path / "ops" / name).mkdir(parents=True)
+        (tmp_path / "ops" / name / "manifest.json").write_text("{}")
     (tmp_path / "ops" / "op_findings.json").write_text("{}")
     (tmp_path / "study.toml").write_text(study_text("packed", ENV, tmp_path))
     study = load_study(tmp_path / "study.toml")

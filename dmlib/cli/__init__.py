@@ -7,19 +7,25 @@ taking the parsed arguments and returning the exit status.
 Exit status, for every subcommand: 0 success (for comparisons: nothing differs),
 1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback),
 4 an internal error (an exception dmlib did not expect: one line naming the input files;
-never 1, which would read as a found difference; 3 is left to "inconclusive").
+never 1, which would read as a found difference; 3 is left to "inconclusive"), 130
+interrupted (Ctrl-C or SIGTERM: one line, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from dmlib.errors import DmlibError
+from dmlib.textsafe import SafeStream, clip
 
 # Modules that contribute subcommands, in the order ``dmlib --help`` lists them.
 _COMMAND_MODULES = (
@@ -35,9 +41,11 @@ EXIT_CODES = """exit status:
   0  success (for comparisons: every compared tensor is bit-identical)
   1  a comparison found a difference
   2  bad input or usage: one line on stderr naming the file and the problem
-  4  internal error (a bug in dmlib): one line on stderr naming the input files"""
+  4  internal error (a bug in dmlib): one line on stderr naming the input files
+  130  interrupted (Ctrl-C or SIGTERM): one line on stderr"""
 
 EXIT_INTERNAL = 4
+EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,8 +75,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command; every way it can end is an exit status and at most one line.
+
+    While it runs, ``sys.stdout`` and ``sys.stderr`` escape control characters
+    (:class:`dmlib.textsafe.SafeStream`) and SIGTERM is handled like Ctrl-C, so that
+    ``with`` blocks (temporary folders) are left on either.
+    """
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = SafeStream(out), SafeStream(err)
+    previous = _on_sigterm()
+    command = "dmlib"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        command = f"dmlib {args.command}" if getattr(args, "command", None) else "dmlib"
+        return _run(parser, args)
+    except KeyboardInterrupt:
+        _say(f"{command}: interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `dmlib inspect x | head`
+        _quiet_stdout()
+        return 0
+    finally:
+        _restore_sigterm(previous)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        sys.stdout, sys.stderr = out, err
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
@@ -78,23 +113,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         with assumed_format(getattr(args, "format", None)):
             return int(args.func(args) or 0)
     except DmlibError as err:
-        print(f"dmlib {args.command}: error: {err}", file=sys.stderr)
+        _say(f"dmlib {args.command}: error: {err}")
         return 2
-    except BrokenPipeError:  # `dmlib inspect x | head`
-        return 0
-    except KeyboardInterrupt:
-        print("dmlib: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, BrokenPipeError):
+        raise
     except Exception as err:  # a bug: say so in one line, and never exit 1 ("a difference")
         text = " ".join(str(err).split())
         text = text if len(text) <= 200 else text[:197] + "..."
         files = ", ".join(_inputs(args)) or "no input file"
-        print(
+        _say(
             f"dmlib {args.command}: internal error reading {files}: {type(err).__name__}: {text} "
-            "(a bug in dmlib; please report it with the file)",
-            file=sys.stderr,
+            "(a bug in dmlib; please report it with the file)"
         )
         return EXIT_INTERNAL
+
+
+def _say(line: str) -> None:
+    """One line on stderr: control characters escaped, at most a few hundred characters."""
+    print(clip(line), file=sys.stderr)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be: the command stops the same way."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _on_sigterm() -> Any:
+    """Handle SIGTERM like SIGINT while a command runs (main thread, default handler only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous != signal.SIG_DFL:  # someone embedding dmlib chose their own handling
+        return None
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return previous
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so the exit flush does not complain."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno() if sys.__stdout__ else 1)
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:

@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # pandas is imported by the commands that need it, not by the
     import pandas as pd
 
 from dmlib.errors import DmlibError
+from dmlib.textsafe import LIMIT, cut, shown
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
@@ -41,7 +42,8 @@ def missing(v: Any) -> bool:
 
 
 def fmt(v: Any) -> str:
-    """One table cell: '-' for missing, 4 significant digits, scientific for tiny or huge."""
+    """One table cell: '-' for missing, 4 significant digits, scientific for tiny or huge;
+    text from data escaped and cut (:func:`dmlib.textsafe.shown`)."""
     if missing(v):
         return "-"
     if isinstance(v, float):
@@ -49,16 +51,20 @@ def fmt(v: Any) -> str:
             return "-"
         return f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
     if isinstance(v, tuple):
-        return "(" + ",".join(map(str, v)) + ")"
-    return str(v)
+        return shown("(" + ",".join(map(str, v)) + ")")
+    return shown(v)
 
 
 def table(
     rows: pd.DataFrame | list[dict[str, Any]], cols: list[str], cell: Callable[[Any], str] = fmt
 ) -> str:
-    """Left-aligned columns separated by two spaces, with a header line."""
+    """Left-aligned columns separated by two spaces, with a header line.
+
+    Every cell is escaped, and cut past twice :data:`dmlib.textsafe.LIMIT` characters,
+    whatever ``cell`` made of it (:func:`fmt` cuts at the limit itself).
+    """
     recs = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
-    cells = [[cell(r.get(c)) for c in cols] for r in recs]
+    cells = [[cut(cell(r.get(c)), 2 * LIMIT) for c in cols] for r in recs]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
     lines += [

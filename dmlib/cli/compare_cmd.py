@@ -11,6 +11,7 @@ from dmlib.cli import add_common_epilog
 from dmlib.cli._dask import add_dask
 from dmlib.cli._dask import engine as engine_of
 from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
+from dmlib.textsafe import names_list, shown
 
 # columns of the readable table (the JSON output carries every column)
 _TABLE = [
@@ -117,7 +118,11 @@ def _hash_of(args: argparse.Namespace) -> str:
 
 
 def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
-    """The one-line verdict of :func:`summarize`, which always says what was not compared."""
+    """The one-line verdict of :func:`summarize`, which always says what was not compared.
+
+    Names in it are escaped and cut (:func:`dmlib.textsafe.shown`): a name holding escape
+    codes cannot rewrite the verdict word a terminal shows.
+    """
     if s["n_tensors_diff"]:
         word = "DIFFERENT"
     elif s["n_not_compared"]:
@@ -136,19 +141,19 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
         f"{word}: {s['n_tensors_diff']} of {s['n_tensors']} compared tensors differ; "
         f"not compared: {', '.join(gaps) if gaps else 'none'}; n_diff {s['n_diff']} of numel "
         f"{s['numel']} (frac_diff {fmt(s['frac_diff'])}); worst rel_fro {fmt(s['worst_rel_fro'])}"
-        f"{'' if s['worst_rel_fro_name'] is None else ' (' + s['worst_rel_fro_name'] + ')'}; "
+        f"{'' if s['worst_rel_fro_name'] is None else ' (' + shown(s['worst_rel_fro_name']) + ')'}; "
         f"max_ulp {fmt(s['max_ulp'])}"
     )
     if s.get("byte_order_diff"):
         text += (
             f"; {len(s['byte_order_diff'])} tensors hold equal values stored in another byte "
-            f"order (e.g. {s['byte_order_diff'][0]}): equal values, not equal bytes"
+            f"order (e.g. {shown(s['byte_order_diff'][0])}): equal values, not equal bytes"
         )
     if s["rounded"]:
         r = attrs["rounded"][0]
         text += (
             f"; {len(s['rounded'])} compared after rounding the wider side to the narrower "
-            f"dtype (e.g. {r['name']}: {r['from']} -> {r['to']}, {r['rounding']}; ULP in {r['to']})"
+            f"dtype (e.g. {shown(r['name'])}: {r['from']} -> {r['to']}, {r['rounding']}; ULP in {r['to']})"
         )
     return text
 
@@ -176,19 +181,19 @@ def run_compare(args: argparse.Namespace) -> int:
         doc = {"summary": s, "attrs": at, "rows": rows}
         print(json.dumps(jsonable(doc, default=str), indent=1))
         return 0 if s["identical"] else 1
-    shown = rows if args.all else [r for r in rows if r["n_diff"] > 0]
-    if shown:
+    listed = rows if args.all else [r for r in rows if r["n_diff"] > 0]
+    if listed:
         hashed = args.hash not in (None, "none")
-        print(table(shown, _TABLE + (["data_hash_a", "data_hash_b"] if hashed else [])))
+        print(table(listed, _TABLE + (["data_hash_a", "data_hash_b"] if hashed else [])))
     for key in ("only_in_a", "only_in_b"):
         if at[key]:
-            print(f"{key}: {', '.join(at[key])}")
+            print(f"{key}: {names_list(at[key])}")
     for m in at["mismatched"]:
         print(
-            f"mismatched: {m['name']} {m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"
+            f"mismatched: {shown(m['name'])} {m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"
         )
     if at["metadata_diff"]:
-        print(f"metadata_diff: {', '.join(at['metadata_diff'])}")
+        print(f"metadata_diff: {names_list(at['metadata_diff'])}")
     if at["param_id_diff"]:
         print(f"param_id_diff: {len(at['param_id_diff'])} tensors")
     for side in ("a", "b") if args.file_hashes else ():
@@ -202,8 +207,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if at["alignment_hint"]:
         h = at["alignment_hint"]
         print(
-            f"note: only {h['shared_before']} names are shared; mapping {h['spec']} would pair "
-            f"{h['shared_after']} (--rename {h['spec']})"
+            f"note: only {h['shared_before']} names are shared; mapping {shown(h['spec'])} would pair "
+            f"{h['shared_after']} (--rename {shown(h['spec'])})"
         )
     print(summary_line(s, at))
     return 0 if s["identical"] else 1
@@ -265,9 +270,9 @@ def format_verdict(v: dict[str, Any]) -> str:
     if v["control"] is not None:
         sep = v["separation_orders"]
         lines.append(
-            f"control {v['control']}: rel_fro {g(v['control_rel_fro'])}, max_ulp {g(v['control_max_ulp'])}; "
+            f"control {shown(v['control'])}: rel_fro {g(v['control_rel_fro'])}, max_ulp {g(v['control_max_ulp'])}; "
             f"separation {'-' if sep is None else f'{sep:.1f}'} orders of magnitude"
         )
-    lines.append(f"bit-identical pairs: {', '.join(v['identical_pairs']) or 'none'}")
+    lines.append(f"bit-identical pairs: {names_list(v['identical_pairs']) or 'none'}")
     lines.append(f"tensors that never differ (same-seed pairs): {len(v['never_differ'])}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import sys
 
 from dmlib.cli import add_common_epilog
 from dmlib.cli._table import add_format, table
+from dmlib.textsafe import shown
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,14 +34,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _print_table(rows: list[dict], cols: list[str], out) -> None:
-    print(table(rows, cols, cell=lambda v: "" if v is None else str(v)), file=out)
+    print(table(rows, cols, cell=lambda v: "" if v is None else shown(v)), file=out)
+
+
+def _pairs(table: dict, limit: int = 50) -> str:
+    """``k=v, ...`` with keys and values escaped and cut; past ``limit`` entries, a count."""
+    items = list(table.items())
+    text = ", ".join(f"{shown(k)}={shown(v)}" for k, v in items[:limit])
+    return text + (f", ... ({len(items) - limit:,} more)" if len(items) > limit else "")
 
 
 def _print_arrays(lay: dict, out) -> None:
     """An Orbax item's arrays: zarr version, chunk shape, chunk grid, compression."""
     rows = [
         {
-            "array": name if name.isprintable() else ascii(name),
+            "array": shown(name),
             "zarr": a.get("zarr_format"),
             "chunks": "x".join(map(str, a.get("chunks", []))) or "scalar",
             "grid": "x".join(map(str, a.get("grid", []))) or "1",
@@ -51,7 +59,7 @@ def _print_arrays(lay: dict, out) -> None:
     ]
     _print_table(rows, ["array", "zarr", "chunks", "grid", "inner_chunks", "compression"], out)
     for name, vtype in (lay.get("not_read") or {}).items():
-        print(f"not read: {ascii(name)} ({ascii(vtype)}, not an array)", file=out)
+        print(f"not read: {shown(name)} ({shown(vtype)}, not an array)", file=out)
     print(file=out)
 
 
@@ -67,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         out.write("\n")
         return 0
     print(
-        f"{doc['path']}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",
+        f"{shown(doc['path'])}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",
         file=out,
     )
     lay = doc["layout"]
@@ -80,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
             )
     elif lay:
         plain = {k: v for k, v in lay.items() if k not in ("arrays", "not_read", "items")}
-        print("layout: " + ", ".join(f"{k}={v}" for k, v in plain.items()), file=out)
+        print("layout: " + _pairs(plain), file=out)
     if isinstance(lay.get("arrays"), dict):  # Orbax: per array, its zarr chunking
         _print_arrays(lay, out)
     if doc["metadata"]:
-        print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["metadata"].items()), file=out)
+        print("metadata: " + _pairs(doc["metadata"]), file=out)
     if doc["scalars"]:
-        print("scalars: " + ", ".join(f"{k}={v}" for k, v in doc["scalars"].items()), file=out)
+        print("scalars: " + _pairs(doc["scalars"]), file=out)
     if doc["file_hash"]:
         print(f"file_hash {doc['file_hash']}\ndata_hash {doc['data_hash']}", file=out)
     print(file=out)

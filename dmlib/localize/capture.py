@@ -55,6 +55,7 @@ from dmlib.localize.captures import (
     root_label,
 )
 from dmlib.localize.ops import OpRecorder, quiet
+from dmlib.safepaths import bounded_json
 
 try:
     import torch
@@ -847,15 +848,54 @@ def capture(
 
 
 def _prepare_dir(path: Path, overwrite: bool) -> None:
-    """Create the capture directory; refuse to replace a capture unless asked to."""
-    if (path / MANIFEST).exists() and not overwrite:
+    """Create the capture directory; replace only a capture, and only when asked to.
+
+    A folder that holds no dmlib capture manifest is never emptied: ``overwrite=True``
+    on one that holds anything is refused, and so is any folder with a ``tensors``
+    entry but no manifest (the dumps would overwrite files dmlib did not write).
+    """
+    if path.exists() and not path.is_dir():
+        raise CaptureError("exists and is not a folder; expected a capture folder", path=path)
+    manifest = path / MANIFEST
+    is_capture = _holds_capture(manifest)
+    if manifest.exists() and not is_capture:
+        raise CaptureError(
+            f"{MANIFEST} here is not a {FORMAT} manifest: not a capture, not replaced", path=path
+        )
+    if is_capture and not overwrite:
         raise CaptureError(
             "a capture already exists here; pass overwrite=True to replace it", path=path
         )
+    tensors = path / TENSOR_DIR
+    if not is_capture and path.is_dir():
+        if overwrite and any(path.iterdir()):
+            raise CaptureError(
+                f"overwrite=True replaces only a capture (a folder holding a {FORMAT} "
+                f"{MANIFEST}); this folder holds other files: nothing replaced",
+                path=path,
+            )
+        if os.path.lexists(tensors):
+            raise CaptureError(
+                f"holds {TENSOR_DIR}/ but no capture manifest: not a capture; dmlib writes "
+                "no dump over files it did not write",
+                path=path,
+            )
     path.mkdir(parents=True, exist_ok=True)
-    if overwrite and (path / TENSOR_DIR).is_dir():
-        for f in (path / TENSOR_DIR).glob("*.safetensors"):
-            f.unlink()
+    if is_capture and tensors.is_dir() and not tensors.is_symlink():
+        for f in tensors.glob("*.safetensors"):  # a capture's own dumps
+            if f.is_file() or f.is_symlink():
+                f.unlink()
+
+
+def _holds_capture(manifest: Path) -> bool:
+    """Whether ``manifest`` is a regular file holding a dmlib capture manifest (any state)."""
+    if manifest.is_symlink() or not manifest.is_file():
+        return False
+    try:
+        doc = bounded_json(manifest.read_text(), where=manifest, error=CaptureError)
+    except (OSError, UnicodeDecodeError, CaptureError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
 
 
 def _install_hooks(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +34,7 @@ import numpy as np
 from dmlib import dtypes as _dtypes
 from dmlib import hashing
 from dmlib.errors import CaptureError, DmlibError
+from dmlib.safepaths import bounded_json, inside
 
 FORMAT = "dmlib-capture"
 VERSION = 2  # 2: digests under a named scheme ("hash"); 1: bare SHA-256 ("sha256" fields)
@@ -459,7 +459,9 @@ class Capture:
                 path=self.path,
             )
         dump = cast(dict[str, Any], b.dump)  # dumped() checked it
-        file = self.path / dump["file"]
+        what = f"boundary {b.index} ({b.name[:80]!r}): dump file"
+        where = self.path / MANIFEST  # checked again here: a symlink may have changed since
+        file = inside(self.path, dump.get("file"), what=what, where=where, error=CaptureError)
         from dmlib.io import load
 
         try:
@@ -537,9 +539,10 @@ def open_capture(path: str | os.PathLike[str] | Capture) -> Capture:
             f"no {MANIFEST}: the capture never finished or this is not a capture", path=path
         )
     try:
-        manifest = json.loads(mf.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
+        text = mf.read_text()
+    except UnicodeDecodeError as err:
         raise CaptureError(f"{MANIFEST} is not valid JSON ({err})", path=path) from None
+    manifest = bounded_json(text, where=mf, error=CaptureError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CaptureError(f"{MANIFEST} is not a {FORMAT} manifest", path=path)
     if manifest.get("version") not in READS or type(manifest.get("version")) is not int:
@@ -561,7 +564,29 @@ def open_capture(path: str | os.PathLike[str] | Capture) -> Capture:
     batch = manifest.get("batch")
     if batch is not None and (type(batch) is not int or batch < 1):
         raise CaptureError(f"batch is {batch!r}; expected a positive integer or null", path=path)
+    dump_files(path, manifest)  # every dump path relative and inside the capture
     return Capture(path, manifest)
+
+
+def dump_files(path: Path, manifest: dict[str, Any]) -> list[Path]:
+    """The dump files a manifest names, each checked to be a relative path inside ``path``.
+
+    Raises
+    ------
+    CaptureError
+        Naming the manifest and the boundary: a dump ``file`` that is absolute, leads out
+        through ``..`` or a symlink, or is not a string.
+    """
+    files: list[Path] = []
+    boundaries = manifest.get("boundaries")
+    for i, b in enumerate(boundaries if isinstance(boundaries, list) else []):
+        dump = b.get("dump") if isinstance(b, dict) else None
+        if not dump:
+            continue
+        what = f"boundary {i} ({str(b.get('name'))[:80]!r}): dump file"
+        rel = dump.get("file") if isinstance(dump, dict) else None
+        files.append(inside(path, rel, what=what, where=path / MANIFEST, error=CaptureError))
+    return list(dict.fromkeys(files))
 
 
 def n_blocks(n_rows: int, block_rows: int) -> int:
@@ -570,6 +595,6 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
 
 __all__ = [
     "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex",
-    "same_scheme", "FORMAT", "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS", "root_label",
-    "is_layout_slot",
+    "same_scheme", "dump_files", "FORMAT", "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS",
+    "root_label", "is_layout_slot",
 ]  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any
 
 from dmlib.hashing import hash_file
 from dmlib.machine import cpu_flags, cpu_model, machine_line
+from dmlib.safepaths import regular_file
 from dmlib.stats._kernels import kernel_name
 
 __all__ = ["collect", "cpu_flags", "cpu_model", "machine_line", "torch_facts"]
@@ -74,6 +75,7 @@ def collect(
     """Provenance as a JSON-ready dict; input paths are relative to ``root`` (the study)."""
     files = []
     for p in inputs:
+        regular_file(p)  # never a FIFO, a device or a /proc file
         files.append(
             {
                 "path": os.path.relpath(p, root).replace(os.sep, "/"),

@@ -223,10 +223,12 @@ class Study:
     def group_of(self, names: list[str]) -> dict[str, str | None]:
         """Parameter name -> its ``[groups]`` group (first match), else its last name part."""
         out: dict[str, str | None] = {}
-        compiled = [(g, re.compile(rx)) for g, rx in self.groups.items()]
+        from dmlib.names import user_regex  # a shared study's regex cannot hang
+
+        compiled = [(g, user_regex(rx, f"groups.{g}")) for g, rx in self.groups.items()]
         for n in names:
             if compiled:
-                out[n] = next((g for g, rx in compiled if rx.search(n)), None)
+                out[n] = next((g for g, search in compiled if search(n)), None)
             else:
                 out[n] = n.rsplit(".", 1)[-1]
         return out
@@ -243,8 +245,8 @@ class Study:
             folders = [*c.folders.values(), *c.repeats.values(), *c.ops.values()]
             if c.negative is not None:
                 folders.append(c.negative)
-            for folder in folders:
-                files += sorted(p for p in folder.rglob("*") if p.is_file())
+            for folder in folders:  # its manifest and the dumps it names, nothing else
+                files += _capture_files(folder)
             if c.op_findings is not None:
                 files.append(c.op_findings)
         return list(dict.fromkeys(files))
@@ -601,6 +603,12 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
             raise DmlibError(
                 f"groups.{k}: {rx!r} is not a regular expression ({err})", path=where
             ) from None
+        from dmlib.names import user_regex
+
+        try:
+            user_regex(rx, f"groups.{k}")
+        except DmlibError as err:
+            raise DmlibError(str(err), path=where) from None
         out[k] = rx
     return out
 
@@ -618,7 +626,26 @@ def _existing(
         raise DmlibError(
             f"{what} {text!r} not found (paths are relative to the study file)", path=where
         )
+    if what == "capture folder" and not (p / "manifest.json").is_file():
+        # a study hashes a capture's files: only a folder that is a capture is read
+        raise DmlibError(
+            f"{what} {text!r} holds no manifest.json: not a dmlib capture (a study reads "
+            "only capture folders)",
+            path=where,
+        )
     return p
+
+
+def _capture_files(folder: Path) -> list[Path]:
+    """A capture folder's manifest and the dump files it names (each inside the folder)."""
+    from dmlib.errors import CaptureError
+    from dmlib.localize.captures import dump_files
+    from dmlib.safepaths import bounded_json
+
+    manifest = folder / "manifest.json"
+    doc = bounded_json(manifest.read_text(errors="replace"), where=manifest, error=CaptureError)
+    dumps = dump_files(folder, doc) if isinstance(doc, dict) else []
+    return [manifest, *sorted(p for p in dumps if p.is_file())]
 
 
 def _under(root: Path, text: str) -> Path:

@@ -135,6 +135,12 @@ def hash_views(raws: Iterable[np.ndarray], chunk_bytes: int, name: str | None = 
     return h.hexdigest()
 
 
+def _stderr() -> Any:
+    """stderr as the terminal gets it: the counter's carriage returns are its own, not data's
+    (the CLI's stream escapes control characters; :class:`dmlib.textsafe.SafeStream`)."""
+    return getattr(sys.stderr, "unescaped", sys.stderr)
+
+
 class Progress:
     """A one-line byte counter on stderr, shown only for comparisons that take a while."""
 
@@ -157,17 +163,19 @@ class Progress:
             self.last = now
             self.shown = True
             gib = 1 << 30
-            sys.stderr.write(
+            err = _stderr()
+            err.write(
                 f"\rcompare: {100 * self.done / self.total:5.1f}% "
                 f"({self.done / gib:.2f} of {self.total / gib:.2f} GiB per side)"
             )
-            sys.stderr.flush()
+            err.flush()
 
     def finish(self) -> None:
         if self.shown:
             self.shown = False
-            sys.stderr.write("\r" + " " * 60 + "\r")
-            sys.stderr.flush()
+            err = _stderr()
+            err.write("\r" + " " * 60 + "\r")
+            err.flush()
 
 
 @dataclass
