@@ -298,7 +298,9 @@ def _compare_runs(args: argparse.Namespace) -> int:
     if later:
         print("later: " + ", ".join(f"{k} from step {v}" for k, v in later.items()))
     if r["loss_parts_at"] is not None:
-        print(f"loss curves (trainer.log_history.loss) first part at logged step {r['loss_parts_at']}")
+        print(
+            f"loss curves (trainer.log_history.loss) first part at logged step {r['loss_parts_at']}"
+        )
     prior = [s for s in r["steps"] if s < r["first_step"]]
     if prior:
         print(

@@ -70,7 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is flagged.",
     )
     lad.add_argument(
-        "ckpts", nargs="+", metavar="LABEL:STEP=PATH", help="one checkpoint of one run"
+        "ckpts",
+        nargs="+",
+        metavar="LABEL:STEP=PATH",
+        help="one checkpoint of one run, or LABEL=FOLDER: a Trainer output folder, its "
+        "checkpoint-N/ folders as the steps",
     )
     lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
     lad.add_argument(
@@ -155,11 +159,32 @@ def parse_group(text: str):
     return FactorGroup.lowrank(*pats, transpose_a=trans[0], transpose_b=trans[1])
 
 
+def _run_folder(*, label: str, path: str, ladder: dict[str, dict[int, str]]) -> bool:
+    """``LABEL=FOLDER`` of a Trainer output folder: its ``checkpoint-N/`` folders as the
+    steps (N; each checkpoint's recorded ``global_step`` is checked against it)."""
+    import os
+
+    if not os.path.isdir(path):
+        return False
+    from dmlib.io.hf_trainer import checkpoints_of
+
+    found = checkpoints_of(path)
+    if not found:
+        raise DmlibError(f"{label}={path}: the folder holds no checkpoint-N/ training checkpoint")
+    if label in ladder:
+        raise DmlibError(f"run {label!r} is given twice")
+    ladder[label] = dict(found)
+    return True
+
+
 def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
-    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items."""
+    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items, or ``LABEL=FOLDER`` for a
+    Trainer output folder (its ``checkpoint-N/`` folders)."""
     ladder: dict[str, dict[int, str]] = {}
     for item in items:
         head, sep, path = item.partition("=")
+        if sep and head and ":" not in head and _run_folder(label=head, path=path, ladder=ladder):
+            continue
         label, colon, step = head.rpartition(":")
         if not sep or not colon or not label or not path or not step.lstrip("-").isdigit():
             raise DmlibError(f"expected LABEL:STEP=PATH (e.g. s5a:5=runs/s5a/m.bpk), got {item!r}")

@@ -172,11 +172,9 @@ def read_rng_states(path: str) -> TensorSet | None:
         import torch
     except ImportError:
         return None
-    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        allowed.append(np._core.multiarray._reconstruct)  # type: ignore[attr-defined]
-    except AttributeError:  # numpy 1.x
-        allowed.append(np.core.multiarray._reconstruct)
+    allowed: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    core = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2.x, 1.x
+    allowed.append(core.multiarray._reconstruct)
     try:
         with torch.serialization.safe_globals(allowed):
             obj = torch.load(path, map_location="cpu", weights_only=True)

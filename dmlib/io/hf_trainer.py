@@ -124,7 +124,9 @@ class _Parts:
         for name, t in ts.items():
             full = prefix + name
             if full in self.tensors:
-                raise FormatError(f"two files of the folder hold the tensor {full!r}", path=self.path)
+                raise FormatError(
+                    f"two files of the folder hold the tensor {full!r}", path=self.path
+                )
             if full != t.name:
                 t = copy.copy(t)
                 t.name = full
@@ -170,7 +172,11 @@ def open_trainer(path: str | os.PathLike[str]) -> TensorSet:
                 parts.add("scheduler.", ts, f"scheduler: {fname}")
         _add_rng(path, names, parts)
         if TRAINER_STATE in names:
-            parts.add("trainer.", _trainer_state(os.path.join(path, TRAINER_STATE)), "trainer: " + TRAINER_STATE)
+            parts.add(
+                "trainer.",
+                _trainer_state(os.path.join(path, TRAINER_STATE)),
+                "trainer: " + TRAINER_STATE,
+            )
             step = parts.scalars.get("trainer.global_step")
             if isinstance(step, int) and not isinstance(step, bool):
                 parts.scalars["step"] = step
@@ -203,9 +209,7 @@ def _open(fpath: str) -> TensorSet:
     return open_tensors(fpath, format=detect_format(fpath))
 
 
-def _optional(
-    opener: Callable[[str], TensorSet], fpath: str, parts: _Parts
-) -> TensorSet | None:
+def _optional(opener: Callable[[str], TensorSet], fpath: str, parts: _Parts) -> TensorSet | None:
     """The file's set, or None with a one-line note when the torch reader refuses it."""
     try:
         return opener(fpath)
@@ -226,10 +230,11 @@ def _add_rng(path: str, names: set[str], parts: _Parts) -> None:
         except FormatError as err:
             from dmlib.io._hf_names import read_rng_states
 
-            ts = read_rng_states(fpath)  # None when torch cannot read it either
-            if ts is None:
+            fallback = read_rng_states(fpath)  # None when torch cannot read it either
+            if fallback is None:
                 parts.not_read.append(f"{fname}: {err.message}")
                 continue
+            ts = fallback
         parts.add(prefix, ts, f"rng: {fname}")
 
 
@@ -253,7 +258,9 @@ def _trainer_state(fpath: str) -> TensorSet:
     except RecursionError:
         raise FormatError("trainer state nests too deeply", path=fpath) from None
     if not isinstance(state, dict):
-        raise FormatError(f"trainer state is a JSON {type(state).__name__}, not an object", path=fpath)
+        raise FormatError(
+            f"trainer state is a JSON {type(state).__name__}, not an object", path=fpath
+        )
     history = state.pop("log_history", [])
     if not isinstance(history, list):
         raise FormatError("trainer state's log_history is not a list", path=fpath)

@@ -67,7 +67,9 @@ def components(rows: list[dict[str, Any]], attrs: Mapping[str, Any]) -> list[dic
     out = []
     for comp in COMPONENTS:
         mine = [r for r in rows if component_of(str(r["name"])) == comp]
-        diff = [r for r in mine if int(r["n_diff"]) > 0 or r.get("data_hash_a") != r.get("data_hash_b")]
+        diff = [
+            r for r in mine if int(r["n_diff"]) > 0 or r.get("data_hash_a") != r.get("data_hash_b")
+        ]
         sdiff = [k for k in scal if component_of(k) == comp]
         gaps = [n for n in only if component_of(n) == comp]
         names = [k for k in attrs.get("scalar_names", []) if component_of(k) == comp]
@@ -86,7 +88,9 @@ def components(rows: list[dict[str, Any]], attrs: Mapping[str, Any]) -> list[dic
         if gaps:
             detail.append(f"{len(gaps)} names on one side only or of another shape, e.g. {gaps[0]}")
         if sdiff:
-            detail.append(f"scalars differ: {', '.join(sdiff[:4])}{' ...' if len(sdiff) > 4 else ''}")
+            detail.append(
+                f"scalars differ: {', '.join(sdiff[:4])}{' ...' if len(sdiff) > 4 else ''}"
+            )
         row: dict[str, Any] = {
             "component": comp,
             "status": status,
