@@ -173,7 +173,7 @@ def read_rng_states(path: str) -> TensorSet | None:
     except ImportError:
         return None
     allowed: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    core = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2.x, 1.x
+    core: Any = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2.x, 1.x
     allowed.append(core.multiarray._reconstruct)
     try:
         with torch.serialization.safe_globals(allowed):
