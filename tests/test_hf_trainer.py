@@ -154,7 +154,10 @@ def test_resumed_runs_against_the_continuous_one(hf_runs: Path) -> None:
     for resumed in ("R", "D"):
         got = compare_runs(a, hf_runs / "runs" / resumed)
         assert got["steps"] == [4, 6] and got["only_in_a"] == [2]
-        oracle = {s: _oracle_components(_ckpt(hf_runs, "A", s), _ckpt(hf_runs, resumed, s)) for s in (4, 6)}
+        oracle = {
+            s: _oracle_components(_ckpt(hf_runs, "A", s), _ckpt(hf_runs, resumed, s))
+            for s in (4, 6)
+        }
         first = {}
         for s in (4, 6):
             for comp, differs in oracle[s].items():
@@ -165,7 +168,9 @@ def test_resumed_runs_against_the_continuous_one(hf_runs: Path) -> None:
         if first:
             step = min(first.values())
             assert got["first_step"] == step
-            assert sorted(got["first_components"]) == sorted(k for k, v in first.items() if v == step)
+            assert sorted(got["first_components"]) == sorted(
+                k for k, v in first.items() if v == step
+            )
             # the loss curve: the first logged step whose loss differs, from the json
             la = json.loads((_ckpt(hf_runs, "A", 6) / "trainer_state.json").read_text())
             lb = json.loads((_ckpt(hf_runs, resumed, 6) / "trainer_state.json").read_text())
@@ -182,7 +187,9 @@ def test_cli_compare_of_run_folders_and_checkpoints(hf_runs: Path, capsys) -> No
 
     runs = hf_runs / "runs"
     want = _oracle_components(_ckpt(hf_runs, "A", 2), _ckpt(hf_runs, "G", 2))
-    assert main(["compare", str(runs / "A" / "checkpoint-2"), str(runs / "G" / "checkpoint-2")]) == 1
+    assert (
+        main(["compare", str(runs / "A" / "checkpoint-2"), str(runs / "G" / "checkpoint-2")]) == 1
+    )
     out = capsys.readouterr().out
     for comp, differs in want.items():
         assert f"{comp}: {'DIFFERS' if differs else 'IDENTICAL'}" in out
