@@ -118,3 +118,57 @@ def test_prose_keeps_the_first_step_compared() -> None:
     later = df.assign(n_diff=[0, 0, 3, 0])
     finding, _ = prose.ladder(later, "A", {}, pd.DataFrame(columns=["pair", "slope"]), [], 0.0)
     assert "the earliest from step 4 (A/G)" in finding and "first step compared" not in finding
+
+
+# -- broken training folders: one line naming the file, never a traceback ---------------
+
+
+def _folder(tmp_path, state: str) -> object:
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "checkpoint-3"
+    d.mkdir()
+    save_file({"w": ARR["w"]}, str(d / "model.safetensors"))
+    (d / "trainer_state.json").write_text(state, encoding="utf-8")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ("{not json", "corrupt trainer state"),
+        ("[1, 2]", "not an object"),
+        ('{"log_history": 5}', "log_history is not a list"),
+        ('{"log_history": [7]}', r"log_history\[0\] is not an object"),
+    ],
+)
+def test_broken_trainer_state(tmp_path, capsys, state: str, message: str) -> None:
+    pytest.importorskip("safetensors")
+    d = _folder(tmp_path, state)
+    with pytest.raises(dmlib.DmlibError, match=message) as info:
+        dmlib.open_tensors(d)
+    assert str(d / "trainer_state.json") in str(info.value)
+    assert main(["inspect", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "trainer_state.json" in err
+
+
+def test_minimal_folder_and_a_training_args_file_never_unpickled(tmp_path) -> None:
+    pytest.importorskip("safetensors")
+    d = _folder(tmp_path, '{"global_step": 3, "log_history": [{"step": 1, "loss": 2.5}]}')
+    # a pickle that would run code if it were ever unpickled
+    (d / "training_args.bin").write_bytes(
+        b"cos\nsystem\n(S'touch " + str(tmp_path / "ran").encode() + b"'\ntR."
+    )
+    with dmlib.open_tensors(d) as ts:
+        assert ts.scalars["step"] == 3
+        assert ts["trainer.log_history.loss"].load().tolist() == [2.5]
+        assert "not read" in ts.metadata["not_tensors"]
+    assert not (tmp_path / "ran").exists()
+
+
+def test_format_hf_trainer_on_a_file(tmp_path) -> None:
+    p = tmp_path / "a.npy"
+    np.save(p, ARR["w"])
+    with pytest.raises(dmlib.DmlibError, match="names a folder"):
+        dmlib.open_tensors(p, format="hf-trainer")

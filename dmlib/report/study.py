@@ -359,7 +359,7 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
                 raise DmlibError(
                     f"run {label!r}: the list of checkpoint files is empty", path=where
                 )
-            files = [_existing(root, t, where, f"run {label!r}: checkpoint") for t in text]
+            files = [_checkpoint(root, t, where, label) for t in text]
             runs[label] = _stepped(label, " ".join(text), files, where)
             continue
         target = _under(root, text)
@@ -630,6 +630,14 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
             ) from None
         out[k] = rx
     return out
+
+
+def _checkpoint(root: Path, text: str, where: Path, label: str) -> Path:
+    """A checkpoint of a run's list: a file, or a training checkpoint folder (``checkpoint-N/``)."""
+    p = _under(root, text)
+    if p.is_dir() and _training_folder(p) == [p]:
+        return p
+    return _existing(root, text, where, f"run {label!r}: checkpoint")
 
 
 def _existing(root: Path, text: str, where: Path, what: str, *, folder: bool = False) -> Path:
