@@ -6,6 +6,9 @@ checkout; tests that need them skip with a clear reason when that folder is abse
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,25 @@ def burnpack_fixtures() -> Path:
             f"real Burn fixtures not found at {BURNPACK_FIXTURES} (../shared/fixtures beside the checkout)"
         )
     return BURNPACK_FIXTURES
+
+
+@pytest.fixture(scope="session")
+def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real ``transformers.Trainer`` runs and an Accelerate state (tests/_hf_train.py),
+    trained once per session in a subprocess; skips without transformers/accelerate."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    root = tmp_path_factory.mktemp("hf")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "_hf_train.py"), str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
 
 
 # Modules whose tests start notebook kernels, a Dask cluster or real models: marked `slow`

@@ -123,9 +123,9 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
     Names in it are escaped and cut (:func:`dmlib.textsafe.shown`): a name holding escape
     codes cannot rewrite the verdict word a terminal shows.
     """
-    if s["n_tensors_diff"]:
+    if s["n_tensors_diff"] or s.get("n_scalars_diff"):
         word = "DIFFERENT"
-    elif s["n_not_compared"]:
+    elif s["n_not_compared"] or s.get("not_read"):
         word = "NOT ALL COMPARED"
     elif s["identical"] and s["rounded"]:
         word = "IDENTICAL AFTER ROUNDING"
@@ -144,6 +144,15 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
         f"{'' if s['worst_rel_fro_name'] is None else ' (' + shown(s['worst_rel_fro_name']) + ')'}; "
         f"max_ulp {fmt(s['max_ulp'])}"
     )
+    if s.get("n_scalars_diff"):
+        diff = attrs.get("scalars_diff") or {}
+        k, (va, vb) = next(iter(diff.items()))
+        text += (
+            f"; {s['n_scalars_diff']} scalars differ "
+            f"(e.g. {shown(k)}: {shown(repr(va))} vs {shown(repr(vb))})"
+        )
+    for note in s.get("not_read") or ():
+        text += f"; not read: {shown(note)}"
     if s.get("byte_order_diff"):
         text += (
             f"; {len(s['byte_order_diff'])} tensors hold equal values stored in another byte "
@@ -158,11 +167,22 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
     return text
 
 
+def _is_dir(path: str) -> bool:
+    import os
+
+    return os.path.isdir(path)
+
+
 def run_compare(args: argparse.Namespace) -> int:
     # plain records, not a DataFrame: the command starts without importing pandas
     from dmlib._json import jsonable
     from dmlib.stats.compare import compare_records, summarize_records
 
+    if _is_dir(args.a) and _is_dir(args.b):
+        from dmlib.io.hf_trainer import is_run_folder
+
+        if is_run_folder(args.a) and is_run_folder(args.b):
+            return _compare_runs(args)
     hash_name = _hash_of(args)
     with engine_of(args) as engine:
         rows, at = compare_records(
@@ -177,8 +197,11 @@ def run_compare(args: argparse.Namespace) -> int:
             engine=engine,
         )
     s = summarize_records(rows, at)
+    comps = _components(rows, at)
     if args.json:
         doc = {"summary": s, "attrs": at, "rows": rows}
+        if comps is not None:
+            doc["components"] = comps
         print(json.dumps(jsonable(doc, default=str), indent=1))
         return 0 if s["identical"] else 1
     listed = rows if args.all else [r for r in rows if r["n_diff"] > 0]
@@ -210,8 +233,98 @@ def run_compare(args: argparse.Namespace) -> int:
             f"note: only {h['shared_before']} names are shared; mapping {shown(h['spec'])} would pair "
             f"{h['shared_after']} (--rename {shown(h['spec'])})"
         )
+    for line in component_lines(comps or []):
+        print(line)
     print(summary_line(s, at))
     return 0 if s["identical"] else 1
+
+
+def _components(rows: list[dict[str, Any]], at: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per-component rows when both sides are training checkpoint folders, else None."""
+    if not (_is_dir(str(at["path_a"])) and _is_dir(str(at["path_b"]))):
+        return None
+    from dmlib.stats.components import components
+
+    return components(rows, at)
+
+
+def component_lines(comps: list[dict[str, Any]]) -> list[str]:
+    """One line per component of a training checkpoint (and one per RNG generator)."""
+    from dmlib.stats.components import printable
+
+    lines = []
+    for c in comps:
+        if c["status"] == "absent":
+            continue
+        text = f"{c['component']}: {c['status'].upper()}"
+        if c["n_tensors"]:
+            text += f" ({c['n_tensors_diff']} of {c['n_tensors']} tensors differ"
+            text += f", {c['n_scalars_diff']} scalars)" if c["n_scalars_diff"] else ")"
+        elif c["n_scalars_diff"]:
+            text += f" ({c['n_scalars_diff']} scalars differ)"
+        if c["first"]:
+            text += f"; first: {printable(c['first'])}"
+        if c["detail"]:
+            text += f"; {printable(c['detail'])}"
+        lines.append(text)
+        for g, word in c.get("generators", []):
+            lines.append(f"  rng {printable(g)}: {word}")
+    return lines
+
+
+def _compare_runs(args: argparse.Namespace) -> int:
+    """Two Trainer output folders: every shared step, component by component."""
+    from dmlib._json import jsonable
+    from dmlib.stats.components import compare_runs, printable
+
+    r = compare_runs(args.a, args.b)
+    if args.json:
+        print(json.dumps(jsonable(r, default=str), indent=1))
+        return 0 if r["bit_exact"] else 1
+    for step in r["steps"]:
+        words = ", ".join(
+            f"{c['component']} {c['status']}" for c in r["by_step"][step] if c["status"] != "absent"
+        )
+        print(f"step {step}: {words}")
+    for side in ("a", "b"):
+        if r[f"only_in_{side}"]:
+            steps = ", ".join(map(str, r[f"only_in_{side}"]))
+            print(f"steps only in {side.upper()} (not compared): {steps}")
+    if r["bit_exact"]:
+        steps = ", ".join(map(str, r["steps"]))
+        print(f"BIT-EXACT: every component identical at every shared step ({steps})")
+        return 0
+    if r["first_step"] is None:
+        print(
+            "NOT ALL COMPARED: nothing compared differs, but "
+            + (
+                f"{', '.join(r['inconclusive'])} could not be compared"
+                if r["inconclusive"]
+                else "the runs share no step"
+            )
+        )
+        return 1
+    first = r["by_step"][r["first_step"]]
+    print(f"DIFFERENT from step {r['first_step']}: {', '.join(r['first_components'])} differ there")
+    for line in component_lines([c for c in first if c["status"] != "identical"]):
+        print("  " + line)
+    later = {k: v for k, v in r["first_diff"].items() if v != r["first_step"]}
+    if later:
+        print("later: " + ", ".join(f"{k} from step {v}" for k, v in later.items()))
+    if r["loss_parts_at"] is not None:
+        print(
+            f"loss curves (trainer.log_history.loss) first part at logged step {r['loss_parts_at']}"
+        )
+    prior = [s for s in r["steps"] if s < r["first_step"]]
+    if prior:
+        print(
+            f"at step {prior[-1]} every component was identical: what steps {prior[-1] + 1}-"
+            f"{r['first_step']} consumed (the data order is not recorded in the files) or "
+            "computed on it differed"
+        )
+    if r["inconclusive"]:
+        print(f"not compared at some step: {', '.join(map(printable, r['inconclusive']))}")
+    return 1
 
 
 def run_matrix(args: argparse.Namespace) -> int:

@@ -73,8 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ckpts",
         nargs="+",
         metavar="LABEL:STEP=PATH",
-        help="one checkpoint of one run (LABEL=FOLDER: every step folder of an Orbax "
-        "CheckpointManager folder)",
+        help="one checkpoint of one run, or LABEL=FOLDER: a Trainer output folder (its "
+        "checkpoint-N/ folders as the steps) or an Orbax CheckpointManager folder (its step "
+        "folders)",
     )
     lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
     lad.add_argument(
@@ -170,12 +171,34 @@ def _manager_steps(path: str) -> dict[int, str]:
     return step_folders(path)
 
 
+def _run_folder(*, label: str, path: str, ladder: dict[str, dict[int, str]]) -> bool:
+    """``LABEL=FOLDER`` of a Trainer output folder: its ``checkpoint-N/`` folders as the
+    steps (N; each checkpoint's recorded ``global_step`` is checked against it). False
+    for a folder that holds no training checkpoint."""
+    import os
+
+    if not os.path.isdir(path):
+        return False
+    from dmlib.io.hf_trainer import checkpoints_of
+
+    found = checkpoints_of(path)
+    if not found:
+        return False
+    if label in ladder:
+        raise DmlibError(f"run {label!r} is given twice")
+    ladder[label] = dict(found)
+    return True
+
+
 def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
-    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items (and ``LABEL=FOLDER`` for an
-    Orbax CheckpointManager folder: its numbered step folders)."""
+    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items, or ``LABEL=FOLDER`` for a
+    Trainer output folder (its ``checkpoint-N/`` folders) or an Orbax CheckpointManager
+    folder (its numbered step folders)."""
     ladder: dict[str, dict[int, str]] = {}
     for item in items:
         head, sep, path = item.partition("=")
+        if sep and head and ":" not in head and _run_folder(label=head, path=path, ladder=ladder):
+            continue
         label, colon, step = head.rpartition(":")
         if sep and head and not colon and _manager_steps(path):  # LABEL=ORBAX_MANAGER_FOLDER
             ladder.setdefault(head, {}).update(_manager_steps(path))

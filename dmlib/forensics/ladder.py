@@ -68,7 +68,10 @@ def _recorded(ts: TensorSet, step_key: StepKey) -> tuple[Any, str]:
         for where, table in (("scalars", ts.scalars), ("metadata", ts.metadata)):
             if "step" in table:
                 return table["step"], f"{where}['step']"
-        return None, "scalars['step'] or metadata['step']"
+        step = _optimizer_step(ts)
+        if step is not None:
+            return step, "the optimizer's state.*.step"
+        return None, "scalars['step'], metadata['step'] or an optimizer's state.*.step"
     source, sep, key = str(step_key).partition(":")
     if not sep or source not in ("scalars", "metadata", "name", "path") or not key:
         raise DmlibError(
@@ -88,6 +91,22 @@ def _recorded(ts: TensorSet, step_key: StepKey) -> tuple[Any, str]:
         if m:
             return (m.group(1) if rx.groups else m.group(0)), f"{source} ~ {key!r}"
     return None, f"{source} ~ {key!r}"
+
+
+_OPT_STEP = re.compile(r"(?:^|\.)state\.[^.]+(?:\.[^.]+)*\.step$")
+
+
+def _optimizer_step(ts: TensorSet) -> int | None:
+    """The step an optimizer's state records (``state.<param>.step``, 0-d, every one
+    equal and integral, as Adam's), else None."""
+    seen = set()
+    for name, t in ts.items():
+        if t.shape == () and _OPT_STEP.search(name) and t.dtype.kind in "fiu":
+            v = float(t.load())
+            if not v.is_integer():
+                return None
+            seen.add(int(v))
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _check_one(

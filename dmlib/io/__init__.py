@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 FORMATS = (
     "burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf", "burn-mpk", "orbax",
-    "flax-msgpack",
+    "flax-msgpack", "hf-trainer",
 )  # fmt: skip
 
 # (format, reader module, its magic check) in detection order; suffixes are the fallback
@@ -54,8 +54,8 @@ _SUFFIX = {
     ".msgpack": "flax-msgpack",
 }
 _MODULES = (
-    "burn_mpk", "burnpack", "dcp", "flax_msgpack", "gguf", "numpy_", "ocdbt", "orbax",
-    "safetensors", "sharded", "torch_", "zarr_",
+    "burn_mpk", "burnpack", "dcp", "flax_msgpack", "gguf", "hf_trainer", "numpy_", "ocdbt",
+    "orbax", "safetensors", "sharded", "torch_", "zarr_",
 )  # fmt: skip
 # files inside an Orbax folder that stand for the folder itself
 _ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint")
@@ -96,8 +96,16 @@ def _check_file(path: str) -> None:
     if not os.path.exists(path):
         raise DmlibError("no such file", path=path)
     if os.path.isdir(path):
+        if _reader("hf_trainer").is_run_folder(path):
+            raise FormatError(
+                "is a training run's output folder (checkpoint-N/ inside), not one checkpoint: "
+                "name one checkpoint-N/ folder, or give the run folder to dmlib report --run / "
+                "dmlib ladder LABEL=FOLDER",
+                path=path,
+            )
         raise FormatError(
-            "is a directory, not a checkpoint file (for a capture use dmlib.open_capture)",
+            "is a directory, not a checkpoint file or a training checkpoint folder (for a "
+            "capture use dmlib.open_capture)",
             path=path,
         )
     if not os.path.isfile(path):
@@ -110,6 +118,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """The format of a file: by magic bytes, then by suffix."""
     path = os.fspath(path)
     # cheap tests on the path first: the reader modules load only for their own files
+    if os.path.isdir(path) and _reader("hf_trainer").can_open(path):
+        return "hf-trainer"
     if (os.path.isdir(path) or os.path.basename(path) == ".metadata") and _reader("dcp").can_open(
         path
     ):
@@ -184,7 +194,9 @@ def open_tensors(
         PyTorch Distributed Checkpoint directory (``.metadata`` + ``*.distcp``), or a
         GGUF file (quantized tensors as their blocks; see :func:`dmlib.io.gguf.open_gguf`),
         or a Burn named MessagePack record (``.mpk``, ``.mpk.gz``), or an Orbax step or
-        item folder (JAX; see :mod:`dmlib.io.orbax`), or a flax msgpack file.
+        item folder (JAX; see :mod:`dmlib.io.orbax`), or a flax msgpack file, or a Hugging
+        Face training checkpoint folder (a Trainer ``checkpoint-N/``, an Accelerate
+        ``save_state`` folder: :mod:`dmlib.io.hf_trainer`).
     format
         Skip detection and read as this format.
     record
@@ -210,6 +222,10 @@ def open_tensors(
             raise FormatError(
                 f"not a DCP checkpoint directory (no {_reader('dcp').METADATA} in it)", path=path
             )
+    elif fmt == "hf-trainer":
+        if not os.path.isdir(path):
+            _check_file(path)
+            raise FormatError("format hf-trainer names a folder, not a file", path=path)
     else:
         _check_file(path)
     try:
@@ -219,6 +235,8 @@ def open_tensors(
             return _reader("orbax").open_orbax(path)
         if fmt == "flax-msgpack":
             return _reader("flax_msgpack").open_flax_msgpack(path)
+        if fmt == "hf-trainer":
+            return _reader("hf_trainer").open_trainer(path)
         if fmt in ("safetensors", "torch") and path.endswith(".index.json"):  # sharded.can_open
             return _reader("sharded").open_index(path)
         if fmt == "burnpack":

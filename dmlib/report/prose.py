@@ -273,6 +273,7 @@ def ladder(
         finding = (
             f"Against {_t(reference)}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
             f"{'diverges' if n_div == 1 else 'diverge'}, the earliest from step {earliest[0]} ({_t(earliest[1])})"
+            + _first_compared(earliest[0], steps)
         )
         if top is not None:
             finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} ({_c(top['name'])}, {_t(top['pair'])})"
@@ -280,14 +281,16 @@ def ladder(
     for pair in ctrl_pairs:
         first = _first(df[df["pair"].eq(pair)])
         finding += f" Control {_t(pair)}: " + (
-            "bit-identical at every step." if first is None else f"differs from step {first} on."
+            "bit-identical at every step."
+            if first is None
+            else f"differs from step {first} on{_first_compared(first, steps)}."
         )
     for pair, sub in repeats.items():
         first = _first(sub)
         finding += (
             f" Repeat {_t(pair)}: bit-identical at every step."
             if first is None
-            else f" Repeat {_t(pair)}: differs from step {first}."
+            else f" Repeat {_t(pair)}: differs from step {first}{_first_compared(first, steps)}."
         )
     if not repeats:
         lines.append(
@@ -295,6 +298,11 @@ def ladder(
             "reproduces itself, so differences cannot be attributed to the configurations alone."
         )
     return finding, lines
+
+
+def _first_compared(step: int, steps: Sequence[int]) -> str:
+    """ " (the first step compared)" when ``step`` is: no earlier step shows it began there."""
+    return " (the first step compared)" if steps and step == min(steps) else ""
 
 
 def _first(sub: pd.DataFrame) -> int | None:

@@ -13,6 +13,8 @@ mailed or committed. The format (every key optional, but a study names runs or c
     base = "runs/base/"      #   a folder or a glob is a step ladder: one checkpoint per step,
     threads2 = "runs/t2/*.safetensors"  # the step recorded in the file, else the
     seed8 = "runs/seed8/step20.pt"      # last number of its file name
+    hf = "runs/trainer_out"  # a Trainer output folder: its checkpoint-N/ folders are the
+                             #   steps (global_step of trainer_state.json, else N)
 
     [repeats]                # run = the run it repeats (same configuration, new process)
     repeat = "base"
@@ -237,7 +239,7 @@ class Study:
         """Every file the study reads (checkpoints, anatomy files, capture folders' files)."""
         files: list[Path] = []
         for r in self.runs.values():
-            for ck in r.checkpoints.values():  # a checkpoint folder (Orbax): its files
+            for ck in r.checkpoints.values():  # a checkpoint folder (Orbax, Trainer): its files
                 files += sorted(p for p in ck.rglob("*") if p.is_file()) if ck.is_dir() else [ck]
         files += self.anatomy
         if self.captures is not None:
@@ -363,10 +365,7 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
                 raise DmlibError(
                     f"run {label!r}: the list of checkpoint files is empty", path=where
                 )
-            files = [
-                _existing(root, t, where, f"run {label!r}: checkpoint", checkpoint=True)
-                for t in text
-            ]
+            files = [_checkpoint(root, t, where, label) for t in text]
             runs[label] = _stepped(label, " ".join(text), files, where)
             continue
         target = _under(root, text)
@@ -374,6 +373,8 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
             files = sorted(Path(p) for p in glob.glob(str(target)) if Path(p).is_file())
             if not files:
                 raise DmlibError(f"run {label!r}: the pattern {text!r} matches no file", path=where)
+        elif target.is_dir() and _training_folder(target) is not None:
+            files = _training_folder(target) or []
         elif target.is_dir():
             files = _checkpoints_in(target)
             if not files:
@@ -389,6 +390,18 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
             )
         runs[label] = _stepped(label, text, files, where)
     return runs
+
+
+def _training_folder(folder: Path) -> list[Path] | None:
+    """A Hugging Face training folder's checkpoints: a Trainer output folder's
+    ``checkpoint-N/`` folders (a step ladder), or the folder itself when it is one
+    checkpoint (``checkpoint-N/``, an Accelerate state); None for any other folder."""
+    from dmlib.io import hf_trainer
+
+    found = hf_trainer.checkpoints_of(folder)
+    if found:
+        return [Path(p) for p in found.values()]
+    return [folder] if hf_trainer.can_open(str(folder)) else None
 
 
 def _checkpoints_in(folder: Path) -> list[Path]:
@@ -434,6 +447,8 @@ def _stepped(label: str, spec: str, files: list[Path], where: Path) -> Run:
             step, how = int(rec), "recorded"
         elif named[f] is not None:
             step, how = named[f], "file name"
+        elif _step_beside(f) is not None:
+            step, how = _step_beside(f) or (None, "none")
         elif len(files) == 1:
             step, how = None, "none"
         else:
@@ -451,6 +466,26 @@ def _stepped(label: str, spec: str, files: list[Path], where: Path) -> Run:
         source[step] = how
     order = sorted(checkpoints, key=lambda s: -1 if s is None else s)
     return Run(label, spec, {s: checkpoints[s] for s in order}, {s: source[s] for s in order})
+
+
+def _step_beside(f: Path) -> tuple[int, str] | None:
+    """The step of a file inside a Trainer ``checkpoint-N/`` folder: ``global_step`` of the
+    ``trainer_state.json`` beside it, else N of the folder's name; None elsewhere."""
+    import json
+
+    from dmlib.io import hf_trainer
+
+    if f.is_dir():
+        return None
+    state = f.parent / hf_trainer.TRAINER_STATE
+    try:
+        step = json.loads(state.read_text(encoding="utf-8")).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step, "trainer_state.json"
+    m = hf_trainer.CHECKPOINT_DIR.match(f.parent.name)
+    return (int(m.group(1)), "folder name") if m else None
 
 
 def _isna(x: Any) -> bool:
@@ -611,6 +646,15 @@ def _groups(spec: Mapping[str, Any], where: Path) -> dict[str, str]:
             raise DmlibError(str(err), path=where) from None
         out[k] = rx
     return out
+
+
+def _checkpoint(root: Path, text: str, where: Path, label: str) -> Path:
+    """A checkpoint of a run's list: a file, a training checkpoint folder (``checkpoint-N/``)
+    or an Orbax step folder."""
+    p = _under(root, text)
+    if p.is_dir() and _training_folder(p) == [p]:
+        return p
+    return _existing(root, text, where, f"run {label!r}: checkpoint", checkpoint=True)
 
 
 def _existing(

@@ -172,8 +172,10 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
     """A study file from what a folder holds, every guess written as a comment to check.
 
     Checkpoint files directly in ``folder`` are single-checkpoint runs; a subfolder with
-    checkpoint files is a step ladder; a subfolder holding ``manifest.json`` of a dmlib
-    capture is a capture.
+    checkpoint files is a step ladder; a Hugging Face Trainer output folder (holding
+    ``checkpoint-N/``) is a step ladder, and a ``checkpoint-N/`` or Accelerate state folder
+    one checkpoint (the folder itself, when it is one of those, is the one run); a
+    subfolder holding ``manifest.json`` of a dmlib capture is a capture.
     """
     from dmlib.io import detect_format
 
@@ -193,7 +195,11 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
     runs: dict[str, str] = {}
     notes: dict[str, str] = {}
     captures: dict[str, str] = {}
-    for p in sorted(folder.iterdir()):
+    own = _training_note(folder)
+    if own is not None:  # the folder is itself one training run (or one checkpoint)
+        runs[_label(folder.resolve().name, runs)] = "./"
+        notes["./"] = own
+    for p in [] if own is not None else sorted(folder.iterdir()):
         if p.name.startswith("."):
             continue
         if p.is_dir() and (p / "manifest.json").is_file():
@@ -202,6 +208,9 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
             n = len(_orbax_steps(p) or [])
             runs[_label(p.name, runs)] = p.name + "/"
             notes[p.name + "/"] = f"Orbax, {n} step folder{'s' if n > 1 else ''}"
+        elif p.is_dir() and _training_note(p) is not None:
+            runs[_label(p.name, runs)] = p.name + "/"
+            notes[p.name + "/"] = _training_note(p) or ""
         elif p.is_dir():
             n = sum(is_checkpoint(q) for q in p.iterdir())
             if n:
@@ -253,6 +262,27 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
                 for k in sorted(repeats)
             ]
     return "\n".join(lines) + "\n"
+
+
+def _training_note(p: Path) -> str | None:
+    """What a Hugging Face training folder was recognised as (None for any other folder)."""
+    from dmlib.io import hf_trainer
+
+    found = hf_trainer.checkpoints_of(p)
+    if found:
+        steps = ", ".join(map(str, found))
+        return (
+            f"a Trainer run: {len(found)} checkpoint-N/ folders, a step ladder (step: "
+            f"trainer_state.json's global_step, else N; folders {steps})"
+        )
+    if hf_trainer.can_open(str(p)):
+        what = (
+            "a Trainer checkpoint"
+            if hf_trainer.kind(str(p)) == "trainer"
+            else "an Accelerate state"
+        )
+        return f"{what} folder: one checkpoint (its files are components, not steps)"
+    return None
 
 
 def _label(name: str, taken: Mapping[str, str]) -> str:

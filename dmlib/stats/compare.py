@@ -54,7 +54,9 @@ and ``max_abs`` is null.
 ``df.attrs`` holds what is not a row: ``n_tensors_a``/``_b`` (in each set, before
 selection), ``compared`` (the names of the rows), ``only_in_a``, ``only_in_b``, ``mismatched``
 (tensors in both sets whose dtype or shape differ: not compared, listed here),
-``metadata_diff``, ``scalars_diff``, ``param_id_diff`` (``{key: [a, b]}``),
+``metadata_diff``, ``scalars_diff``, ``param_id_diff`` (``{key: [a, b]}``), ``scalar_names``
+(every scalar of either side: those not in ``scalars_diff`` are equal), ``not_read_a``/``_b``
+(a checkpoint folder's files left unread, see :mod:`dmlib.io.hf_trainer`; else None),
 ``byte_order_diff`` (compared tensors stored in different byte orders: equal values there
 are not equal bytes, so the pair is not bit-identical), ``hash`` (the scheme, None with
 ``hash="none"``),
@@ -549,6 +551,10 @@ def _attrs(
         "alignment_hint": pairing.hint,
         "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
         "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
+        "scalar_names": list(dict.fromkeys([*sa.scalars, *sb.scalars])),
+        # files of a folder's checkpoint that could not be read (io.hf_trainer): not compared
+        "not_read_a": sa.metadata.get("not_read"),
+        "not_read_b": sb.metadata.get("not_read"),
         "param_id_diff": {
             ta.name: [ta.param_id, tb.param_id]
             for ta, tb in ((sa[n], sb[n]) for n in pairing.common)
@@ -659,8 +665,10 @@ def summarize(df: pd.DataFrame) -> dict[str, Any]:
         ``complete`` (False when ``df`` lost rows of the
         comparison, e.g. ``df[df.n_diff == 0]``), and ``identical``: True only when the
         frame is complete, every tensor the two sides share was compared and is
-        bit-identical, no name, dtype or shape differs, and something was compared
-        (a selection that matched nothing on non-empty sets is not "identical").
+        bit-identical, no name, dtype or shape differs, no scalar differs (``n_scalars_diff``
+        counts those that do: a scheduler's ``last_epoch``, a step), no file of either side
+        was left unread (``not_read``: notes of a training checkpoint folder), and something
+        was compared (a selection that matched nothing on non-empty sets is not "identical").
     """
     return summarize_records(df.to_dict("records"), df.attrs)
 
@@ -726,6 +734,8 @@ def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict
         "rounded": [r["name"] for r in attrs.get("rounded", [])],
         "byte_order_diff": list(attrs.get("byte_order_diff", [])),
         "n_not_compared": len(attrs["only_in_a"]) + len(attrs["only_in_b"]) + len(mismatched),
+        "n_scalars_diff": len(attrs.get("scalars_diff") or {}),
+        "not_read": [x for x in (attrs.get("not_read_a"), attrs.get("not_read_b")) if x],
         "complete": complete,
         "identical": bool(
             complete
@@ -736,6 +746,9 @@ def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict
             and not attrs["only_in_a"]
             and not attrs["only_in_b"]
             and not mismatched
+            and not attrs.get("scalars_diff")  # a step, a learning rate: a difference too
+            and not attrs.get("not_read_a")  # a file of the checkpoint was not compared
+            and not attrs.get("not_read_b")
         ),
     }
 

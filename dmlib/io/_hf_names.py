@@ -1,0 +1,207 @@
+"""Helpers of :mod:`dmlib.io.hf_trainer`: optimizer moments named after their parameters,
+and RNG state files whose numpy arrays the torch reader does not read.
+
+Naming. ``optimizer.pt`` keys its state by parameter index (``state.9.exp_avg``). The
+Trainer builds its optimizer from two groups (``Trainer.create_optimizer``): the parameters
+that take weight decay, then those that do not (biases, norms), each in
+``model.named_parameters()`` order. The names follow when that order is known:
+
+1. from the architecture ``config.json`` names, rebuilt by transformers itself on the meta
+   device (no weights are read, no code from the folder is run: the class must be one of
+   transformers' own ``PreTrainedModel`` classes), its decay rule
+   ``Trainer.get_decay_parameter_names``; or
+2. from a weights file that keeps the state dict's order (``pytorch_model.bin``), with the
+   decay rule applied to the names (``bias``, ``layernorm``, ``rmsnorm``, ``norm``).
+
+Either way every moment's shape must equal its parameter's, and the group sizes must
+match; otherwise, and where no order is known (``model.safetensors`` stores its tensors
+sorted by name), the ids stay and ``metadata["optimizer_state_names"]`` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from dmlib.tensor import ArrayTensorSet, TensorSet
+
+# Trainer.get_decay_parameter_names' name patterns (transformers 4.5x-5.x)
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+_STATE = re.compile(r"^state\.(\d+)\.(.+)$")
+_GROUP_PARAM = re.compile(r"^param_groups\.(\d+)\.params\.(\d+)$")
+
+Order = tuple[list[tuple[str, tuple[int, ...]]], set[str], str]
+
+
+def name_optimizer_state(
+    ts: TensorSet, model: TensorSet | None, folder: str
+) -> tuple[TensorSet, str]:
+    """The optimizer's set with ``state.<id>.`` renamed ``state.<parameter name>.``, and a note."""
+    ids_shape: dict[int, tuple[int, ...]] = {}
+    for name, t in ts.items():
+        m = _STATE.match(name)
+        if m and t.shape:
+            ids_shape.setdefault(int(m.group(1)), t.shape)
+    if not ids_shape:
+        return ts, ts.metadata.get("optimizer_state_names") or "no per-parameter state to name"
+    groups = _groups(ts.scalars)
+    order, why = _order(folder, model)
+    if order is None:
+        return ts, f"state keeps numeric parameter ids ({why})"
+    names, problem = _assign(groups, order, ids_shape, model)
+    if names is None:
+        return ts, f"state keeps numeric parameter ids ({problem})"
+    mapping = {}
+    for name in ts:
+        m = _STATE.match(name)
+        if m and int(m.group(1)) in names:
+            mapping[name] = f"state.{names[int(m.group(1))]}.{m.group(2)}"
+    if len(set(mapping.values()) | (set(ts) - set(mapping))) != len(ts):
+        return ts, "state keeps numeric parameter ids (parameter names would collide)"
+    return ts.renamed(mapping), f"state named after parameters ({order[2]}; shapes checked)"
+
+
+def _groups(scalars: Mapping[str, Any]) -> list[list[int]]:
+    found: dict[int, dict[int, int]] = {}
+    for k, v in scalars.items():
+        m = _GROUP_PARAM.match(k)
+        if m and isinstance(v, int) and not isinstance(v, bool):
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = v
+    return [[g[i] for i in sorted(g)] for _, g in sorted(found.items())]
+
+
+def _assign(
+    groups: list[list[int]],
+    order: Order,
+    ids_shape: Mapping[int, tuple[int, ...]],
+    model: TensorSet | None,
+) -> tuple[dict[int, str] | None, str]:
+    """id -> name by the Trainer's grouping (two groups) or by order (one group)."""
+    params, decay, _ = order
+    shape_of = dict(params)
+    if len(groups) == 2:
+        want = [[n for n, _ in params if n in decay], [n for n, _ in params if n not in decay]]
+        rule = "the Trainer's decay / no-decay grouping"
+    elif len(groups) == 1:
+        want, rule = [[n for n, _ in params]], "the parameter order"
+    else:
+        return None, f"{len(groups)} parameter groups: neither the Trainer's two nor a single one"
+    sizes = [len(g) for g in groups]
+    if sizes != [len(w) for w in want]:
+        return None, f"group sizes {sizes} do not match {rule} ({[len(w) for w in want]})"
+    names: dict[int, str] = {}
+    for ids, wanted in zip(groups, want, strict=True):
+        for i, n in zip(ids, wanted, strict=True):
+            if i in ids_shape and ids_shape[i] != shape_of[n]:
+                return None, (
+                    f"by {rule}, id {i} would be {n!r} of shape {list(shape_of[n])}, but its "
+                    f"state has shape {list(ids_shape[i])}"
+                )
+            if model is not None and n in model and model[n].shape != shape_of[n]:
+                return None, f"{n!r} has shape {list(model[n].shape)} in the weights file"
+            names[i] = n
+    return names, ""
+
+
+def _order(folder: str, model: TensorSet | None) -> tuple[Order | None, str]:
+    """The parameters in ``named_parameters()`` order, the decay set, and how it is known."""
+    built, why = _architecture(folder)
+    if built is not None:
+        return built, ""
+    if model is not None and model.format == "torch":
+        params = [(n, t.shape) for n, t in model.items() if t.dtype.kind == "f"]
+        decay = {n for n, _ in params if not _NO_DECAY.search(n)}
+        return (params, decay, "the order of the torch weights file"), ""
+    where = "no weights file" if model is None else f"the {model.format} weights file"
+    return None, f"{where} does not record the parameter order, and {why}"
+
+
+def _architecture(folder: str) -> tuple[Order | None, str]:
+    cfg = os.path.join(folder, "config.json")
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            text = f.read()
+        archs = json.loads(text).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None, "there is no readable config.json naming the architecture"
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        return None, "config.json does not name one architecture"
+    return _built(text, archs[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _built(config_text: str, arch: str) -> tuple[Order | None, str]:
+    """The parameters of ``arch`` built by transformers on the meta device (cached by config)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None, "transformers is not installed to rebuild it from config.json"
+    cls = getattr(transformers, arch, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        return None, f"config.json names {arch!r}, not a transformers model class"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            raw = json.loads(config_text)
+            config = transformers.AutoConfig.for_model(**raw)
+            with torch.device("meta"):
+                model = cls(config)
+            decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    except Exception as err:  # a config this transformers cannot build: no order, said why
+        return None, f"transformers could not build {arch} from config.json ({type(err).__name__})"
+    params = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    return (params, decay, f"{arch} rebuilt from config.json by transformers"), ""
+
+
+# -- RNG states -----------------------------------------------------------------------------
+
+
+def read_rng_states(path: str) -> TensorSet | None:
+    """An RNG state file (``rng_state.pth``, ``random_states_0.pkl``) through torch's
+    ``weights_only`` unpickler with exactly numpy's array constructors allowed; numpy arrays
+    and torch tensors as tensors, plain values as scalars, named by key path. None when
+    torch is absent or refuses the file."""
+    try:
+        import numpy as np
+        import torch
+    except ImportError:
+        return None
+    allowed: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    core: Any = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2.x, 1.x
+    allowed.append(core.multiarray._reconstruct)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return None
+    arrays: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    _flat(obj, (), arrays, scalars)
+    return ArrayTensorSet(arrays, path=path, format="torch", scalars=scalars)
+
+
+def _flat(obj: Any, keys: tuple[Any, ...], arrays: dict[str, Any], scalars: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    name = ".".join(map(str, keys))
+    if isinstance(obj, torch.Tensor):
+        arrays[name] = obj.detach().cpu().contiguous().numpy()
+    elif isinstance(obj, np.ndarray):
+        arrays[name] = obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flat(v, (*keys, k), arrays, scalars)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flat(v, (*keys, i), arrays, scalars)
+    elif obj is None or isinstance(obj, (bool, int, float, str)):
+        scalars[name] = obj
+    else:
+        scalars[name] = f"<{type(obj).__name__}>"
