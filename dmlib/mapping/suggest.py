@@ -418,7 +418,7 @@ def _pattern_rule(
         if gathered and len({_numbers(s)[ks] for s in first.sources}) > 1:
             caps_s[ks] = "r"
             continue
-        if len(set(col)) == 1 and len(members) > 1:
+        if len(members) == 1 or len(set(col)) == 1:  # one finding, or a constant: literal
             continue
         for kt in range(len(tgt_nums[0])):
             if kt not in caps_t and [x[kt] for x in tgt_nums] == col:
