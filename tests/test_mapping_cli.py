@@ -12,9 +12,8 @@ from dmlib.mapping.spec import load_mapping
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from safetensors.numpy import save_file  # noqa: E402
-
 import test_mapping as tm  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
