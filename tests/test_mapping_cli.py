@@ -102,3 +102,18 @@ def test_map_suggest_exits_2_naming_what_it_could_not_place(files, capsys) -> No
     )
     assert rc == 2 and "B:stray.weight" in err and len(err.strip().splitlines()) == 1
     assert "#   B: stray.weight" in out_path.read_text()  # written, with what is missing
+
+
+def test_readme_example_runs(tmp_path: Path, monkeypatch, capsys) -> None:
+    import re
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    (code,) = [b for b in blocks if "mapping=proposed.mapping" in b]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "[] []"
+    # k = c_attn.weight[:, 16:32].T, so k[3, 5] is c_attn.weight[5, 16 + 3]
+    assert lines[-1].split() == ["h.1.attn.k.weight", "1", "h.1.attn.k.weight[3,", "5]",
+                                 "h.1.attn.c_attn.weight[5,", "19]"]  # fmt: skip

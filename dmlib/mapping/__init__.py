@@ -13,15 +13,7 @@ accounted for), :mod:`~dmlib.mapping.apply` (the comparison), :mod:`~dmlib.mappi
 
 from __future__ import annotations
 
-from typing import Any
-
 from dmlib.mapping.spec import Mapping, Rule, load_mapping, to_toml
+from dmlib.mapping.suggest import Suggestion, suggest
 
-__all__ = ["Mapping", "Rule", "load_mapping", "suggest", "to_toml"]
-
-
-def suggest(a: Any, b: Any, **kw: Any) -> Any:
-    """:func:`dmlib.mapping.suggest.suggest` (imported on first use)."""
-    from dmlib.mapping.suggest import suggest as _suggest
-
-    return _suggest(a, b, **kw)
+__all__ = ["Mapping", "Rule", "Suggestion", "load_mapping", "suggest", "to_toml"]
