@@ -454,3 +454,14 @@ target = "{j}.bias"
     s = summarize(df)
     assert s["n_tensors"] == 6 and s["n_diff"] == 0
     assert len(s["only_in_a"]) == 14 and not s["identical"]  # the optimizer state: not compared
+
+
+def test_written_mapping_escapes_hostile_names() -> None:
+    from dmlib.mapping.spec import Mapping, Rule, to_toml
+
+    name = 'w"\x1b[31m\nx\\y'
+    m = Mapping((Rule((name,), ("t",)),), comments={1: f"about {name}"})
+    text = to_toml(m, header=f"from {name}")
+    assert "\x1b" not in text and "\r" not in text
+    (rule,) = loads(text).rules
+    assert rule.sources == (name,) and rule.targets == ("t",)
