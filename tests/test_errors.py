@@ -1064,6 +1064,7 @@ CKPT_ARGV: dict[str, Callable[[str, str], list[str]]] = {
         "--out",
         str(Path(good).parent / "report"),
     ],
+    "map": lambda bad, good: ["suggest", bad, good, "--out", str(Path(good).parent / "m.toml")],
     "study": lambda bad, good: [
         "init",
         "--run",
@@ -1083,6 +1084,7 @@ CKPT_ARGV_SECOND: dict[str, Callable[[str, str], list[str]]] = {
     "ladder": lambda bad, good: [f"r:1={good}", f"r:2={_step2(good)}", f"s:1={good}", f"s:2={bad}"],
     "gapcheck": lambda bad, good: [f"a={good}", f"b={bad}"],
     "repeats": lambda bad, good: [f"a={good},{bad}"],
+    "map": lambda bad, good: ["suggest", good, bad, "--out", str(Path(good).parent / "m.toml")],
 }
 CAPTURE_COMMANDS = {"localize", "arbitrate"}  # inputs are capture directories
 

@@ -31,6 +31,7 @@ from dmlib.textsafe import SafeStream, clip
 _COMMAND_MODULES = (
     "dmlib.cli.inspect_cmd",
     "dmlib.cli.compare_cmd",
+    "dmlib.cli.map_cmd",
     "dmlib.cli.forensics_cmd",
     "dmlib.cli.localize_cmd",
     "dmlib.cli.why_cmd",

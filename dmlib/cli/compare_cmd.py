@@ -62,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "rounded to the narrower dtype (round to nearest, ties to even) and ULP are counted "
         "in the narrower dtype",
     )
+    p.add_argument(
+        "--map",
+        metavar="MAP.toml",
+        help="compare through a mapping file (docs/mapping.md): names and layouts differ "
+        "(a converted checkpoint); A or B may then be a directory or FILE,FILE of rank files",
+    )
     p.add_argument("--all", action="store_true", help="list identical tensors too")
     p.add_argument(
         "--json", action="store_true", help="print one JSON document (rows, summary, attrs)"
@@ -184,6 +190,10 @@ def run_compare(args: argparse.Namespace) -> int:
         if is_run_folder(args.a) and is_run_folder(args.b):
             return _compare_runs(args)
     hash_name = _hash_of(args)
+    if getattr(args, "map", None):
+        from dmlib.cli.map_cmd import run_mapped
+
+        return run_mapped(args, hash_name)
     with engine_of(args) as engine:
         rows, at = compare_records(
             args.a,

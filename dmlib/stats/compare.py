@@ -123,6 +123,7 @@ def compare(
     progress: bool | None = None,
     hash: str | None = None,
     engine: str = "local",
+    mapping: Any = None,
 ) -> pd.DataFrame:
     """Divergence statistics of every tensor two checkpoints (or TensorSets) share.
 
@@ -170,6 +171,15 @@ def compare(
         ``distributed.Client``), from paths every worker can see; the rows are the local
         engine's, bit for bit (:mod:`dmlib.engine.dask`).
 
+    mapping
+        A mapping file (path to TOML, a dict of the same, or a
+        :class:`dmlib.mapping.Mapping`) from ``a``'s tensors to ``b``'s through layout
+        changes (``docs/mapping.md``). Rows are then named by ``b``'s tensors and carry
+        ``source``, ``transform``, ``rule``, ``first_diff_source`` and
+        ``first_diff_target``; ``attrs["located"]`` traces differing elements to both
+        sides. ``a`` or ``b`` may then be a list of files (tensor-parallel ranks) read as
+        one side. Local engine only; not with ``rename``.
+
     Returns
     -------
     pandas.DataFrame
@@ -179,7 +189,7 @@ def compare(
     return _compare(
         a, b, include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
         cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
-        engine=engine, frame=True,
+        engine=engine, frame=True, mapping=mapping,
     )  # fmt: skip
 
 
@@ -196,13 +206,14 @@ def compare_records(
     progress: bool | None = None,
     hash: str | None = None,
     engine: str = "local",
+    mapping: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """:func:`compare` as ``(rows, attrs)``: plain dicts (every column, None where null),
     without importing pandas (the command line's fast start)."""
     return _compare(
         a, b, include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
         cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
-        engine=engine, frame=False,
+        engine=engine, frame=False, mapping=mapping,
     )  # fmt: skip
 
 
@@ -220,9 +231,17 @@ def _compare(
     hash: str | None,
     engine: str,
     frame: bool,
+    mapping: Any = None,
 ) -> Any:
     from dmlib.engine import check_engine
     from dmlib.names import apply_renames, parse_renames
+
+    if mapping is not None:  # names and layouts from a mapping file (dmlib.mapping)
+        return _compare_mapped(
+            a, b, mapping, include=include, exclude=exclude, rename=rename, engine=engine,
+            file_hashes=file_hashes, cross_dtype=cross_dtype, chunk_bytes=chunk_bytes,
+            progress=progress, hash=hash, frame=frame,
+        )  # fmt: skip
 
     if chunk_bytes < 1:
         raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
@@ -258,6 +277,23 @@ def _compare(
         attrs["rename"] = [str(r) for r in renames]
         attrs["rename_detected"] = detected is not None
         return out
+
+
+def _compare_mapped(a: Any, b: Any, mapping: Any, **kw: Any) -> Any:
+    """``mapping=``: the comparison of :mod:`dmlib.mapping.apply` (local engine, no rename)."""
+    from dmlib.mapping.apply import compare_mapped
+
+    for key, off in (("rename", None), ("engine", "local"), ("file_hashes", False)):
+        if kw.pop(key) not in (off, [], ()):
+            raise DmlibError(
+                f"mapping= does not combine with {key}= (the mapping names the tensors)"
+            )
+    if kw["chunk_bytes"] < 1:
+        raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {kw['chunk_bytes']}")
+    h = kw.pop("hash")
+    return compare_mapped(
+        a, b, mapping, hash_name=None if _no_hash(h) else hashing.algorithm(h), **kw
+    )
 
 
 def _no_hash(hash: Any) -> bool:

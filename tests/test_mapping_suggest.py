@@ -1,0 +1,170 @@
+"""``suggest``: the mapping found from the values alone recovers the hand-written one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dmlib
+from dmlib.mapping import suggest, to_toml
+from dmlib.mapping.resolve import resolve
+from dmlib.mapping.spec import loads
+from dmlib.mapping.transforms import describe_chain
+from dmlib.stats.compare import summarize
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import test_mapping as tm  # noqa: E402
+
+
+def per_target(mapping, names_a, names_b) -> dict[str, tuple[tuple[str, ...], str]]:
+    """target -> (the sources feeding it, the chain), however the rules are grouped."""
+    out = {}
+    for b in resolve(mapping, names_a, names_b).bindings:
+        ops = b.rule.ops
+        elementwise = not any(op.name in ("split", "concat", "tie") for op in ops)
+        for k, t in enumerate(b.targets):
+            srcs = (
+                (b.sources[k],) if elementwise and len(b.sources) == len(b.targets) else b.sources
+            )
+            out[t] = (tuple(srcs), describe_chain(ops))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    sd = tm.gpt2_state()
+    return sd, tm.gpt2_converted(sd)
+
+
+def test_suggest_recovers_the_hand_written_gpt2_mapping(gpt2) -> None:
+    sd, conv = gpt2
+    s = suggest(sd, conv)
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    hand = tm._map(tm.GPT2_MAP)
+    assert per_target(s.mapping, list(sd), list(conv)) == per_target(hand, list(sd), list(conv))
+    # written out and read back, it compares the two as identical
+    again = loads(to_toml(s.mapping))
+    assert summarize(dmlib.compare(sd, conv, mapping=again))["identical"]
+    text = to_toml(s.mapping)
+    assert 'source = "transformer.h.{i}.attn.c_attn.weight"' in text  # layers as a capture
+    assert text.count("# confidence: exact") == len(s.mapping.rules)
+
+
+def test_suggest_llama_meta_to_hf_finds_the_rotary_permutation() -> None:
+    hf = tm.llama_hf()
+    meta = tm.llama_meta(hf)
+    s = suggest(meta, hf)
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    got = per_target(s.mapping, list(meta), list(hf))
+    assert got == per_target(tm._map(tm.LLAMA_MAP), list(meta), list(hf))
+
+
+def megatron_qkv(hf: dict[str, np.ndarray], layer: int) -> np.ndarray:
+    """Megatron-LM's fused linear_qkv: per query group, its query heads, then k, then v."""
+    p = f"model.layers.{layer}.self_attn."
+    q, k, v = (hf[p + f"{x}_proj.weight"] for x in "qkv")
+    hd = tm.D // tm.HEADS
+    per = tm.HEADS // tm.KV_HEADS
+    rows = []
+    for g in range(tm.KV_HEADS):
+        rows.append(q[g * per * hd : (g + 1) * per * hd])
+        rows.append(k[g * hd : (g + 1) * hd])
+        rows.append(v[g * hd : (g + 1) * hd])
+    return np.concatenate(rows, axis=0)
+
+
+def test_suggest_splits_megatron_fused_qkv_per_group() -> None:
+    hf = tm.llama_hf()
+    keep = [n for n in hf if "self_attn" in n and "o_proj" not in n]
+    target = {n: hf[n] for n in keep}
+    source = {
+        f"decoder.layers.{i}.self_attention.linear_qkv.weight": megatron_qkv(hf, i)
+        for i in range(tm.LAYERS)
+    }
+    s = suggest(source, target)
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    (rule,) = s.mapping.rules
+    assert rule.sources == ("decoder.layers.{i}.self_attention.linear_qkv.weight",)
+    assert [op.name for op in rule.ops] == ["reshape", "split", "reshape"]
+    assert summarize(dmlib.compare(source, target, mapping=s.mapping))["identical"]
+    # one ULP in k_proj row r, column c of layer 1: group r // hd, row 8 + r % hd of that group
+    t2 = dict(target)
+    k = t2["model.layers.1.self_attn.k_proj.weight"].copy()
+    r, c = 6, 9
+    k[r, c] = np.nextafter(k[r, c], np.float32(np.inf))
+    t2["model.layers.1.self_attn.k_proj.weight"] = k
+    row = (
+        dmlib.compare(source, t2, mapping=s.mapping)
+        .set_index("name")
+        .loc["model.layers.1.self_attn.k_proj.weight"]
+    )
+    hd, per = tm.D // tm.HEADS, tm.HEADS // tm.KV_HEADS
+    g, j = divmod(r, hd)
+    src_row = g * (per + 2) * hd + per * hd + j
+    assert (
+        row["first_diff_source"]
+        == f"decoder.layers.1.self_attention.linear_qkv.weight[{src_row}, {c}]"
+    )
+
+
+def test_suggest_concatenates_tensor_parallel_shards(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(7)
+    full = {"fc1.weight": rng.standard_normal((8, 6)).astype(np.float32),
+            "fc2.weight": rng.standard_normal((6, 8)).astype(np.float32)}  # fmt: skip
+    for r in range(2):
+        save_file({"fc1.weight": np.ascontiguousarray(full["fc1.weight"][4 * r : 4 * r + 4]),
+                   "fc2.weight": np.ascontiguousarray(full["fc2.weight"][:, 4 * r : 4 * r + 4])},
+                  str(tmp_path / f"rank{r}.safetensors"))  # fmt: skip
+    files = [str(tmp_path / f"rank{r}.safetensors") for r in range(2)]
+    s = suggest(files, full)
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    got = {(r.sources, r.targets, describe_chain(r.ops)) for r in s.mapping.rules}
+    assert got == {
+        (("rank{r}.safetensors:fc1.weight",), ("fc1.weight",), "concat(axis=0)"),
+        (("rank{r}.safetensors:fc2.weight",), ("fc2.weight",), "concat(axis=1)"),
+    }
+
+
+def test_suggest_flax_kernels_against_torch_weights_names_the_optimizer_state() -> None:
+    if not tm.FIXTURES.is_dir():
+        pytest.skip(f"JAX fixtures not found at {tm.FIXTURES}")
+    flax = dict(np.load(tm.FIXTURES / "A_step_10.npz"))
+    port = {}
+    for i, j in ((1, 0), (2, 2), (3, 4)):
+        port[f"{j}.weight"] = np.ascontiguousarray(flax[f"model.l{i}.kernel"].T)
+        port[f"{j}.bias"] = flax[f"model.l{i}.bias"].copy()
+    s = suggest(flax, port)
+    assert s.unplaced_b == []
+    assert sorted(s.unplaced_a) == sorted(n for n in flax if n.startswith("optimizer."))
+    import dataclasses
+
+    declared = dataclasses.replace(s.mapping, ignore_a=("optimizer.*",))
+    pairs = per_target(declared, list(flax), list(port))
+    assert pairs["2.weight"] == (("model.l2.kernel",), "transpose()")
+    assert pairs["4.bias"] == (("model.l3.bias",), "identity")
+    s2 = summarize(dmlib.compare(flax, port, mapping=declared))
+    assert s2["n_tensors"] == 6 and s2["n_diff"] == 0 and len(s2["only_in_a"]) == 14
+
+
+def test_a_pair_that_differs_slightly_is_proposed_with_low_confidence(gpt2) -> None:
+    sd, conv = gpt2
+    conv = dict(conv)
+    w = conv["blocks.0.mlp.c_fc.weight"].copy()
+    w[1, 2] = np.nextafter(w[1, 2], np.float32(np.inf))
+    conv["blocks.0.mlp.c_fc.weight"] = w
+    s = suggest(sd, conv)
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    (num,) = [r.number for r in s.mapping.rules if r.targets == ("blocks.0.mlp.c_fc.weight",)]
+    assert s.confidence[num].startswith("confidence: low")
+    row = (
+        dmlib.compare(sd, conv, mapping=s.mapping).set_index("name").loc["blocks.0.mlp.c_fc.weight"]
+    )
+    assert (
+        row["n_diff"] == 1 and row["first_diff_source"] == "transformer.h.0.mlp.c_fc.weight[2, 1]"
+    )
