@@ -31,8 +31,12 @@ def test_a_differing_scalar_makes_compare_different() -> None:
 
 
 def test_a_scalar_on_one_side_only_is_a_difference() -> None:
-    s = dmlib.summarize(dmlib.compare(*_pair({"step": 3}, {})))
-    assert s["identical"] is False
+    s = dmlib.summarize(dmlib.compare(*_pair({"last_epoch": 3}, {})))
+    assert s["identical"] is False and s["scalars_only"] == ["last_epoch"]
+    # the recorded step alone on one side (an export that records none) is not a value left
+    # uncompared; held by both sides and different it is a difference
+    assert dmlib.summarize(dmlib.compare(*_pair({"step": 3}, {})))["identical"] is True
+    assert dmlib.summarize(dmlib.compare(*_pair({"step": 3}, {"step": 4})))["identical"] is False
 
 
 def test_matrix_pair_with_differing_scalars_is_not_identical() -> None:

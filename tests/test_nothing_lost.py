@@ -92,6 +92,7 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
                 "run_matrix",
             ]
         ],
+        "map": [["suggest", c, c, "--out", str(d.parent / "map.toml")]],
         "study": [
             ["init", "--run", f"a={a1}", "--run", f"b={c}", "--out", str(d.parent / "study.toml")]
         ],

@@ -575,7 +575,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(small_study, tmp_path
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130, err
     lines = [ln for ln in err.splitlines() if not ln.startswith(("running ", "slow: skipped"))]
-    assert lines == ["dmlib: interrupted"], err
+    assert lines == ["dmlib report: interrupted"], err  # one line naming the command
     assert not out.exists() and not list(tmp_path.glob(".rep.*"))
     assert not list(tmp.glob("dmlib-kernel-*"))
 

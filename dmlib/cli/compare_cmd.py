@@ -131,7 +131,7 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
     """
     if s["n_tensors_diff"] or s.get("n_scalars_diff"):
         word = "DIFFERENT"
-    elif s["n_not_compared"] or s.get("not_read"):
+    elif s["n_not_compared"] or s.get("not_read") or s.get("scalars_only"):
         word = "NOT ALL COMPARED"
     elif s["identical"] and s["rounded"]:
         word = "IDENTICAL AFTER ROUNDING"
@@ -141,6 +141,7 @@ def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
         f"{len(s['only_in_a'])} only in A" if s["only_in_a"] else "",
         f"{len(s['only_in_b'])} only in B" if s["only_in_b"] else "",
         f"{len(s['mismatched'])} with different dtype or shape" if s["mismatched"] else "",
+        f"{len(s['scalars_only'])} scalars held by one side" if s.get("scalars_only") else "",
     ]
     gaps = [g for g in gaps if g]
     text = (
@@ -221,6 +222,9 @@ def run_compare(args: argparse.Namespace) -> int:
     for key in ("only_in_a", "only_in_b"):
         if at[key]:
             print(f"{key}: {names_list(at[key])}")
+    for side in ("a", "b"):  # plain values one file holds and the other does not
+        if at.get(f"scalars_only_in_{side}"):
+            print(f"scalars only in {side.upper()}: {names_list(at[f'scalars_only_in_{side}'])}")
     for m in at["mismatched"]:
         print(
             f"mismatched: {shown(m['name'])} {m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"

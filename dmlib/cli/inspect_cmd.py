@@ -59,7 +59,7 @@ def _print_arrays(lay: dict, out) -> None:
     ]
     _print_table(rows, ["array", "zarr", "chunks", "grid", "inner_chunks", "compression"], out)
     for name, vtype in (lay.get("not_read") or {}).items():
-        print(f"not read: {shown(name)} ({shown(vtype)}, not an array)", file=out)
+        print(f"not read: {ascii(name)} ({ascii(vtype)}, not an array)", file=out)
     print(file=out)
 
 

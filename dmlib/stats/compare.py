@@ -586,8 +586,7 @@ def _attrs(
         "rounded": pairing.rounded,
         "alignment_hint": pairing.hint,
         "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
-        "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
-        "scalar_names": list(dict.fromkeys([*sa.scalars, *sb.scalars])),
+        **_scalar_attrs(sa.scalars, sb.scalars, include, exclude),
         # files of a folder's checkpoint that could not be read (io.hf_trainer): not compared
         "not_read_a": sa.metadata.get("not_read"),
         "not_read_b": sb.metadata.get("not_read"),
@@ -674,6 +673,44 @@ def section_hash(
 ) -> str:
     """Hash of the tensor bytes in disk order (``ts.data_hash()``'s bytes), chunk by chunk."""
     return K.hash_views((t.raw() for t in ts.disk_order()), chunk_bytes, hash_name)
+
+
+# The recorded step (a torch checkpoint's "step", the step an Orbax or Trainer reader reads
+# from the folder): held by one side only it is no value left uncompared (a safetensors or
+# npz export records none; ladders check steps on their own, forensics.ladder.check_steps).
+# Held by both and different, it is a difference like any scalar.
+STEP_KEY = "step"
+
+
+def _scalar_attrs(
+    da: dict[str, Any], db: dict[str, Any], include: Patterns, exclude: Patterns
+) -> dict[str, Any]:
+    """The scalars under the same name selection as the tensors: ``scalars_diff`` (held by
+    both sides, values differ: a difference), ``scalars_only_in_a``/``_b`` (held by one side:
+    listed, like a file's metadata, and not a difference of values), ``scalar_names``."""
+    from dmlib.sources import name_filter
+
+    keep = name_filter(include, exclude)
+    a = {k: v for k, v in da.items() if keep(k)}
+    b = {k: v for k, v in db.items() if keep(k)}
+    return {
+        "scalars_diff": {k: [a[k], b[k]] for k in a if k in b and not _same_scalar(a[k], b[k])},
+        "scalars_only_in_a": [k for k in a if k not in b and k != STEP_KEY],
+        "scalars_only_in_b": [k for k in b if k not in a and k != STEP_KEY],
+        "scalar_names": list(dict.fromkeys([*a, *b])),
+    }
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    """Equal values (a bool never equals a number: True vs 1 differ; NaN equals NaN)."""
+    if isinstance(x, bool) != isinstance(y, bool):
+        return False
+    try:
+        if x != x and y != y:  # NaN on both sides (of any float type)
+            return True
+        return bool(x == y)
+    except (TypeError, ValueError):  # values that do not compare (arrays): by their repr
+        return repr(x) == repr(y)
 
 
 def _dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
@@ -771,6 +808,11 @@ def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict
         "byte_order_diff": list(attrs.get("byte_order_diff", [])),
         "n_not_compared": len(attrs["only_in_a"]) + len(attrs["only_in_b"]) + len(mismatched),
         "n_scalars_diff": len(attrs.get("scalars_diff") or {}),
+        # plain values one side holds and the other does not: not compared, so not identical
+        "scalars_only": [
+            *attrs.get("scalars_only_in_a", []),
+            *attrs.get("scalars_only_in_b", []),
+        ],
         "not_read": [x for x in (attrs.get("not_read_a"), attrs.get("not_read_b")) if x],
         "complete": complete,
         "identical": bool(
@@ -783,6 +825,8 @@ def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict
             and not attrs["only_in_b"]
             and not mismatched
             and not attrs.get("scalars_diff")  # a step, a learning rate: a difference too
+            and not attrs.get("scalars_only_in_a")  # a value one file holds: not compared
+            and not attrs.get("scalars_only_in_b")
             and not attrs.get("not_read_a")  # a file of the checkpoint was not compared
             and not attrs.get("not_read_b")
         ),

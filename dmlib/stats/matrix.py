@@ -308,6 +308,8 @@ def _pair_verdict(
         and all(_same(r.get("data_hash_a"), r.get("data_hash_b")) for r in g)
         and not attrs.get("byte_order_diff")  # equal values, different bytes
         and not attrs.get("scalars_diff")  # a differing scalar is a difference
+        and not attrs.get("scalars_only_in_a")  # a value one run holds: not compared
+        and not attrs.get("scalars_only_in_b")
         and not attrs.get("not_read_a")  # a file of a checkpoint folder was not read
         and not attrs.get("not_read_b")
         and not mism,
