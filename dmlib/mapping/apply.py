@@ -68,18 +68,9 @@ def compare_mapped(
         attrs = _attrs(sa, sb, m, res, rows, state, include, exclude, keep)
     for r in rows:
         r.pop("_pair", None)
-    from dmlib.stats.compare import COLUMNS, NULLABLE_INT
+    from dmlib.stats.compare import COLUMNS, rows_out
 
-    cols = COLUMNS + MAPPED_COLUMNS
-    if not frame:
-        return [{c: r.get(c) for c in cols} for r in rows], attrs
-    import pandas as pd
-
-    df = pd.DataFrame(rows, columns=cols)
-    for col in NULLABLE_INT:
-        df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
-    df.attrs.update(attrs)
-    return df
+    return rows_out(rows, attrs, COLUMNS + MAPPED_COLUMNS, frame=frame)
 
 
 class _State:

@@ -393,11 +393,20 @@ def _compare_sets(
             side.shutdown(wait=True, cancel_futures=True)
     attrs = _attrs(sa, sb, include, exclude, pairing, rows, done)
     attrs["hash"] = hash_name
-    if not frame:  # (records, attrs): what the command line prints, without pandas
-        return [{c: r.get(c) for c in COLUMNS} for r in rows], attrs
+    return rows_out(rows, attrs, COLUMNS, frame=frame)
+
+
+def rows_out(
+    rows: list[dict[str, Any]], attrs: dict[str, Any], columns: list[str], *, frame: bool
+) -> Any:
+    """A comparison's result: ``(records, attrs)`` without pandas (what the command line
+    prints), else a DataFrame of ``columns`` with the nullable integer columns typed and
+    ``attrs`` attached."""
+    if not frame:
+        return [{c: r.get(c) for c in columns} for r in rows], attrs
     import pandas as pd
 
-    df = pd.DataFrame(rows, columns=COLUMNS)
+    df = pd.DataFrame(rows, columns=columns)
     for col in NULLABLE_INT:
         df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
     df.attrs.update(attrs)
