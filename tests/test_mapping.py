@@ -465,3 +465,24 @@ def test_written_mapping_escapes_hostile_names() -> None:
     assert "\x1b" not in text and "\r" not in text
     (rule,) = loads(text).rules
     assert rule.sources == (name,) and rule.targets == ("t",)
+
+
+def test_scalars_follow_the_unmapped_rule() -> None:
+    """A mapped comparison judges plain values as an unmapped one does: another value on both
+    sides is DIFFERENT, a value only one side holds is not compared (never identical)."""
+    from dmlib.tensor import ArrayTensorSet
+
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    mapping = _map('[[rule]]\nsource = "w"\ntarget = "wt"\ntransforms = [{ op = "transpose" }]\n')
+
+    def side(name, arr, **scalars):
+        return ArrayTensorSet({name: arr}, scalars=scalars)
+
+    same = dmlib.compare(side("w", w, lr=0.1), side("wt", w.T.copy(), lr=0.1), mapping=mapping)
+    assert summarize(same)["identical"] is True
+    other = dmlib.compare(side("w", w, lr=0.1), side("wt", w.T.copy(), lr=0.2), mapping=mapping)
+    assert other.attrs["scalars_diff"] == {"lr": [0.1, 0.2]}
+    assert summarize(other)["identical"] is False
+    one = dmlib.compare(side("w", w, lr=0.1), side("wt", w.T.copy()), mapping=mapping)
+    assert one.attrs["scalars_only_in_a"] == ["lr"] and one.attrs["scalars_diff"] == {}
+    assert summarize(one)["identical"] is False

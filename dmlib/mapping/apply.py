@@ -263,7 +263,7 @@ def _attrs(
     exclude: Patterns,
     keep: set[str],
 ) -> dict[str, Any]:
-    from dmlib.stats.compare import _dict_diff
+    from dmlib.stats.compare import _dict_diff, _scalar_attrs
 
     keep_a = set(select(list(res.ignored_a), include, exclude))
     return {
@@ -280,7 +280,8 @@ def _attrs(
         "rounded": st.rounded,
         "alignment_hint": None,
         "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
-        "scalars_diff": _dict_diff(sa.scalars, sb.scalars),
+        # the same scalar rule as an unmapped comparison (selection, one side vs both)
+        **_scalar_attrs(sa.scalars, sb.scalars, include, exclude),
         "param_id_diff": {},
         "byte_order_diff": st.byte_order,
         "file_hash_a": None,

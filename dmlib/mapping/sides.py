@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dmlib.errors import DmlibError
-from dmlib.sources import as_tensor_set
 from dmlib.tensor import TensorSet
 
 __all__ = ["is_multi", "opened_side", "side_label"]
@@ -93,12 +92,10 @@ def _joined(parts: Sequence[tuple[str, TensorSet]], label: str) -> TensorSet:
 def opened_side(source: Any) -> Iterator[TensorSet]:
     """The side as one TensorSet; closes on exit whatever was opened here."""
     if not is_multi(source):
-        ts = as_tensor_set(source)
-        try:
+        from dmlib.sources import opened
+
+        with opened(source) as ts:
             yield ts
-        finally:
-            if isinstance(source, (str, os.PathLike)):
-                ts.close()
         return
     from dmlib.io import open_tensors
 
