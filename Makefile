@@ -53,7 +53,7 @@ browser:
 test: $(VENV)/.full lint browser
 	MPLBACKEND=Agg $(PY) -m pytest -q
 	# the comparison tests again on the numpy kernels (what runs where no compiler built
-	# dmlib/stats/_fused.c)
+	# dmlib/kernels/_fused.c)
 	DMLIB_KERNELS=numpy $(PY) -m pytest -q -p no:cacheprovider tests/test_stats_compare.py \
 	  tests/test_stats_compare_cannot_mislead.py tests/test_stats_pair.py tests/test_stats_matrix.py \
 	  tests/test_byteorder.py tests/test_engine_dask.py tests/test_forensics_ladder.py

@@ -1,7 +1,7 @@
 """The optional compiled kernel and the package layout (the notebooks/ folder shipped as
 ``dmlib.notebooks``); everything else is declared in pyproject.toml.
 
-``dmlib.stats._fused`` (dmlib/stats/_fused.c, the float32/float64 comparison pass) is
+``dmlib.kernels._fused`` (dmlib/kernels/_fused.c, the float32/float64 comparison pass) is
 built where a C compiler is; without one the install goes on and dmlib uses its numpy
 kernels (``optional=True``).
 """
@@ -17,8 +17,8 @@ setup(
     package_data={"dmlib": ["py.typed"], "dmlib.notebooks": ["*.ipynb"]},
     ext_modules=[
         Extension(
-            "dmlib.stats._fused",
-            ["dmlib/stats/_fused.c"],
+            "dmlib.kernels._fused",
+            ["dmlib/kernels/_fused.c"],
             optional=True,
             extra_compile_args=["-O3"],
         )

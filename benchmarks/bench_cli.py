@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     A, B, A2 = WORK / "a.safetensors", WORK / "b.safetensors", WORK / "a_copy.safetensors"
     T1, T2 = WORK / "tiny_a.safetensors", WORK / "tiny_b.safetensors"
     copies = [WORK / f"run{i}.safetensors" for i in range(5)]
-    from dmlib.stats._kernels import kernel_name
+    from dmlib.kernels.stream import kernel_name
 
     result: dict = {
         "kernels": kernel_name(),
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "dmlib compare": [*dm, "compare", str(A), str(B)],
                 "numpy script": numpy_script,
-                # the same command without the compiled kernel (dmlib/stats/_fused.c)
+                # the same command without the compiled kernel (dmlib/kernels/_fused.c)
                 "dmlib compare, numpy kernels": [
                     "env", "DMLIB_KERNELS=numpy", *dm, "compare", str(A), str(B),
                 ],

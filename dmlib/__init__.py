@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.io import detect_format, load, open_tensors
     from dmlib.io.burnpack import write_burnpack
     from dmlib.io.safetensors import write_safetensors
+    from dmlib.kernels.ulp import ulp_distance
     from dmlib.localize.arbitrate import arbitrate
     from dmlib.localize.boundaries import compare_captures, repeat_control
     from dmlib.localize.capture import capture
@@ -54,7 +55,6 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.padding import padding_across_runs, padding_census, padding_summary
     from dmlib.stats.compare import compare, summarize, ulp_long
     from dmlib.stats.matrix import matrix, verdict
-    from dmlib.stats.ulp import ulp_distance
     from dmlib.tensor import ArrayTensorSet, Tensor, TensorSet
 
 # public name -> module that defines it
@@ -71,7 +71,7 @@ _LAZY: dict[str, str] = {
     "padding_census": "dmlib.padding",
     "describe": "dmlib.inspect_",
     # divergence statistics
-    "ulp_distance": "dmlib.stats.ulp",
+    "ulp_distance": "dmlib.kernels.ulp",
     "compare": "dmlib.stats.compare",
     "summarize": "dmlib.stats.compare",
     "matrix": "dmlib.stats.matrix",

@@ -16,7 +16,7 @@ from blake3 import blake3
 
 import dmlib
 from dmlib.cli import main
-from dmlib.stats.ulp import ulp_distance
+from dmlib.kernels.ulp import ulp_distance
 
 WIDTH = {"f2": (np.uint16, 16), "f4": (np.uint32, 32), "f8": (np.uint64, 64)}
 

@@ -466,7 +466,7 @@ def test_quantized_tensors_compare_bytes():
 
 
 def test_progress_only_on_a_terminal(monkeypatch, capsys):
-    from dmlib.stats import _kernels as K
+    from dmlib.kernels import stream as K
 
     clock = iter([0.0, 5.0, 5.1, 6.0])
     monkeypatch.setattr(K.time, "monotonic", lambda: next(clock))
@@ -606,7 +606,7 @@ def test_rows_do_not_depend_on_the_number_of_threads(monkeypatch):
     a, b = _many_tensors(11)
     rows = {}
     for n in (1, 2, 5):
-        monkeypatch.setattr(C, "_workers", lambda n=n: n)
+        monkeypatch.setattr(C, "pair_workers", lambda n=n: n)
         df = compare(ArrayTensorSet(a), ArrayTensorSet(b), chunk_bytes=16_384)
         rows[n] = df.to_dict("records")
     # bit for bit: each pair is walked by one thread in chunk order, whatever the count

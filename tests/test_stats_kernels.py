@@ -1,4 +1,4 @@
-"""The optional compiled kernel (dmlib/stats/_fused.c) against the numpy kernels and numpy.
+"""The optional compiled kernel (dmlib/kernels/_fused.c) against the numpy kernels and numpy.
 
 Oracles: numpy on the bits for what differs and where, the ULP distance as a rank
 difference computed in Python integers, float64 sums from numpy for a.a, a.d, d.d; the
@@ -16,14 +16,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import dmlib.stats._kernels as K
+import dmlib.kernels.stream as K
+from dmlib.kernels.ulp import float_bits
 from dmlib.stats.compare import compare
-from dmlib.stats.ulp import float_bits
 from dmlib.tensor import ArrayTensorSet
 
 pytestmark = pytest.mark.skipif(
     K._fused is None or not K.USE_COMPILED,
-    reason="dmlib.stats._fused is not built (no C compiler when dmlib was installed) or "
+    reason="dmlib.kernels._fused is not built (no C compiler when dmlib was installed) or "
     "DMLIB_KERNELS=numpy: the numpy kernels run everywhere",
 )
 

@@ -16,7 +16,7 @@ import pytest
 from blake3 import blake3
 
 import dmlib
-from dmlib.stats._pair import _same_bytes
+from dmlib.kernels.pair import same_bytes
 from dmlib.tensor import ArrayTensorSet
 
 
@@ -119,18 +119,18 @@ def test_inline_hash_spans_pieces(monkeypatch):
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 16, 23, (1 << 20) + 13])
 def test_same_bytes_sees_every_byte(n, compiled, monkeypatch):
-    import dmlib.stats._kernels as K
+    import dmlib.kernels.stream as K
 
     if compiled and K._fused is None:
-        pytest.skip("dmlib.stats._fused is not built (no C compiler at install)")
+        pytest.skip("dmlib.kernels._fused is not built (no C compiler at install)")
     monkeypatch.setattr(K, "USE_COMPILED", compiled)  # memcmp, or numpy on 8-byte words
     x = np.arange(n, dtype=np.uint8)
-    assert _same_bytes(x, x.copy())
+    assert same_bytes(x, x.copy())
     # a difference at every position, in the word part and in the tail (and, for the
     # long array, around the 1 MiB blocks the numpy path compares one at a time)
     places = range(n) if n < 100 else [0, 7, 8, (1 << 20) - 1, 1 << 20, n - 9, n - 1]
     for i in places:
         y = x.copy()
         y[i] ^= 0x80
-        assert not _same_bytes(x, y)
-    assert not _same_bytes(x, np.zeros(n + 1, np.uint8))
+        assert not same_bytes(x, y)
+    assert not same_bytes(x, np.zeros(n + 1, np.uint8))

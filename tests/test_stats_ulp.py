@@ -8,7 +8,7 @@ import pytest
 from numpy.testing._private.utils import nulp_diff
 
 from dmlib import DmlibError, UnsupportedError
-from dmlib.stats.ulp import ULP_NAN, ulp_distance
+from dmlib.kernels.ulp import ULP_NAN, ulp_distance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dmlib.dtypes import is_float
-from dmlib.stats.ulp import ULP_NAN, float_bits, ulp_distance
+from dmlib.kernels.ulp import ULP_NAN, float_bits, ulp_distance
 
 FORMATS = [
     ("float8_e4m3fn", 8),

@@ -242,7 +242,7 @@ def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]], *, fre
     """
     from dmlib.report.htmlsafe import esc, href, md_inline_html
     from dmlib.report.outdir import check_collection, write_marker
-    from dmlib.report.pages import _page
+    from dmlib.report.pages import page
 
     rows = []
     for study, target, results in done:
@@ -264,7 +264,7 @@ def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]], *, fre
         check_collection(out)  # again: the folder may have changed while the notebooks ran
     out.mkdir(parents=True, exist_ok=True)
     (out / "index.html").write_text(
-        _page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8"
+        page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8"
     )
     write_marker(out, "collection", {"reports": [t.name for _, t, _ in done]})
 

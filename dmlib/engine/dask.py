@@ -20,9 +20,9 @@ import numpy as np
 from dmlib import hashing
 from dmlib.engine import pieces as P
 from dmlib.errors import DmlibError, MissingDependencyError
-from dmlib.stats import _kernels as K
-from dmlib.stats._pair import _row, kind_of
-from dmlib.stats.ulp import float_bits
+from dmlib.kernels import stream as K
+from dmlib.kernels.pair import finish_row, kind_of
+from dmlib.kernels.ulp import float_bits
 from dmlib.tensor import Tensor
 
 
@@ -201,7 +201,7 @@ class DaskPairs:
             acc.n_inf_mismatch += d["n_inf_mismatch"]
         if info is not None and differing:
             self._sums(acc, ta, tb, parts, diffs)
-        row = _row(
+        row = finish_row(
             acc, ta, tb, kind, info, self.chunk_bytes, differing, None, _Reread(self, ta, tb)
         )
         row["_hashes"] = self._hashes(ta, parts, sha, differing)

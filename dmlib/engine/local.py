@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from dmlib import hashing
-from dmlib.stats import _kernels as K
+from dmlib.kernels import stream as K
 from dmlib.tensor import Tensor
 
 
@@ -69,7 +69,7 @@ def equal_to_first(
     while that chunk is in the CPU's cache: ``first`` is read once whatever the number
     of runs, and a candidate is dropped (not read further) at its first differing chunk.
     """
-    from dmlib.stats._pair import _same_bytes
+    from dmlib.kernels.pair import same_bytes
 
     equal = [t.nbytes == first.nbytes for t in others]
     raw0 = first.raw().view(np.ndarray)
@@ -80,12 +80,12 @@ def equal_to_first(
         if not any(equal):
             break
         if off:  # raw() checked the files before the first chunk; a shrunk map is not touched
-            _check([first, *others], recent=True)
+            _check([first, *others])  # a stat per chunk (see kernels.pair._chunk_pairs)
         c0 = raw0[off : off + chunk_bytes]
         for i, r in enumerate(raws):
             if equal[i]:
                 c = r[off : off + chunk_bytes]
-                equal[i] = _same_bytes(c0, c)
+                equal[i] = same_bytes(c0, c)
                 rel.add(c, roots[i])
         rel.add(c0, root0)
     _check([first, *others])

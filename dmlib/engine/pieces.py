@@ -2,7 +2,7 @@
 
 A piece is the byte range ``[start, end)`` of a tensor, ``start`` a multiple of
 :data:`dmlib.hashing.PIECE`; it is walked in the same chunks as the local engine's
-:func:`dmlib.stats._pair.compare_pair`, and everything comes back per chunk, in order, so
+:func:`dmlib.kernels.pair.compare_pair`, and everything comes back per chunk, in order, so
 that the driver combines the pieces into exactly the local engine's row: integer counts
 add, maxima take the max, and each floating-point sum is added chunk by chunk in the
 local engine's order (the same additions, so the same bits).
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from dmlib import hashing
-from dmlib.stats import _kernels as K
-from dmlib.stats.ulp import float_bits
+from dmlib.kernels import stream as K
+from dmlib.kernels.ulp import float_bits
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PieceSpec:
     b: Side
     start: int  # byte range of the tensor, [start, end)
     end: int
-    kind: str  # "float", "int" or "bytes" (dmlib.stats._pair.kind_of)
+    kind: str  # "float", "int" or "bytes" (dmlib.kernels.pair.kind_of)
     dtype: str  # numpy dtype string of the elements (float: the float dtype)
     step: int  # chunk size in bytes (the local engine's)
     hash_name: str | None  # None: no identity hash of the pieces

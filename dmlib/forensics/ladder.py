@@ -228,8 +228,8 @@ class _Shared:
 
     def __init__(self, engine: str = "local") -> None:
         from dmlib import hashing
-        from dmlib.stats._pair import DEFAULT_CHUNK
-        from dmlib.stats.matrix import _distinct_rows
+        from dmlib.kernels.pair import DEFAULT_CHUNK
+        from dmlib.stats.matrix import distinct_rows
 
         self.contents: dict[int, Any] = {}  # id of a tensor -> its Content
         self.remote = None
@@ -237,20 +237,20 @@ class _Shared:
             from dmlib.engine.dask import DaskPairs
 
             self.remote = DaskPairs(DEFAULT_CHUNK, hashing.DEFAULT)
-        self.pair_row = _distinct_rows(self.contents, self.remote)
+        self.pair_row = distinct_rows(self.contents, self.remote)
         self.norms: dict[Any, float] = {}
 
     def hash(self, tensors: Iterable[Any]) -> None:
         """Sort ``tensors`` into contents (each content's BLAKE3 digest reported in the rows)."""
         from dmlib import hashing
-        from dmlib.stats._pair import DEFAULT_CHUNK
+        from dmlib.kernels.pair import DEFAULT_CHUNK
 
         todo = [t for t in tensors if id(t) not in self.contents]
         if self.remote is None:
             from dmlib.engine.local import group_contents
-            from dmlib.stats.compare import _workers
+            from dmlib.stats.compare import pair_workers
 
-            got = group_contents(todo, DEFAULT_CHUNK, hashing.DEFAULT, _workers())
+            got = group_contents(todo, DEFAULT_CHUNK, hashing.DEFAULT, pair_workers())
         else:
             from dmlib.engine.dask import contents_from_digests
 
@@ -289,13 +289,13 @@ def _compare(
     sa: TensorSet, sb: TensorSet, kind: str, shared: _Shared | None = None
 ) -> list[dict[str, Any]]:
     """Rows of ``dmlib.compare`` for two sets, with each tensor's own norm."""
-    from dmlib.stats._pair import DEFAULT_CHUNK
-    from dmlib.stats.compare import _compare_sets, compare
+    from dmlib.kernels.pair import DEFAULT_CHUNK
+    from dmlib.stats.compare import compare, compare_sets
 
     if shared is None:
         df = compare(sa, sb, file_hashes=False, progress=False)
     else:
-        df = _compare_sets(
+        df = compare_sets(
             sa, sb, None, None, False, DEFAULT_CHUNK, False,
             hash_name=None,  # each content's digest comes from shared.contents
             pair_row=shared.pair_row,

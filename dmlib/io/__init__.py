@@ -66,6 +66,16 @@ def _reader(module: str) -> ModuleType:
     return importlib.import_module(f"dmlib.io.{module}")
 
 
+def format_for_suffix(path: str | os.PathLike[str]) -> str | None:
+    """The format a file's suffix names (``".safetensors"`` -> ``"safetensors"``), or None."""
+    return _SUFFIX.get(os.path.splitext(os.fspath(path))[1].lower())
+
+
+def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
+    """True for a folder the DCP reader opens as one checkpoint."""
+    return bool(_reader("dcp").can_open(os.fspath(path)))
+
+
 def __getattr__(name: str) -> Any:  # ``dmlib.io.safetensors`` and friends, loaded on access
     if name in _MODULES:
         return _reader(name)
@@ -267,4 +277,7 @@ def load(
         return {n: np.array(ts[n].load()) for n in wanted}
 
 
-__all__ = ["FORMATS", "assumed_format", "detect_format", "load", "open_tensors"]
+__all__ = [
+    "FORMATS", "assumed_format", "detect_format", "format_for_suffix", "is_dcp_folder", "load",
+    "open_tensors",
+]  # fmt: skip

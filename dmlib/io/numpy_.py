@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 import tokenize
 import weakref
 import zipfile
@@ -19,6 +20,12 @@ from dmlib.io._checks import shape_problem, short_repr
 from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 NPY_MAGIC = b"\x93NUMPY"
+
+# numpy parses an .npy header with ast.literal_eval, and CPython 3.11's AST construction keeps
+# its recursion count in state shared by all threads: two threads parsing at once can fail
+# with "SystemError: AST constructor recursion depth mismatch" (python/cpython gh-106905).
+# Headers are parsed once, at open, under this lock; a member's load only compares bytes.
+_HEADER_LOCK = threading.Lock()
 
 
 def can_open_npy(head: bytes, path: str) -> bool:
@@ -39,11 +46,12 @@ def _tensor(name: str, arr: np.ndarray, path: str, offset: int | None) -> Tensor
 def _read_header(f: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
     """(shape, fortran_order, dtype) of the .npy stream ``f``, left at the first data byte."""
     fmt = np.lib.format
-    version = fmt.read_magic(f)
-    if version == (1, 0):
-        return fmt.read_array_header_1_0(f)
-    if version in ((2, 0), (3, 0)):  # 3.0 differs only in allowing UTF-8 field names
-        return fmt.read_array_header_2_0(f)
+    with _HEADER_LOCK:
+        version = fmt.read_magic(f)
+        if version == (1, 0):
+            return fmt.read_array_header_1_0(f)
+        if version in ((2, 0), (3, 0)):  # 3.0 differs only in allowing UTF-8 field names
+            return fmt.read_array_header_2_0(f)
     raise ValueError(f"unsupported .npy format version {version}")
 
 
@@ -116,7 +124,8 @@ def open_npy(path: str | os.PathLike[str]) -> TensorSet:
         ) from None
     _check_size(f"array {name!r}", shape, dtype, os.path.getsize(path) - header_end, path)
     try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        with _HEADER_LOCK:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except _NPY_ERRORS as err:
         raise FormatError(
             f"not a readable .npy file ({type(err).__name__}: {short_repr(str(err), 200)})",
@@ -168,14 +177,28 @@ def _archive_problem(infos: list[zipfile.ZipInfo], size: int) -> str | None:
 
 
 def _member_reader(
-    zf: zipfile.ZipFile, info: zipfile.ZipInfo, shape: tuple[int, ...], dtype: np.dtype, path: str
+    zf: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    header: bytes,
+    layout: tuple[tuple[int, ...], bool, np.dtype],
+    path: str,
 ) -> Any:
-    """A loader of one member's bytes (C order, as stored), decompressed when it is called.
+    """A loader of one member's bytes (C order), decompressed when it is called.
+
+    ``header`` is the member's ``.npy`` header as read at open and ``layout`` what it said
+    (shape, Fortran order, dtype). A load reads the header's bytes again and compares them
+    (a member rewritten since open is refused, and nothing is parsed in the worker threads
+    that load), then reads exactly the data bytes the header declares.
 
     The last array read is kept through a weak reference only: while a caller holds it,
     a second load of the same member costs nothing; memory is never held for it here.
     """
+    shape, fortran, dtype = layout
+    nbytes = math.prod(shape) * dtype.itemsize
     last: list[weakref.ref[np.ndarray]] = []
+
+    def problem(text: str) -> FormatError:
+        return FormatError(f"member {info.filename!r} {text}", path=path)
 
     def load() -> np.ndarray:
         held = last[0]() if last else None
@@ -187,20 +210,20 @@ def _member_reader(
             )
         try:
             with zf.open(info) as f:
-                arr = np.lib.format.read_array(f, allow_pickle=False)
-        except (*_NPY_ERRORS, *_ZIP_ERRORS) as err:
-            raise FormatError(
-                f"member {info.filename!r} is not readable ({type(err).__name__}: "
-                f"{short_repr(str(err), 200)})",
-                path=path,
+                if f.read(len(header)) != header:
+                    raise problem("changed while reading (its .npy header is not the one opened)")
+                data = f.read(nbytes)
+                extra = f.read(1)
+        except _ZIP_ERRORS as err:
+            raise problem(
+                f"is not readable ({type(err).__name__}: {short_repr(str(err), 200)})"
             ) from None
-        if arr.shape != shape or arr.dtype != dtype:  # the header changed since open
-            raise FormatError(
-                f"member {info.filename!r} changed while reading (header now "
-                f"{arr.dtype} x {list(arr.shape)})",
-                path=path,
-            )
-        out = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        if len(data) != nbytes or extra:
+            raise problem(f"changed while reading (holds other than the {nbytes} data bytes)")
+        arr = np.frombuffer(data, dtype=dtype)
+        if fortran:  # stored column-major: hand out the C-order bytes
+            arr = np.ascontiguousarray(arr.reshape(shape[::-1]).T)
+        out = arr.reshape(-1).view(np.uint8)
         out.flags.writeable = False  # handed out as is by Tensor.raw(), so the weak ref holds
         last[:] = [weakref.ref(out)]
         return out
@@ -234,12 +257,14 @@ def open_npz(path: str | os.PathLike[str]) -> TensorSet:
             with zf.open(info) as f:
                 shape, fortran, dtype = _read_header(f)
                 header_end = f.tell()
+            with zf.open(info) as f:
+                header = f.read(header_end)
             where = f"member {info.filename!r}"
             _check_size(where, shape, dtype, info.file_size - header_end, path)
             shape = tuple(int(n) for n in shape)
             tensors[key] = Tensor(
                 key, dtype, shape, nbytes=math.prod(shape) * dtype.itemsize, path=path,
-                source=_member_reader(zf, info, shape, dtype, path),
+                source=_member_reader(zf, info, header, (shape, fortran, dtype), path),
             )  # fmt: skip
     except DmlibError:
         if zf is not None:

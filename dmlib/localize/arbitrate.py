@@ -223,7 +223,7 @@ def _replay_numpy(cap: Capture, op: OpInfo, reference: Callable[..., Any] | None
 def distances(out: np.ndarray, ref64: np.ndarray) -> dict[str, Any]:
     """max/median ULP of ``out``'s dtype from ``ref64`` rounded to it, frac_exact, max_abs,
     rel_err."""
-    from dmlib.stats.ulp import ulp_distance
+    from dmlib.kernels.ulp import ulp_distance
 
     out = np.asarray(out)
     ref64 = np.asarray(ref64, dtype=np.float64)

@@ -75,7 +75,7 @@ def element_stats(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
         "max_ulp": None,
     }
     if is_float(a.dtype):
-        from dmlib.stats.ulp import ulp_distance
+        from dmlib.kernels.ulp import ulp_distance
 
         out["max_ulp"] = int(ulp_distance(a, b).max()) if a.size else 0
     return out

@@ -7,7 +7,7 @@ proposes one from the values alone.
 
 Modules: :mod:`~dmlib.mapping.spec` (the TOML file), :mod:`~dmlib.mapping.transforms`
 (the ops), :mod:`~dmlib.mapping.resolve` (rules expanded over names, every name
-accounted for), :mod:`~dmlib.mapping.apply` (the comparison), :mod:`~dmlib.mapping.sides`
+accounted for), :mod:`~dmlib.stats.mapped` (the comparison), :mod:`~dmlib.mapping.sides`
 (several files as one side), :mod:`~dmlib.mapping.suggest` (a mapping from the data).
 """
 

@@ -28,9 +28,9 @@ def is_multi(source: Any) -> bool:
     if isinstance(source, (list, tuple)):
         return True
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
-        from dmlib.io import _reader
+        from dmlib.io import is_dcp_folder
 
-        return not _reader("dcp").can_open(os.fspath(source))
+        return not is_dcp_folder(source)
     return False
 
 
@@ -45,7 +45,7 @@ def side_label(source: Any) -> str:
 
 def _files_of(source: Any) -> list[tuple[str, str]]:
     """(label, path) of every file of a multi-file side, in name order."""
-    from dmlib.io import _SUFFIX
+    from dmlib.io import format_for_suffix
 
     if isinstance(source, (list, tuple)):
         paths = [os.fspath(p) for p in source]
@@ -61,7 +61,7 @@ def _files_of(source: Any) -> list[tuple[str, str]]:
     for d, subdirs, files in os.walk(root):
         subdirs[:] = sorted(s for s in subdirs if not s.startswith("."))
         for f in sorted(files):
-            if not f.startswith(".") and os.path.splitext(f)[1].lower() in _SUFFIX:
+            if not f.startswith(".") and format_for_suffix(f) is not None:
                 p = os.path.join(d, f)
                 found.append((os.path.relpath(p, root).replace(os.sep, "/"), p))
     if not found:

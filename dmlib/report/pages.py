@@ -41,7 +41,7 @@ details{margin:.5em 0} code{background:#f6f8fa;padding:0 .2em}
 """
 
 
-def _page(title: str, body: str) -> str:
+def page(title: str, body: str) -> str:
     """A whole page: our head (title escaped, our stylesheet), the body sanitised."""
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -86,7 +86,7 @@ _STREAM_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 def notebook_page(title: str, body: str) -> str:
     nav = '<p><a href="index.html">&larr; index</a></p>'
-    return _page(title, nav + body)
+    return page(title, nav + body)
 
 
 def _data_uri(path: Path) -> str:
@@ -251,7 +251,7 @@ def index_page(summary: Mapping[str, Any], figures: Path) -> str:
         + _notebooks_html(summary["results"], thumbs, lambda n: href(f"{n}.html"))
         + _provenance_html(summary["provenance"])
     )
-    return _page(summary["title"], body)
+    return page(summary["title"], body)
 
 
 def single_page(summary: Mapping[str, Any], bodies: Mapping[str, str], figures: Path) -> str:
@@ -277,7 +277,7 @@ def single_page(summary: Mapping[str, Any], bodies: Mapping[str, str], figures: 
         + _provenance_html(summary["provenance"])
         + "\n".join(sections)
     )
-    return _page(summary["title"], body)
+    return page(summary["title"], body)
 
 
 _IMG = re.compile(r'<img\b([^>]*?)src="data:image/png;base64,([^"]+)"')

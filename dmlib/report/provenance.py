@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from dmlib.hashing import hash_file
+from dmlib.kernels.stream import kernel_name
 from dmlib.machine import cpu_flags, cpu_model, machine_line
 from dmlib.safepaths import regular_file
-from dmlib.stats._kernels import kernel_name
 
 __all__ = ["collect", "cpu_flags", "cpu_model", "machine_line", "torch_facts"]
 
@@ -92,7 +92,7 @@ def collect(
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         # float32/float64 comparison sums: the compiled kernel's order or numpy's (their
-        # last bits may differ; dmlib/stats/_kernels.py)
+        # last bits may differ; dmlib/kernels/stream.py)
         "comparison_kernels": kernel_name(),
         "torch": torch,
         "inputs": files,

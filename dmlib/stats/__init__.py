@@ -1,8 +1,10 @@
 """Divergence statistics: pairs (and sets) of named tensors in, tidy DataFrames out.
 
-- :mod:`dmlib.stats.ulp`: :func:`ulp_distance` on integer bit patterns, every float dtype.
 - :mod:`dmlib.stats.compare`: :func:`compare` (one row per tensor), :func:`summarize`
   (one verdict), :func:`ulp_long` (the ULP histogram in long form, for plotting).
 - :mod:`dmlib.stats.matrix`: :func:`matrix` (every pair of several runs) and
   :func:`verdict` (same-seed pairs against a different-seed control).
+
+The streaming pass and exact statistics they rest on live a room below, in
+:mod:`dmlib.kernels` (ULP distances: :mod:`dmlib.kernels.ulp`).
 """

@@ -14,7 +14,7 @@ Columns of :func:`compare` (one row per tensor present in both sets, same dtype 
     Largest ULP distance (:func:`dmlib.ulp_distance`) over pairs where both sides are
     finite (0 when none of them differs), and the median over the *differing* such pairs
     (null when there is none). The median is exact (exact counts, see
-    ``dmlib.stats._kernels``).
+    ``dmlib.kernels.stream``).
 ``ulp_0``, ``ulp_1``, ``ulp_2``, ``ulp_3_4``, ``ulp_5_8``, ... ``ulp_32769_65536``, ``ulp_gt_65536``, ``ulp_nonfinite``
     Histogram of the differing elements: ``ulp_lo_hi`` counts finite pairs ``lo <= ulp <= hi``
     (``ulp_0`` are exactly the +0/-0 pairs), ``ulp_gt_65536`` the rest of the finite
@@ -79,9 +79,8 @@ import numpy as np
 
 from dmlib import hashing
 from dmlib.errors import DmlibError
-from dmlib.sources import Patterns, Source, check_selection, opened, patterns, select
-from dmlib.stats import _kernels as K
-from dmlib.stats._pair import (
+from dmlib.kernels import stream as K
+from dmlib.kernels.pair import (
     COLUMNS,
     DEFAULT_CHUNK,
     NAN_COLUMNS,
@@ -92,6 +91,7 @@ from dmlib.stats._pair import (
     kind_of,
     same_layout,
 )
+from dmlib.sources import Patterns, Source, check_selection, opened, patterns, select
 from dmlib.tensor import Tensor, TensorSet
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: the CLI starts without it
@@ -268,7 +268,7 @@ def _compare(
             renames = detected["renames"] if detected else []
         sa2 = apply_renames(sa, renames, "a")
         sb2 = apply_renames(_pair_single_arrays(sa, sb), renames, "b")
-        out = _compare_sets(
+        out = compare_sets(
             sa2, sb2, include, exclude, file_hashes, chunk_bytes, progress,
             cross_dtype=cross_dtype, check_names=True, hash_name=hash_name,
             pair_row=pair_row, frame=frame,
@@ -280,8 +280,8 @@ def _compare(
 
 
 def _compare_mapped(a: Any, b: Any, mapping: Any, **kw: Any) -> Any:
-    """``mapping=``: the comparison of :mod:`dmlib.mapping.apply` (local engine, no rename)."""
-    from dmlib.mapping.apply import compare_mapped
+    """``mapping=``: the comparison of :mod:`dmlib.stats.mapped` (local engine, no rename)."""
+    from dmlib.stats.mapped import compare_mapped
 
     for key, off in (("rename", None), ("engine", "local"), ("file_hashes", False)):
         if kw.pop(key) not in (off, [], ()):
@@ -324,7 +324,7 @@ class _Pairing:
     hint: dict[str, Any] | None  # a name mapping that would pair far more names
 
 
-def _compare_sets(
+def compare_sets(
     sa: TensorSet,
     sb: TensorSet,
     include: Patterns,
@@ -378,7 +378,7 @@ def _compare_sets(
 
                     rows.append(pair_row(ta, tb, compute))
         prog.finish()
-        _collect_data_hashes(rows)
+        collect_data_hashes(rows)
         done = (
             {}
             if side is None
@@ -413,7 +413,7 @@ def rows_out(
     return df
 
 
-def _workers() -> int:
+def pair_workers() -> int:
     """Threads comparing tensor pairs side by side: this process's CPUs, at most 8."""
     try:
         n = len(os.sched_getaffinity(0))
@@ -459,7 +459,7 @@ def _pairs_in_parallel(
         with np.errstate(over="ignore", invalid="ignore"):
             return compute() if pair_row is None else pair_row(ta, tb, compute)
 
-    n = min(_workers(), len(pairs))
+    n = min(pair_workers(), len(pairs))
     pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-compare") if n > 1 else None
     try:
         if pool is None:
@@ -498,7 +498,7 @@ def _pair_up(
         ta, tb = sa[n], sb[n]
         if same_layout(ta, tb):
             pairs.append((ta, tb))
-        elif cross_dtype and (r := _rounded_pair(ta, tb)) is not None:
+        elif cross_dtype and (r := rounded_pair(ta, tb)) is not None:
             pairs.append(r[:2])
             rounded.append(r[2])
         else:
@@ -536,7 +536,7 @@ def _start_file_hashes(
     return futures
 
 
-def _collect_data_hashes(rows: list[dict[str, Any]]) -> None:
+def collect_data_hashes(rows: list[dict[str, Any]]) -> None:
     """Replace each row's pending per-tensor hashes by ``data_hash_a``/``_b``."""
     for row in rows:
         fa, fb = row.pop("_hashes")
@@ -594,8 +594,8 @@ def _attrs(
         "mismatched": pairing.mismatched,
         "rounded": pairing.rounded,
         "alignment_hint": pairing.hint,
-        "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
-        **_scalar_attrs(sa.scalars, sb.scalars, include, exclude),
+        "metadata_diff": dict_diff(sa.metadata, sb.metadata),
+        **scalar_attrs(sa.scalars, sb.scalars, include, exclude),
         # files of a folder's checkpoint that could not be read (io.hf_trainer): not compared
         "not_read_a": sa.metadata.get("not_read"),
         "not_read_b": sb.metadata.get("not_read"),
@@ -626,7 +626,7 @@ def _label(t: Any) -> str:
 ROUNDING = "round to nearest, ties to even"
 
 
-def _rounded_pair(ta: Any, tb: Any) -> tuple[Any, Any, dict[str, Any]] | None:
+def rounded_pair(ta: Any, tb: Any) -> tuple[Any, Any, dict[str, Any]] | None:
     """(a, b, record) with the wider float side rounded to the narrower dtype, else None."""
     from dmlib.dtypes import is_float
     from dmlib.tensor import Tensor
@@ -691,7 +691,7 @@ def section_hash(
 STEP_KEY = "step"
 
 
-def _scalar_attrs(
+def scalar_attrs(
     da: dict[str, Any], db: dict[str, Any], include: Patterns, exclude: Patterns
 ) -> dict[str, Any]:
     """The scalars under the same name selection as the tensors: ``scalars_diff`` (held by
@@ -722,7 +722,7 @@ def _same_scalar(x: Any, y: Any) -> bool:
         return repr(x) == repr(y)
 
 
-def _dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
+def dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
     keys = list(da) + [k for k in db if k not in da]
     return {
         k: [da.get(k), db.get(k)] for k in keys if da.get(k) != db.get(k) or (k in da) != (k in db)

@@ -28,14 +28,14 @@ from dmlib import hashing
 from dmlib.engine import check_engine
 from dmlib.engine.local import Content, group_contents
 from dmlib.errors import DmlibError
+from dmlib.kernels.pair import NULLABLE_INT, identical_row
 from dmlib.sources import Patterns, Source, check_selection, opened, select
-from dmlib.stats._pair import NULLABLE_INT, identical_row
 from dmlib.stats.compare import (
     COLUMNS,
-    _compare_sets,
     _no_hash,
     _num,
-    _workers,
+    compare_sets,
+    pair_workers,
     summarize_records,
 )
 from dmlib.tensor import Tensor
@@ -133,14 +133,14 @@ def _matrix_rows(
             names = set(select([t.name for t in ts.disk_order()], include, exclude))
             selected += [t for t in ts.disk_order() if t.name in names]
         if remote is None:
-            contents = group_contents(selected, chunk_bytes, hash_name, _workers())
+            contents = group_contents(selected, chunk_bytes, hash_name, pair_workers())
         else:  # one hashing graph for every tensor of every run; contents by digest
             from dmlib.engine.dask import contents_from_digests
 
             contents = contents_from_digests(selected, hash_name)
-        pair_row = _distinct_rows(contents, remote)
+        pair_row = distinct_rows(contents, remote)
         for la, lb in itertools.combinations(labels, 2):
-            rows, attrs = _compare_sets(
+            rows, attrs = compare_sets(
                 sets[la],
                 sets[lb],
                 include,
@@ -173,7 +173,7 @@ def _frame(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> pd.DataFrame:
     return out
 
 
-def _distinct_rows(
+def distinct_rows(
     contents: dict[int, Content], remote: Any = None
 ) -> Callable[..., dict[str, Any]]:
     """A ``pair_row`` hook: rows from contents when they are known, computed once otherwise."""

@@ -13,8 +13,8 @@ import numpy as np
 from dmlib import hashing
 from dmlib.dtypes import bits_dtype, dtype_label, is_float, native
 from dmlib.errors import DmlibError
-from dmlib.stats import _kernels as K
-from dmlib.stats.ulp import float_bits
+from dmlib.kernels import stream as K
+from dmlib.kernels.ulp import float_bits
 from dmlib.tensor import PACKINGS, Tensor, unpack
 
 DEFAULT_CHUNK = 4 << 20
@@ -102,8 +102,10 @@ def _chunk_pairs(
     step = max(1, chunk_bytes // elem.itemsize) * elem.itemsize
     for off in range(0, ta.nbytes, step):
         if off:  # raw() checked the files before the first chunk; a shrunk map is not touched
-            ta.check_unchanged(recent=True)
-            tb.check_unchanged(recent=True)
+            # (a stat per chunk, never the recent-check shortcut: a chunk takes well under
+            # its millisecond, so a truncation during one would slip past it)
+            ta.check_unchanged()
+            tb.check_unchanged()
         ca, cb = ra[off : off + step], rb[off : off + step]
         sa = ca.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_a else ca
         sb = cb.view(elem.newbyteorder()).astype(elem).view(np.uint8) if swap_b else cb
@@ -175,7 +177,7 @@ def compare_pair(
         progress.advance(ca.nbytes)
         # equal bytes first, at memcmp speed on the widest words (no mask is built)
         # (once the tensor is known to differ, straight to the mask: most chunks will too)
-        if not differing and _same_bytes(ca, cb):
+        if not differing and same_bytes(ca, cb):
             continue
         if compiled is not None and info is not None and differing:
             # one pass of the compiled kernel: a.a, and the differing pairs if any
@@ -216,7 +218,7 @@ def compare_pair(
     if inline_b is not None:
         hash_b = cache[id(tb)] = Future()
         hash_b.set_result(inline_b.hexdigest())
-    row = _row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
+    row = finish_row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
     ta.check_unchanged()  # a row of bytes that changed under it is never returned
     tb.check_unchanged()
     if hash_b is None and hash_a is not None:
@@ -255,7 +257,7 @@ _HASH_THREADS = max(1, min(os.cpu_count() or 1, 8))
 _EQ_BLOCK = 1 << 20
 
 
-def _same_bytes(ca: np.ndarray, cb: np.ndarray) -> bool:
+def same_bytes(ca: np.ndarray, cb: np.ndarray) -> bool:
     """True when two chunks hold the same bytes (compared as 8-byte words where they
     divide, a block at a time, stopping at the first block that differs)."""
     if ca.nbytes != cb.nbytes:
@@ -278,10 +280,10 @@ def identical_row(ta: Tensor) -> dict[str, Any]:
     dtype = component(native(ta.dtype))
     parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
     info = float_bits(dtype) if kind == "float" else None
-    return _row(K.Acc(), ta, ta, kind, info, 0, False, None, parts=parts)
+    return finish_row(K.Acc(), ta, ta, kind, info, 0, False, None, parts=parts)
 
 
-def _row(
+def finish_row(
     acc: K.Acc,
     ta: Tensor,
     tb: Tensor,

@@ -1,8 +1,8 @@
 /* One pass over a chunk of a float32 or float64 tensor pair: every statistic that
- * dmlib/stats/_kernels.py computes with several numpy passes (add_aa + float_chunk).
+ * dmlib/kernels/stream.py computes with several numpy passes (add_aa + float_chunk).
  *
  * Optional: setup.py builds it when a C compiler is there; without it, dmlib uses the
- * numpy kernels (dmlib/stats/_kernels.py says which one runs). The integer statistics
+ * numpy kernels (dmlib/kernels/stream.py says which one runs). The integer statistics
  * are the numpy kernels' exactly; the float sums (a.a, a.d, d.d) are float64 sums in
  * another order, so their last bits may differ from the numpy kernels' (both engines,
  * local and Dask, use the same kernel on one machine).

@@ -4,7 +4,7 @@ A tensor pair is walked in chunks of its raw (memory-mapped) bytes. Each chunk i
 compared as bytes (``memcmp`` in the compiled module, else numpy on 8-byte words:
 memory-bound); only chunks with a difference pay for the float math. Float32 and float64
 chunks get every statistic in one pass of the optional compiled kernel
-(``dmlib/stats/_fused.c``, see :func:`kernel_name`); other dtypes, or every dtype without
+(``dmlib/kernels/_fused.c``, see :func:`kernel_name`); other dtypes, or every dtype without
 it, use the numpy kernels below (a mask, the differing places, then the statistics on
 them). When identity hashes are asked for (:mod:`dmlib.hashing`), side a's hash is fed
 each chunk right after its comparison, while its pages are mapped (BLAKE3 on every core;
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from dmlib import hashing
-from dmlib.stats.ulp import FloatBits, int_distance, ulp_bits
+from dmlib.kernels.ulp import FloatBits, int_distance, ulp_bits
 
 #: Distances 0..ULP_EXACT are counted exactly; larger ones share one overflow count.
 ULP_EXACT = 1 << 16
@@ -234,11 +234,11 @@ def add_aa(acc: Acc, ua: np.ndarray, ub: np.ndarray, info: FloatBits) -> None:
     acc.aa += aa
 
 
-# -- the optional compiled kernel (dmlib/stats/_fused.c, built by setup.py where a C
+# -- the optional compiled kernel (dmlib/kernels/_fused.c, built by setup.py where a C
 # compiler is) ---------------------------------------------------------------------------
 
 try:
-    from dmlib.stats import _fused  # type: ignore[attr-defined]
+    from dmlib.kernels import _fused  # type: ignore[attr-defined]
 except ImportError:  # not built (no compiler at install): the numpy kernels do everything
     _fused = None
 

@@ -2,7 +2,7 @@
 
 For each binding (:mod:`dmlib.mapping.resolve`) the source tensors are read, the rule's
 chain lays them out as the targets, and each result is compared with its target by
-dmlib's comparison kernels (:func:`dmlib.stats._pair.compare_pair`, the same rows as
+dmlib's comparison kernels (:func:`dmlib.kernels.pair.compare_pair`, the same rows as
 :func:`dmlib.compare`). A pair that differs is then traced back: the chain is run on
 element indices, so each differing element is named both as ``target[k, l]`` and as
 ``source[i, j]``.
@@ -17,12 +17,12 @@ import numpy as np
 
 from dmlib import hashing
 from dmlib.errors import DmlibError
+from dmlib.kernels import stream as K
 from dmlib.mapping.resolve import Binding, describe, resolve
 from dmlib.mapping.sides import opened_side
 from dmlib.mapping.spec import load_mapping
 from dmlib.mapping.transforms import cast_dtype, describe_chain, run_chain, trace
 from dmlib.sources import Patterns, patterns, select
-from dmlib.stats import _kernels as K
 from dmlib.tensor import Tensor, TensorSet
 
 __all__ = ["compare_mapped", "MAPPED_COLUMNS", "LOCATED"]
@@ -136,8 +136,8 @@ def _renamed(t: Tensor, name: str) -> Tensor:
 def _binding_rows(
     bnd: Binding, sa: TensorSet, sb: TensorSet, keep: set[str], cross_dtype: bool, st: _State
 ) -> list[dict[str, Any]]:
-    from dmlib.stats._pair import compare_pair, kind_of, same_layout
-    from dmlib.stats.compare import _collect_data_hashes, _rounded_pair
+    from dmlib.kernels.pair import compare_pair, kind_of, same_layout
+    from dmlib.stats.compare import collect_data_hashes, rounded_pair
 
     rows = []
     want = cast_dtype(bnd.rule.ops)
@@ -150,7 +150,7 @@ def _binding_rows(
             and td.shape == tb.shape
             and (cross_dtype or want == tb.dtype.newbyteorder("="))
         ):
-            r = _rounded_pair(td, tb)
+            r = rounded_pair(td, tb)
             if r is not None:
                 pair = r[0], r[1]
                 st.rounded.append({**r[2], "name": tb.name, "source": list(bnd.sources)})
@@ -161,7 +161,7 @@ def _binding_rows(
         with np.errstate(over="ignore", invalid="ignore"):
             row = compare_pair(*pair, st.chunk_bytes, st.pool, st.prog, rel, None, st.hash_name)
         rel.flush()
-        _collect_data_hashes([row])
+        collect_data_hashes([row])
         row["name"] = tb.name
         row["source"] = ", ".join(bnd.sources)
         row["transform"] = describe_chain(bnd.rule.ops)
@@ -263,7 +263,7 @@ def _attrs(
     exclude: Patterns,
     keep: set[str],
 ) -> dict[str, Any]:
-    from dmlib.stats.compare import _dict_diff, _scalar_attrs
+    from dmlib.stats.compare import dict_diff, scalar_attrs
 
     keep_a = set(select(list(res.ignored_a), include, exclude))
     return {
@@ -279,9 +279,9 @@ def _attrs(
         "mismatched": st.mismatched,
         "rounded": st.rounded,
         "alignment_hint": None,
-        "metadata_diff": _dict_diff(sa.metadata, sb.metadata),
+        "metadata_diff": dict_diff(sa.metadata, sb.metadata),
         # the same scalar rule as an unmapped comparison (selection, one side vs both)
-        **_scalar_attrs(sa.scalars, sb.scalars, include, exclude),
+        **scalar_attrs(sa.scalars, sb.scalars, include, exclude),
         "param_id_diff": {},
         "byte_order_diff": st.byte_order,
         "file_hash_a": None,
