@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "dmlib"
 BASE = {
     "errors", "dtypes", "hashing", "tensor", "names", "textsafe", "safepaths", "machine",
-    "_limits", "_atomic", "_json", "_blas",
+    "_limits", "_atomic", "_json", "_blas", "numfmt",
 }  # fmt: skip
 
 

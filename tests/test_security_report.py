@@ -424,7 +424,7 @@ def test_sanitiser_keeps_figures_and_drops_what_runs():
 
 
 def test_collection_index_escapes_folder_names_and_percent_encodes_links(tmp_path):
-    from dmlib.cli.report_cmd import _write_collection
+    from dmlib.cli.report import _write_collection
     from dmlib.report.runner import NotebookResult
     from dmlib.report.study import from_dict
 

@@ -11,7 +11,7 @@ import pytest
 from blake3 import blake3
 
 import dmlib
-from dmlib.cli.compare_cmd import format_verdict
+from dmlib.cli.compare import format_verdict
 from dmlib.stats.matrix import matrix, verdict
 from dmlib.tensor import ArrayTensorSet
 

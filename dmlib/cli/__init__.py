@@ -1,8 +1,10 @@
 """The ``dmlib`` command line.
 
-Each subcommand lives in its own module under ``dmlib.cli`` and exposes
-``register(subparsers)``, which adds its parser(s) and sets ``func`` to a callable
-taking the parsed arguments and returning the exit status.
+Each command group lives in a module under ``dmlib.cli`` named for what it holds
+(:data:`_COMMAND_MODULES`) and exposes ``register(subparsers)``, which adds its parser(s)
+and sets ``func`` to a callable taking the parsed arguments and returning the exit
+status. The options and help text every command shares, and the exit status of a
+result, are in ``dmlib.cli._common``.
 
 Exit status, for every subcommand: 0 success (for comparisons: nothing differs),
 1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback),
@@ -24,36 +26,31 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from dmlib.cli._common import EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED
 from dmlib.errors import DmlibError
 from dmlib.textsafe import SafeStream, clip
 
 # Modules that contribute subcommands, in the order ``dmlib --help`` lists them.
 _COMMAND_MODULES = (
-    "dmlib.cli.inspect_cmd",
-    "dmlib.cli.compare_cmd",
-    "dmlib.cli.map_cmd",
-    "dmlib.cli.forensics_cmd",
-    "dmlib.cli.localize_cmd",
-    "dmlib.cli.why_cmd",
-    "dmlib.cli.report_cmd",
+    "dmlib.cli.inspect",  # inspect
+    "dmlib.cli.compare",  # compare, matrix
+    "dmlib.cli.map",  # map suggest
+    "dmlib.cli.structure",  # factors, firstcol
+    "dmlib.cli.ladder",  # ladder
+    "dmlib.cli.padding",  # gapcheck
+    "dmlib.cli.localize",  # localize, arbitrate, repeats
+    "dmlib.cli.report",  # report
+    "dmlib.cli.study",  # study init
 )
 
-EXIT_CODES = """exit status:
-  0  success (for comparisons: every compared tensor is bit-identical)
-  1  a comparison found a difference
-  2  bad input or usage: one line on stderr naming the file and the problem
-  4  internal error (a bug in dmlib): one line on stderr naming the input files
-  130  interrupted (Ctrl-C or SIGTERM): one line on stderr"""
-
-EXIT_INTERNAL = 4
-EXIT_INTERRUPTED = 130
+__all__ = ["EXIT_CODES", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line, like every other dmlib failure."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     from dmlib.io import assumed_format
 
     try:
@@ -115,7 +112,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return int(args.func(args) or 0)
     except DmlibError as err:
         _say(f"dmlib {args.command}: error: {err}")
-        return 2
+        return EXIT_BAD_INPUT
     except (KeyboardInterrupt, BrokenPipeError):
         raise
     except Exception as err:  # a bug: say so in one line, and never exit 1 ("a difference")
@@ -182,12 +179,6 @@ def _inputs(args: argparse.Namespace) -> list[str]:
                 cands = [tail] if os.path.exists(tail) else tail.split(",")
             out += [c for c in cands if c and os.path.exists(c) and c not in out]
     return out
-
-
-def add_common_epilog(p: argparse.ArgumentParser) -> None:
-    """Give a subcommand parser the shared exit-status text."""
-    p.epilog = EXIT_CODES
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,9 +1,9 @@
-"""Helpers every subcommand shares: name selection, LABEL=PATH arguments, plain-text tables."""
+"""What the commands print and parse alike: name selection, LABEL=PATH arguments, plain-text
+tables (numbers in them written by :mod:`dmlib.numfmt`)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # pandas is imported by the commands that need it, not by the
     import pandas as pd
 
 from dmlib.errors import DmlibError
+from dmlib.numfmt import MISSING, missing, short
 from dmlib.textsafe import LIMIT, cut, shown
 
 
@@ -26,30 +27,13 @@ def add_selection(p: argparse.ArgumentParser) -> None:
         )
 
 
-def add_format(p: argparse.ArgumentParser) -> None:
-    """``--format``: read every input checkpoint as this format instead of detecting it."""
-    from dmlib.io import FORMATS
-
-    p.add_argument(
-        "--format", choices=list(FORMATS), help="read every input as this format (skip detection)"
-    )
-
-
-def missing(v: Any) -> bool:
-    """True for None and pandas' NA (checked only when pandas is loaded: it made the NA)."""
-    pd = sys.modules.get("pandas")
-    return v is None or (pd is not None and v is pd.NA)
-
-
 def fmt(v: Any) -> str:
-    """One table cell: '-' for missing, 4 significant digits, scientific for tiny or huge;
+    """One table cell: '-' for missing, numbers as :func:`dmlib.numfmt.short` writes them;
     text from data escaped and cut (:func:`dmlib.textsafe.shown`)."""
     if missing(v):
-        return "-"
+        return MISSING
     if isinstance(v, float):
-        if v != v:
-            return "-"
-        return f"{v:.3e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.4g}"
+        return short(v)
     if isinstance(v, tuple):
         return shown("(" + ",".join(map(str, v)) + ")")
     return shown(v)

@@ -16,26 +16,11 @@ from typing import Any
 
 import pandas as pd
 
+from dmlib.numfmt import prose as fmt  # a number for prose: one formatter for every output
 from dmlib.report.htmlsafe import md_code as _c
 from dmlib.report.htmlsafe import md_text as _t
 
 __all__ = ["captures", "columns", "fmt", "ladder", "matrix"]
-
-
-def fmt(x: Any, digits: int = 3) -> str:
-    """A number for prose: ``0`` for zero, ``-`` for None/NaN, else ``digits`` significant."""
-    if x is None:
-        return "-"
-    try:
-        if pd.isna(x):
-            return "-"
-    except (TypeError, ValueError):
-        pass
-    if isinstance(x, (int,)) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
-        return str(int(x))
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.{digits}g}"
 
 
 def _list(names: Sequence[str], n: int = 5) -> str:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from dmlib.cli import add_common_epilog
-from dmlib.cli._table import add_format, table
+from dmlib.cli._common import ONE_DOCUMENT, add_common, print_json
+from dmlib.cli._table import table
 from dmlib.textsafe import shown
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``inspect``."""
     p = sub.add_parser(
         "inspect",
         help="show a checkpoint's format, layout, tensors and padding",
@@ -24,12 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="checkpoint file (burnpack, safetensors, .npy/.npz, torch, flax msgpack) or "
         "folder (DCP, Orbax step or item)",
     )
-    add_format(p)
-    p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument(
         "--no-hash", action="store_true", help="skip per-tensor data hashes (faster on big files)"
     )
-    add_common_epilog(p)
+    add_common(p, json=ONE_DOCUMENT, format=True)
     p.set_defaults(func=run)
 
 
@@ -69,10 +67,7 @@ def run(args: argparse.Namespace) -> int:
     doc = describe(args.path, format=args.format, hashes=not args.no_hash)
     out = sys.stdout
     if args.json:
-        from dmlib._json import jsonable
-
-        json.dump(jsonable(doc, default=str), out, indent=1)
-        out.write("\n")
+        print_json(doc)
         return 0
     print(
         f"{shown(doc['path'])}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",

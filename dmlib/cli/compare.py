@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
-from dmlib.cli import add_common_epilog
-from dmlib.cli._dask import add_dask
+from dmlib.cli._common import add_common, exit_code, print_json
 from dmlib.cli._dask import engine as engine_of
-from dmlib.cli._table import add_format, add_selection, fmt, labelled_paths, table
+from dmlib.cli._table import add_selection, fmt, labelled_paths, table
+from dmlib.numfmt import general, sci
 from dmlib.textsafe import names_list, shown
 
 # columns of the readable table (the JSON output carries every column)
@@ -30,6 +29,12 @@ _TABLE = [
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``compare`` and ``matrix``."""
+    _add_compare(sub)
+    _add_matrix(sub)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare",
         help="compare the tensors of two checkpoints",
@@ -70,19 +75,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--all", action="store_true", help="list identical tensors too")
     p.add_argument(
-        "--json", action="store_true", help="print one JSON document (rows, summary, attrs)"
-    )
-    p.add_argument(
         "--file-hashes",
         action="store_true",
         help="also hash whole files and data sections (two more hash passes per file)",
     )
     _add_hash(p, "each tensor's bytes")
-    add_dask(p)
-    add_format(p)
-    add_common_epilog(p)
+    add_common(p, json="print one JSON document (rows, summary, attrs)", format=True, dask=True)
     p.set_defaults(func=run_compare)
 
+
+def _add_matrix(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser(
         "matrix",
         help="compare every pair of several runs and give the verdict",
@@ -94,13 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="at least two runs")
     m.add_argument("--control", metavar="LABEL", help="the run expected to differ (another seed)")
     add_selection(m)
-    m.add_argument(
-        "--json", action="store_true", help="print one JSON document (verdict and every row)"
-    )
     _add_hash(m, "every distinct content's bytes")
-    add_dask(m)
-    add_format(m)
-    add_common_epilog(m)
+    add_common(m, json="print one JSON document (verdict and every row)", format=True, dask=True)
     m.set_defaults(func=run_matrix)
 
 
@@ -182,7 +179,6 @@ def _is_dir(path: str) -> bool:
 
 def run_compare(args: argparse.Namespace) -> int:
     # plain records, not a DataFrame: the command starts without importing pandas
-    from dmlib._json import jsonable
     from dmlib.stats.compare import compare_records, summarize_records
 
     if _is_dir(args.a) and _is_dir(args.b):
@@ -192,7 +188,7 @@ def run_compare(args: argparse.Namespace) -> int:
             return _compare_runs(args)
     hash_name = _hash_of(args)
     if getattr(args, "map", None):
-        from dmlib.cli.map_cmd import run_mapped
+        from dmlib.cli.map import run_mapped
 
         return run_mapped(args, hash_name)
     with engine_of(args) as engine:
@@ -213,8 +209,8 @@ def run_compare(args: argparse.Namespace) -> int:
         doc = {"summary": s, "attrs": at, "rows": rows}
         if comps is not None:
             doc["components"] = comps
-        print(json.dumps(jsonable(doc, default=str), indent=1))
-        return 0 if s["identical"] else 1
+        print_json(doc)
+        return exit_code(s)
     listed = rows if args.all else [r for r in rows if r["n_diff"] > 0]
     if listed:
         hashed = args.hash not in (None, "none")
@@ -250,7 +246,7 @@ def run_compare(args: argparse.Namespace) -> int:
     for line in component_lines(comps or []):
         print(line)
     print(summary_line(s, at))
-    return 0 if s["identical"] else 1
+    return exit_code(s)
 
 
 def _components(rows: list[dict[str, Any]], at: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -288,13 +284,12 @@ def component_lines(comps: list[dict[str, Any]]) -> list[str]:
 
 def _compare_runs(args: argparse.Namespace) -> int:
     """Two Trainer output folders: every shared step, component by component."""
-    from dmlib._json import jsonable
     from dmlib.stats.components import compare_runs, printable
 
     r = compare_runs(args.a, args.b)
     if args.json:
-        print(json.dumps(jsonable(r, default=str), indent=1))
-        return 0 if r["bit_exact"] else 1
+        print_json(r)
+        return exit_code(r)
     for step in r["steps"]:
         words = ", ".join(
             f"{c['component']} {c['status']}" for c in r["by_step"][step] if c["status"] != "absent"
@@ -307,7 +302,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
     if r["bit_exact"]:
         steps = ", ".join(map(str, r["steps"]))
         print(f"BIT-EXACT: every component identical at every shared step ({steps})")
-        return 0
+        return exit_code(r)
     if r["first_step"] is None:
         print(
             "NOT ALL COMPARED: nothing compared differs, but "
@@ -317,7 +312,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
                 else "the runs share no step"
             )
         )
-        return 1
+        return exit_code(r)
     first = r["by_step"][r["first_step"]]
     print(f"DIFFERENT from step {r['first_step']}: {', '.join(r['first_components'])} differ there")
     for line in component_lines([c for c in first if c["status"] != "identical"]):
@@ -338,11 +333,10 @@ def _compare_runs(args: argparse.Namespace) -> int:
         )
     if r["inconclusive"]:
         print(f"not compared at some step: {', '.join(map(printable, r['inconclusive']))}")
-    return 1
+    return exit_code(r)
 
 
 def run_matrix(args: argparse.Namespace) -> int:
-    from dmlib._json import jsonable
     from dmlib.stats.matrix import matrix_records
 
     runs = labelled_paths(args.runs)
@@ -357,10 +351,9 @@ def run_matrix(args: argparse.Namespace) -> int:
             engine=engine,
         )
     v = attrs["verdict"]
-    code = 0 if all(p["identical"] for p in v["pairs"]) else 1
+    code = exit_code(v)
     if args.json:
-        doc = {"verdict": v, "pairs": attrs["pairs"], "rows": rows}
-        print(json.dumps(jsonable(doc, default=str), indent=1))
+        print_json({"verdict": v, "pairs": attrs["pairs"], "rows": rows})
         return code
     cols = [
         "a",
@@ -379,20 +372,12 @@ def run_matrix(args: argparse.Namespace) -> int:
     return code
 
 
-def _general(x: float | None) -> str:
-    """``%g`` of a number, ``-`` for None (the median ULP reads best without exponent)."""
-    return "-" if x is None else f"{x:g}"
-
-
 def format_verdict(v: dict[str, Any]) -> str:
     """The verdict as a few lines of text (what the CLI prints under the pair table)."""
-
-    def g(x: Any) -> str:
-        return "-" if x is None else f"{x:.3e}" if isinstance(x, float) else str(x)
-
+    g = sci
     lines = [
         f"same-seed pairs: worst rel_fro {g(v['same_worst_rel_fro'])}, max_ulp {g(v['same_max_ulp'])} "
-        f"(median_ulp <= {_general(v.get('same_worst_median_ulp'))} in every tensor), max_abs {g(v['same_max_abs'])}"
+        f"(median_ulp <= {general(v.get('same_worst_median_ulp'))} in every tensor), max_abs {g(v['same_max_abs'])}"
     ]
     if v["control"] is not None:
         sep = v["separation_orders"]

@@ -7,19 +7,19 @@ import os
 import sys
 from typing import Any
 
-from dmlib.cli import add_common_epilog
-from dmlib.cli._table import add_format
+from dmlib.cli._common import EXIT_BAD_INPUT, add_common, exit_code, print_json
 from dmlib.errors import DmlibError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``map`` and its subcommand ``suggest``."""
     p = sub.add_parser(
         "map",
         help="mappings between checkpoints whose names and layouts differ",
         description="Work with mapping files (docs/mapping.md), which `dmlib compare A B --map "
         "MAP.toml` compares through.",
     )
-    add_common_epilog(p)
+    add_common(p)
     inner = p.add_subparsers(dest="map_command", metavar="SUBCOMMAND", parser_class=type(p))
     s = inner.add_parser(
         "suggest",
@@ -33,15 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("b", help="target checkpoint")
     s.add_argument("--out", required=True, metavar="MAP.toml", help="where to write the mapping")
     s.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    add_format(s)
-    add_common_epilog(s)
+    add_common(s, format=True)
     s.set_defaults(func=run_suggest, command="map")
     p.set_defaults(func=_no_sub, command="map")
 
 
 def _no_sub(args: argparse.Namespace) -> int:
     print("dmlib map: error: a subcommand is needed: suggest", file=sys.stderr)
-    return 2
+    return EXIT_BAD_INPUT
 
 
 def side(text: str) -> str | list[str]:
@@ -80,7 +79,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         names = [f"A:{n}" for n in res.unplaced_a] + [f"B:{n}" for n in res.unplaced_b]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         say(f"dmlib map: error: could not place {len(names)} tensor(s): {shown}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     return 0
 
 
@@ -104,11 +103,8 @@ def say(text: str, file: Any = None) -> None:
 
 def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
     """``dmlib compare A B --map MAP.toml``: rows in B's names, differences traced to A."""
-    import json
-
-    from dmlib._json import jsonable
     from dmlib.cli._table import table
-    from dmlib.cli.compare_cmd import summary_line
+    from dmlib.cli.compare import summary_line
     from dmlib.stats.compare import compare_records, summarize_records
 
     if args.rename:
@@ -121,10 +117,8 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
     )  # fmt: skip
     s = summarize_records(rows, at)
     if args.json:
-        print(
-            json.dumps(jsonable({"summary": s, "attrs": at, "rows": rows}, default=str), indent=1)
-        )
-        return 0 if s["identical"] else 1
+        print_json({"summary": s, "attrs": at, "rows": rows})
+        return exit_code(s)
     shown = rows if args.all else [r for r in rows if r["n_diff"] > 0]
     if shown:
         say(table(shown, _MAPPED_TABLE))
@@ -143,4 +137,4 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
             f"{m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"
         )
     say(summary_line(s, at))
-    return 0 if s["identical"] else 1
+    return exit_code(s)

@@ -1,4 +1,4 @@
-"""``dmlib report`` (a study -> a report folder) and ``dmlib study init`` (write a study file)."""
+"""``dmlib report``: run the report notebooks on a study and write the report folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dmlib.cli import add_common_epilog
+from dmlib.cli._common import add_common
+from dmlib.cli.study import STUDY_HELP, flag_pairs
 from dmlib.errors import DmlibError
 
 REPORT_EXIT = """exit status:
@@ -18,17 +19,9 @@ REPORT_EXIT = """exit status:
      replace); nothing is written or deleted
   130  interrupted (Ctrl-C): one line; temporary folders removed, nothing left half-written"""
 
-STUDY_EXIT = """exit status:
-  0  success: the study file was written
-  2  bad input: one line on stderr (a missing or unreadable checkpoint, an existing file)"""
-
-STUDY_HELP = """A study file (study.toml) says what to analyse: runs (label = a checkpoint, or a folder
-or glob of checkpoints forming a step ladder), the control, repeats, factor groups,
-parameter groups, captures. Its format is documented in dmlib.report.study
-(python -c 'import dmlib.report.study as s; help(s)') and in the README."""
-
 
 def register(sub: Any) -> None:
+    """Add ``report``."""
     p = sub.add_parser(
         "report",
         help="run the report notebooks on a study; write HTML, figures, numbers, one shareable file",
@@ -52,25 +45,7 @@ def register(sub: Any) -> None:
         metavar="LABEL=PATH",
         help="a run: checkpoint file, folder or glob (instead of a study file)",
     )
-    p.add_argument(
-        "--control", metavar="LABEL", help="with --run: the run expected to differ (another seed)"
-    )
-    p.add_argument(
-        "--repeat",
-        action="append",
-        default=[],
-        metavar="LABEL=OF",
-        help="with --run: run LABEL repeats run OF",
-    )
-    p.add_argument(
-        "--capture",
-        action="append",
-        default=[],
-        metavar="LABEL=FOLDER",
-        help="with --run: a capture folder (the first is the reference)",
-    )
-    p.add_argument("--request", metavar="ID", help="with --capture: the request to compare")
-    p.add_argument("--title", help="with --run: the report's title")
+    _add_flag_study(p)
     p.add_argument("--only", nargs="+", metavar="NOTEBOOK", help="run only these notebooks")
     p.add_argument(
         "--small", action="store_true", help="SMALL=True: a quick run on a subset of the runs"
@@ -91,58 +66,31 @@ def register(sub: Any) -> None:
         "--jobs", type=int, default=None, help="kernels run at once (default: min(4, CPUs))"
     )
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
-    add_common_epilog(p)
-    p.epilog = REPORT_EXIT
+    add_common(p, epilog=REPORT_EXIT)
     p.set_defaults(func=run_report)
 
-    s = sub.add_parser(
-        "study",
-        help="write a study file (dmlib study init)",
-        epilog=STUDY_EXIT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ssub = s.add_subparsers(dest="study_command", metavar="SUBCOMMAND")
-    i = ssub.add_parser(
-        "init",
-        help="write study.toml from a folder it scans or from --run LABEL=PATH",
-        description="Write a study.toml. Given FOLDER, scan it: checkpoint files are runs, "
-        "subfolders of checkpoints are step ladders, capture folders are captures; every "
-        "guess (the control, repeats, the reference capture) is written as a comment to check. "
-        "Given --run, write those runs.\n\n" + STUDY_HELP,
-    )
-    i.add_argument(
-        "folder", nargs="?", help="folder to scan (the study file goes into it unless --out)"
-    )
-    i.add_argument("--run", action="append", default=[], metavar="LABEL=PATH")
-    i.add_argument("--control", metavar="LABEL")
-    i.add_argument("--capture", action="append", default=[], metavar="LABEL=FOLDER")
-    i.add_argument("--request", metavar="ID")
-    i.add_argument("--title")
-    i.add_argument(
-        "--out", metavar="FILE", help="where to write (default: FOLDER/study.toml, or ./study.toml)"
-    )
-    i.add_argument("--force", action="store_true", help="overwrite an existing file")
-    add_common_epilog(i)
-    i.epilog = STUDY_EXIT
-    i.set_defaults(func=run_init)
-    s.set_defaults(func=lambda a: _usage(s))
 
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
-def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        label, sep, value = item.partition("=")
-        if not sep or not label or not value:
-            raise DmlibError(f"{flag} {item!r}: expected LABEL=PATH")
-        if label in out:
-            raise DmlibError(f"{flag}: label {label!r} given twice")
-        out[label] = value
-    return out
+def _add_flag_study(p: argparse.ArgumentParser) -> None:
+    """What a study file would say, given as options with ``--run``."""
+    p.add_argument(
+        "--control", metavar="LABEL", help="with --run: the run expected to differ (another seed)"
+    )
+    p.add_argument(
+        "--repeat",
+        action="append",
+        default=[],
+        metavar="LABEL=OF",
+        help="with --run: run LABEL repeats run OF",
+    )
+    p.add_argument(
+        "--capture",
+        action="append",
+        default=[],
+        metavar="LABEL=FOLDER",
+        help="with --run: a capture folder (the first is the reference)",
+    )
+    p.add_argument("--request", metavar="ID", help="with --capture: the request to compare")
+    p.add_argument("--title", help="with --run: the report's title")
 
 
 def _flag_study(args: argparse.Namespace) -> Any:
@@ -150,14 +98,14 @@ def _flag_study(args: argparse.Namespace) -> Any:
 
     data: dict[str, Any] = {
         "title": args.title or "dmlib report",
-        "runs": _pairs(args.run, "--run"),
+        "runs": flag_pairs(args.run, "--run"),
     }
     if args.control:
         data["control"] = args.control
     if args.repeat:
-        data["repeats"] = _pairs(args.repeat, "--repeat")
+        data["repeats"] = flag_pairs(args.repeat, "--repeat")
     if args.capture:
-        data["captures"] = {"folders": _pairs(args.capture, "--capture")}
+        data["captures"] = {"folders": flag_pairs(args.capture, "--capture")}
         if args.request:
             data["captures"]["request"] = args.request
     return from_dict(data, root=Path.cwd())
@@ -267,47 +215,3 @@ def _write_collection(out: Path, done: list[tuple[Any, Path, list[Any]]], *, fre
         page("dmlib reports", "<h1>dmlib reports</h1>" + "".join(rows)), encoding="utf-8"
     )
     write_marker(out, "collection", {"reports": [t.name for _, t, _ in done]})
-
-
-def run_init(args: argparse.Namespace) -> int:
-    from dmlib.report.studyfile import init_from_folder, init_from_runs
-
-    if args.folder and (args.run or args.capture):
-        raise DmlibError("give a folder to scan or --run LABEL=PATH, not both")
-    if args.folder:
-        target = Path(args.out) if args.out else Path(args.folder) / "study.toml"
-        if not Path(args.folder).is_dir():
-            raise DmlibError("not a folder", path=args.folder)
-        text = init_from_folder(Path(args.folder), title=args.title)
-        base = Path(args.folder)
-        if target.resolve().parent != base.resolve():
-            raise DmlibError(
-                "a scanned study must be written into the folder it describes (paths are relative to it)",
-                path=target,
-            )
-    elif args.run or args.capture:
-        from dmlib.report.study import resolve_runs
-
-        target = Path(args.out or "study.toml")
-        # every path must name readable checkpoints (or capture folders) before it is written
-        resolve_runs(_pairs(args.run, "--run"), Path.cwd(), Path.cwd())
-        for label, folder in _pairs(args.capture, "--capture").items():
-            if not Path(folder).is_dir():
-                raise DmlibError(f"capture {label!r}: not a folder", path=folder)
-        text = init_from_runs(
-            _pairs(args.run, "--run"),
-            target.resolve().parent,
-            control=args.control,
-            captures=_pairs(args.capture, "--capture"),
-            request=args.request,
-            title=args.title,
-        )
-    else:
-        raise DmlibError("give a folder to scan, or runs with --run LABEL=PATH")
-    if target.exists() and not args.force:
-        raise DmlibError("exists; pass --force to overwrite it", path=target)
-    target.write_text(text, encoding="utf-8")
-    print(
-        f"wrote {target}; check the lines marked 'guessed', then: dmlib report {target} --out report"
-    )
-    return 0

@@ -1,0 +1,119 @@
+"""What every subcommand parser and every command's ending share.
+
+- :func:`add_common`: ``--json``, ``--format``, ``--dask`` where a command has them, and
+  the exit-status text under ``--help``;
+- :func:`print_json`: the one JSON document a ``--json`` command prints;
+- :func:`exit_code`: the process exit status computed from a command's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+EXIT_CODES = """exit status:
+  0  success (for comparisons: every compared tensor is bit-identical)
+  1  a comparison found a difference
+  2  bad input or usage: one line on stderr naming the file and the problem
+  4  internal error (a bug in dmlib): one line on stderr naming the input files
+  130  interrupted (Ctrl-C or SIGTERM): one line on stderr"""
+
+EXIT_SAME = 0
+EXIT_DIFFERS = 1
+EXIT_BAD_INPUT = 2
+EXIT_INCONCLUSIVE = 3
+EXIT_INTERNAL = 4
+EXIT_INTERRUPTED = 130
+
+ONE_DOCUMENT = "print one JSON document"  # the help of most commands' --json
+
+# the verdicts of an arbitration and of a repeat count that mean "nothing differs"
+_SAME_VERDICTS = ("both-close", "deterministic")
+
+
+def add_common(
+    p: argparse.ArgumentParser,
+    *,
+    json: str | None = None,
+    format: bool = False,
+    dask: bool = False,
+    epilog: str = EXIT_CODES,
+) -> None:
+    """Give a subcommand parser the options and help text every command words alike.
+
+    ``json``: the help of ``--json`` (None: the command has no JSON output); ``format``:
+    ``--format`` (read every input as one format); ``dask``: ``--dask``; ``epilog``: the
+    exit-status text ``--help`` ends with (the shared one unless the command has its own).
+    """
+    if json is not None:
+        p.add_argument("--json", action="store_true", help=json)
+    if format:
+        add_format(p)
+    if dask:
+        from dmlib.cli._dask import add_dask
+
+        add_dask(p)
+    p.epilog = epilog
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def add_format(p: argparse.ArgumentParser) -> None:
+    """``--format``: read every input checkpoint as this format instead of detecting it."""
+    from dmlib.io import FORMATS
+
+    p.add_argument(
+        "--format", choices=list(FORMATS), help="read every input as this format (skip detection)"
+    )
+
+
+def print_json(doc: Any, *, default: Callable[[Any], Any] | None = str) -> None:
+    """Print ``doc`` as one indented JSON document (:func:`dmlib._json.jsonable` rules:
+    NaN and NA as null, infinity as ``"inf"``; ``default`` for anything else)."""
+    from dmlib._json import jsonable
+
+    print(json.dumps(jsonable(doc, default=default), indent=1))
+
+
+def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
+    """The exit status of a comparison: 0 nothing differs, 1 something differs (or a
+    control failed, or no verdict was reached), 3 inconclusive (capture comparisons).
+
+    ``result`` is what the library returned: a comparison summary (``identical``), a
+    matrix verdict (every pair identical), two Trainer runs compared (``bit_exact``),
+    a capture comparison's attrs (first divergent boundary, controls, status), or an
+    arbitration / repeat count (its ``verdict``). ``differs``: a command that judges
+    its table itself says so here instead. Bad input never gets here: a
+    :class:`dmlib.errors.DmlibError` is exit 2 in :func:`dmlib.cli.main`.
+    """
+    if differs is not None:
+        return EXIT_DIFFERS if differs else EXIT_SAME
+    if isinstance(result, Mapping):
+        if "first_divergent_boundary" in result:
+            return _capture_code(result)
+        if "identical_pairs" in result:
+            same = all(p["identical"] for p in result["pairs"])
+        elif "bit_exact" in result:
+            same = bool(result["bit_exact"])
+        elif "identical" in result:
+            same = bool(result["identical"])
+        else:
+            raise TypeError(f"no exit status for a result with keys {sorted(result)[:8]}")
+    elif hasattr(result, "verdict"):
+        same = result.verdict in _SAME_VERDICTS
+    else:
+        raise TypeError(f"no exit status for {type(result).__name__}")
+    return EXIT_SAME if same else EXIT_DIFFERS
+
+
+def _capture_code(attrs: Mapping[str, Any]) -> int:
+    """A capture comparison: 1 when a boundary differs or a control failed, 3 when it is
+    inconclusive, else 0."""
+    rc = attrs["repeat_control"]
+    failed_control = (rc is not None and not rc["held"]) or attrs["negative_control"][
+        "passed"
+    ] is False
+    if attrs["first_divergent_boundary"] is not None or failed_control:
+        return EXIT_DIFFERS
+    return EXIT_INCONCLUSIVE if attrs["status"] == "inconclusive" else EXIT_SAME

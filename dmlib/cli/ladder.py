@@ -1,0 +1,228 @@
+"""``dmlib ladder``: divergence between runs at every training step, each checkpoint's
+recorded step checked against the claimed one first."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from dmlib.cli._common import ONE_DOCUMENT, add_common, exit_code, print_json
+from dmlib.cli._dask import engine as engine_of
+from dmlib.cli._table import add_selection, fmt, table
+from dmlib.cli.structure import add_group, parse_group
+from dmlib.errors import DmlibError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``ladder``."""
+    lad = sub.add_parser(
+        "ladder",
+        help="divergence between runs at every training step, with step integrity checks",
+        description="Compare same-seed runs checkpoint by checkpoint along a step ladder. Every "
+        "checkpoint's recorded step is checked against the claimed one first; artifacts "
+        "(e.g. a step-0 save claimed as step 50), missing and unreadable files are reported "
+        "and left out. Prints one line per pair of runs: the first step at which it diverges "
+        "(or 'bit-identical at every step'), the fastest movers at the last step and the growth "
+        "of rel_fro per step (slope of log10 rel_fro of all tensors together); --details for "
+        "the per-step and per-tensor tables. Exit 1 when any tensor differs or any checkpoint "
+        "is flagged.",
+    )
+    lad.add_argument(
+        "ckpts",
+        nargs="+",
+        metavar="LABEL:STEP=PATH",
+        help="one checkpoint of one run, or LABEL=FOLDER: a Trainer output folder (its "
+        "checkpoint-N/ folders as the steps) or an Orbax CheckpointManager folder (its step "
+        "folders)",
+    )
+    lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
+    lad.add_argument(
+        "--step-key",
+        default="auto",
+        help="where a checkpoint records its step: auto, scalars:KEY, metadata:KEY, "
+        "name:REGEX or path:REGEX (group 1 captures the step)",
+    )
+    lad.add_argument("--keep-flagged", action="store_true", help="compare flagged checkpoints too")
+    lad.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="report missing or unreadable checkpoints as flagged rows (exit 1) instead of "
+        "refusing the ladder (exit 2)",
+    )
+    lad.add_argument("--top", type=int, default=3, help="fastest movers named per pair (default 3)")
+    lad.add_argument(
+        "--details",
+        action="store_true",
+        help="also print the step check of every checkpoint, the fastest movers of every step "
+        "and the growth rate of every tensor",
+    )
+    add_selection(lad)
+    add_group(lad, required=False)
+    add_common(lad, json=ONE_DOCUMENT, format=True, dask=True)
+    lad.set_defaults(func=run_ladder)
+
+
+def _manager_steps(path: str) -> dict[int, str]:
+    """An Orbax CheckpointManager folder's step folders (empty for anything else)."""
+    import os
+
+    if not os.path.isdir(path):
+        return {}
+    from dmlib.io.orbax import step_folders
+
+    return step_folders(path)
+
+
+def _run_folder(*, label: str, path: str, ladder: dict[str, dict[int, str]]) -> bool:
+    """``LABEL=FOLDER`` of a Trainer output folder: its ``checkpoint-N/`` folders as the
+    steps (N; each checkpoint's recorded ``global_step`` is checked against it). False
+    for a folder that holds no training checkpoint."""
+    import os
+
+    if not os.path.isdir(path):
+        return False
+    from dmlib.io.hf_trainer import checkpoints_of
+
+    found = checkpoints_of(path)
+    if not found:
+        return False
+    if label in ladder:
+        raise DmlibError(f"run {label!r} is given twice")
+    ladder[label] = dict(found)
+    return True
+
+
+def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
+    """``{label: {step: path}}`` from ``LABEL:STEP=PATH`` items, or ``LABEL=FOLDER`` for a
+    Trainer output folder (its ``checkpoint-N/`` folders) or an Orbax CheckpointManager
+    folder (its numbered step folders)."""
+    ladder: dict[str, dict[int, str]] = {}
+    for item in items:
+        head, sep, path = item.partition("=")
+        if sep and head and ":" not in head and _run_folder(label=head, path=path, ladder=ladder):
+            continue
+        label, colon, step = head.rpartition(":")
+        if sep and head and not colon and _manager_steps(path):  # LABEL=ORBAX_MANAGER_FOLDER
+            ladder.setdefault(head, {}).update(_manager_steps(path))
+            continue
+        if not sep or not colon or not label or not path or not step.lstrip("-").isdigit():
+            raise DmlibError(f"expected LABEL:STEP=PATH (e.g. s5a:5=runs/s5a/m.bpk), got {item!r}")
+        steps = ladder.setdefault(label, {})
+        if int(step) in steps:
+            raise DmlibError(f"run {label!r} has step {step} twice")
+        steps[int(step)] = path
+    return ladder
+
+
+def run_ladder(args: argparse.Namespace) -> int:
+    """``dmlib ladder``: compare the ladder, refuse missing checkpoints, print or dump."""
+    from dmlib.forensics.ladder import growth_rates, ladder_summary
+
+    df = _step_ladder(args)
+    import pandas as pd
+
+    growth = growth_rates(df)
+    checks = pd.DataFrame(df.attrs["checks"])
+    if not args.allow_missing:
+        _refuse_missing(checks)
+    flagged = bool(checks["flagged"].any())
+    code = exit_code(differs=flagged or bool((df["n_diff"] > 0).any()))
+    summary = ladder_summary(df, top=args.top)
+    if args.json:
+        print_json(
+            {
+                "checks": checks,
+                "pairs": summary,
+                "rows": df,
+                "growth": growth,
+                "excluded": df.attrs["excluded"],
+            }
+        )
+        return code
+    for e in df.attrs["excluded"]:
+        print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
+    _print_checks(checks, details=args.details)
+    for r in summary.itertuples(index=False):
+        print(_pair_line(r))
+    if args.details and len(df):
+        _print_details(df, growth, top=args.top)
+    return code
+
+
+def _step_ladder(args: argparse.Namespace) -> Any:
+    """The ladder's frame (:func:`dmlib.forensics.ladder.step_ladder`) for the arguments."""
+    from dmlib.forensics.ladder import step_ladder
+
+    ladder = parse_ladder(args.ckpts)
+    groups = [parse_group(g) for g in args.group] if args.group else None
+    with engine_of(args) as engine:
+        return step_ladder(
+            ladder,
+            reference=args.reference,
+            include=args.include,
+            exclude=args.exclude,
+            groups=groups,
+            step_key=args.step_key,
+            keep_flagged=args.keep_flagged,
+            engine=engine,
+        )
+
+
+def _refuse_missing(checks: Any) -> None:
+    """Bad input (exit 2) when a checkpoint is missing or unreadable (no --allow-missing)."""
+    bad = checks[checks["status"].isin(["missing", "unreadable"])]
+    if len(bad):
+        first = bad.iloc[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise DmlibError(
+            f"run {first['run']} step {first['step']}: {first['detail']}{more}; "
+            "pass --allow-missing to report such checkpoints instead"
+        )
+
+
+def _print_checks(checks: Any, *, details: bool) -> None:
+    """The step check of every checkpoint (``details``), else the counts and the flagged."""
+    if details:
+        print(table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
+        return
+    counts = checks["status"].value_counts()
+    print(
+        f"checkpoints: {len(checks)}; "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + " (recorded step against claimed)"
+    )
+    for c in checks[checks["status"] != "ok"].itertuples(index=False):
+        print(f"  {c.status}: run {c.run} step {c.step}: {c.detail.removeprefix(c.status + ': ')}")
+
+
+def _print_details(df: Any, growth: Any, *, top: int) -> None:
+    """The fastest movers of every step and the growth rate of every tensor."""
+    moved = df[(df["rank"] <= top) & (df["n_diff"] > 0)].sort_values(["step", "pair", "rank"])
+    cols = ["step", "pair", "rank", "name", "kind", "numel", "norm", "rel_fro", "max_abs", "n_diff"]
+    print()
+    print(table(moved, cols) if len(moved) else "no tensor differs at any step")
+    print()
+    print(table(growth.sort_values("slope", ascending=False), list(growth.columns)))
+
+
+def _pair_line(r: Any) -> str:
+    """One line for one pair of a ladder."""
+    steps = ", ".join(map(str, r.steps))
+    if r.identical:
+        return f"{r.pair}: bit-identical at every step ({steps})"
+    before = [s for s in r.steps if s < r.first_diff_step]
+    text = f"{r.pair}: first diverges at step {r.first_diff_step}"
+    text += (
+        f" (bit-identical at {', '.join(map(str, before))})"
+        if before
+        else " (the first step compared)"
+    )
+    movers = ", ".join(f"{n} {fmt(v)}" for n, v in r.movers)
+    text += f"; fastest movers at step {r.last_step} (rel_fro): {movers or '-'}"
+    slope = (
+        f"{r.slope:+.3g} decades of rel_fro per step over {r.n_steps_fit} steps"
+        if r.slope == r.slope
+        else f"no rate (rel_fro > 0 at {r.n_steps_fit} step{'s' if r.n_steps_fit != 1 else ''})"
+    )
+    return f"{text}; growth {slope}"
