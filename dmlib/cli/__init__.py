@@ -50,10 +50,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line, like every other dmlib failure."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """Exit 2 with one line naming the command and the problem."""
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dmlib`` parser with every command module's subcommands registered."""
     parser = _Parser(
         prog="dmlib",
         description="Numerical-reproducibility forensics: read checkpoints, compare runs, "

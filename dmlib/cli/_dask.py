@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 
 def add_dask(p: argparse.ArgumentParser) -> None:
+    """``--dask ADDRESS|local:N``: run the command on a Dask cluster."""
     p.add_argument(
         "--dask",
         metavar="ADDRESS|local:N",

@@ -179,6 +179,7 @@ def _is_dir(path: str) -> bool:
 
 def run_compare(args: argparse.Namespace) -> int:
     # plain records, not a DataFrame: the command starts without importing pandas
+    """``dmlib compare A B``: the divergence table, what was not compared, the verdict."""
     from dmlib.stats.compare import compare_records, summarize_records
 
     if _is_dir(args.a) and _is_dir(args.b):
@@ -337,6 +338,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
 
 
 def run_matrix(args: argparse.Namespace) -> int:
+    """``dmlib matrix LABEL=PATH ...``: one line per pair of runs and the verdict."""
     from dmlib.stats.matrix import matrix_records
 
     runs = labelled_paths(args.runs)

@@ -62,6 +62,7 @@ def _print_arrays(lay: dict, out) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``dmlib inspect PATH``: format, layout, tensor table, padding census."""
     from dmlib.inspect_ import describe
 
     doc = describe(args.path, format=args.format, hashes=not args.no_hash)

@@ -118,6 +118,7 @@ def _ranges(blocks: list[int]) -> str:
 
 
 def run_localize(args: argparse.Namespace) -> int:
+    """``dmlib localize A B``: boundaries that differ, the culprit, the controls."""
     from dmlib.localize.boundaries import capture_verdict, compare_captures
 
     repeat = tuple(args.repeat) if args.repeat else None
@@ -177,6 +178,7 @@ def _add_repeats(sub: argparse._SubParsersAction) -> None:
 
 
 def run_arbitrate(args: argparse.Namespace) -> int:
+    """``dmlib arbitrate A B``: each run of an op against its float64 replay."""
     from dmlib.localize.arbitrate import COLUMNS, arbitrate
 
     res = arbitrate(
@@ -201,6 +203,7 @@ def _arm(text: str) -> tuple[str, list[str]]:
 
 
 def run_repeats(args: argparse.Namespace) -> int:
+    """``dmlib repeats ARM=PATH,...``: the fraction of repeats that differ."""
     from dmlib.localize.rates import COLUMNS, repeat_rates
 
     arms = dict(_arm(a) for a in args.arms)

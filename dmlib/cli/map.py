@@ -51,6 +51,7 @@ def side(text: str) -> str | list[str]:
 
 
 def run_suggest(args: argparse.Namespace) -> int:
+    """``dmlib map suggest A B --out MAP.toml``: write a proposed mapping."""
     from dmlib._atomic import atomic_write_text
     from dmlib.mapping.spec import to_toml
     from dmlib.mapping.suggest import suggest

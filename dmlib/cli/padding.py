@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_gapcheck(args: argparse.Namespace) -> int:
+    """``dmlib gapcheck``: the runs' padding census and the dirty or differing slots."""
     from dmlib.padding import padding_across_runs, padding_summary
 
     runs = labelled_paths(args.paths, optional=True)

@@ -112,6 +112,7 @@ def _flag_study(args: argparse.Namespace) -> Any:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    """``dmlib report``: check every study and --out first, then build each report."""
     from dmlib.report.build import build_report, check_out
     from dmlib.report.runner import parse_param
     from dmlib.report.study import load_study

@@ -86,6 +86,7 @@ def parse_group(text: str):
 
 
 def run_factors(args: argparse.Namespace) -> int:
+    """``dmlib factors A B --group ...``: factorised layers by effective weight."""
     from dmlib.forensics.factors import compare_factors
 
     groups = [parse_group(g) for g in args.group]
@@ -122,6 +123,7 @@ def run_factors(args: argparse.Namespace) -> int:
 
 
 def run_firstcol(args: argparse.Namespace) -> int:
+    """``dmlib firstcol LABEL=PATH ...``: first divergent column and sign flips."""
     from dmlib.forensics.columns import first_divergent_columns, sign_flip_table
 
     runs = labelled_paths(args.runs)

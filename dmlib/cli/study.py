@@ -73,6 +73,7 @@ def flag_pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def run_init(args: argparse.Namespace) -> int:
+    """``dmlib study init``: write study.toml from a scanned folder or from --run."""
     from dmlib.report.studyfile import init_from_folder, init_from_runs
 
     if args.folder and (args.run or args.capture):
