@@ -216,6 +216,16 @@ def run_compare(args: argparse.Namespace) -> int:
     if listed:
         hashed = args.hash not in (None, "none")
         print(table(listed, _TABLE + (["data_hash_a", "data_hash_b"] if hashed else [])))
+    _print_notes(at, file_hashes=args.file_hashes)
+    for line in component_lines(comps or []):
+        print(line)
+    print(summary_line(s, at))
+    return exit_code(s)
+
+
+def _print_notes(at: dict[str, Any], *, file_hashes: bool) -> None:
+    """What a comparison's attrs say beside the table: names and scalars one side holds,
+    mismatched tensors, metadata and parameter ids that differ, file hashes, name mappings."""
     for key in ("only_in_a", "only_in_b"):
         if at[key]:
             print(f"{key}: {names_list(at[key])}")
@@ -230,7 +240,7 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"metadata_diff: {names_list(at['metadata_diff'])}")
     if at["param_id_diff"]:
         print(f"param_id_diff: {len(at['param_id_diff'])} tensors")
-    for side in ("a", "b") if args.file_hashes else ():
+    for side in ("a", "b") if file_hashes else ():
         print(
             f"data_section_hash_{side}: {at['data_section_hash_' + side]}  file_hash_{side}: {at['file_hash_' + side]}"
         )
@@ -244,10 +254,6 @@ def run_compare(args: argparse.Namespace) -> int:
             f"note: only {h['shared_before']} names are shared; mapping {shown(h['spec'])} would pair "
             f"{h['shared_after']} (--rename {shown(h['spec'])})"
         )
-    for line in component_lines(comps or []):
-        print(line)
-    print(summary_line(s, at))
-    return exit_code(s)
 
 
 def _components(rows: list[dict[str, Any]], at: dict[str, Any]) -> list[dict[str, Any]] | None:
