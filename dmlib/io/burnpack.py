@@ -27,7 +27,7 @@ from dmlib import _atomic
 from dmlib.dtypes import SAFETENSORS_DTYPES
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io import cbor
-from dmlib.io._checks import offsets_problem, shape_problem, short_repr
+from dmlib.io._checks import offsets_problem, shape_problem, short_repr, tiling_problem
 from dmlib.tensor import Scalar, Tensor, TensorSet
 
 MAGIC = b"NRUB"  # u32 0x4255524E little-endian
@@ -259,32 +259,21 @@ def _fits(
     base: int, descs: list[_Descriptor], size: int, buf: np.ndarray, aligned: bool
 ) -> tuple[bool, int, str]:
     """Does the record fit with data base ``base``? Returns (ok, record end, reason)."""
-    spans = sorted((d.start, d.end) for d in descs)
-    last = max((e for _, e in spans), default=0)
+    last = max((d.end for d in descs), default=0)
     end = base + last
-    if end > size:
-        return False, end, f"tensors would end at byte {end}, past the end of the file ({size})"
-    prev = 0
-    for s, e in spans:
-        if s < prev:
-            return False, end, f"tensors overlap (a tensor starts at data offset {s} before {prev})"
-        if aligned and s % ALIGN:
-            return False, end, f"data offset {s} is not a multiple of {ALIGN}"
-        # Burn's writer puts each tensor at the first aligned offset after the previous
-        # one: a larger gap means offsets shifted (by a whole alignment unit or more)
-        if aligned and s != align_up(prev):
-            return (
-                False,
-                end,
-                f"data offset {s} leaves a gap of {s - prev} bytes after {prev} (expected {align_up(prev)})",
-            )
-        if not aligned and s != prev:
-            return (
-                False,
-                end,
-                f"data offset {s} leaves a gap after {prev} (legacy files pack tensors back to back)",
-            )
-        prev = max(prev, e)
+    # Burn's writer puts each tensor at the first aligned offset after the previous one
+    # (legacy files: back to back): a larger gap means offsets shifted
+    problem = tiling_problem(
+        ((d.start, d.end, d.name) for d in descs),
+        size - base,
+        base=base,
+        align=ALIGN if aligned else 1,
+        exact_end=False,
+    )
+    if problem is not None:
+        return False, end, problem.message
+    if end > size:  # no tensor at all, and the data base itself past the end
+        return False, end, f"the data would start at byte {end}, past the end of the file ({size})"
     if end == size:
         return True, end, ""
     for nxt in {align_up(end), end}:

@@ -37,7 +37,7 @@ from dmlib.errors import (
     TruncatedError,
     UnsupportedError,
 )
-from dmlib.io._checks import short_repr
+from dmlib.io._checks import short_repr, tiling_problem
 from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 MAGIC = b"GGUF"
@@ -286,18 +286,8 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
                 path=path,
             )
         nbytes = numel // block * bsize
-        if offset % alignment:
-            raise LayoutError(
-                f"tensor {name!r}: offset {offset} is not a multiple of the alignment {alignment}",
-                path=path,
-            )
         start = base + offset
-        if start + nbytes > size:
-            raise TruncatedError(
-                f"tensor {name!r} ends at byte {start + nbytes}, past the end of the file ({size} bytes)",
-                path=path,
-            )
-        spans.append((start, start + nbytes, name))
+        spans.append((offset, offset + nbytes, name))
         shape = tuple(reversed(dims))  # ggml's first dim varies fastest: numpy's last
         if np_code is not None:
             dt = (_dtypes.BFLOAT16 if np_code == "bf16" else np.dtype(np_code)).newbyteorder(order)
@@ -333,18 +323,13 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
             quant.append(name)
     # Writers (llama.cpp's and the gguf package) lay tensors back to back, each padded to
     # the alignment: bytes that belong to no tensor are where a shifted offset would hide
-    prev_end, prev = base, None
-    for s, e, name in sorted(spans):
-        if s < prev_end and e > s:
-            raise LayoutError(f"tensors {prev!r} and {name!r} overlap at byte {s}", path=path)
-        if s - prev_end >= alignment:
-            where = f"after tensor {prev!r}" if prev is not None else "at the start of the data"
-            raise LayoutError(
-                f"{s - prev_end} bytes {where} (bytes {prev_end}..{s}) belong to no tensor",
-                path=path,
-            )
-        if e > s:
-            prev_end, prev = -(-e // alignment) * alignment, name
+    problem = tiling_problem(
+        spans, size - base, base=base, align=alignment, exact_end=False, empty_may_overlap=True
+    )
+    if problem is not None:
+        raise (TruncatedError if problem.kind == "bounds" else LayoutError)(
+            problem.message, path=path
+        )
     layout: dict[str, Any] = {
         "version": version,
         "data_base": base,

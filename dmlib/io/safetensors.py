@@ -20,7 +20,7 @@ from dmlib import _atomic
 from dmlib import dtypes as _dtypes
 from dmlib.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_SUBBYTE, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
-from dmlib.io._checks import offsets_problem, shape_problem, short_repr
+from dmlib.io._checks import offsets_problem, shape_problem, short_repr, tiling_problem
 from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
@@ -124,11 +124,6 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
                     f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {dname} x {shape} needs {need}",
                     path=path,
                 )
-        if base + offs[1] > size:
-            raise TruncatedError(
-                f"tensor {name!r} ends at byte {base + offs[1]}, past the end of the file ({size} bytes)",
-                path=path,
-            )
         spans.append((offs[0], offs[1], name))
         if kind in ("opaque", "unknown"):
             opaque.append(name)
@@ -148,30 +143,10 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     # Like the reference implementation: tensors tile the data section exactly, in
     # offset order, with no gap, no overlap and nothing after the last one. Bytes that
     # belong to no tensor are where a dropped duplicate or a shifted offset would hide.
-    prev_end, prev_name = 0, None
-    for s, e, name in sorted(spans):
-        if s < prev_end:
-            raise LayoutError(
-                f"tensors {prev_name!r} and {name!r} overlap at data offset {s}", path=path
-            )
-        if s > prev_end:
-            where = (
-                f"after tensor {prev_name!r}"
-                if prev_name is not None
-                else "at the start of the data"
-            )
-            raise LayoutError(
-                f"{s - prev_end} bytes {where} (data offsets {prev_end}..{s}) belong to no tensor",
-                path=path,
-            )
-        if e > s or prev_name is None:
-            prev_end, prev_name = max(prev_end, e), name
-    if base + prev_end != size:
-        raise LayoutError(
-            f"{size - base - prev_end} bytes after the last tensor (data ends at byte {base + prev_end}, "
-            f"the file has {size})",
-            path=path,
-        )
+    problem = tiling_problem(spans, size - base, base=base)
+    if problem is not None:
+        cls = TruncatedError if problem.kind == "bounds" else LayoutError
+        raise cls(problem.message, path=path)
     layout: dict[str, Any] = {"data_base": base, "header_size": base - 8}
     if opaque:  # listed, hashed and compared byte by byte; never silently dropped
         layout["opaque"] = opaque
