@@ -81,7 +81,7 @@ def tiling_problem(
     and move no end; with ``empty_may_overlap`` they may also sit inside another tensor.
     """
     ordered = sorted(spans)
-    for s, e, name in ordered:
+    for _s, e, name in ordered:
         if e > size:
             return TilingProblem(
                 "bounds",
