@@ -59,3 +59,27 @@ def test_public_lookups(tmp_path):
     assert not is_folder_checkpoint(f) and not is_folder_checkpoint(tmp_path)
     (tmp_path / ".metadata").write_bytes(b"x")  # a DCP folder by its layout
     assert is_folder_checkpoint(tmp_path) and dmlib.io.detect_format(tmp_path) == "dcp"
+
+
+def test_format_given_for_what_the_path_is_not(tmp_path):
+    # the messages of the checks each row's opener runs behind (as before the registry)
+    from dmlib.errors import FormatError
+
+    f = tmp_path / "w.safetensors"
+    dmlib.write_safetensors(f, {"w": np.zeros(2, np.float32)})
+    with pytest.raises(
+        FormatError, match="record= applies to burnpack files only, not safetensors"
+    ):
+        dmlib.io.open_tensors(f, record=0)
+    with pytest.raises(FormatError, match="format hf-trainer names a folder, not a file"):
+        dmlib.io.open_tensors(f, format="hf-trainer")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(
+        FormatError, match=r"not a DCP checkpoint directory \(no \.metadata in it\)"
+    ):
+        dmlib.io.open_tensors(empty, format="dcp")
+    with pytest.raises(FormatError, match="not an Orbax checkpoint folder"):
+        dmlib.io.open_tensors(empty, format="orbax")
+    with pytest.raises(UnknownFormatError, match="unknown format 'h5'; expected one of burnpack"):
+        dmlib.io.open_tensors(f, format="h5")
