@@ -1,5 +1,7 @@
-"""Readers: one module per format, and a registry that opens a file by its magic bytes
-first, then its suffix. ``format=`` overrides detection.
+"""Readers: one module per format, and a registry (:data:`REGISTRY`, one :class:`Format`
+row per format) that recognises a checkpoint folder, then a file by its magic bytes, then
+by its suffix. ``format=`` overrides detection. A new format is one reader module and one
+row.
 
 Reader modules are imported when a file of their format is opened (or detected), not with
 this package: ``dmlib compare a.safetensors b.safetensors`` loads the safetensors reader
@@ -13,6 +15,7 @@ import contextvars
 import importlib
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -23,42 +26,76 @@ if TYPE_CHECKING:
 
     from dmlib.tensor import TensorSet
 
-FORMATS = (
-    "burnpack", "safetensors", "npy", "npz", "torch", "dcp", "gguf", "burn-mpk", "orbax",
-    "flax-msgpack", "hf-trainer",
+
+@dataclass(frozen=True)
+class Format:
+    """One row of the format registry: how a format is recognised and opened.
+
+    Function fields name functions of ``dmlib.io.<module>``, imported only when they run.
+    ``sniff(head, path) -> bool`` looks at a file's first 64 bytes; ``folder_sniff(path)``
+    is truthy for a checkpoint folder (or for one of ``folder_files``, the files inside it
+    that stand for it) and runs only on a folder or such a file, so detection of a plain
+    file imports no folder reader. ``rank`` orders the sniffs of one kind (weak signatures
+    last). ``locate(path) -> path`` gives the folder a folder format opens, or raises the
+    error that names the file; without one a folder format opens a folder as given.
+    ``options`` are the keyword arguments of ``open_tensors`` the opener takes, and
+    ``sharded`` says that the format also comes as a Hugging Face shard index.
+    """
+
+    name: str
+    module: str
+    opener: str
+    description: str
+    suffixes: tuple[str, ...] = ()
+    sniff: str | None = None
+    rank: int = 0
+    folder: bool = False
+    folder_sniff: str | None = None
+    folder_files: tuple[str, ...] = ()
+    locate: str | None = None
+    options: tuple[str, ...] = ()
+    sharded: bool = False
+
+
+#: every format, in the order messages and ``--format`` list them
+REGISTRY: tuple[Format, ...] = (
+    Format("burnpack", "burnpack", "open_burnpack", "Burn's burnpack records",
+           (".bpk", ".burnpack"), "can_open", rank=0, options=("record",)),
+    Format("safetensors", "safetensors", "open_safetensors", "Hugging Face safetensors",
+           (".safetensors",), "can_open", rank=6, sharded=True),
+    Format("npy", "numpy_", "open_npy", "one numpy array", (".npy",), "can_open_npy", rank=1),
+    Format("npz", "numpy_", "open_npz", "a numpy .npz archive", (".npz",), "can_open_npz",
+           rank=2),
+    Format("torch", "torch_", "open_torch", "a torch.save file (zip or legacy pickle)",
+           (".pt", ".pth", ".bin", ".ckpt"), "can_open", rank=3, sharded=True),
+    Format("dcp", "dcp", "open_dcp", "a PyTorch Distributed Checkpoint folder", rank=1,
+           folder=True, folder_sniff="can_open", folder_files=(".metadata",), locate="locate"),
+    Format("gguf", "gguf", "open_gguf", "a GGUF file (llama.cpp)", (".gguf",), "can_open",
+           rank=4),
+    Format("burn-mpk", "burn_mpk", "open_mpk", "a Burn named MessagePack record", (".mpk",),
+           "can_open", rank=5),
+    Format("orbax", "orbax", "open_orbax", "an Orbax step or item folder (JAX)", rank=2,
+           folder=True, folder_sniff="checkpoint_folder",
+           folder_files=("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint"),
+           locate="locate"),
+    Format("flax-msgpack", "flax_msgpack", "open_flax_msgpack", "flax.serialization msgpack",
+           (".msgpack",), "can_open", rank=7),
+    Format("hf-trainer", "hf_trainer", "open_trainer",
+           "a Hugging Face Trainer checkpoint-N/ or Accelerate state folder", rank=0,
+           folder=True, folder_sniff="can_open"),
 )  # fmt: skip
 
-# (format, reader module, its magic check) in detection order; suffixes are the fallback
-_MAGIC: list[tuple[str, str, str]] = [
-    ("burnpack", "burnpack", "can_open"),
-    ("npy", "numpy_", "can_open_npy"),
-    ("npz", "numpy_", "can_open_npz"),
-    ("torch", "torch_", "can_open"),
-    ("gguf", "gguf", "can_open"),
-    ("burn-mpk", "burn_mpk", "can_open"),
-    ("safetensors", "safetensors", "can_open"),
-    ("flax-msgpack", "flax_msgpack", "can_open"),
-]
-_SUFFIX = {
-    ".bpk": "burnpack",
-    ".burnpack": "burnpack",
-    ".safetensors": "safetensors",
-    ".npy": "npy",
-    ".npz": "npz",
-    ".pt": "torch",
-    ".pth": "torch",
-    ".bin": "torch",
-    ".ckpt": "torch",
-    ".gguf": "gguf",
-    ".mpk": "burn-mpk",
-    ".msgpack": "flax-msgpack",
-}
-_MODULES = (
-    "burn_mpk", "burnpack", "dcp", "flax_msgpack", "gguf", "hf_trainer", "numpy_", "ocdbt",
-    "orbax", "safetensors", "sharded", "torch_", "zarr_",
-)  # fmt: skip
-# files inside an Orbax folder that stand for the folder itself
-_ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint")
+FORMATS = tuple(f.name for f in REGISTRY)
+_BY_NAME = {f.name: f for f in REGISTRY}
+_BY_SUFFIX = {s: f for f in REGISTRY for s in f.suffixes}
+# file formats by their content, folder formats by their folder, each in detection order
+_SNIFFED = sorted((f for f in REGISTRY if f.sniff), key=lambda f: f.rank)
+_FOLDERS = sorted((f for f in REGISTRY if f.folder), key=lambda f: f.rank)
+# a Hugging Face shard index names shards of one format (dmlib.io.sharded)
+_SHARD_INDEX = ".index.json"
+# modules that read no format of their own but are reachable as ``dmlib.io.<name>``
+_HELPERS = ("ocdbt", "sharded", "zarr_")
+_MODULES = tuple(sorted({f.module for f in REGISTRY} | set(_HELPERS)))
 
 
 def _reader(module: str) -> ModuleType:
@@ -66,14 +103,32 @@ def _reader(module: str) -> ModuleType:
     return importlib.import_module(f"dmlib.io.{module}")
 
 
+def _call(row: Format, function: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``function`` of the row's reader module."""
+    return getattr(_reader(row.module), function)(*args, **kwargs)
+
+
 def format_for_suffix(path: str | os.PathLike[str]) -> str | None:
     """The format a file's suffix names (``".safetensors"`` -> ``"safetensors"``), or None."""
-    return _SUFFIX.get(os.path.splitext(os.fspath(path))[1].lower())
+    row = _BY_SUFFIX.get(os.path.splitext(os.fspath(path))[1].lower())
+    return None if row is None else row.name
+
+
+def format_info(name: str) -> Format:
+    """The registry row of format ``name`` (:class:`UnknownFormatError` for another name)."""
+    if name not in _BY_NAME:
+        raise UnknownFormatError(f"unknown format {name!r}; expected one of {', '.join(FORMATS)}")
+    return _BY_NAME[name]
+
+
+def is_folder_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True for a folder (or a file standing for one) a folder format opens as one checkpoint."""
+    return _folder_format(os.fspath(path)) is not None
 
 
 def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
     """True for a folder the DCP reader opens as one checkpoint."""
-    return bool(_reader("dcp").can_open(os.fspath(path)))
+    return bool(_call(_BY_NAME["dcp"], "can_open", os.fspath(path)))
 
 
 def __getattr__(name: str) -> Any:  # ``dmlib.io.safetensors`` and friends, loaded on access
@@ -125,52 +180,56 @@ def _check_file(path: str) -> None:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """The format of a file: by magic bytes, then by suffix."""
+    """The format of a file: a checkpoint folder, a shard index, then magic bytes, then suffix."""
     path = os.fspath(path)
     # cheap tests on the path first: the reader modules load only for their own files
-    if os.path.isdir(path) and _reader("hf_trainer").can_open(path):
-        return "hf-trainer"
-    if (os.path.isdir(path) or os.path.basename(path) == ".metadata") and _reader("dcp").can_open(
-        path
-    ):
-        return "dcp"
-    if _orbax_folder(path) is not None:
-        return "orbax"
-    if path.endswith(".index.json") and _reader("sharded").can_open(path):
+    folder = _folder_format(path)
+    if folder is not None:
+        return folder.name
+    if path.endswith(_SHARD_INDEX) and _reader("sharded").can_open(path):
         _check_file(path)
         return _reader("sharded").shard_format(path)
     _check_file(path)
+    return _file_format(path, _head(path))
+
+
+def _folder_format(path: str) -> Format | None:
+    """The folder format whose folder ``path`` is (or names by one of its files), or None."""
+    is_dir, base = os.path.isdir(path), os.path.basename(path)
+    for row in _FOLDERS:
+        if (is_dir or base in row.folder_files) and _call(row, row.folder_sniff or "", path):
+            return row
+    return None
+
+
+def _head(path: str) -> bytes:
+    """The first 64 bytes of a file (a read error as one line naming it)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(64)
+            return f.read(64)
     except OSError as err:
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
+
+
+def _file_format(path: str, head: bytes) -> str:
+    """A file's format by its content (``head``: its first bytes), then by its suffix."""
     if head.startswith(b"PK"):  # a zip under any name: torch.save's, or numpy's .npz
         kind = _zip_kind(path)
         if kind is not None:
             return kind
-    suffix = os.path.splitext(path)[1].lower()
+    named = _BY_SUFFIX.get(os.path.splitext(path)[1].lower())
     # the format the suffix names, when its magic agrees (the signatures are disjoint, so
     # this is the answer of the ordered scan below, without importing every reader)
-    hinted = [m for m in _MAGIC if m[0] == _SUFFIX.get(suffix)]
-    for name, module, check in hinted + _MAGIC:
-        if getattr(_reader(module), check)(head, path):
-            return name
-    if suffix in _SUFFIX:
-        return _SUFFIX[suffix]
+    hinted = [named] if named is not None and named.sniff else []
+    for row in hinted + _SNIFFED:
+        if _call(row, row.sniff or "", head, path):
+            return row.name
+    if named is not None:
+        return named.name
     raise UnknownFormatError(
         f"unrecognised file (first bytes {head[:8]!r}); pass format= one of {', '.join(FORMATS)}",
         path=path,
     )
-
-
-def _orbax_folder(path: str) -> str | None:
-    """The Orbax step or item folder ``path`` is (or names, by one of its metadata files)."""
-    if os.path.basename(path) in _ORBAX_FILES and os.path.isfile(path):
-        path = os.path.dirname(path) or "."
-    if os.path.isdir(path) and _reader("orbax").kind(path) is not None:
-        return path
-    return None
 
 
 def _zip_kind(path: str) -> str | None:
@@ -214,56 +273,36 @@ def open_tensors(
     """
     path = os.fspath(path)
     fmt = format or _ASSUMED.get() or detect_format(path)
-    if fmt not in FORMATS:
+    if fmt not in _BY_NAME:
         raise UnknownFormatError(
             f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}", path=path
         )
-    if record is not None and fmt != "burnpack":
-        raise FormatError(f"record= applies to burnpack files only, not {fmt}", path=path)
-    if fmt == "orbax":
-        folder = _orbax_folder(path)
-        if folder is None:
-            raise FormatError(
-                "not an Orbax checkpoint folder (no _METADATA or manifest.ocdbt)", path=path
-            )
-        path = folder
-    elif fmt == "dcp":
-        if not _reader("dcp").can_open(path):
-            raise FormatError(
-                f"not a DCP checkpoint directory (no {_reader('dcp').METADATA} in it)", path=path
-            )
-    elif fmt == "hf-trainer":
-        if not os.path.isdir(path):
-            _check_file(path)
-            raise FormatError("format hf-trainer names a folder, not a file", path=path)
-    else:
-        _check_file(path)
+    row = _BY_NAME[fmt]
+    if record is not None and "record" not in row.options:
+        takers = " and ".join(f.name for f in REGISTRY if "record" in f.options)
+        raise FormatError(f"record= applies to {takers} files only, not {fmt}", path=path)
+    path = _opened_path(row, path)
     try:
-        if fmt == "dcp":
-            return _reader("dcp").open_dcp(path)
-        if fmt == "orbax":
-            return _reader("orbax").open_orbax(path)
-        if fmt == "flax-msgpack":
-            return _reader("flax_msgpack").open_flax_msgpack(path)
-        if fmt == "hf-trainer":
-            return _reader("hf_trainer").open_trainer(path)
-        if fmt in ("safetensors", "torch") and path.endswith(".index.json"):  # sharded.can_open
+        if row.sharded and path.endswith(_SHARD_INDEX):  # sharded.can_open
             return _reader("sharded").open_index(path)
-        if fmt == "burnpack":
-            return _reader("burnpack").open_burnpack(path, record=record)
-        if fmt == "safetensors":
-            return _reader("safetensors").open_safetensors(path)
-        if fmt == "npy":
-            return _reader("numpy_").open_npy(path)
-        if fmt == "npz":
-            return _reader("numpy_").open_npz(path)
-        if fmt == "gguf":
-            return _reader("gguf").open_gguf(path)
-        if fmt == "burn-mpk":
-            return _reader("burn_mpk").open_mpk(path)
-        return _reader("torch_").open_torch(path)
+        options = {"record": record} if "record" in row.options else {}
+        return _call(row, row.opener, path, **options)
     except OSError as err:  # unreadable (permissions, I/O error): still one line naming the file
         raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
+
+
+def _opened_path(row: Format, path: str) -> str:
+    """The path the row's opener reads: the file after the checks every file passes, or
+    the checkpoint folder (an error naming ``path`` when it is not one of this format)."""
+    if not row.folder:
+        _check_file(path)
+        return path
+    if row.locate is not None:
+        return str(_call(row, row.locate, path))
+    if not os.path.isdir(path):
+        _check_file(path)
+        raise FormatError(f"format {row.name} names a folder, not a file", path=path)
+    return path
 
 
 def load(
@@ -278,6 +317,6 @@ def load(
 
 
 __all__ = [
-    "FORMATS", "assumed_format", "detect_format", "format_for_suffix", "is_dcp_folder", "load",
-    "open_tensors",
+    "FORMATS", "REGISTRY", "Format", "assumed_format", "detect_format", "format_for_suffix",
+    "format_info", "is_dcp_folder", "is_folder_checkpoint", "load", "open_tensors",
 ]  # fmt: skip

@@ -23,6 +23,7 @@ import math
 import os
 import struct
 import zlib
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -182,127 +183,143 @@ def _is_tensor(node: Any) -> bool:
 
 
 def open_mpk(path: str | os.PathLike[str]) -> TensorSet:
-    """Open a Burn NamedMpk record (``.mpk`` or ``.mpk.gz``) as a TensorSet."""
+    """Open a Burn NamedMpk record (``.mpk`` or ``.mpk.gz``) as a TensorSet.
+
+    Steps: the MessagePack document, its metadata, then a walk of the record's item
+    tree: each tensor node becomes a Tensor named by its path, each plain value a scalar.
+    """
     path = os.fspath(path)
     stamp = FileStamp.take(path)
     doc = _decode(path)
     if not isinstance(doc, dict) or "item" not in doc:
         raise FormatError("not a Burn record (no top-level 'item')", path=path)
-    meta_raw = doc.get("metadata")
-    metadata: dict[str, str] = {}
-    if isinstance(meta_raw, dict):
-        metadata = {
-            str(k): str(v) for k, v in meta_raw.items() if isinstance(v, (str, int, float, bool))
-        }
-    elif meta_raw is not None:
-        raise FormatError(f"record metadata is a {type(meta_raw).__name__}, not a map", path=path)
-    tensors: dict[str, Tensor] = {}
-    scalars: dict[str, Any] = {}
-    opaque: list[str] = []
-
-    def tensor(name: str, node: dict, pid: Any) -> None:
-        problem = shape_problem(node.get("shape"), 1)
-        if problem is not None:
-            raise FormatError(f"tensor {name!r}: {problem}", path=path)
-        shape: list[int] = node["shape"]
-        numel = math.prod(shape)
-        if "bytes" in node:
-            blob, dname = node["bytes"], _dtype_name(node.get("dtype"))
-            if not isinstance(blob, bytes):
-                raise FormatError(
-                    f"tensor {name!r}: 'bytes' is a {type(blob).__name__}, not binary", path=path
-                )
-            arr = np.frombuffer(blob, np.uint8)
-            dt = DTYPES.get(dname) if dname is not None else None
-            if dt is None:  # QFloat, or a variant we cannot name: its bytes, byte-wise
-                label = dname or f"DType{short_repr(node.get('dtype'), 40)}"
-                tensors[name] = Tensor(
-                    name,
-                    np.dtype("u1"),
-                    tuple(shape),
-                    nbytes=arr.nbytes,
-                    source=arr,
-                    path=path,
-                    dtype_name=label,
-                    opaque=True,
-                    param_id=pid,
-                )
-                opaque.append(name)
-                return
-            if arr.nbytes != numel * dt.itemsize:
-                raise FormatError(
-                    f"tensor {name!r}: {arr.nbytes} bytes but {dname} x {list(shape)} needs {numel * dt.itemsize}",
-                    path=path,
-                )
-        else:  # Burn before 0.14: a list of numbers, element type from the record's settings
-            values = node["value"]
-            if not isinstance(values, list) or len(values) != numel:
-                got = len(values) if isinstance(values, list) else type(values).__name__
-                raise FormatError(
-                    f"tensor {name!r}: {got} values for shape {list(shape)}", path=path
-                )
-            if not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
-            ) and not all(isinstance(v, bool) for v in values):
-                raise FormatError(f"tensor {name!r}: values are not all numbers", path=path)
-            dname = _legacy_dtype(values, metadata)
-            dt = DTYPES[dname]
-            arr = (
-                np.asarray(values, dtype=np.float64 if dt.kind == "f" else None)
-                .astype(dt)
-                .view(np.uint8)
-            )
-            if dt.kind == "f" and not np.array_equal(
-                arr.view(dt).astype(np.float64), np.asarray(values, np.float64), equal_nan=True
-            ):
-                raise FormatError(f"tensor {name!r}: values do not fit {dname} exactly", path=path)
-        tensors[name] = Tensor(
-            name,
-            dt,
-            tuple(shape),
-            nbytes=arr.nbytes,
-            source=arr,
-            path=path,
-            dtype_name=dname,
-            param_id=pid,
-        )
-
-    def walk(node: Any, name: str, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise FormatError(f"{name!r}: nested more than {MAX_DEPTH} deep", path=path)
-        if isinstance(node, dict) and set(node) >= {"id", "param"} and len(node) == 2:
-            param = node["param"]
-            if _is_tensor(param):
-                tensor(name, param, node["id"])
-                return
-            walk(param, name, depth + 1)
-            return
-        if _is_tensor(node):
-            tensor(name, node, None)
-            return
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{name}.{k}" if name else str(k), depth + 1)
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, f"{name}.{i}" if name else str(i), depth + 1)
-        elif isinstance(node, (int, float, bool, str)):
-            scalars[name] = node
-        # None (a unit / PhantomData field) carries nothing
-
-    walk(doc["item"], "", 0)
+    found = _Found(path, _record_metadata(doc.get("metadata"), path))
+    _walk(doc["item"], "", 0, found)
     layout: dict[str, Any] = {"compressed": path.lower().endswith(".gz")}
+    opaque = [n for n, t in found.tensors.items() if t.opaque]
     if opaque:
         layout["opaque"] = opaque
     return TensorSet(
-        tensors,
+        found.tensors,
         path=path,
         format="burn-mpk",
-        metadata=metadata,
-        scalars=scalars,
+        metadata=found.metadata,
+        scalars=found.scalars,
         layout=layout,
         stamp=stamp,
     )
+
+
+@dataclass
+class _Found:
+    """What the walk of one record has found so far."""
+
+    path: str
+    metadata: dict[str, str]
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+
+def _record_metadata(meta_raw: Any, path: str) -> dict[str, str]:
+    """The record's metadata map as text (values that are not plain are left out)."""
+    if isinstance(meta_raw, dict):
+        return {
+            str(k): str(v) for k, v in meta_raw.items() if isinstance(v, (str, int, float, bool))
+        }
+    if meta_raw is not None:
+        raise FormatError(f"record metadata is a {type(meta_raw).__name__}, not a map", path=path)
+    return {}
+
+
+def _walk(node: Any, name: str, depth: int, found: _Found) -> None:
+    """Collect the tensors and scalars under ``node`` (named ``name``) into ``found``."""
+    path = found.path
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{name!r}: nested more than {MAX_DEPTH} deep", path=path)
+    if isinstance(node, dict) and set(node) >= {"id", "param"} and len(node) == 2:
+        param = node["param"]
+        if _is_tensor(param):
+            found.tensors[name] = _tensor(name, param, node["id"], found)
+            return
+        _walk(param, name, depth + 1, found)
+        return
+    if _is_tensor(node):
+        found.tensors[name] = _tensor(name, node, None, found)
+        return
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _walk(v, f"{name}.{k}" if name else str(k), depth + 1, found)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _walk(v, f"{name}.{i}" if name else str(i), depth + 1, found)
+    elif isinstance(node, (int, float, bool, str)):
+        found.scalars[name] = node
+    # None (a unit / PhantomData field) carries nothing
+
+
+def _tensor(name: str, node: dict, pid: Any, found: _Found) -> Tensor:
+    """The Tensor of one tensor node: raw bytes (Burn 0.14 on) or a list of values."""
+    path = found.path
+    problem = shape_problem(node.get("shape"), 1)
+    if problem is not None:
+        raise FormatError(f"tensor {name!r}: {problem}", path=path)
+    shape: list[int] = node["shape"]
+    if "bytes" in node:
+        dname, dt, arr = _bytes_of(name, node, shape, path)
+        if dt is None:  # QFloat, or a variant we cannot name: its bytes, byte-wise
+            label = dname or f"DType{short_repr(node.get('dtype'), 40)}"
+            return Tensor(
+                name, np.dtype("u1"), tuple(shape), nbytes=arr.nbytes, source=arr, path=path,
+                dtype_name=label, opaque=True, param_id=pid,
+            )  # fmt: skip
+    else:  # Burn before 0.14: a list of numbers, element type from the record's settings
+        dname, dt, arr = _values_of(name, node, shape, found.metadata, path)
+    return Tensor(
+        name, dt, tuple(shape), nbytes=arr.nbytes, source=arr, path=path, dtype_name=dname,
+        param_id=pid,
+    )  # fmt: skip
+
+
+def _bytes_of(
+    name: str, node: dict, shape: list[int], path: str
+) -> tuple[str | None, np.dtype | None, np.ndarray]:
+    """(dtype name, numpy dtype or None when unknown, bytes) of a node holding raw bytes."""
+    blob, dname = node["bytes"], _dtype_name(node.get("dtype"))
+    if not isinstance(blob, bytes):
+        raise FormatError(
+            f"tensor {name!r}: 'bytes' is a {type(blob).__name__}, not binary", path=path
+        )
+    arr = np.frombuffer(blob, np.uint8)
+    dt = DTYPES.get(dname) if dname is not None else None
+    numel = math.prod(shape)
+    if dt is not None and arr.nbytes != numel * dt.itemsize:
+        raise FormatError(
+            f"tensor {name!r}: {arr.nbytes} bytes but {dname} x {list(shape)} needs {numel * dt.itemsize}",
+            path=path,
+        )
+    return dname, dt, arr
+
+
+def _values_of(
+    name: str, node: dict, shape: list[int], metadata: dict[str, str], path: str
+) -> tuple[str, np.dtype, np.ndarray]:
+    """(dtype name, numpy dtype, bytes) of a node holding a list of values (Burn < 0.14)."""
+    values = node["value"]
+    if not isinstance(values, list) or len(values) != math.prod(shape):
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        raise FormatError(f"tensor {name!r}: {got} values for shape {list(shape)}", path=path)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and not all(
+        isinstance(v, bool) for v in values
+    ):
+        raise FormatError(f"tensor {name!r}: values are not all numbers", path=path)
+    dname = _legacy_dtype(values, metadata)
+    dt = DTYPES[dname]
+    arr = np.asarray(values, dtype=np.float64 if dt.kind == "f" else None).astype(dt).view(np.uint8)
+    if dt.kind == "f" and not np.array_equal(
+        arr.view(dt).astype(np.float64), np.asarray(values, np.float64), equal_nan=True
+    ):
+        raise FormatError(f"tensor {name!r}: values do not fit {dname} exactly", path=path)
+    return dname, dt, arr
 
 
 def _legacy_dtype(values: list, metadata: dict[str, str]) -> str:

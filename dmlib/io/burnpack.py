@@ -27,7 +27,7 @@ from dmlib import _atomic
 from dmlib.dtypes import SAFETENSORS_DTYPES
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
 from dmlib.io import cbor
-from dmlib.io._checks import offsets_problem, shape_problem, short_repr
+from dmlib.io._checks import offsets_problem, shape_problem, short_repr, tiling_problem
 from dmlib.tensor import Scalar, Tensor, TensorSet
 
 MAGIC = b"NRUB"  # u32 0x4255524E little-endian
@@ -259,32 +259,21 @@ def _fits(
     base: int, descs: list[_Descriptor], size: int, buf: np.ndarray, aligned: bool
 ) -> tuple[bool, int, str]:
     """Does the record fit with data base ``base``? Returns (ok, record end, reason)."""
-    spans = sorted((d.start, d.end) for d in descs)
-    last = max((e for _, e in spans), default=0)
+    last = max((d.end for d in descs), default=0)
     end = base + last
-    if end > size:
-        return False, end, f"tensors would end at byte {end}, past the end of the file ({size})"
-    prev = 0
-    for s, e in spans:
-        if s < prev:
-            return False, end, f"tensors overlap (a tensor starts at data offset {s} before {prev})"
-        if aligned and s % ALIGN:
-            return False, end, f"data offset {s} is not a multiple of {ALIGN}"
-        # Burn's writer puts each tensor at the first aligned offset after the previous
-        # one: a larger gap means offsets shifted (by a whole alignment unit or more)
-        if aligned and s != align_up(prev):
-            return (
-                False,
-                end,
-                f"data offset {s} leaves a gap of {s - prev} bytes after {prev} (expected {align_up(prev)})",
-            )
-        if not aligned and s != prev:
-            return (
-                False,
-                end,
-                f"data offset {s} leaves a gap after {prev} (legacy files pack tensors back to back)",
-            )
-        prev = max(prev, e)
+    # Burn's writer puts each tensor at the first aligned offset after the previous one
+    # (legacy files: back to back): a larger gap means offsets shifted
+    problem = tiling_problem(
+        ((d.start, d.end, d.name) for d in descs),
+        size - base,
+        base=base,
+        align=ALIGN if aligned else 1,
+        exact_end=False,
+    )
+    if problem is not None:
+        return False, end, problem.message
+    if end > size:  # no tensor at all, and the data base itself past the end
+        return False, end, f"the data would start at byte {end}, past the end of the file ({size})"
     if end == size:
         return True, end, ""
     for nxt in {align_up(end), end}:
@@ -308,8 +297,53 @@ def _newer_than_legacy(meta: dict, descs: list[_Descriptor]) -> str | None:
 
 
 def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) -> Record:
+    """The record starting at byte ``start``: header, descriptors, then its data base.
+
+    The data base is where Burn's aligned layout or the legacy unaligned one puts the
+    data (:func:`_data_base`); every tensor is a view of the map from there.
+    """
     msize, meta = _parse_header(buf, start, size, path, index)
     descs = _descriptors(meta, path)
+    base, end, layout = _data_base(buf, start, size, msize, meta, descs, path, index)
+    md = meta.get("metadata") or {}
+    if not isinstance(md, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in md.items()
+    ):
+        raise FormatError("'metadata' is not a str -> str map", path=path)
+    scalars, kinds = _decode_scalars(meta.get("scalars"), path)
+    tensors, descriptors = {}, {}
+    for d in descs:
+        descriptors[d.name] = d.raw
+        tensors[d.name] = Tensor(
+            d.name, d.dtype, d.shape, nbytes=d.end - d.start, offset=base + d.start,
+            param_id=d.param_id, dtype_name=d.dtype_name, record=index, quantized=d.quantized,
+            source=buf, in_buffer=True, path=path,
+        )  # fmt: skip
+    return Record(
+        tensors, path=path, buffer=buf, index=index, start=start, end=end, data_base=base,
+        metadata_size=msize, metadata=md, scalars=scalars, scalar_kinds=kinds,
+        descriptors=descriptors,
+        layout={
+            "layout": layout, "data_base": base, "metadata_size": msize, "start": start,
+            "end": end,
+        },
+    )  # fmt: skip
+
+
+def _data_base(
+    buf: np.ndarray,
+    start: int,
+    size: int,
+    msize: int,
+    meta: dict,
+    descs: list[_Descriptor],
+    path: str,
+    index: int,
+) -> tuple[int, int, str]:
+    """(data base, record end, layout name): the one layout the record fits, else an error.
+
+    A file that two layouts would read differently is refused, never guessed at.
+    """
     d_aligned = start + align_up(HEADER + msize)
     d_legacy = start + HEADER + msize
     ok_a, end_a, why_a = _fits(d_aligned, descs, size, buf, aligned=True)
@@ -317,46 +351,11 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
     if d_legacy == d_aligned:
         ok_l, end_l, why_l = False, end_a, "same base as the aligned layout"
     else:
-        ok_l, end_l, why_l = _fits(d_legacy, descs, size, buf, aligned=False)
-        if ok_l and descs and all(d.start % ALIGN == 0 for d in descs) and ok_a:
-            ok_l = False  # aligned starts that also pack back to back: the aligned reading wins
-        if ok_l and newer:
-            # the legacy layout ended with Burn v0.20.0-pre.4; these fields came later, so
-            # a legacy reading would be a shifted window of an aligned file cut short
-            ok_l, why_l = (
-                False,
-                f"the metadata has {newer}, which Burn wrote only after the legacy layout ended",
-            )
-        if (
-            ok_l
-            and descs
-            and all(d.start % ALIGN == 0 for d in descs)
-            and not buf[d_legacy:d_aligned].any()
-        ):
-            # Packed starts that are all aligned, and zeros where the aligned padding
-            # would be: this is equally an aligned file cut short by the padding length.
-            raise LayoutError(
-                f"record {index}: ambiguous data base: legacy D={d_legacy} fits, but so would an aligned "
-                f"file (D={d_aligned}) cut short by {d_aligned - d_legacy} bytes; refusing to guess",
-                path=path,
-            )
+        ok_l, end_l, why_l = _legacy_fit(
+            buf, descs, size, d_legacy, d_aligned, ok_a, newer, index, path
+        )
     if ok_a and not ok_l and not newer and d_legacy != d_aligned and buf[d_legacy:d_aligned].any():
-        # The aligned base fits, but the bytes Burn zeroes before it are not zero. If the
-        # tensors also pack back to back from the legacy base, this is most likely a legacy
-        # file with trailing bytes, and the aligned reading would be a shifted window.
-        legacy_spans = sorted((d.start, d.end) for d in descs)
-        packed, prev = True, 0
-        for s_, e_ in legacy_spans:
-            packed, prev = packed and s_ == prev, max(prev, e_)
-        # (with no tensor bytes at all, both readings agree: nothing could be shifted)
-        if packed and 0 < prev and d_legacy + prev <= size:
-            raise LayoutError(
-                f"record {index}: ambiguous data base: the aligned layout (D={d_aligned}) fits the file "
-                f"length, but the {d_aligned - d_legacy} header-padding bytes are not zero and the "
-                f"tensors also pack back to back from the legacy base (D={d_legacy}), leaving "
-                f"{size - d_legacy - prev} trailing bytes; refusing to guess",
-                path=path,
-            )
+        _refuse_shifted_legacy(descs, size, d_legacy, d_aligned, index, path)
     if ok_a and ok_l:
         raise LayoutError(
             f"record {index}: ambiguous data base (both {d_aligned} and {d_legacy} fit); refusing to guess",
@@ -368,53 +367,61 @@ def _read_record(buf: np.ndarray, start: int, size: int, path: str, index: int) 
             f"Legacy unaligned layout (D={d_legacy}): {why_l}",
             path=path,
         )
-    base, end, layout = (
-        (d_aligned, end_a, "aligned") if ok_a else (d_legacy, end_l, "legacy-unaligned")
-    )
-    md = meta.get("metadata") or {}
-    if not isinstance(md, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in md.items()
-    ):
-        raise FormatError("'metadata' is not a str -> str map", path=path)
-    scalars, kinds = _decode_scalars(meta.get("scalars"), path)
-    tensors, descriptors = {}, {}
-    for d in descs:
-        descriptors[d.name] = d.raw
-        tensors[d.name] = Tensor(
-            d.name,
-            d.dtype,
-            d.shape,
-            nbytes=d.end - d.start,
-            offset=base + d.start,
-            param_id=d.param_id,
-            dtype_name=d.dtype_name,
-            record=index,
-            quantized=d.quantized,
-            source=buf,
-            in_buffer=True,
+    return (d_aligned, end_a, "aligned") if ok_a else (d_legacy, end_l, "legacy-unaligned")
+
+
+def _legacy_fit(
+    buf: np.ndarray,
+    descs: list[_Descriptor],
+    size: int,
+    d_legacy: int,
+    d_aligned: int,
+    ok_a: bool,
+    newer: str | None,
+    index: int,
+    path: str,
+) -> tuple[bool, int, str]:
+    """Does the legacy unaligned layout fit (as :func:`_fits`), given what the aligned one did?"""
+    ok_l, end_l, why_l = _fits(d_legacy, descs, size, buf, aligned=False)
+    all_aligned = bool(descs) and all(d.start % ALIGN == 0 for d in descs)
+    if ok_l and all_aligned and ok_a:
+        ok_l = False  # aligned starts that also pack back to back: the aligned reading wins
+    if ok_l and newer:
+        # the legacy layout ended with Burn v0.20.0-pre.4; these fields came later, so
+        # a legacy reading would be a shifted window of an aligned file cut short
+        ok_l, why_l = (
+            False,
+            f"the metadata has {newer}, which Burn wrote only after the legacy layout ended",
+        )
+    if ok_l and all_aligned and not buf[d_legacy:d_aligned].any():
+        # Packed starts that are all aligned, and zeros where the aligned padding
+        # would be: this is equally an aligned file cut short by the padding length.
+        raise LayoutError(
+            f"record {index}: ambiguous data base: legacy D={d_legacy} fits, but so would an aligned "
+            f"file (D={d_aligned}) cut short by {d_aligned - d_legacy} bytes; refusing to guess",
             path=path,
         )
-    return Record(
-        tensors,
-        path=path,
-        buffer=buf,
-        index=index,
-        start=start,
-        end=end,
-        data_base=base,
-        metadata_size=msize,
-        metadata=md,
-        scalars=scalars,
-        scalar_kinds=kinds,
-        descriptors=descriptors,
-        layout={
-            "layout": layout,
-            "data_base": base,
-            "metadata_size": msize,
-            "start": start,
-            "end": end,
-        },
-    )
+    return ok_l, end_l, why_l
+
+
+def _refuse_shifted_legacy(
+    descs: list[_Descriptor], size: int, d_legacy: int, d_aligned: int, index: int, path: str
+) -> None:
+    """Refuse an aligned reading whose header padding is not zero when the tensors also pack
+    back to back from the legacy base: most likely a legacy file with trailing bytes, and
+    the aligned reading would be a shifted window."""
+    packed, prev = True, 0
+    for s_, e_ in sorted((d.start, d.end) for d in descs):
+        packed, prev = packed and s_ == prev, max(prev, e_)
+    # (with no tensor bytes at all, both readings agree: nothing could be shifted)
+    if packed and 0 < prev and d_legacy + prev <= size:
+        raise LayoutError(
+            f"record {index}: ambiguous data base: the aligned layout (D={d_aligned}) fits the file "
+            f"length, but the {d_aligned - d_legacy} header-padding bytes are not zero and the "
+            f"tensors also pack back to back from the legacy base (D={d_legacy}), leaving "
+            f"{size - d_legacy - prev} trailing bytes; refusing to guess",
+            path=path,
+        )
 
 
 def can_open(head: bytes, path: str) -> bool:

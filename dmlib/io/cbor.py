@@ -132,6 +132,7 @@ def _arg(mv: memoryview, pos: int, info: int) -> tuple[int | None, int]:
 
 
 def _decode(mv: memoryview, pos: int, depth: int) -> tuple[Any, int]:
+    """The item starting at byte ``pos``, and the byte after it (one step per major type)."""
     if depth > MAX_DEPTH:
         raise CBORError(f"nesting deeper than {MAX_DEPTH} at byte {pos}")
     _need(mv, pos, 1)
@@ -144,63 +145,84 @@ def _decode(mv: memoryview, pos: int, depth: int) -> tuple[Any, int]:
             raise CBORError(f"indefinite-length integer at byte {start}")
         return (arg if major == 0 else -1 - arg), pos
     if major in (2, 3):
-        if arg is None:  # indefinite: definite chunks of the same major type
-            parts = []
-            while True:
-                _need(mv, pos, 1)
-                if mv[pos] == 0xFF:
-                    pos += 1
-                    break
-                if mv[pos] >> 5 != major or mv[pos] & 31 == 31:
-                    raise CBORError(f"bad chunk in indefinite string at byte {pos}")
-                chunk, pos = _decode(mv, pos, depth + 1)
-                parts.append(chunk)
-            return (b"".join(parts) if major == 2 else "".join(parts)), pos
-        _need(mv, pos, arg)
-        raw = bytes(mv[pos : pos + arg])
-        if major == 2:
-            return raw, pos + arg
-        try:
-            return raw.decode("utf-8"), pos + arg
-        except UnicodeDecodeError:
-            raise CBORError(f"text string at byte {start} is not valid UTF-8") from None
+        return _string(mv, pos, major, arg, start, depth)
     if major == 4:
-        out: list[Any] = []
-        if arg is not None:
-            _need(mv, pos, arg)  # every item takes at least one byte
-        while arg is None or len(out) < arg:
-            item, pos = _decode(mv, pos, depth + 1)
-            if item is _BREAK:
-                if arg is not None:
-                    raise CBORError(f"unexpected break at byte {pos - 1}")
-                break
-            out.append(item)
-        return out, pos
+        return _array(mv, pos, arg, depth)
     if major == 5:
-        d: dict[Any, Any] = {}
-        if arg is not None:
-            _need(mv, pos, 2 * arg)
-        n = 0
-        while arg is None or n < arg:
-            kpos = pos
-            key, pos = _decode(mv, pos, depth + 1)
-            if key is _BREAK:
-                if arg is not None:
-                    raise CBORError(f"unexpected break at byte {kpos}")
-                break
-            if not isinstance(key, (str, int, bytes, bool, float)) and key is not None:
-                raise CBORError(f"map key at byte {kpos} is a {type(key).__name__}, not a scalar")
-            if key in d:
-                raise CBORError(f"duplicate map key {key!r:.80} at byte {kpos}")
-            val, pos = _decode(mv, pos, depth + 1)
-            if val is _BREAK:
-                raise CBORError(f"break instead of a map value at byte {pos - 1}")
-            d[key] = val
-            n += 1
-        return d, pos
+        return _map(mv, pos, arg, depth)
     if major == 6:
         raise CBORError(f"tag {arg} at byte {start} (burnpack metadata uses no tags)")
-    # major 7: simple values and floats
+    return _simple(mv, pos, info, arg, start)  # major 7
+
+
+def _string(
+    mv: memoryview, pos: int, major: int, arg: int | None, start: int, depth: int
+) -> tuple[bytes | str, int]:
+    """A byte string (major 2) or a UTF-8 text string (major 3), definite or in chunks."""
+    if arg is None:  # indefinite: definite chunks of the same major type
+        parts = []
+        while True:
+            _need(mv, pos, 1)
+            if mv[pos] == 0xFF:
+                pos += 1
+                break
+            if mv[pos] >> 5 != major or mv[pos] & 31 == 31:
+                raise CBORError(f"bad chunk in indefinite string at byte {pos}")
+            chunk, pos = _decode(mv, pos, depth + 1)
+            parts.append(chunk)
+        return (b"".join(parts) if major == 2 else "".join(parts)), pos
+    _need(mv, pos, arg)
+    raw = bytes(mv[pos : pos + arg])
+    if major == 2:
+        return raw, pos + arg
+    try:
+        return raw.decode("utf-8"), pos + arg
+    except UnicodeDecodeError:
+        raise CBORError(f"text string at byte {start} is not valid UTF-8") from None
+
+
+def _array(mv: memoryview, pos: int, arg: int | None, depth: int) -> tuple[list[Any], int]:
+    """An array of ``arg`` items (None: up to a break)."""
+    out: list[Any] = []
+    if arg is not None:
+        _need(mv, pos, arg)  # every item takes at least one byte
+    while arg is None or len(out) < arg:
+        item, pos = _decode(mv, pos, depth + 1)
+        if item is _BREAK:
+            if arg is not None:
+                raise CBORError(f"unexpected break at byte {pos - 1}")
+            break
+        out.append(item)
+    return out, pos
+
+
+def _map(mv: memoryview, pos: int, arg: int | None, depth: int) -> tuple[dict[Any, Any], int]:
+    """A map of ``arg`` pairs (None: up to a break); keys are scalars, each once."""
+    d: dict[Any, Any] = {}
+    if arg is not None:
+        _need(mv, pos, 2 * arg)
+    n = 0
+    while arg is None or n < arg:
+        kpos = pos
+        key, pos = _decode(mv, pos, depth + 1)
+        if key is _BREAK:
+            if arg is not None:
+                raise CBORError(f"unexpected break at byte {kpos}")
+            break
+        if not isinstance(key, (str, int, bytes, bool, float)) and key is not None:
+            raise CBORError(f"map key at byte {kpos} is a {type(key).__name__}, not a scalar")
+        if key in d:
+            raise CBORError(f"duplicate map key {key!r:.80} at byte {kpos}")
+        val, pos = _decode(mv, pos, depth + 1)
+        if val is _BREAK:
+            raise CBORError(f"break instead of a map value at byte {pos - 1}")
+        d[key] = val
+        n += 1
+    return d, pos
+
+
+def _simple(mv: memoryview, pos: int, info: int, arg: int | None, start: int) -> tuple[Any, int]:
+    """A simple value or a float (major 7); the break code comes back as ``_BREAK``."""
     if info == 20:
         return False, pos
     if info == 21:

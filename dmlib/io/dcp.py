@@ -110,6 +110,13 @@ def can_open(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
+def locate(path: str) -> str:
+    """``path`` when it is a DCP checkpoint (:func:`can_open`), else a FormatError naming it."""
+    if not can_open(path):
+        raise FormatError(f"not a DCP checkpoint directory (no {METADATA} in it)", path=path)
+    return path
+
+
 def _read_metadata(mpath: str) -> Any:
     try:
         with open(mpath, "rb") as f:

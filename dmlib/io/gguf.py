@@ -37,7 +37,7 @@ from dmlib.errors import (
     TruncatedError,
     UnsupportedError,
 )
-from dmlib.io._checks import short_repr
+from dmlib.io._checks import short_repr, tiling_problem
 from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 MAGIC = b"GGUF"
@@ -218,16 +218,15 @@ def _byte_order(head: bytes, path: str) -> Literal["<", ">"]:
 
 
 def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> TensorSet:
-    """Open a GGUF file as a lazy TensorSet (quantized blocks as bytes, or dequantized)."""
+    """Open a GGUF file as a lazy TensorSet (quantized blocks as bytes, or dequantized).
+
+    Steps: the fixed header (magic, byte order, counts), the key/values, the tensor
+    infos, every tensor checked and made, then the tiling of the data section.
+    """
     path = os.fspath(path)
     stamp = FileStamp.take(path)  # before the header is read
     size = os.path.getsize(path)
-    if size < 24:
-        raise TruncatedError(f"{size} bytes, shorter than the 24-byte GGUF header", path=path)
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    if buf[:4].tobytes() != MAGIC:
-        raise FormatError(f"not a GGUF file (magic {buf[:4].tobytes()!r})", path=path)
-    order: Literal["<", ">"] = _byte_order(buf[:8].tobytes(), path)
+    buf, order = _open_map(path, size)
     cur = _Cursor(buf, path, order)
     cur.pos = 4
     version = cur.scalar("I", "version")
@@ -238,35 +237,8 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
         raise TruncatedError(
             f"{n_kv} key/values and {n_tensors} tensors cannot fit in {size} bytes", path=path
         )
-    metadata: dict[str, str] = {}
-    alignment = 32
-    for i in range(n_kv):
-        key = cur.string(f"key {i}")
-        vtype = cur.scalar("I", f"type of {key!r}")
-        value = cur.value(vtype, f"value of {key!r}")
-        if key in metadata:
-            raise FormatError(f"key {key!r} appears twice", path=path)
-        metadata[key] = value.text(order) if isinstance(value, _Array) else str(value)
-        if key == "general.alignment":
-            if vtype not in (4, 10) or not (
-                isinstance(value, int) and value > 0 and value & (value - 1) == 0
-            ):
-                raise FormatError(
-                    f"general.alignment {short_repr(value)} is not a power of two", path=path
-                )
-            alignment = value
-    infos = []
-    for i in range(n_tensors):
-        name = cur.string(f"name of tensor {i}")
-        n_dims = cur.scalar("I", f"dims of {name!r}")
-        if n_dims > MAX_DIMS:
-            raise FormatError(
-                f"tensor {name!r}: {n_dims} dimensions (at most {MAX_DIMS})", path=path
-            )
-        dims = [cur.scalar("Q", f"dim of {name!r}") for _ in range(n_dims)]
-        gtype = cur.scalar("I", f"type of {name!r}")
-        offset = cur.scalar("Q", f"offset of {name!r}")
-        infos.append((name, dims, gtype, offset))
+    metadata, alignment = _key_values(cur, n_kv)
+    infos = _tensor_infos(cur, n_tensors)
     base = -(-cur.pos // alignment) * alignment
     tensors: dict[str, Tensor] = {}
     spans = []
@@ -274,77 +246,21 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
     for name, dims, gtype, offset in infos:
         if name in tensors:
             raise FormatError(f"tensor {name!r} appears twice", path=path)
-        if gtype not in GGML_TYPES:
-            raise UnsupportedError(f"tensor {name!r}: unknown ggml type {gtype}", path=path)
-        tname, block, bsize, np_code = GGML_TYPES[gtype]
-        numel = math.prod(dims)
-        if numel >= 1 << 62:
-            raise FormatError(f"tensor {name!r}: dims {dims} claim {numel} elements", path=path)
-        if dims and dims[0] % block:
-            raise LayoutError(
-                f"tensor {name!r}: rows of {dims[0]} {tname} values are not whole blocks of {block}",
-                path=path,
-            )
-        nbytes = numel // block * bsize
-        if offset % alignment:
-            raise LayoutError(
-                f"tensor {name!r}: offset {offset} is not a multiple of the alignment {alignment}",
-                path=path,
-            )
-        start = base + offset
-        if start + nbytes > size:
-            raise TruncatedError(
-                f"tensor {name!r} ends at byte {start + nbytes}, past the end of the file ({size} bytes)",
-                path=path,
-            )
-        spans.append((start, start + nbytes, name))
-        shape = tuple(reversed(dims))  # ggml's first dim varies fastest: numpy's last
-        if np_code is not None:
-            dt = (_dtypes.BFLOAT16 if np_code == "bf16" else np.dtype(np_code)).newbyteorder(order)
-            tensors[name] = Tensor(
-                name,
-                dt,
-                shape,
-                nbytes=nbytes,
-                offset=start,
-                dtype_name=tname,
-                source=buf,
-                path=path,
-                in_buffer=True,
-            )
-        elif dequantize:
-            if numel * 4 > _limits.max_decompressed():
-                raise FormatError(
-                    f"tensor {name!r}: dequantized it would take {_limits.human(numel * 4)}, "
-                    f"more than the {_limits.human(_limits.max_decompressed())} allowed on this "
-                    f"machine; {_limits.limit_hint()}",
-                    path=path,
-                )
-            tensors[name] = Tensor(
-                name, np.dtype("f4"), shape, nbytes=numel * 4, dtype_name=f"{tname}->F32", path=path,
-                source=_dequantizer(buf, start, nbytes, gtype, shape, path, name),
-            )  # fmt: skip
-            quant.append(name)
-        else:
-            tensors[name] = Tensor(
-                name, np.dtype("u1"), shape, nbytes=nbytes, offset=start, dtype_name=tname,
-                source=buf, path=path, in_buffer=True, quantized=True,
-            )  # fmt: skip
+        tensors[name], nbytes = _tensor(
+            buf, path, name, dims, gtype, base + offset, order, dequantize
+        )
+        spans.append((offset, offset + nbytes, name))
+        if GGML_TYPES[gtype][3] is None:
             quant.append(name)
     # Writers (llama.cpp's and the gguf package) lay tensors back to back, each padded to
     # the alignment: bytes that belong to no tensor are where a shifted offset would hide
-    prev_end, prev = base, None
-    for s, e, name in sorted(spans):
-        if s < prev_end and e > s:
-            raise LayoutError(f"tensors {prev!r} and {name!r} overlap at byte {s}", path=path)
-        if s - prev_end >= alignment:
-            where = f"after tensor {prev!r}" if prev is not None else "at the start of the data"
-            raise LayoutError(
-                f"{s - prev_end} bytes {where} (bytes {prev_end}..{s}) belong to no tensor",
-                path=path,
-            )
-        if e > s:
-            prev_end, prev = -(-e // alignment) * alignment, name
+    problem = tiling_problem(
+        spans, size - base, base=base, align=alignment, exact_end=False, empty_may_overlap=True
+    )
+    if problem is not None:
+        raise (TruncatedError if problem.kind == "bounds" else LayoutError)(
+            problem.message, path=path
+        )
     layout: dict[str, Any] = {
         "version": version,
         "data_base": base,
@@ -362,6 +278,103 @@ def open_gguf(path: str | os.PathLike[str], *, dequantize: bool = False) -> Tens
         buffer=buf,
         stamp=stamp,
     )
+
+
+def _open_map(path: str, size: int) -> tuple[np.ndarray, Literal["<", ">"]]:
+    """The file's memory map and byte order, after its size and magic are checked."""
+    if size < 24:
+        raise TruncatedError(f"{size} bytes, shorter than the 24-byte GGUF header", path=path)
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    if buf[:4].tobytes() != MAGIC:
+        raise FormatError(f"not a GGUF file (magic {buf[:4].tobytes()!r})", path=path)
+    return buf, _byte_order(buf[:8].tobytes(), path)
+
+
+def _key_values(cur: _Cursor, n_kv: int) -> tuple[dict[str, str], int]:
+    """The ``n_kv`` key/values as text, and the data alignment (``general.alignment``)."""
+    metadata: dict[str, str] = {}
+    alignment = 32
+    for i in range(n_kv):
+        key = cur.string(f"key {i}")
+        vtype = cur.scalar("I", f"type of {key!r}")
+        value = cur.value(vtype, f"value of {key!r}")
+        if key in metadata:
+            raise FormatError(f"key {key!r} appears twice", path=cur.path)
+        metadata[key] = value.text(cur.order) if isinstance(value, _Array) else str(value)
+        if key == "general.alignment":
+            if vtype not in (4, 10) or not (
+                isinstance(value, int) and value > 0 and value & (value - 1) == 0
+            ):
+                raise FormatError(
+                    f"general.alignment {short_repr(value)} is not a power of two", path=cur.path
+                )
+            alignment = value
+    return metadata, alignment
+
+
+def _tensor_infos(cur: _Cursor, n_tensors: int) -> list[tuple[str, list[int], int, int]]:
+    """The tensor infos: (name, ggml dims, ggml type, data offset) each."""
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"name of tensor {i}")
+        n_dims = cur.scalar("I", f"dims of {name!r}")
+        if n_dims > MAX_DIMS:
+            raise FormatError(
+                f"tensor {name!r}: {n_dims} dimensions (at most {MAX_DIMS})", path=cur.path
+            )
+        dims = [cur.scalar("Q", f"dim of {name!r}") for _ in range(n_dims)]
+        gtype = cur.scalar("I", f"type of {name!r}")
+        offset = cur.scalar("Q", f"offset of {name!r}")
+        infos.append((name, dims, gtype, offset))
+    return infos
+
+
+def _tensor(
+    buf: np.ndarray,
+    path: str,
+    name: str,
+    dims: list[int],
+    gtype: int,
+    start: int,
+    order: Literal["<", ">"],
+    dequantize: bool,
+) -> tuple[Tensor, int]:
+    """The Tensor of one tensor info starting at byte ``start``, and the bytes it holds."""
+    if gtype not in GGML_TYPES:
+        raise UnsupportedError(f"tensor {name!r}: unknown ggml type {gtype}", path=path)
+    tname, block, bsize, np_code = GGML_TYPES[gtype]
+    numel = math.prod(dims)
+    if numel >= 1 << 62:
+        raise FormatError(f"tensor {name!r}: dims {dims} claim {numel} elements", path=path)
+    if dims and dims[0] % block:
+        raise LayoutError(
+            f"tensor {name!r}: rows of {dims[0]} {tname} values are not whole blocks of {block}",
+            path=path,
+        )
+    nbytes = numel // block * bsize
+    shape = tuple(reversed(dims))  # ggml's first dim varies fastest: numpy's last
+    if np_code is not None:
+        dt = (_dtypes.BFLOAT16 if np_code == "bf16" else np.dtype(np_code)).newbyteorder(order)
+        return Tensor(
+            name, dt, shape, nbytes=nbytes, offset=start, dtype_name=tname, source=buf,
+            path=path, in_buffer=True,
+        ), nbytes  # fmt: skip
+    if dequantize:
+        if numel * 4 > _limits.max_decompressed():
+            raise FormatError(
+                f"tensor {name!r}: dequantized it would take {_limits.human(numel * 4)}, "
+                f"more than the {_limits.human(_limits.max_decompressed())} allowed on this "
+                f"machine; {_limits.limit_hint()}",
+                path=path,
+            )
+        return Tensor(
+            name, np.dtype("f4"), shape, nbytes=numel * 4, dtype_name=f"{tname}->F32", path=path,
+            source=_dequantizer(buf, start, nbytes, gtype, shape, path, name),
+        ), nbytes  # fmt: skip
+    return Tensor(
+        name, np.dtype("u1"), shape, nbytes=nbytes, offset=start, dtype_name=tname,
+        source=buf, path=path, in_buffer=True, quantized=True,
+    ), nbytes  # fmt: skip
 
 
 def _dequantizer(

@@ -81,6 +81,28 @@ def can_open(path: str) -> bool:
     return kind(path) in ("item", "step")
 
 
+#: files inside an Orbax folder that stand for the folder itself
+FOLDER_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint")
+
+
+def checkpoint_folder(path: str | os.PathLike[str]) -> str | None:
+    """The Orbax folder ``path`` is (or names by one of :data:`FOLDER_FILES`), else None."""
+    path = os.fspath(path)
+    if os.path.basename(path) in FOLDER_FILES and os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    return path if kind(path) is not None else None
+
+
+def locate(path: str | os.PathLike[str]) -> str:
+    """The folder :func:`open_orbax` reads for ``path``, else a FormatError naming it."""
+    folder = checkpoint_folder(path)
+    if folder is None:
+        raise FormatError(
+            "not an Orbax checkpoint folder (no _METADATA or manifest.ocdbt)", path=os.fspath(path)
+        )
+    return folder
+
+
 def step_folders(path: str | os.PathLike[str]) -> dict[int, str]:
     """A CheckpointManager folder's steps: step number -> step folder (numeric names)."""
     path = os.fspath(path)

@@ -20,7 +20,7 @@ from dmlib import _atomic
 from dmlib import dtypes as _dtypes
 from dmlib.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_SUBBYTE, safetensors_name
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsupportedError
-from dmlib.io._checks import offsets_problem, shape_problem, short_repr
+from dmlib.io._checks import offsets_problem, shape_problem, short_repr, tiling_problem
 from dmlib.tensor import FileStamp, Tensor, TensorSet
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
@@ -78,101 +78,29 @@ def _header(path: str, size: int, f) -> tuple[int, dict[str, Any]]:
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
+    """Open a safetensors file as a lazy TensorSet over one memory map.
+
+    Steps: the header (length and JSON), the ``__metadata__`` map, every descriptor
+    checked and turned into a Tensor, then the tiling of the data section.
+    """
     path = os.fspath(path)
     stamp = FileStamp.take(path)  # before the header is read
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         base, header = _header(path, size, f)
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise FormatError("__metadata__ is not a str -> str map", path=path)
+    meta = _metadata(header.pop("__metadata__", {}), path)
     buf = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-    tensors: dict[str, Tensor] = {}
-    spans = []
-    opaque: list[str] = []
-    for name, d in header.items():
-        if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
-            raise FormatError(
-                f"tensor {name!r}: descriptor must have dtype, shape, data_offsets", path=path
-            )
-        dname = d["dtype"]
-        if not isinstance(dname, str) or not dname:
-            raise FormatError(
-                f"tensor {name!r}: dtype {short_repr(dname)} is not a dtype name", path=path
-            )
-        shape, offs = d["shape"], d["data_offsets"]
-        problem = shape_problem(shape, 1)
-        if problem is not None:
-            raise FormatError(f"tensor {name!r}: {problem}", path=path)
-        problem = offsets_problem(offs)
-        if problem is not None:
-            raise FormatError(f"tensor {name!r}: {problem}", path=path)
-        kind, dt, packing = _element(dname)
-        numel = math.prod(shape)
-        if kind != "unknown":
-            bits = numel * (dt.itemsize * 8 if kind == "plain" else SAFETENSORS_SUBBYTE[dname])
-            if bits % 8:
-                raise LayoutError(
-                    f"tensor {name!r}: {dname} x {shape} is {bits} bits, not a whole number of bytes",
-                    path=path,
-                )
-            need = bits // 8
-            if offs[1] - offs[0] != need:
-                raise LayoutError(
-                    f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {dname} x {shape} needs {need}",
-                    path=path,
-                )
-        if base + offs[1] > size:
-            raise TruncatedError(
-                f"tensor {name!r} ends at byte {base + offs[1]}, past the end of the file ({size} bytes)",
-                path=path,
-            )
-        spans.append((offs[0], offs[1], name))
-        if kind in ("opaque", "unknown"):
-            opaque.append(name)
-        tensors[name] = Tensor(
-            name,
-            dt,
-            tuple(shape),
-            nbytes=offs[1] - offs[0],
-            offset=base + offs[0],
-            dtype_name=dname,
-            source=buf,
-            path=path,
-            in_buffer=True,
-            packing=packing,
-            opaque=kind in ("opaque", "unknown"),
-        )
+    tensors = {name: _tensor(name, d, base, buf, path) for name, d in header.items()}
     # Like the reference implementation: tensors tile the data section exactly, in
     # offset order, with no gap, no overlap and nothing after the last one. Bytes that
     # belong to no tensor are where a dropped duplicate or a shifted offset would hide.
-    prev_end, prev_name = 0, None
-    for s, e, name in sorted(spans):
-        if s < prev_end:
-            raise LayoutError(
-                f"tensors {prev_name!r} and {name!r} overlap at data offset {s}", path=path
-            )
-        if s > prev_end:
-            where = (
-                f"after tensor {prev_name!r}"
-                if prev_name is not None
-                else "at the start of the data"
-            )
-            raise LayoutError(
-                f"{s - prev_end} bytes {where} (data offsets {prev_end}..{s}) belong to no tensor",
-                path=path,
-            )
-        if e > s or prev_name is None:
-            prev_end, prev_name = max(prev_end, e), name
-    if base + prev_end != size:
-        raise LayoutError(
-            f"{size - base - prev_end} bytes after the last tensor (data ends at byte {base + prev_end}, "
-            f"the file has {size})",
-            path=path,
-        )
+    spans = [(t.offset - base, t.offset - base + t.nbytes, t.name) for t in tensors.values()]
+    problem = tiling_problem(spans, size - base, base=base)
+    if problem is not None:
+        cls = TruncatedError if problem.kind == "bounds" else LayoutError
+        raise cls(problem.message, path=path)
     layout: dict[str, Any] = {"data_base": base, "header_size": base - 8}
+    opaque = [t.name for t in tensors.values() if t.opaque]
     if opaque:  # listed, hashed and compared byte by byte; never silently dropped
         layout["opaque"] = opaque
     return TensorSet(
@@ -184,6 +112,67 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
         buffer=buf,
         stamp=stamp,
     )
+
+
+def _metadata(meta: Any, path: str) -> dict[str, str]:
+    """The header's ``__metadata__``, checked to be a str -> str map."""
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise FormatError("__metadata__ is not a str -> str map", path=path)
+    return meta
+
+
+def _tensor(name: str, d: Any, base: int, buf: np.ndarray, path: str) -> Tensor:
+    """The Tensor a header descriptor ``d`` describes, after checking its fields and size."""
+    if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= set(d):
+        raise FormatError(
+            f"tensor {name!r}: descriptor must have dtype, shape, data_offsets", path=path
+        )
+    dname = d["dtype"]
+    if not isinstance(dname, str) or not dname:
+        raise FormatError(
+            f"tensor {name!r}: dtype {short_repr(dname)} is not a dtype name", path=path
+        )
+    shape, offs = d["shape"], d["data_offsets"]
+    problem = shape_problem(shape, 1) or offsets_problem(offs)
+    if problem is not None:
+        raise FormatError(f"tensor {name!r}: {problem}", path=path)
+    kind, dt, packing = _element(dname)
+    if kind != "unknown":
+        _check_length(name, dname, shape, offs, kind, dt, path)
+    return Tensor(
+        name,
+        dt,
+        tuple(shape),
+        nbytes=offs[1] - offs[0],
+        offset=base + offs[0],
+        dtype_name=dname,
+        source=buf,
+        path=path,
+        in_buffer=True,
+        packing=packing,
+        opaque=kind in ("opaque", "unknown"),
+    )
+
+
+def _check_length(
+    name: str, dname: str, shape: list, offs: list, kind: str, dt: np.dtype, path: str
+) -> None:
+    """A known dtype's tensor holds whole bytes, exactly as many as its offsets span."""
+    numel = math.prod(shape)
+    bits = numel * (dt.itemsize * 8 if kind == "plain" else SAFETENSORS_SUBBYTE[dname])
+    if bits % 8:
+        raise LayoutError(
+            f"tensor {name!r}: {dname} x {shape} is {bits} bits, not a whole number of bytes",
+            path=path,
+        )
+    need = bits // 8
+    if offs[1] - offs[0] != need:
+        raise LayoutError(
+            f"tensor {name!r}: {offs[1] - offs[0]} bytes at {offs} but {dname} x {shape} needs {need}",
+            path=path,
+        )
 
 
 def _element(dname: str) -> tuple[str, np.dtype, str | None]:
