@@ -241,3 +241,104 @@ def test_two_sources_onto_one_target_both_ways() -> None:
     text = '[[rule]]\nsource = ["a", "b"]\ntarget = "w"\n'
     with pytest.raises(DmlibError, match="2 sources onto fewer targets need a concat"):
         mapped_set(src, loads(text), ["w"])
+
+
+def _study_dir(runs, tmp_path: Path) -> Path:
+    d = tmp_path / "study"
+    (d / "runs").mkdir(parents=True)
+    (d / "maps").mkdir()
+    for k in ("hf", "twin", "ctrl"):
+        (d / "runs" / f"{k}.safetensors").write_bytes(Path(runs[k]).read_bytes())
+    (d / "maps" / "gpt2.toml").write_text(GPT2_MAP)
+    return d
+
+
+def test_study_with_a_mapped_run(runs, tmp_path: Path) -> None:
+    from dmlib.report import load_study
+    from dmlib.report.studyfile import resolved_toml
+
+    d = _study_dir(runs, tmp_path)
+    (d / "study.toml").write_text(
+        'control = "ctrl"\nreference = "twin"\n[runs]\n'
+        'hf = { path = "runs/hf.safetensors", mapping = "maps/gpt2.toml" }\n'
+        'twin = "runs/twin.safetensors"\nctrl = "runs/ctrl.safetensors"\n'
+    )
+    study = load_study(d)
+    assert study.mappings == {"hf": d / "maps" / "gpt2.toml"}
+    assert d / "maps" / "gpt2.toml" in study.input_files()
+    files, _ = study.at_last_step()
+    df = dmlib.matrix(study.sources(files), control="ctrl")
+    v = df.attrs["verdict"]
+    assert v["same_max_ulp"] == 1 and set(df[df.a == "hf"]["name"]) == set(runs["conv"])
+    # the resolved study file keeps the mapping, and loads again to the same study
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.toml").write_text(resolved_toml(study, out))
+    again = load_study(out)
+    assert again.mappings == study.mappings
+
+
+def test_study_mapping_path_must_stay_inside(runs, tmp_path: Path) -> None:
+    from dmlib.report import load_study
+
+    d = _study_dir(runs, tmp_path)
+    outside = tmp_path / "outside.toml"
+    outside.write_text(GPT2_MAP)
+    (d / "maps" / "link.toml").symlink_to(outside)
+    for text, msg in [
+        ("../outside.toml", "leads outside the folder"),
+        ("maps/link.toml", "leads outside the folder"),
+        (os.fspath(outside), "absolute path"),
+        ("maps/none.toml", "not found"),
+    ]:
+        (d / "study.toml").write_text(
+            f'[runs]\nhf = {{ path = "runs/hf.safetensors", mapping = "{text}" }}\n'
+            'twin = "runs/twin.safetensors"\n'
+        )
+        with pytest.raises(DmlibError, match=msg) as e:
+            load_study(d)
+        assert "study.toml" in str(e.value)
+    (d / "maps" / "bad.toml").write_text('[[rule]]\nsource = "a"\n')
+    (d / "study.toml").write_text(
+        '[runs]\nhf = { path = "runs/hf.safetensors", mapping = "maps/bad.toml" }\n'
+    )
+    with pytest.raises(DmlibError, match="bad.toml.*needs 'source' and 'target'"):
+        load_study(d)
+    (d / "study.toml").write_text('[runs]\nhf = { path = "runs/hf.safetensors", map = "x" }\n')
+    with pytest.raises(DmlibError, match="keys path and mapping, not 'map'"):
+        load_study(d)
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from dmlib.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_matrix_and_ladder_with_map(runs, capsys) -> None:
+    rc, out, err = _cli(
+        ["matrix", f"hf={runs['hf']}", f"twin={runs['twin']}", f"ctrl={runs['ctrl']}",
+         "--control", "ctrl", "--map", f"hf={runs['map']}"], capsys,
+    )  # fmt: skip
+    assert rc == 1, err
+    assert "note: run hf seen through" in out and "onto the names of twin" in out
+    rc, out, err = _cli(
+        ["matrix", f"hf={runs['hf']}", f"twin={runs['twin']}", "--map", "hf"], capsys
+    )
+    assert rc == 2 and "--map expects RUN=MAP.toml, got 'hf'" in err
+    rc, out, err = _cli(
+        ["matrix", f"hf={runs['hf']}", f"twin={runs['twin']}", "--map", f"x={runs['map']}"],
+        capsys,
+    )
+    assert rc == 2 and "'x', which is not one of the runs" in err
+    rc, out, err = _cli(
+        ["ladder", f"hf:10={runs['hf']}", f"twin:10={runs['twin']}", "--reference", "twin",
+         "--map", f"hf={runs['map']}"], capsys,
+    )  # fmt: skip
+    assert rc == 1, err
+    assert "note: run hf seen through" in out

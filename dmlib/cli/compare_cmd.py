@@ -98,6 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--json", action="store_true", help="print one JSON document (verdict and every row)"
     )
     _add_hash(m, "every distinct content's bytes")
+    from dmlib.cli.map_cmd import add_run_maps
+
+    add_run_maps(m)
     add_dask(m)
     add_format(m)
     add_common_epilog(m)
@@ -343,6 +346,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     from dmlib._json import jsonable
+    from dmlib.cli.map_cmd import mapped_notes, run_maps
     from dmlib.stats.matrix import matrix_records
 
     runs = labelled_paths(args.runs)
@@ -355,11 +359,12 @@ def run_matrix(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             hash=_hash_of(args),
             engine=engine,
+            mapping=run_maps(args.map),
         )
     v = attrs["verdict"]
     code = 0 if all(p["identical"] for p in v["pairs"]) else 1
     if args.json:
-        doc = {"verdict": v, "pairs": attrs["pairs"], "rows": rows}
+        doc = {"verdict": v, "pairs": attrs["pairs"], "rows": rows, "mapped": attrs["mapped"]}
         print(json.dumps(jsonable(doc, default=str), indent=1))
         return code
     cols = [
@@ -374,6 +379,8 @@ def run_matrix(args: argparse.Namespace) -> int:
         "worst_rel_fro",
     ]
     print(table(v["pairs"], cols))
+    for line in mapped_notes(attrs["mapped"]):
+        print(line)
     print(format_verdict(v))
     sys.stdout.flush()
     return code

@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "folders)",
     )
     lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
+    from dmlib.cli.map_cmd import add_run_maps
+
+    add_run_maps(lad)
     lad.add_argument(
         "--step-key",
         default="auto",
@@ -292,6 +295,7 @@ def run_firstcol(args: argparse.Namespace) -> int:
 
 
 def run_ladder(args: argparse.Namespace) -> int:
+    from dmlib.cli.map_cmd import mapped_notes, run_maps
     from dmlib.forensics.ladder import growth_rates, ladder_summary, step_ladder
 
     ladder = parse_ladder(args.ckpts)
@@ -306,6 +310,7 @@ def run_ladder(args: argparse.Namespace) -> int:
             step_key=args.step_key,
             keep_flagged=args.keep_flagged,
             engine=engine,
+            mapping=run_maps(args.map),
         )
     import pandas as pd
 
@@ -331,9 +336,12 @@ def run_ladder(args: argparse.Namespace) -> int:
                 "rows": df,
                 "growth": growth,
                 "excluded": df.attrs["excluded"],
+                "mapped": df.attrs.get("mapped", {}),
             }
         )
         return code
+    for line in mapped_notes(df.attrs.get("mapped", {})):
+        print(line)
     for e in df.attrs["excluded"]:
         print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
     if args.details:
