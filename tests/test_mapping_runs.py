@@ -342,3 +342,27 @@ def test_cli_matrix_and_ladder_with_map(runs, capsys) -> None:
     )  # fmt: skip
     assert rc == 1, err
     assert "note: run hf seen through" in out
+
+
+def test_study_ladder_with_a_mapped_run(runs, tmp_path: Path) -> None:
+    from dmlib.report import load_study
+
+    d = tmp_path / "st"
+    for run in ("hf", "conv"):
+        (d / run).mkdir(parents=True)
+    sd = gpt2_state()
+    later = {k: v * np.float32(2) for k, v in sd.items()}
+    _save(d / "hf" / "step10.safetensors", sd)
+    _save(d / "hf" / "step20.safetensors", later)
+    _save(d / "conv" / "step10.safetensors", runs["conv"])
+    _save(d / "conv" / "step20.safetensors", _bumped(gpt2_converted(later)))
+    (d / "gpt2.toml").write_text(GPT2_MAP)
+    (d / "study.toml").write_text(
+        '[runs]\nhf = { path = "hf/", mapping = "gpt2.toml" }\nconv = "conv/"\n'
+    )
+    study = load_study(d)
+    assert study.reference == "hf"  # the study's default; the mapping still maps onto conv
+    df = dmlib.step_ladder(study.ladder_sources(study.ladders()))
+    assert set(df["name"]) == set(runs["conv"])
+    diff = df[df.n_diff > 0]
+    assert list(zip(diff["step"], diff["name"])) == [(20, K)]
