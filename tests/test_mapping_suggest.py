@@ -168,3 +168,54 @@ def test_a_pair_that_differs_slightly_is_proposed_with_low_confidence(gpt2) -> N
     assert (
         row["n_diff"] == 1 and row["first_diff_source"] == "transformer.h.0.mlp.c_fc.weight[2, 1]"
     )
+
+
+def flax_llama(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Llama's attention as Flax ``DenseGeneral`` kernels, MLP as ``Dense`` kernels, by loops.
+
+    q/k/v kernels are ``[embed, heads, head_dim]`` (kernel[e, h, j] = W[h * hd + j, e]),
+    the output kernel ``[heads, head_dim, embed]`` (kernel[h, j, e] = W[e, h * hd + j]),
+    a Dense kernel ``[in, out]`` (the weight transposed).
+    """
+    hd = tm.D // tm.HEADS
+    out = {}
+    for name, w in hf.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            heads = w.shape[0] // hd
+            k = np.empty((w.shape[1], heads, hd), w.dtype)
+            for e in range(w.shape[1]):
+                for h in range(heads):
+                    for j in range(hd):
+                        k[e, h, j] = w[h * hd + j, e]
+            out["flax." + name.replace(".weight", ".kernel")] = k
+        elif name.endswith("o_proj.weight"):
+            k = np.empty((tm.HEADS, hd, w.shape[0]), w.dtype)
+            for h in range(tm.HEADS):
+                for j in range(hd):
+                    k[h, j, :] = w[:, h * hd + j]
+            out["flax." + name.replace(".weight", ".kernel")] = k
+        elif w.ndim == 2 and "embed_tokens" not in name:
+            out["flax." + name.replace(".weight", ".kernel")] = np.ascontiguousarray(w.T)
+        else:
+            out["flax." + name] = w.copy()
+    return out
+
+
+def test_suggest_flax_dense_general_kernels_against_torch_llama() -> None:
+    hf = tm.llama_hf()
+    fx = flax_llama(hf)
+    s = suggest(fx, hf)
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    got = per_target(s.mapping, list(fx), list(hf))
+    hd = tm.D // tm.HEADS
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert got[q] == (("flax.model.layers.1.self_attn.q_proj.kernel",),
+                      f"reshape(shape=[{tm.D}, {tm.D}]) | transpose()")  # fmt: skip
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert got[k][1] == f"reshape(shape=[{tm.D}, {tm.KV_HEADS * hd}]) | transpose()"
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert got[o] == (("flax.model.layers.0.self_attn.o_proj.kernel",),
+                      f"reshape(shape=[{tm.D}, {tm.D}]) | transpose()")  # fmt: skip
+    assert got["model.layers.0.mlp.up_proj.weight"][1] == "transpose()"
+    # and the proposed mapping compares the two as identical
+    assert summarize(dmlib.compare(fx, hf, mapping=s.mapping))["identical"]

@@ -97,6 +97,9 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--control", metavar="LABEL", help="the run expected to differ (another seed)")
     add_selection(m)
     _add_hash(m, "every distinct content's bytes")
+    from dmlib.cli.map import add_run_maps
+
+    add_run_maps(m)
     add_common(m, json="print one JSON document (verdict and every row)", format=True, dask=True)
     m.set_defaults(func=run_matrix)
 
@@ -345,6 +348,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     """``dmlib matrix LABEL=PATH ...``: one line per pair of runs and the verdict."""
+    from dmlib.cli.map import mapped_notes, run_maps
     from dmlib.stats.matrix import matrix_records
 
     runs = labelled_paths(args.runs)
@@ -357,11 +361,12 @@ def run_matrix(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             hash=_hash_of(args),
             engine=engine,
+            mapping=run_maps(args.map),
         )
     v = attrs["verdict"]
     code = exit_code(v)
     if args.json:
-        print_json({"verdict": v, "pairs": attrs["pairs"], "rows": rows})
+        print_json({"verdict": v, "pairs": attrs["pairs"], "rows": rows, "mapped": attrs["mapped"]})
         return code
     cols = [
         "a",
@@ -375,6 +380,8 @@ def run_matrix(args: argparse.Namespace) -> int:
         "worst_rel_fro",
     ]
     print(table(v["pairs"], cols))
+    for line in mapped_notes(attrs["mapped"]):
+        print(line)
     print(format_verdict(v))
     sys.stdout.flush()
     return code

@@ -10,6 +10,7 @@ from typing import Any
 from dmlib.cli._common import ONE_DOCUMENT, add_common, exit_code, print_json
 from dmlib.cli._dask import engine as engine_of
 from dmlib.cli._table import add_selection, fmt, table
+from dmlib.cli.map import add_run_maps, mapped_notes, run_maps
 from dmlib.cli.structure import add_group, parse_group
 from dmlib.errors import DmlibError
 
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "folders)",
     )
     lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
+    add_run_maps(lad)
     lad.add_argument(
         "--step-key",
         default="auto",
@@ -137,9 +139,12 @@ def run_ladder(args: argparse.Namespace) -> int:
                 "rows": df,
                 "growth": growth,
                 "excluded": df.attrs["excluded"],
+                "mapped": df.attrs.get("mapped", {}),
             }
         )
         return code
+    for line in mapped_notes(df.attrs.get("mapped", {})):
+        print(line)
     for e in df.attrs["excluded"]:
         print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
     _print_checks(checks, details=args.details)
@@ -166,6 +171,7 @@ def _step_ladder(args: argparse.Namespace) -> Any:
             step_key=args.step_key,
             keep_flagged=args.keep_flagged,
             engine=engine,
+            mapping=run_maps(args.map),
         )
 
 

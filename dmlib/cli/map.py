@@ -139,3 +139,48 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
         )
     say(summary_line(s, at))
     return exit_code(s)
+
+
+def add_run_maps(p: argparse.ArgumentParser) -> None:
+    """``--map RUN=MAP.toml`` (repeatable): runs of a matrix or ladder seen through a mapping."""
+    p.add_argument(
+        "--map",
+        action="append",
+        metavar="RUN=MAP.toml",
+        help="run RUN was converted to other names and layouts: compare it through the "
+        "mapping file onto the reference's names (docs/mapping.md); repeatable",
+    )
+
+
+def run_maps(items: list[str] | None) -> dict[str, str] | None:
+    """``{run: mapping file}`` from ``--map RUN=MAP.toml`` items (None without any)."""
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        run, sep, path = item.partition("=")
+        if not sep or not run or not path:
+            raise DmlibError(f"--map expects RUN=MAP.toml, got {item!r}")
+        if run in out:
+            raise DmlibError(f"--map: run {run!r} given twice")
+        out[run] = path
+    return out
+
+
+def mapped_notes(mapped: dict[str, Any]) -> list[str]:
+    """One line per mapped run: its mapping, the run it maps onto, what it leaves out."""
+    from dmlib.mapping.spec import printable
+
+    lines = []
+    for run, m in mapped.items():
+        left = [f"not mapped from {run}: {', '.join(m['ignored_a'])}"] if m["ignored_a"] else []
+        if m["ignored_b"]:
+            left.append(f"absent from {run}: {', '.join(m['ignored_b'])}")
+        lines.append(
+            printable(
+                f"note: run {run} seen through {m['path'] or 'its mapping'} onto the names of "
+                f"{m['reference']} ({len(m['bindings'])} bindings)"
+                + (f"; {'; '.join(left)}" if left else "")
+            )
+        )
+    return lines

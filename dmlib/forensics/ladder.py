@@ -401,6 +401,7 @@ def step_ladder(
     step_key: StepKey = "auto",
     keep_flagged: bool = False,
     engine: str = "local",
+    mapping: Any = None,
 ) -> pd.DataFrame:
     """Divergence of every tensor between runs, at every step of a ladder.
 
@@ -424,6 +425,11 @@ def step_ladder(
         ``"local"``: threads of this process; ``"dask"``: the hashes, the distinct pairs'
         pieces, the norms and one task per factorised layer on Dask's current scheduler,
         read by the workers from the checkpoints' paths. The same frame.
+    mapping
+        Runs converted to other names and layouts, seen at every step through a mapping
+        onto the reference's names (``reference``, else the first run without a mapping):
+        ``{run: MAP.toml}``, or one mapping for the runs lacking some of the reference's
+        names (see :func:`dmlib.matrix`). ``attrs["mapped"]`` says what each did.
 
     Returns
     -------
@@ -438,11 +444,42 @@ def step_ladder(
     from dmlib.engine import check_engine
 
     check_engine(engine)
+    if mapping is not None and engine != "local":  # workers read the files, not a chain
+        raise DmlibError("a mapping is applied in this process: use engine='local'")
     with contextlib.ExitStack() as stack:
         checks, sets = _check_all(ladder, step_key, stack)
-        return _ladder(
+        sets, mapped = _map_steps(sets, mapping, reference, [str(r) for r in ladder])
+        df = _ladder(
             ladder, checks, sets, reference, include, exclude, groups, keep_flagged, engine
         )
+        df.attrs["mapped"] = mapped
+        return df
+
+
+def _map_steps(
+    sets: dict[tuple[str, int], TensorSet], mapping: Any, reference: str | None, runs: list[str]
+) -> tuple[dict[tuple[str, int], TensorSet], dict[str, Any]]:
+    """Each mapped run's checkpoints seen through its mapping, step by step, onto the
+    names of the reference's checkpoint at that step (or its first one)."""
+    if mapping is None:
+        return sets, {}
+    from dmlib.stats.mapped import is_per_run, map_runs
+
+    per_run = is_per_run(mapping)
+    ref = reference or next((r for r in runs if not per_run or r not in mapping), runs[0])
+    ref_sets = [ts for (r, _), ts in sorted(sets.items()) if r == ref]
+    if not ref_sets:
+        raise DmlibError(f"reference run {ref!r} has no usable checkpoint to map onto")
+    out, info = dict(sets), {}
+    for step in sorted({s for _, s in sets}):
+        group = {r: ts for (r, s), ts in sets.items() if s == step and r != ref}
+        group = {ref: sets.get((ref, step), ref_sets[0]), **group}
+        m = {r: v for r, v in mapping.items() if r in group} if per_run else mapping
+        mapped, about = map_runs(group, m, ref)
+        for r in about:
+            out[(r, step)] = mapped[r]
+            info.setdefault(r, about[r])
+    return out, info
 
 
 def _ladder(

@@ -16,7 +16,7 @@ from dmlib.errors import DmlibError
 from dmlib.mapping.spec import Mapping, Rule, compile_pattern, fill
 from dmlib.sources import select
 
-__all__ = ["Binding", "Resolved", "resolve"]
+__all__ = ["Binding", "Resolved", "count_problem", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,12 @@ def _refuse_shared(bindings: list[Binding]) -> None:
             )
         for t in b.targets:
             by_target.setdefault(t, []).append(b)
+        twice = [s for s in dict.fromkeys(b.sources) if b.sources.count(s) > 1]
+        if twice and not b.rule.tied:
+            raise DmlibError(
+                f"{b.rule.label()}: source {twice[0]!r} is taken {b.sources.count(twice[0])} "
+                "times without tied = true: is one tensor really standing for several?"
+            )
         for s in dict.fromkeys(b.sources):
             by_source.setdefault(s, []).append(b)
     for t, bs in by_target.items():
@@ -144,11 +150,39 @@ def _refuse_shared(bindings: list[Binding]) -> None:
                 "concat says how they combine"
             )
     for s, bs in by_source.items():
-        if len(bs) > 1 and not any(b.rule.tied for b in bs):
+        # one of the rules may use the tensor as itself; every other one says it is a tie
+        untied = [b for b in bs if not b.rule.tied]
+        if len(bs) > 1 and len(untied) > 1:
             raise DmlibError(
                 f"source {s!r} feeds {len(bs)} rules ({', '.join(b.rule.label() for b in bs)}) "
-                "without tied = true: is one tensor really standing for several?"
+                f"and {len(untied)} of them lack tied = true: is one tensor really standing "
+                "for several? (one rule with a tie transform, or tied = true on the others)"
             )
+
+
+def count_problem(b: Binding, produced: int) -> str | None:
+    """Why a chain giving ``produced`` arrays does not fit the binding's targets, or None.
+
+    One source for several targets must say it is a tie (a ``tie`` transform); several
+    sources for fewer targets must say how they combine (``concat``).
+    """
+    n_t = len(b.targets)
+    if produced == n_t:
+        return None
+    names = {op.name for op in b.rule.ops}
+    if produced < n_t and "tie" not in names and len(b.sources) < n_t:
+        return (
+            f"the transforms give {produced} tensor(s) for {n_t} targets "
+            f"({', '.join(b.targets)}): one source standing for several targets needs a "
+            'tie transform ({ op = "tie", copies = N })'
+        )
+    if produced > n_t and "concat" not in names and len(b.sources) > n_t:
+        return (
+            f"the transforms give {produced} tensor(s) for {n_t} target(s) "
+            f"({', '.join(b.targets)}): {len(b.sources)} sources onto fewer targets need a "
+            "concat saying how they join"
+        )
+    return f"the transforms give {produced} tensor(s) for {n_t} target(s)"
 
 
 def describe(b: Binding) -> dict[str, Any]:

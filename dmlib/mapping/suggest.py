@@ -9,7 +9,7 @@ applied to the source, reproduces the target exactly (or, for a pair whose value
 slightly, as closely as the best chain can; such a rule says so in its comment).
 
 What is searched, in order: one source to one target (identity, a permutation of axes, the
-rotary head permutation, a reshape); one source split into several targets (along any
+rotary head permutation, a reshape, a reshape and a transpose together); one source split into several targets (along any
 axis, after an optional transpose, or per group as Megatron's fused ``linear_qkv``);
 several sources concatenated into one target (tensor-parallel shards); then approximate
 one-to-one matches. Ties between tensors holding the same values (LayerNorm weights of
@@ -93,6 +93,19 @@ def _layouts(s: np.ndarray, t: np.ndarray) -> list[list[Op]]:
                     out.append([Op("rotary", {"heads": heads, "to": to})])
     if s.shape != t.shape and s.size == t.size:
         out.append([Op("reshape", {"shape": list(t.shape)})])
+        out += _reshaped_transposes(s, t)
+    return out
+
+
+def _reshaped_transposes(s: np.ndarray, t: np.ndarray) -> list[list[Op]]:
+    """A reshape and a transpose together: a Flax ``DenseGeneral`` kernel (attention's
+    ``[embed, heads, head_dim]`` or ``[heads, head_dim, embed]``) against a torch Linear
+    weight ``[out, in]``, and back."""
+    out: list[list[Op]] = []
+    if t.ndim == 2 and s.shape != t.shape[::-1]:
+        out.append([Op("reshape", {"shape": list(t.shape[::-1])}), Op("transpose")])
+    if s.ndim == 2 and s.shape[::-1] != t.shape:
+        out.append([Op("transpose"), Op("reshape", {"shape": list(t.shape)})])
     return out
 
 

@@ -15,6 +15,8 @@ mailed or committed. The format (every key optional, but a study names runs or c
     seed8 = "runs/seed8/step20.pt"      # last number of its file name
     hf = "runs/trainer_out"  # a Trainer output folder: its checkpoint-N/ folders are the
                              #   steps (global_step of trainer_state.json, else N)
+    jax = { path = "runs/flax/", mapping = "maps/flax.toml" }  # a converted run, seen
+                             #   through a mapping onto the reference's names
 
     [repeats]                # run = the run it repeats (same configuration, new process)
     repeat = "base"
@@ -55,6 +57,12 @@ report quotes it beside its findings (or says that the study does not record it)
 ``[names]`` maps one run's names onto the others' (a checkpoint saved under a wrapper's
 ``model.``, ``module.`` or ``_orig_mod.``): the rule of :class:`dmlib.names.Rename`,
 applied to that run's checkpoints by :meth:`Study.sources`.
+
+A run written as a table (``{ path = ..., mapping = "MAP.toml" }``) was converted to other
+names and layouts: :meth:`Study.sources` shows its checkpoints through the mapping file
+(``docs/mapping.md``) onto the names of the reference run (``reference``, else the first
+run without a mapping). The mapping path is relative to ``root`` and must stay inside it
+(no ``..``, no symlink out); the file is read and checked when the study is loaded.
 """
 
 from __future__ import annotations
@@ -151,6 +159,7 @@ class Study:
     anatomy: list[Path] = field(default_factory=list)
     captures: Capture | None = None
     made_on: str | None = None
+    mappings: dict[str, Path] = field(default_factory=dict)
 
     # -- what notebooks ask -------------------------------------------------
 
@@ -195,12 +204,57 @@ class Study:
 
     def sources(self, files: Mapping[str, Path]) -> dict[str, Any]:
         """``{label: path}`` -> what the statistics take: the path, or for a run with a
-        ``[names]`` mapping its checkpoint opened with the names mapped."""
-        return {k: self._source(k, p) for k, p in files.items()}
+        ``[names]`` mapping its checkpoint opened with the names mapped, or for a run with
+        a ``mapping`` its checkpoint seen through it onto the reference's names."""
+        out = {k: self._source(k, p) for k, p in files.items()}
+        mapped = [k for k in out if k in self.mappings]
+        if mapped:
+            ref = self._map_reference(list(out))
+            names = self._names_of(out[ref])
+            for k in mapped:
+                out[k] = self._mapped(k, out[k], names)
+        return out
 
     def ladder_sources(self, ladder: Mapping[str, Mapping[int, Path]]) -> dict[str, dict[int, Any]]:
-        """:meth:`sources` for a ladder ``{label: {step: path}}``."""
-        return {k: {s: self._source(k, p) for s, p in steps.items()} for k, steps in ladder.items()}
+        """:meth:`sources` for a ladder ``{label: {step: path}}`` (a mapped run onto the
+        reference's checkpoint at the same step, else its first)."""
+        out = {k: {s: self._source(k, p) for s, p in steps.items()} for k, steps in ladder.items()}
+        if not any(k in self.mappings for k in out):
+            return out
+        ref = self._map_reference(list(out))
+        for k in [k for k in out if k in self.mappings]:
+            for s, src in out[k].items():
+                names = self._names_of(out[ref].get(s, next(iter(out[ref].values()))))
+                out[k][s] = self._mapped(k, src, names)
+        return out
+
+    def _map_reference(self, labels: list[str]) -> str:
+        """The run whose names a mapped run is mapped onto."""
+        if self.reference in labels and self.reference not in self.mappings:
+            return self.reference
+        for k in labels:
+            if k not in self.mappings:
+                return k
+        raise DmlibError(
+            f"every run of {labels} has a mapping: one must keep its names (the reference)",
+            path=self.path,
+        )
+
+    @staticmethod
+    def _names_of(source: Any) -> list[str]:
+        from dmlib.sources import opened
+
+        with opened(source) as ts:
+            return [t.name for t in ts.disk_order()]
+
+    def _mapped(self, label: str, source: Any, names: list[str]) -> Any:
+        from dmlib.mapping.view import mapped_set
+        from dmlib.sources import as_tensor_set
+
+        try:
+            return mapped_set(as_tensor_set(source), self.mappings[label], names)
+        except DmlibError as err:
+            raise DmlibError(f"run {label!r}: {err.message}", path=err.path or self.path) from None
 
     def _source(self, label: str, path: Path) -> Any:
         if label not in self.names:
@@ -241,6 +295,7 @@ class Study:
         for r in self.runs.values():
             for ck in r.checkpoints.values():  # a checkpoint folder (Orbax, Trainer): its files
                 files += sorted(p for p in ck.rglob("*") if p.is_file()) if ck.is_dir() else [ck]
+        files += self.mappings.values()
         files += self.anatomy
         if self.captures is not None:
             c = self.captures
@@ -307,6 +362,7 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
             "nothing to analyse: name runs in [runs] (label = path) or captures in [captures]",
             path=where,
         )
+    runs_spec, mappings = _run_mappings(runs_spec, root, where)
     runs = resolve_runs(
         {
             k: [_str(x, f"runs.{k}", where) for x in v]
@@ -349,7 +405,43 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         anatomy=anatomy,
         captures=_captures(_table(data, "captures", where), root, where),
         made_on=_str(data["made_on"], "made_on", where) if data.get("made_on") else None,
+        mappings=mappings,
     )
+
+
+def _run_mappings(
+    spec: Mapping[str, Any], root: Path, where: Path
+) -> tuple[dict[str, Any], dict[str, Path]]:
+    """``[runs]`` with each table ``{ path, mapping }`` replaced by its path, and the mapping
+    files (inside ``root``, read and checked now)."""
+    from dmlib.mapping.spec import load_mapping
+    from dmlib.safepaths import inside
+
+    runs: dict[str, Any] = {}
+    mappings: dict[str, Path] = {}
+    for label, v in spec.items():
+        if not isinstance(v, dict):
+            runs[label] = v
+            continue
+        bad = sorted(set(v) - {"path", "mapping"})
+        if bad or "path" not in v:
+            raise DmlibError(
+                f"runs.{label}: a run given as a table has the keys path and mapping"
+                + (f", not {bad[0]!r}" if bad else " (path is missing)"),
+                path=where,
+            )
+        runs[label] = v["path"]
+        if "mapping" in v:
+            m = inside(root, v["mapping"], what=f"runs.{label}.mapping", where=where)
+            if not m.is_file():
+                raise DmlibError(
+                    f"runs.{label}.mapping {v['mapping']!r} not found (paths are relative to "
+                    "the study's root)",
+                    path=where,
+                )
+            load_mapping(m)  # a bad mapping file is refused now, naming that file
+            mappings[label] = Path(os.path.normpath(m))
+    return runs, mappings
 
 
 def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -> dict[str, Run]:

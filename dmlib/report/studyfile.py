@@ -80,7 +80,10 @@ def resolved_toml(study: Study, base: Path) -> str:
     lines += ["", "[runs]"]
     for label, run in study.runs.items():
         files = [_rel(p, base) for p in run.checkpoints.values()]
-        lines.append(f"{_key(label)} = {_value(files if len(files) > 1 else files[0])}")
+        where = _value(files if len(files) > 1 else files[0])
+        if label in study.mappings:  # a converted run: its mapping file, relative to root
+            where = f"{{ path = {where}, mapping = {_value(_rel(study.mappings[label], base))} }}"
+        lines.append(f"{_key(label)} = {where}")
     if study.repeats:
         lines += ["", "[repeats]", *(f"{_key(k)} = {_value(v)}" for k, v in study.repeats.items())]
     for g in study.factor_groups:

@@ -18,14 +18,14 @@ import numpy as np
 from dmlib import hashing
 from dmlib.errors import DmlibError
 from dmlib.kernels import stream as K
-from dmlib.mapping.resolve import Binding, describe, resolve
+from dmlib.mapping.resolve import Binding, count_problem, describe, resolve
 from dmlib.mapping.sides import opened_side
 from dmlib.mapping.spec import load_mapping
 from dmlib.mapping.transforms import cast_dtype, describe_chain, run_chain, trace
 from dmlib.sources import Patterns, patterns, select
 from dmlib.tensor import Tensor, TensorSet
 
-__all__ = ["compare_mapped", "MAPPED_COLUMNS", "LOCATED"]
+__all__ = ["compare_mapped", "is_per_run", "locate_rows", "map_runs", "MAPPED_COLUMNS", "LOCATED"]
 
 #: columns a mapped comparison adds to :data:`dmlib.stats.compare.COLUMNS`
 MAPPED_COLUMNS = ["source", "transform", "rule", "first_diff_source", "first_diff_target"]
@@ -113,10 +113,9 @@ def _derived(bnd: Binding, sa: TensorSet) -> list[Tensor]:
         outs = run_chain(bnd.rule.ops, [t.load() for t in srcs])
     except DmlibError as err:
         raise DmlibError(f"{where}: {err.message}") from None
-    if len(outs) != len(bnd.targets):
-        raise DmlibError(
-            f"{where}: the transforms give {len(outs)} tensor(s) for {len(bnd.targets)} target(s)"
-        )
+    problem = count_problem(bnd, len(outs))
+    if problem:
+        raise DmlibError(f"{where}: {problem}")
     res = []
     for name, arr in zip(bnd.targets, outs, strict=True):
         arr = np.ascontiguousarray(arr)
@@ -294,3 +293,93 @@ def _attrs(
         "bindings": [describe(b) for b in res.bindings],
         "located": st.located,
     }
+
+
+def map_runs(
+    sets: dict[str, TensorSet], mapping: Any, reference: str | None = None
+) -> tuple[dict[str, TensorSet], dict[str, dict[str, Any]]]:
+    """Runs of a matrix or a ladder with the mapped ones seen through their mapping.
+
+    ``mapping`` is a dict ``{run: mapping}`` (a path to a TOML file, its dict, or a
+    :class:`~dmlib.mapping.Mapping`), or one mapping for every run that does not hold all
+    of the reference's names. The reference (``reference``, else the first run without a
+    mapping) gives the target names. Returns the sets (each mapped one a lazy view, see
+    :func:`dmlib.mapping.view.mapped_set`) and, per mapped run, what the mapping did:
+    ``{"mapping", "reference", "bindings", "ignored_a", "ignored_b"}``.
+    """
+    from dmlib.mapping.view import mapped_set
+
+    if mapping is None:
+        return sets, {}
+    labels = list(sets)
+    per_run = _mapped_runs(sets, mapping, reference)
+    ref = reference if reference is not None else next(k for k in labels if k not in per_run)
+    names_b = [t.name for t in sets[ref].disk_order()]
+    out, info = dict(sets), {}
+    for label, m in per_run.items():
+        try:
+            view = mapped_set(sets[label], m, names_b)
+        except DmlibError as err:
+            raise DmlibError(f"run {label!r}: {err.message}", path=err.path) from None
+        out[label] = view
+        info[label] = {"reference": ref, **view.layout["mapping"]}
+    return out, info
+
+
+def is_per_run(mapping: Any) -> bool:
+    """Whether ``mapping`` is ``{run: mapping}`` rather than one mapping (its TOML dict)."""
+    return isinstance(mapping, dict) and not {"rule", "same_names", "version"} & set(mapping)
+
+
+def _mapped_runs(sets: dict[str, TensorSet], mapping: Any, reference: str | None) -> dict[str, Any]:
+    """Run label -> its mapping, each checked; the reference never mapped."""
+    labels = list(sets)
+    if reference is not None and reference not in sets:
+        raise DmlibError(f"reference {reference!r} is not one of the runs ({', '.join(labels)})")
+    if is_per_run(mapping):
+        unknown = [k for k in mapping if k not in sets]
+        if unknown:
+            raise DmlibError(
+                f"mapping for {unknown[0]!r}, which is not one of the runs ({', '.join(labels)})"
+            )
+        if reference in mapping:
+            raise DmlibError(f"run {reference!r} is the reference: its names are the targets")
+        if not [k for k in labels if k not in mapping]:
+            raise DmlibError("every run has a mapping: one run must keep its names (the reference)")
+        chosen = dict(mapping)
+    else:
+        ref = reference if reference is not None else labels[0]
+        want = set(sets[ref])
+        chosen = {k: mapping for k in labels if k != ref and not want <= set(sets[k])}
+    out = {}
+    for k, m in chosen.items():
+        try:
+            out[k] = load_mapping(m)
+        except DmlibError as err:
+            raise DmlibError(f"run {k!r}: {err.message}", path=err.path) from None
+    return out
+
+
+def locate_rows(
+    rows: list[dict[str, Any]], sa: TensorSet, sb: TensorSet
+) -> dict[str, dict[str, str]]:
+    """For each differing row of a pair with a mapped side: its first difference as
+    ``target[k, l]`` and, on each mapped side, as ``source[i, j]``."""
+    from dmlib.mapping.view import source_index
+
+    out: dict[str, dict[str, str]] = {}
+    sides = [(side, ts) for side, ts in (("a", sa), ("b", sb)) if "mapping" in ts.layout]
+    if not sides:
+        return out
+    for r in rows:
+        fd = r.get("first_diff")
+        if not r.get("n_diff") or fd is None or r["name"] not in sa or r["name"] not in sb:
+            continue
+        if sa[r["name"]].quantized or len(fd) != len(sa[r["name"]].shape):
+            continue  # a byte index: no element grid to trace
+        found = {"target": _at(r["name"], tuple(fd))}
+        for side, ts in sides:
+            src, idx = source_index(ts, r["name"], fd)
+            found[f"source_{side}"] = _at(src, idx)
+        out[r["name"]] = found
+    return out

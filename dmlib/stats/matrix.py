@@ -38,6 +38,7 @@ from dmlib.stats.compare import (
     pair_workers,
     summarize_records,
 )
+from dmlib.stats.mapped import locate_rows, map_runs
 from dmlib.tensor import Tensor
 
 if TYPE_CHECKING:  # imported where the frame is built: the command line starts without it
@@ -55,6 +56,7 @@ def matrix(
     progress: bool | None = None,
     hash: str | None = None,
     engine: str = "local",
+    mapping: Any = None,
 ) -> pd.DataFrame:
     """Compare every pair of runs (``n (n-1) / 2`` pairs) into one long-form DataFrame.
 
@@ -72,6 +74,13 @@ def matrix(
     engine
         ``"local"``: threads of this process; ``"dask"``: the hashes and the distinct
         pairs' pieces as tasks on Dask's current scheduler (see :func:`dmlib.compare`).
+    mapping
+        Runs converted to other names and layouts, seen through a mapping onto the
+        reference's names (the first run without one): ``{run: MAP.toml}``, or one mapping
+        for every run that lacks some of the first run's names (``docs/mapping.md``).
+        ``attrs["mapped"]`` says what each mapping did (what it leaves out included) and
+        ``attrs["pairs"][...]["located"]`` gives each first difference in the sources'
+        coordinates too.
 
     Returns
     -------
@@ -84,6 +93,7 @@ def matrix(
         *_matrix_rows(
             runs, control=control, include=include, exclude=exclude, file_hashes=file_hashes,
             chunk_bytes=chunk_bytes, progress=progress, hash=hash, engine=engine,
+            mapping=mapping,
         )
     )  # fmt: skip
 
@@ -107,6 +117,7 @@ def _matrix_rows(
     progress: bool | None = None,
     hash: str | None = None,
     engine: str = "local",
+    mapping: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     labels = list(runs)
     if len(labels) < 2:
@@ -117,6 +128,8 @@ def _matrix_rows(
     hash_name = None if _no_hash(hash) else hashing.algorithm(hash)
     remote = None
     if engine == "dask":
+        if mapping is not None:  # the workers read tensors from files, not through a chain
+            raise DmlibError("a mapping is applied in this process: use engine='local'")
         if file_hashes:
             raise DmlibError("file_hashes=True reads whole files here: use engine='local'")
         from dmlib.engine.dask import DaskPairs
@@ -126,6 +139,7 @@ def _matrix_rows(
     pair_attrs: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         sets = {label: stack.enter_context(opened(src)) for label, src in runs.items()}
+        sets, mapped = map_runs(sets, mapping)
         every = list(dict.fromkeys(n for ts in sets.values() for n in ts))
         check_selection(every, [], include, exclude, f"any of the runs {labels}")
         selected = []
@@ -155,9 +169,11 @@ def _matrix_rows(
             )
             attrs["hash"] = hash_name
             attrs["summary"] = summarize_records(rows, attrs)
+            if mapped:
+                attrs["located"] = locate_rows(rows, sets[la], sets[lb])
             pair_attrs[f"{la}/{lb}"] = attrs
             all_rows += [{"a": la, "b": lb, **r} for r in rows]
-    attrs = {"runs": labels, "control": control, "pairs": pair_attrs}
+    attrs = {"runs": labels, "control": control, "pairs": pair_attrs, "mapped": mapped}
     attrs["verdict"] = _verdict(all_rows, attrs, control)
     return all_rows, attrs
 
