@@ -24,20 +24,18 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dmlib import hashing
-from dmlib.engine import check_engine
 from dmlib.engine.local import Content, group_contents
 from dmlib.errors import DmlibError
-from dmlib.kernels.pair import NULLABLE_INT, identical_row
+from dmlib.kernels.pair import DEFAULT_CHUNK, NULLABLE_INT, identical_row
 from dmlib.sources import Patterns, Source, check_selection, opened, select
 from dmlib.stats.compare import (
     COLUMNS,
-    _no_hash,
     _num,
     compare_sets,
     pair_workers,
     summarize_records,
 )
+from dmlib.stats.options import CompareOptions
 from dmlib.tensor import Tensor
 
 if TYPE_CHECKING:  # imported where the frame is built: the command line starts without it
@@ -51,7 +49,7 @@ def matrix(
     include: Patterns = None,
     exclude: Patterns = None,
     file_hashes: bool = False,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = DEFAULT_CHUNK,
     progress: bool | None = None,
     hash: str | None = None,
     engine: str = "local",
@@ -80,45 +78,37 @@ def matrix(
         ``attrs["verdict"]`` is :func:`verdict` of it, ``attrs["pairs"]`` maps
         ``"a/b"`` to that pair's compare attrs.
     """
-    return _frame(
-        *_matrix_rows(
-            runs, control=control, include=include, exclude=exclude, file_hashes=file_hashes,
-            chunk_bytes=chunk_bytes, progress=progress, hash=hash, engine=engine,
-        )
+    opts = CompareOptions(
+        include=include, exclude=exclude, file_hashes=file_hashes, chunk_bytes=chunk_bytes,
+        progress=progress, hash=hash, engine=engine,
     )  # fmt: skip
+    return _frame(*_matrix_rows(runs, control, opts))
 
 
 def matrix_records(
-    runs: Mapping[str, Source], **kwargs: Any
+    runs: Mapping[str, Source], *, control: str | None = None, **kwargs: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """:func:`matrix` as ``(rows, attrs)``: plain dicts (every column, None where null) and
-    the attrs, verdict included, without importing pandas (the command line's path)."""
-    return _matrix_rows(runs, **kwargs)
+    the attrs, verdict included, without importing pandas (the command line's path).
+    ``kwargs``: :func:`matrix`'s comparison settings (:class:`CompareOptions`' fields)."""
+    return _matrix_rows(runs, control, CompareOptions(**kwargs))
 
 
 def _matrix_rows(
-    runs: Mapping[str, Source],
-    *,
-    control: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    file_hashes: bool = False,
-    chunk_bytes: int = 4 << 20,
-    progress: bool | None = None,
-    hash: str | None = None,
-    engine: str = "local",
+    runs: Mapping[str, Source], control: str | None, opts: CompareOptions
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     labels = list(runs)
     if len(labels) < 2:
         raise DmlibError(f"matrix needs at least two runs, got {len(labels)}")
     if control is not None and control not in runs:
         raise DmlibError(f"control {control!r} is not one of the runs ({', '.join(labels)})")
-    check_engine(engine)
-    hash_name = None if _no_hash(hash) else hashing.algorithm(hash)
+    for key, off in (("rename", None), ("cross_dtype", False), ("mapping", None)):
+        if getattr(opts, key) != off:  # settings of compare that matrix does not apply
+            raise DmlibError(f"matrix does not take {key}= (a setting of dmlib.compare only)")
+    include, exclude, chunk_bytes = opts.include, opts.exclude, opts.chunk_bytes
+    hash_name = opts.hash_name
     remote = None
-    if engine == "dask":
-        if file_hashes:
-            raise DmlibError("file_hashes=True reads whole files here: use engine='local'")
+    if opts.engine == "dask":
         from dmlib.engine.dask import DaskPairs
 
         remote = DaskPairs(chunk_bytes, None)
@@ -143,13 +133,8 @@ def _matrix_rows(
             rows, attrs = compare_sets(
                 sets[la],
                 sets[lb],
-                include,
-                exclude,
-                file_hashes,
-                chunk_bytes,
-                progress,
-                hash_name=None,  # each content's digest comes from the grouping
-                file_hash_name=hash_name,
+                opts,
+                digests_known=True,  # each content's digest comes from the grouping
                 pair_row=pair_row,
                 frame=False,
             )
