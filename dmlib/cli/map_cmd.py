@@ -108,7 +108,6 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
 
     from dmlib._json import jsonable
     from dmlib.cli._table import table
-    from dmlib.cli.compare_cmd import summary_line
     from dmlib.stats.compare import compare_records, summarize_records
 
     if args.rename:
@@ -124,7 +123,7 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
         print(
             json.dumps(jsonable({"summary": s, "attrs": at, "rows": rows}, default=str), indent=1)
         )
-        return 0 if s["identical"] else 1
+        return 0 if s else 1
     shown = rows if args.all else [r for r in rows if r["n_diff"] > 0]
     if shown:
         say(table(shown, _MAPPED_TABLE))
@@ -142,5 +141,5 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
             f"mismatched: {m['name']} <- {', '.join(m['source'])} via {m['transform']}: "
             f"{m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"
         )
-    say(summary_line(s, at))
-    return 0 if s["identical"] else 1
+    say(str(s))
+    return 0 if s else 1

@@ -93,6 +93,7 @@ from dmlib.kernels.pair import (
 )
 from dmlib.sources import Patterns, Source, check_selection, opened, patterns, select
 from dmlib.stats.options import CompareOptions
+from dmlib.stats.verdicts import Summary
 from dmlib.tensor import Tensor, TensorSet
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: the CLI starts without it
@@ -101,6 +102,7 @@ if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: the CLI star
 __all__ = [
     "COLUMNS",
     "NAN_COLUMNS",
+    "Summary",
     "ULP_BUCKETS",
     "ULP_COLUMNS",
     "compare",
@@ -702,12 +704,14 @@ def dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
 # -- summaries --------------------------------------------------------------------------
 
 
-def summarize(df: pd.DataFrame) -> dict[str, Any]:
+def summarize(df: pd.DataFrame) -> Summary:
     """One verdict over a :func:`compare` result.
 
     Returns
     -------
-    dict
+    Summary
+        A frozen verdict, True only when ``identical``, printed as the command line's
+        one-line verdict, read like a dict (``to_dict()`` gives one) with the keys:
         ``n_tensors`` compared, ``numel`` (total slots), ``n_diff`` (slots differing),
         ``frac_diff``, ``n_tensors_diff``, ``worst_rel_fro`` and ``worst_rel_fro_name``,
         ``max_ulp`` and ``max_ulp_name``, ``max_abs``, ``only_in_a``, ``only_in_b``,
@@ -746,8 +750,13 @@ def _argmax(vals: list[float | None]) -> int | None:
     return best
 
 
-def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any]:
+def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> Summary:
     """:func:`summarize` of :func:`compare_records`' ``(rows, attrs)`` (no pandas needed)."""
+    return Summary.of(_summary_dict(rows, attrs), attrs)
+
+
+def _summary_dict(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any]:
+    """The summary's values, in its documented key order."""
     if "only_in_a" not in attrs:
         raise DmlibError(
             "summarize takes the DataFrame returned by dmlib.compare (its attrs are missing)"

@@ -36,6 +36,7 @@ from dmlib.stats.compare import (
     summarize_records,
 )
 from dmlib.stats.options import CompareOptions
+from dmlib.stats.verdicts import MatrixVerdict
 from dmlib.tensor import Tensor
 
 if TYPE_CHECKING:  # imported where the frame is built: the command line starts without it
@@ -203,12 +204,14 @@ def distinct_rows(
     return pair_row
 
 
-def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
+def verdict(df: pd.DataFrame, *, control: str | None = None) -> MatrixVerdict:
     """Same-seed pairs against the control, from a :func:`matrix` result.
 
     Returns
     -------
-    dict
+    MatrixVerdict
+        A frozen verdict, True only when every pair is bit-identical, printed as the
+        command line's lines under the pair table, read like a dict with the keys:
         ``pairs``: one dict per pair (``a``, ``b``, ``control`` [involves the control],
         ``identical``, ``numel``, ``n_diff``, ``frac_diff``, ``worst_rel_fro``,
         ``max_ulp``, ``worst_median_ulp`` [the largest per-tensor ``median_ulp``],
@@ -234,7 +237,7 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
 
 def _verdict(
     rows: list[dict[str, Any]], attrs: dict[str, Any], control: str | None
-) -> dict[str, Any]:
+) -> MatrixVerdict:
     if control is None:
         control = attrs.get("control")
     pair_attrs = attrs.get("pairs", {})
@@ -249,20 +252,20 @@ def _verdict(
     ctrl = [p for p in pairs if p["control"]]
     same_rel = _worst_of(same, "worst_rel_fro")
     ctrl_rel = _worst_of(ctrl, "worst_rel_fro", min)
-    return {
-        "control": control,
-        "pairs": pairs,
-        "same_worst_rel_fro": same_rel,
-        "same_max_ulp": _worst_of(same, "max_ulp"),
-        "same_worst_median_ulp": _worst_of(same, "worst_median_ulp"),
-        "same_max_abs": _worst_of(same, "max_abs"),
-        "control_rel_fro": ctrl_rel,
-        "control_max_ulp": _worst_of(ctrl, "max_ulp", min),
-        "separation_orders": _separation(same_rel, ctrl_rel),
-        "identical_pairs": [f"{p['a']}/{p['b']}" for p in pairs if p["identical"]],
-        "never_differ": _never_differ(rows, control),
-        "always_identical": bool(same) and all(p["identical"] for p in same),
-    }
+    return MatrixVerdict(
+        control=control,
+        pairs=pairs,
+        same_worst_rel_fro=same_rel,
+        same_max_ulp=_worst_of(same, "max_ulp"),
+        same_worst_median_ulp=_worst_of(same, "worst_median_ulp"),
+        same_max_abs=_worst_of(same, "max_abs"),
+        control_rel_fro=ctrl_rel,
+        control_max_ulp=_worst_of(ctrl, "max_ulp", min),
+        separation_orders=_separation(same_rel, ctrl_rel),
+        identical_pairs=[f"{p['a']}/{p['b']}" for p in pairs if p["identical"]],
+        never_differ=_never_differ(rows, control),
+        always_identical=bool(same) and all(p["identical"] for p in same),
+    )
 
 
 def _pair_keys(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> list[tuple[str, str]]:
