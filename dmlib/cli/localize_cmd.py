@@ -99,17 +99,13 @@ def _ranges(blocks: list[int]) -> str:
 
 
 def run_localize(args: argparse.Namespace) -> int:
-    from dmlib.localize.boundaries import capture_verdict, compare_captures
+    from dmlib.localize.boundaries import CaptureVerdict, compare_captures
 
     repeat = tuple(args.repeat) if args.repeat else None
     df = compare_captures(
         args.a, args.b, request=args.request, repeat=repeat, negative=args.negative
     )
-    divergent = df.attrs["first_divergent_boundary"] is not None
-    rc = df.attrs["repeat_control"]
-    failed_control = (rc is not None and not rc["held"]) or df.attrs["negative_control"][
-        "passed"
-    ] is False
+    v = CaptureVerdict.of(df)
     if args.json:
         doc = {"rows": jsonable(df, default=str), "attrs": jsonable(dict(df.attrs), default=str)}
         print(json.dumps(doc, indent=1))
@@ -120,7 +116,7 @@ def run_localize(args: argparse.Namespace) -> int:
             shown = shown.head(args.limit)
         if len(shown):
             print(table(shown, _TABLE, cell=_fmt))
-        print(capture_verdict(df))
-    if divergent or failed_control:
-        return 1
-    return EXIT_INCONCLUSIVE if df.attrs["status"] == "inconclusive" else 0
+        print(v)
+    if v:
+        return 0
+    return EXIT_INCONCLUSIVE if v.status == "inconclusive" and not v.failed_control else 1
