@@ -25,7 +25,7 @@ _TABLE = [
     "n_diff",
     "n_diff_rows",
     "max_abs",
-    "rel_l2",
+    "rel_fro",
     "max_ulp",
     "diff_blocks",
     "new_blocks",

@@ -227,6 +227,26 @@ def compare_pair(
     return row
 
 
+def compare_arrays(
+    a: np.ndarray, b: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK, name: str = "array"
+) -> dict[str, Any]:
+    """The :func:`dmlib.compare` row of two in-memory arrays of one dtype and shape (no
+    hashes): the comparison's statistics and NaN policy for arrays that are no file's."""
+    ta, tb = (
+        Tensor(name, x.dtype, x.shape, nbytes=x.nbytes, source=x)
+        for x in (np.ascontiguousarray(a), np.ascontiguousarray(b))
+    )
+    if not same_layout(ta, tb):
+        raise DmlibError(
+            f"{name}: {dtype_label(ta.dtype)}{list(ta.shape)} and "
+            f"{dtype_label(tb.dtype)}{list(tb.shape)} cannot be compared element by element"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        row = compare_pair(ta, tb, chunk_bytes, None, K.Progress(0, False), K.PageReleaser())  # type: ignore[arg-type]
+    row.pop("_hashes", None)
+    return row
+
+
 def _hash_checked(t: Tensor, raw: np.ndarray, chunk_bytes: int, hash_name: str) -> str:
     """The digest of ``raw`` (``t``'s bytes), refused if ``t``'s file changed meanwhile."""
     digest = K.hash_views([raw], chunk_bytes, hash_name)

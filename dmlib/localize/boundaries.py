@@ -45,43 +45,43 @@ SECONDARY_NOTE = (
 
 COLUMNS = [
     "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
-    "rel_l2", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
+    "rel_fro", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
 ]  # fmt: skip
 
 
 def element_stats(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """n_diff (bit patterns), n_diff_rows (leading index), max_abs, rel_l2 (to ``a``), max_ulp."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return {
-            "n_diff": None,
-            "n_diff_rows": None,
-            "max_abs": None,
-            "rel_l2": None,
-            "max_ulp": None,
-        }
-    bits = bits_dtype(a.dtype) if a.dtype != np.bool_ else np.dtype("u1")
-    ua = np.ascontiguousarray(a).view(bits)
-    ub = np.ascontiguousarray(b).view(bits)
-    differ = ua != ub
-    rows = differ.reshape(differ.shape[0], -1).any(axis=1) if differ.ndim else differ
-    fa, fb = a.astype(np.float64), b.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        d = np.where(differ, np.abs(fa - fb), 0.0)
-        d = np.where(differ & (np.isnan(fa) | np.isnan(fb)), np.inf, d)
-        num = float(np.sqrt(np.sum(np.where(differ, d, 0.0) ** 2)))
-        den = float(np.sqrt(np.nansum(fa**2)))
-    out = {
-        "n_diff": int(differ.sum()),
-        "n_diff_rows": int(np.count_nonzero(rows)),
-        "max_abs": float(d.max()) if d.size else 0.0,
-        "rel_l2": (num / den) if den > 0 else (0.0 if num == 0 else float("inf")),
-        "max_ulp": None,
-    }
-    if is_float(a.dtype):
-        from dmlib.kernels.ulp import ulp_distance
+    """n_diff, n_diff_rows (leading index), max_abs, rel_fro (to ``a``) and max_ulp.
 
-        out["max_ulp"] = int(ulp_distance(a, b).max()) if a.size else 0
-    return out
+    The statistics of :func:`dmlib.compare`'s row (:func:`dmlib.kernels.pair.compare_arrays`),
+    so the NaN policy is the comparison's: a NaN equals a NaN with the same bits, and pairs
+    involving a NaN or an infinity count in ``n_diff`` but never enter ``max_abs``,
+    ``rel_fro`` or ``max_ulp``. ``rel_fro`` and ``max_ulp`` are None for integer and bool
+    tensors; every value is None when the dtypes or shapes differ.
+    """
+    from dmlib.kernels.pair import compare_arrays
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return dict(_NO_STATS)
+    row = compare_arrays(a, b)
+    max_abs = row["max_abs"]
+    return {
+        "n_diff": int(row["n_diff"]),
+        "n_diff_rows": _diff_rows(a, b),
+        "max_abs": None if max_abs is None or max_abs != max_abs else float(max_abs),
+        "rel_fro": row.get("rel_fro"),
+        "max_ulp": row.get("max_ulp"),
+    }
+
+
+def _diff_rows(a: np.ndarray, b: np.ndarray) -> int:
+    """Rows (indices of the leading axis) holding a differing bit pattern (0-d: the value)."""
+    if a.ndim == 0:
+        return int(a.tobytes() != b.tobytes())
+    if a.shape[0] == 0 or a.size == 0:
+        return 0
+    ua = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
+    ub = np.ascontiguousarray(b).reshape(b.shape[0], -1).view(np.uint8)
+    return int(np.count_nonzero((ua != ub).any(axis=1)))
 
 
 def _requests(a: Capture, b: Capture, request: Any) -> list[str]:
@@ -412,7 +412,8 @@ def compare_captures(
     -------
     pandas.DataFrame
         Columns ``boundary, module, kind, role, identical, n_diff, n_diff_rows, max_abs,
-        rel_l2, max_ulp, diff_blocks, new_blocks, inherited_blocks, note``. Block ids index
+        rel_fro, max_ulp, diff_blocks, new_blocks, inherited_blocks, note`` (the element
+        statistics are :func:`dmlib.compare`'s, see :func:`element_stats`). Block ids index
         ``attrs["block_index"]`` (request, block, start, end). ``attrs`` also holds
         ``first_divergent_boundary``, ``culprit``, ``culprits``, ``repeat_control``,
         ``negative_control``, ``valid``, ``stats_missing`` and the answer: ``status``
@@ -489,7 +490,7 @@ def _check_comparable(a: Capture, b: Capture, request: Any) -> list[str]:
     return requests
 
 
-_NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_l2": None, "max_ulp": None}
+_NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_fro": None, "max_ulp": None}
 
 
 def _boundary_row(
@@ -535,7 +536,7 @@ def _boundary_row(
                 "n_diff": 0,
                 "n_diff_rows": 0,
                 "max_abs": 0.0,
-                "rel_l2": 0.0,
+                "rel_fro": 0.0 if is_float(ba.np_dtype) else None,
                 "max_ulp": 0 if is_float(ba.np_dtype) else None,
             }
         )
@@ -577,7 +578,7 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
         df[c] = df[c].astype("Int64")
-    for c in ("max_abs", "rel_l2"):
+    for c in ("max_abs", "rel_fro"):
         df[c] = df[c].astype("Float64")
     return df[[*COLUMNS, "note"]]
 
