@@ -173,7 +173,6 @@ def compare(
         pieces, each read and compared by a task on Dask's current scheduler (the active
         ``distributed.Client``), from paths every worker can see; the rows are the local
         engine's, bit for bit (:mod:`dmlib.engine.dask`).
-
     mapping
         A mapping file (path to TOML, a dict of the same, or a
         :class:`dmlib.mapping.Mapping`) from ``a``'s tensors to ``b``'s through layout
@@ -189,11 +188,9 @@ def compare(
         One row per compared tensor, columns as described in this module's docstring,
         in ``a``'s disk order; everything else in ``df.attrs``.
     """
-    opts = CompareOptions(
-        include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
+    opts = CompareOptions(include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
         cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
-        engine=engine, mapping=mapping,
-    )  # fmt: skip
+        engine=engine, mapping=mapping)  # fmt: skip
     return compare_with(a, b, opts)
 
 
