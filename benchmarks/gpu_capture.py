@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 "repeat_control": str(df.attrs.get("repeat_control")),
                 "n_boundaries": int(len(df)),
                 "n_differing": int(len(diff)),
-                "max_rel_l2": float(df["rel_l2"].max()) if df["rel_l2"].notna().any() else None,
+                "max_rel_fro": float(df["rel_fro"].max()) if df["rel_fro"].notna().any() else None,
             }
         rep = dmlib.compare_captures(
             work / f"{tag}_packed", work / f"{tag}_packed_repeat", request="probe"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ def jsonable(
     pd = sys.modules.get("pandas")
     if pd is not None and isinstance(value, pd.DataFrame):
         return [jsonable(r, default=default, what=what) for r in value.to_dict("records")]
-    if isinstance(value, dict):
+    if isinstance(value, (dict, Mapping)):  # a typed verdict is a read-only Mapping
         return {str(k): jsonable(v, default=default, what=what) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v, default=default, what=what) for v in value]

@@ -57,9 +57,8 @@ def test_json(d, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["attrs"]["first_divergent_boundary"] == "encoder.layer.0.attention.self"
     row = next(r for r in doc["rows"] if r["boundary"] == "encoder.layer.0.attention.self")
-    assert {"identical", "n_diff", "max_abs", "rel_l2", "diff_blocks", "new_blocks", "role"} <= set(
-        row
-    )
+    columns = {"identical", "n_diff", "max_abs", "rel_fro", "diff_blocks", "new_blocks", "role"}
+    assert columns <= set(row)
     assert row["identical"] is False and row["role"] == "culprit"
 
 

@@ -49,7 +49,7 @@ def test_planted_boundary_blocks_and_roles(caps):
     # planted: two positions (5 and 20) x F features, each moved by NUDGE
     assert (q["n_diff"], q["n_diff_rows"]) == (2 * F, 2)
     assert 0.5 * NUDGE < q["max_abs"] < 1.5 * NUDGE
-    assert q["max_ulp"] > 0 and 0 < q["rel_l2"] < 1
+    assert q["max_ulp"] > 0 and 0 < q["rel_fro"] < 1
     assert (
         t.loc["blocks.1.quirk:input0", "role"] == "clean"
         and t.loc["blocks.1.quirk:input1", "role"] == "clean"
@@ -183,15 +183,15 @@ def test_request_none_compares_common_requests(caps):
 @pytest.mark.parametrize(
     ("a", "b", "expected"),
     [
-        # hand-computed: one element differs by 0.5 -> rel_l2 = 0.5 / ||a|| = 0.5 / 3
+        # hand-computed: one element differs by 0.5 -> rel_fro = 0.5 / ||a|| = 0.5 / 3
         (np.array([[1.0, 2.0], [2.0, 0.0]], np.float32), np.array([[1.0, 2.0], [2.5, 0.0]], np.float32),
-         {"n_diff": 1, "n_diff_rows": 1, "max_abs": 0.5, "rel_l2": 0.5 / 3.0, "max_ulp": 2**21}),
+         {"n_diff": 1, "n_diff_rows": 1, "max_abs": 0.5, "rel_fro": 0.5 / 3.0, "max_ulp": 2**21}),
         # 1.0 and its float32 successor: one ULP
         (np.array([[1.0]], np.float32), np.array([[np.nextafter(np.float32(1), np.float32(2))]], np.float32),
-         {"n_diff": 1, "n_diff_rows": 1, "max_abs": 2.0**-23, "rel_l2": 2.0**-23, "max_ulp": 1}),
+         {"n_diff": 1, "n_diff_rows": 1, "max_abs": 2.0**-23, "rel_fro": 2.0**-23, "max_ulp": 1}),
         # -0.0 vs +0.0: different bits, zero distance
         (np.array([[0.0]], np.float32), np.array([[-0.0]], np.float32),
-         {"n_diff": 1, "n_diff_rows": 1, "max_abs": 0.0, "rel_l2": 0.0, "max_ulp": 0}),
+         {"n_diff": 1, "n_diff_rows": 1, "max_abs": 0.0, "rel_fro": 0.0, "max_ulp": 0}),
         (np.array([[1, 2], [3, 4]], np.int64), np.array([[1, 2], [3, 9]], np.int64),
          {"n_diff": 1, "n_diff_rows": 1, "max_abs": 5.0, "max_ulp": None}),
     ],

@@ -307,7 +307,7 @@ def test_capture_boundaries(executed):
     if culprit in index.get("dumped", []):
         a, b = rows("alone", culprit), rows("packed", culprit)
         assert not np.array_equal(a, b)
-        assert n["culprit_rel_l2"] == pytest.approx(_rel_fro(a, b), rel=1e-9)
+        assert n["culprit_rel_fro"] == pytest.approx(_rel_fro(a, b), rel=1e-9)
 
 
 def test_capture_boundaries_op_level(executed):

@@ -196,7 +196,7 @@ def test_boundary_profile_lines_and_marker(ax):
             "comparison": ["alone/packed"] * 4 + ["alone/alone_repeat"] * 4,
             "boundary": ["embed", "layer0", "layer1", "final"] * 2,
             # a boundary without element statistics is missing, not zero
-            "rel_l2": pd.array([0.0, 0.0, 4.2e-3, None, 0.0, 0.0, 0.0, 0.0], dtype="Float64"),
+            "rel_fro": pd.array([0.0, 0.0, 4.2e-3, None, 0.0, 0.0, 0.0, 0.0], dtype="Float64"),
         }
     )
     plot.boundary_profile(
@@ -210,12 +210,12 @@ def test_boundary_profile_lines_and_marker(ax):
     vlines = [ln for ln in lines[2:] if ln.get_xdata()[0] == ln.get_xdata()[1]]
     assert len(vlines) == 1 and vlines[0].get_xdata()[0] == 2
     assert "layer1" in vlines[0].get_label()
-    assert ax.get_ylabel().startswith("rel_l2")
+    assert ax.get_ylabel().startswith("rel_fro")
 
 
 def test_boundary_profile_labels_stay_readable_and_keep_the_marked_one(ax):
     names = [f"b{i}" for i in range(200)]
-    df = pd.DataFrame({"boundary": names, "rel_l2": [0.0] * 137 + [1e-3] * 63, "comparison": "x"})
+    df = pd.DataFrame({"boundary": names, "rel_fro": [0.0] * 137 + [1e-3] * 63, "comparison": "x"})
     plot.boundary_profile(df, first_divergent={"x": "b137"}, max_labels=20, ax=ax)
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert len(labels) <= 22 and "b137" in labels and "b0" in labels

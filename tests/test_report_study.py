@@ -514,10 +514,10 @@ def test_captures_study_names_the_planted_module(capture_report):
     assert n["culprit"] == n["first_divergent_boundary"] == "mix"
     assert n["repeat_control_held"] is True and n["negative_control_passed"] is True
     a, b = seen["base"][0], seen["nudged"][0]
-    rel_l2 = float(
+    rel_fro = float(
         np.linalg.norm((a - b).astype(np.float64)) / np.linalg.norm(a.astype(np.float64))
     )
-    assert rel_l2 > 0 and n["culprit_rel_l2"] == pytest.approx(rel_l2, rel=1e-9)
+    assert rel_fro > 0 and n["culprit_rel_fro"] == pytest.approx(rel_fro, rel=1e-9)
     page = (out / "capture_boundaries.html").read_text()
     assert "base vs nudged: first divergent boundary <code>mix</code>" in page
     assert len(_images(page)) == len(n["figures"]) == 2

@@ -80,8 +80,10 @@ def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
     """The exit status of a comparison: 0 nothing differs, 1 something differs (or a
     control failed, or no verdict was reached), 3 inconclusive (capture comparisons).
 
-    ``result`` is what the library returned: a comparison summary (``identical``), a
-    matrix verdict (every pair identical), two Trainer runs compared (``bit_exact``),
+    ``result`` is what the library returned: a typed verdict (:class:`Summary`,
+    :class:`MatrixVerdict`, :class:`CaptureVerdict`: ``bool()`` says same; a capture
+    comparison that is inconclusive without a divergence or a failed control is 3), a
+    comparison summary as a dict (``identical``), a matrix verdict (every pair identical), two Trainer runs compared (``bit_exact``),
     a capture comparison's attrs (first divergent boundary, controls, status), or an
     arbitration / repeat count (its ``verdict``). ``differs``: a command that judges
     its table itself says so here instead. Bad input never gets here: a
@@ -89,6 +91,15 @@ def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
     """
     if differs is not None:
         return EXIT_DIFFERS if differs else EXIT_SAME
+    from dmlib.kernels.verdict import Verdict
+
+    if isinstance(result, Verdict):  # Summary, MatrixVerdict, CaptureVerdict: bool() is "same"
+        if result:
+            return EXIT_SAME
+        inconclusive = result.get("status") == "inconclusive"
+        if inconclusive and result.get("first_divergent_boundary") is None:
+            return EXIT_DIFFERS if getattr(result, "failed_control", False) else EXIT_INCONCLUSIVE
+        return EXIT_DIFFERS
     if isinstance(result, Mapping):
         if "first_divergent_boundary" in result:
             return _capture_code(result)

@@ -8,8 +8,7 @@ from typing import Any
 
 from dmlib.cli._common import add_common, exit_code, print_json
 from dmlib.cli._dask import engine as engine_of
-from dmlib.cli._table import add_selection, fmt, labelled_paths, table
-from dmlib.numfmt import general, sci
+from dmlib.cli._table import add_selection, labelled_paths, table
 from dmlib.textsafe import names_list, shown
 
 # columns of the readable table (the JSON output carries every column)
@@ -123,57 +122,6 @@ def _hash_of(args: argparse.Namespace) -> str:
     return "blake3" if args.json or getattr(args, "file_hashes", False) else "none"
 
 
-def summary_line(s: dict[str, Any], attrs: dict[str, Any]) -> str:
-    """The one-line verdict of :func:`summarize`, which always says what was not compared.
-
-    Names in it are escaped and cut (:func:`dmlib.textsafe.shown`): a name holding escape
-    codes cannot rewrite the verdict word a terminal shows.
-    """
-    if s["n_tensors_diff"] or s.get("n_scalars_diff"):
-        word = "DIFFERENT"
-    elif s["n_not_compared"] or s.get("not_read") or s.get("scalars_only"):
-        word = "NOT ALL COMPARED"
-    elif s["identical"] and s["rounded"]:
-        word = "IDENTICAL AFTER ROUNDING"
-    else:
-        word = "IDENTICAL" if s["identical"] else "DIFFERENT"
-    gaps = [
-        f"{len(s['only_in_a'])} only in A" if s["only_in_a"] else "",
-        f"{len(s['only_in_b'])} only in B" if s["only_in_b"] else "",
-        f"{len(s['mismatched'])} with different dtype or shape" if s["mismatched"] else "",
-        f"{len(s['scalars_only'])} scalars held by one side" if s.get("scalars_only") else "",
-    ]
-    gaps = [g for g in gaps if g]
-    text = (
-        f"{word}: {s['n_tensors_diff']} of {s['n_tensors']} compared tensors differ; "
-        f"not compared: {', '.join(gaps) if gaps else 'none'}; n_diff {s['n_diff']} of numel "
-        f"{s['numel']} (frac_diff {fmt(s['frac_diff'])}); worst rel_fro {fmt(s['worst_rel_fro'])}"
-        f"{'' if s['worst_rel_fro_name'] is None else ' (' + shown(s['worst_rel_fro_name']) + ')'}; "
-        f"max_ulp {fmt(s['max_ulp'])}"
-    )
-    if s.get("n_scalars_diff"):
-        diff = attrs.get("scalars_diff") or {}
-        k, (va, vb) = next(iter(diff.items()))
-        text += (
-            f"; {s['n_scalars_diff']} scalars differ "
-            f"(e.g. {shown(k)}: {shown(repr(va))} vs {shown(repr(vb))})"
-        )
-    for note in s.get("not_read") or ():
-        text += f"; not read: {shown(note)}"
-    if s.get("byte_order_diff"):
-        text += (
-            f"; {len(s['byte_order_diff'])} tensors hold equal values stored in another byte "
-            f"order (e.g. {shown(s['byte_order_diff'][0])}): equal values, not equal bytes"
-        )
-    if s["rounded"]:
-        r = attrs["rounded"][0]
-        text += (
-            f"; {len(s['rounded'])} compared after rounding the wider side to the narrower "
-            f"dtype (e.g. {shown(r['name'])}: {r['from']} -> {r['to']}, {r['rounding']}; ULP in {r['to']})"
-        )
-    return text
-
-
 def _is_dir(path: str) -> bool:
     import os
 
@@ -222,7 +170,7 @@ def run_compare(args: argparse.Namespace) -> int:
     _print_notes(at, file_hashes=args.file_hashes)
     for line in component_lines(comps or []):
         print(line)
-    print(summary_line(s, at))
+    print(s)  # the Summary's one-line verdict
     return exit_code(s)
 
 
@@ -382,24 +330,6 @@ def run_matrix(args: argparse.Namespace) -> int:
     print(table(v["pairs"], cols))
     for line in mapped_notes(attrs["mapped"]):
         print(line)
-    print(format_verdict(v))
+    print(v)  # the MatrixVerdict's lines
     sys.stdout.flush()
     return code
-
-
-def format_verdict(v: dict[str, Any]) -> str:
-    """The verdict as a few lines of text (what the CLI prints under the pair table)."""
-    g = sci
-    lines = [
-        f"same-seed pairs: worst rel_fro {g(v['same_worst_rel_fro'])}, max_ulp {g(v['same_max_ulp'])} "
-        f"(median_ulp <= {general(v.get('same_worst_median_ulp'))} in every tensor), max_abs {g(v['same_max_abs'])}"
-    ]
-    if v["control"] is not None:
-        sep = v["separation_orders"]
-        lines.append(
-            f"control {shown(v['control'])}: rel_fro {g(v['control_rel_fro'])}, max_ulp {g(v['control_max_ulp'])}; "
-            f"separation {'-' if sep is None else f'{sep:.1f}'} orders of magnitude"
-        )
-    lines.append(f"bit-identical pairs: {names_list(v['identical_pairs']) or 'none'}")
-    lines.append(f"tensors that never differ (same-seed pairs): {len(v['never_differ'])}")
-    return "\n".join(lines)

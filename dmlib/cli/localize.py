@@ -37,7 +37,7 @@ _TABLE = [
     "n_diff",
     "n_diff_rows",
     "max_abs",
-    "rel_l2",
+    "rel_fro",
     "max_ulp",
     "diff_blocks",
     "new_blocks",
@@ -119,12 +119,13 @@ def _ranges(blocks: list[int]) -> str:
 
 def run_localize(args: argparse.Namespace) -> int:
     """``dmlib localize A B``: boundaries that differ, the culprit, the controls."""
-    from dmlib.localize.boundaries import capture_verdict, compare_captures
+    from dmlib.localize.boundaries import CaptureVerdict, compare_captures
 
     repeat = tuple(args.repeat) if args.repeat else None
     df = compare_captures(
         args.a, args.b, request=args.request, repeat=repeat, negative=args.negative
     )
+    v = CaptureVerdict.of(df)
     if args.json:
         print_json({"rows": df, "attrs": dict(df.attrs)})
     else:
@@ -134,8 +135,8 @@ def run_localize(args: argparse.Namespace) -> int:
             shown = shown.head(args.limit)
         if len(shown):
             print(table(shown, _TABLE, cell=_fmt))
-        print(capture_verdict(df))
-    return exit_code(df.attrs)
+        print(v)
+    return exit_code(v)
 
 
 def _add_arbitrate(sub: argparse._SubParsersAction) -> None:

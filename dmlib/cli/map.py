@@ -105,7 +105,6 @@ def say(text: str, file: Any = None) -> None:
 def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
     """``dmlib compare A B --map MAP.toml``: rows in B's names, differences traced to A."""
     from dmlib.cli._table import table
-    from dmlib.cli.compare import summary_line
     from dmlib.stats.compare import compare_records, summarize_records
 
     if args.rename:
@@ -137,7 +136,7 @@ def run_mapped(args: argparse.Namespace, hash_name: str) -> int:
             f"mismatched: {m['name']} <- {', '.join(m['source'])} via {m['transform']}: "
             f"{m['dtype_a']}{m['shape_a']} vs {m['dtype_b']}{m['shape_b']} (not compared)"
         )
-    say(summary_line(s, at))
+    say(str(s))  # the Summary's one-line verdict
     return exit_code(s)
 
 

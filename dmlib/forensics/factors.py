@@ -157,9 +157,11 @@ def effective_weights(ts: Source, groups: FactorGroup | Iterable[FactorGroup]) -
 
 def _stats(a: TensorSet, b: TensorSet, engine: str = "local") -> pd.DataFrame:
     """``dmlib.compare`` of two tensor sets, indexed by name."""
-    from dmlib.stats.compare import compare
+    from dmlib.stats.compare import compare_with
+    from dmlib.stats.options import CompareOptions
 
-    return compare(a, b, file_hashes=False, progress=False, engine=engine).set_index("name")
+    opts = CompareOptions(file_hashes=False, progress=False, engine=engine)
+    return compare_with(a, b, opts).set_index("name")
 
 
 def _fields(e: pd.Series, ea: np.ndarray) -> dict[str, Any]:

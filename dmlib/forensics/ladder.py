@@ -289,15 +289,16 @@ def _compare(
     sa: TensorSet, sb: TensorSet, kind: str, shared: _Shared | None = None
 ) -> list[dict[str, Any]]:
     """Rows of ``dmlib.compare`` for two sets, with each tensor's own norm."""
-    from dmlib.kernels.pair import DEFAULT_CHUNK
-    from dmlib.stats.compare import compare, compare_sets
+    from dmlib.stats.compare import compare_sets, compare_with
+    from dmlib.stats.options import CompareOptions
 
+    opts = CompareOptions(file_hashes=False, progress=False)
     if shared is None:
-        df = compare(sa, sb, file_hashes=False, progress=False)
+        df = compare_with(sa, sb, opts)
     else:
         df = compare_sets(
-            sa, sb, None, None, False, DEFAULT_CHUNK, False,
-            hash_name=None,  # each content's digest comes from shared.contents
+            sa, sb, opts,
+            digests_known=True,  # each content's digest comes from shared.contents
             pair_row=shared.pair_row,
         )  # fmt: skip
     rows = []

@@ -139,40 +139,13 @@ def compare_pair(
     ``hash_cache`` (id of a Tensor -> future digest) lets several comparisons of the
     same open tensors hash each of them once.
     """
-    cache: dict[int, Future[str]] = {} if hash_cache is None else hash_cache
-
-    def digest(t: Tensor) -> Future[str] | None:
-        if hash_name is None:  # no identity hashes asked for: bytes are compared, not hashed
-            return None
-        if id(t) not in cache:
-            cache[id(t)] = pool.submit(_hash_checked, t, t.raw(), chunk_bytes, hash_name)
-        return cache[id(t)]
-
-    kind = kind_of(ta)
-    # complex tensors are compared component by component (real, imaginary, real...)
-    dtype = component(native(ta.dtype))
-    parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
-    elem = bits_dtype(dtype) if kind == "float" else dtype if kind == "int" else np.dtype("u1")
-    info = float_bits(dtype) if kind == "float" else None
-    inline = None if hash_name is None else _inline_hasher(ta, cache, hash_name)
-    hash_a = digest(ta) if inline is None else None
-    # stays None while b's bytes equal a's; equal values in two byte orders are not equal bytes
-    hash_b = None if ta.dtype.isnative == tb.dtype.isnative else digest(tb)
+    kind, parts, elem, info = _layout(ta)
+    hashes = _PairHashes(ta, tb, chunk_bytes, pool, hash_cache, hash_name)
     acc = K.Acc()
     differing = False
     bits = bits_dtype(elem)
     compiled = K.compiled_for(info)  # float32/float64 with the compiled kernel built
-    inline_b: Any = None  # b's hasher, once b is known to differ (a copy of a's state then)
-
-    def feed(raw_a: np.ndarray, raw_b: np.ndarray) -> None:  # (only when inline is set)
-        assert inline is not None
-        inline.update(raw_a)
-        if inline_b is not None:
-            inline_b.update(raw_b)
-
-    for start, ca, cb in _chunk_pairs(
-        ta, tb, elem, chunk_bytes, rel, None if inline is None else feed
-    ):
+    for start, ca, cb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel, hashes.on_raw()):
         va, vb = ca.view(elem), cb.view(elem)
         progress.advance(ca.nbytes)
         # equal bytes first, at memcmp speed on the widest words (no mask is built)
@@ -186,44 +159,156 @@ def compare_pair(
         # the integer mask the float statistics reuse (differing bytes, unless a side
         # was byte-swapped: values are compared, so a mask decides)
         neq = np.not_equal(ca.view(bits), cb.view(bits))
-        same = not neq.any()
-        if same:
+        if not neq.any():
             if differing and info is not None:
                 K.add_aa(acc, va, vb, info)
             continue
         if not differing and info is not None:
             # the norms also need every identical chunk before the first difference
-            for s2, pa, pb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel):
-                if s2 >= start:
-                    break
-                K.add_aa(acc, pa.view(elem), pb.view(elem), info)
+            _add_norms_before(acc, ta, tb, elem, chunk_bytes, rel, start, info)
         differing = True
-        if hash_b is None and inline_b is None and hash_name is not None:
-            # b equals a up to this chunk: b's hash continues from a's state, in the loop,
-            # instead of reading b again on a worker thread
-            if inline is not None and id(tb) not in cache:
-                inline_b = inline.copy()
-            else:
-                hash_b = digest(tb)
-        if compiled is not None and info is not None:
-            K.float_pair(acc, acc, va, vb, start, info)
-        elif info is not None:
-            K.add_aa(acc, va, vb, info)
-            K.float_chunk(acc, va, vb, start, info, neq)
-        else:
-            K.int_chunk(acc, va, vb, start)
-    if inline is not None:  # hashed inline: every chunk of a went through the loop above
-        hash_a = cache[id(ta)] = Future()
-        hash_a.set_result(inline.hexdigest())
-    if inline_b is not None:
-        hash_b = cache[id(tb)] = Future()
-        hash_b.set_result(inline_b.hexdigest())
+        hashes.b_differs()
+        _differing_chunk(acc, va, vb, start, info, compiled is not None, neq)
+    hashes.close()
     row = finish_row(acc, ta, tb, kind, info, chunk_bytes, differing, rel, parts=parts)
     ta.check_unchanged()  # a row of bytes that changed under it is never returned
     tb.check_unchanged()
-    if hash_b is None and hash_a is not None:
-        cache.setdefault(id(tb), hash_a)  # same bytes, same digest
-    row["_hashes"] = (hash_a, hash_b)
+    row["_hashes"] = hashes.futures()
+    return row
+
+
+def _layout(ta: Tensor) -> tuple[str, int, np.dtype, Any]:
+    """How a tensor is compared: its kind, components per element (2: complex), the
+    dtype its chunks are viewed as, and the float facts (None: not a float)."""
+    kind = kind_of(ta)
+    # complex tensors are compared component by component (real, imaginary, real...)
+    dtype = component(native(ta.dtype))
+    parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
+    elem = bits_dtype(dtype) if kind == "float" else dtype if kind == "int" else np.dtype("u1")
+    info = float_bits(dtype) if kind == "float" else None
+    return kind, parts, elem, info
+
+
+def _add_norms_before(
+    acc: K.Acc,
+    ta: Tensor,
+    tb: Tensor,
+    elem: np.dtype,
+    chunk_bytes: int,
+    rel: K.PageReleaser,
+    start: int,
+    info: Any,
+) -> None:
+    """Add a.a over the identical chunks before the first differing one (read again)."""
+    for s2, pa, pb in _chunk_pairs(ta, tb, elem, chunk_bytes, rel):
+        if s2 >= start:
+            break
+        K.add_aa(acc, pa.view(elem), pb.view(elem), info)
+
+
+def _differing_chunk(
+    acc: K.Acc,
+    va: np.ndarray,
+    vb: np.ndarray,
+    start: int,
+    info: Any,
+    compiled: bool,
+    neq: np.ndarray,
+) -> None:
+    """The statistics of one chunk that holds a difference."""
+    if compiled and info is not None:
+        K.float_pair(acc, acc, va, vb, start, info)
+    elif info is not None:
+        K.add_aa(acc, va, vb, info)
+        K.float_chunk(acc, va, vb, start, info, neq)
+    else:
+        K.int_chunk(acc, va, vb, start)
+
+
+class _PairHashes:
+    """The data hashes of one pair: a's (inline in the comparison loop for BLAKE3, else
+    on ``pool``), and b's only once b is known to differ from a."""
+
+    def __init__(
+        self,
+        ta: Tensor,
+        tb: Tensor,
+        chunk_bytes: int,
+        pool: ThreadPoolExecutor,
+        cache: dict[int, Future[str]] | None,
+        hash_name: str | None,
+    ) -> None:
+        self.ta, self.tb, self.chunk_bytes, self.pool = ta, tb, chunk_bytes, pool
+        self.cache: dict[int, Future[str]] = {} if cache is None else cache
+        self.hash_name = hash_name
+        self.inline = None if hash_name is None else _inline_hasher(ta, self.cache, hash_name)
+        self.inline_b: Any = None  # b's hasher, once b is known to differ (a copy of a's state)
+        self.a = self.digest(ta) if self.inline is None else None
+        # stays None while b's bytes equal a's; equal values in two byte orders are not equal bytes
+        self.b = None if ta.dtype.isnative == tb.dtype.isnative else self.digest(tb)
+
+    def digest(self, t: Tensor) -> Future[str] | None:
+        if self.hash_name is None:  # no identity hashes asked for: bytes are compared, not hashed
+            return None
+        if id(t) not in self.cache:
+            self.cache[id(t)] = self.pool.submit(
+                _hash_checked, t, t.raw(), self.chunk_bytes, self.hash_name
+            )
+        return self.cache[id(t)]
+
+    def on_raw(self) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """What the chunk loop feeds each chunk's stored bytes to (None: nothing inline)."""
+        return None if self.inline is None else self._feed
+
+    def _feed(self, raw_a: np.ndarray, raw_b: np.ndarray) -> None:
+        assert self.inline is not None
+        self.inline.update(raw_a)
+        if self.inline_b is not None:
+            self.inline_b.update(raw_b)
+
+    def b_differs(self) -> None:
+        """b differs from a in the current chunk: start b's hash if it is not running."""
+        if self.b is None and self.inline_b is None and self.hash_name is not None:
+            # b equals a up to this chunk: b's hash continues from a's state, in the loop,
+            # instead of reading b again on a worker thread
+            if self.inline is not None and id(self.tb) not in self.cache:
+                self.inline_b = self.inline.copy()
+            else:
+                self.b = self.digest(self.tb)
+
+    def close(self) -> None:
+        """The inline digests, once every chunk went through the loop."""
+        if self.inline is not None:
+            self.a = self.cache[id(self.ta)] = Future()
+            self.a.set_result(self.inline.hexdigest())
+        if self.inline_b is not None:
+            self.b = self.cache[id(self.tb)] = Future()
+            self.b.set_result(self.inline_b.hexdigest())
+
+    def futures(self) -> tuple[Future[str] | None, Future[str] | None]:
+        """(a's, b's) digest futures; b's None when its bytes are a's (then cached as a's)."""
+        if self.b is None and self.a is not None:
+            self.cache.setdefault(id(self.tb), self.a)  # same bytes, same digest
+        return self.a, self.b
+
+
+def compare_arrays(
+    a: np.ndarray, b: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK, name: str = "array"
+) -> dict[str, Any]:
+    """The :func:`dmlib.compare` row of two in-memory arrays of one dtype and shape (no
+    hashes): the comparison's statistics and NaN policy for arrays that are no file's."""
+    ta, tb = (
+        Tensor(name, x.dtype, x.shape, nbytes=x.nbytes, source=x)
+        for x in (np.ascontiguousarray(a), np.ascontiguousarray(b))
+    )
+    if not same_layout(ta, tb):
+        raise DmlibError(
+            f"{name}: {dtype_label(ta.dtype)}{list(ta.shape)} and "
+            f"{dtype_label(tb.dtype)}{list(tb.shape)} cannot be compared element by element"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        row = compare_pair(ta, tb, chunk_bytes, None, K.Progress(0, False), K.PageReleaser())  # type: ignore[arg-type]
+    row.pop("_hashes", None)
     return row
 
 
@@ -276,10 +361,7 @@ def same_bytes(ca: np.ndarray, cb: np.ndarray) -> bool:
 
 def identical_row(ta: Tensor) -> dict[str, Any]:
     """The row of a pair whose bytes are known to be identical (equal digests), read from nothing."""
-    kind = kind_of(ta)
-    dtype = component(native(ta.dtype))
-    parts = ta.dtype.itemsize // dtype.itemsize if kind != "bytes" else 1
-    info = float_bits(dtype) if kind == "float" else None
+    kind, parts, _, info = _layout(ta)
     return finish_row(K.Acc(), ta, ta, kind, info, 0, False, None, parts=parts)
 
 

@@ -12,8 +12,10 @@ a planted one-bit change, and optionally a different input).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ import pandas as pd
 
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
+from dmlib.kernels.verdict import Verdict
 from dmlib.localize.captures import (
     LAYOUT_INPUTS,
     Boundary,
@@ -42,43 +45,43 @@ SECONDARY_NOTE = (
 
 COLUMNS = [
     "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
-    "rel_l2", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
+    "rel_fro", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
 ]  # fmt: skip
 
 
 def element_stats(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """n_diff (bit patterns), n_diff_rows (leading index), max_abs, rel_l2 (to ``a``), max_ulp."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return {
-            "n_diff": None,
-            "n_diff_rows": None,
-            "max_abs": None,
-            "rel_l2": None,
-            "max_ulp": None,
-        }
-    bits = bits_dtype(a.dtype) if a.dtype != np.bool_ else np.dtype("u1")
-    ua = np.ascontiguousarray(a).view(bits)
-    ub = np.ascontiguousarray(b).view(bits)
-    differ = ua != ub
-    rows = differ.reshape(differ.shape[0], -1).any(axis=1) if differ.ndim else differ
-    fa, fb = a.astype(np.float64), b.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        d = np.where(differ, np.abs(fa - fb), 0.0)
-        d = np.where(differ & (np.isnan(fa) | np.isnan(fb)), np.inf, d)
-        num = float(np.sqrt(np.sum(np.where(differ, d, 0.0) ** 2)))
-        den = float(np.sqrt(np.nansum(fa**2)))
-    out = {
-        "n_diff": int(differ.sum()),
-        "n_diff_rows": int(np.count_nonzero(rows)),
-        "max_abs": float(d.max()) if d.size else 0.0,
-        "rel_l2": (num / den) if den > 0 else (0.0 if num == 0 else float("inf")),
-        "max_ulp": None,
-    }
-    if is_float(a.dtype):
-        from dmlib.kernels.ulp import ulp_distance
+    """n_diff, n_diff_rows (leading index), max_abs, rel_fro (to ``a``) and max_ulp.
 
-        out["max_ulp"] = int(ulp_distance(a, b).max()) if a.size else 0
-    return out
+    The statistics of :func:`dmlib.compare`'s row (:func:`dmlib.kernels.pair.compare_arrays`),
+    so the NaN policy is the comparison's: a NaN equals a NaN with the same bits, and pairs
+    involving a NaN or an infinity count in ``n_diff`` but never enter ``max_abs``,
+    ``rel_fro`` or ``max_ulp``. ``rel_fro`` and ``max_ulp`` are None for integer and bool
+    tensors; every value is None when the dtypes or shapes differ.
+    """
+    from dmlib.kernels.pair import compare_arrays
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return dict(_NO_STATS)
+    row = compare_arrays(a, b)
+    max_abs = row["max_abs"]
+    return {
+        "n_diff": int(row["n_diff"]),
+        "n_diff_rows": _diff_rows(a, b),
+        "max_abs": None if max_abs is None or max_abs != max_abs else float(max_abs),
+        "rel_fro": row.get("rel_fro"),
+        "max_ulp": row.get("max_ulp"),
+    }
+
+
+def _diff_rows(a: np.ndarray, b: np.ndarray) -> int:
+    """Rows (indices of the leading axis) holding a differing bit pattern (0-d: the value)."""
+    if a.ndim == 0:
+        return int(a.tobytes() != b.tobytes())
+    if a.shape[0] == 0 or a.size == 0:
+        return 0
+    ua = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
+    ub = np.ascontiguousarray(b).reshape(b.shape[0], -1).view(np.uint8)
+    return int(np.count_nonzero((ua != ub).any(axis=1)))
 
 
 def _requests(a: Capture, b: Capture, request: Any) -> list[str]:
@@ -409,7 +412,8 @@ def compare_captures(
     -------
     pandas.DataFrame
         Columns ``boundary, module, kind, role, identical, n_diff, n_diff_rows, max_abs,
-        rel_l2, max_ulp, diff_blocks, new_blocks, inherited_blocks, note``. Block ids index
+        rel_fro, max_ulp, diff_blocks, new_blocks, inherited_blocks, note`` (the element
+        statistics are :func:`dmlib.compare`'s, see :func:`element_stats`). Block ids index
         ``attrs["block_index"]`` (request, block, start, end). ``attrs`` also holds
         ``first_divergent_boundary``, ``culprit``, ``culprits``, ``repeat_control``,
         ``negative_control``, ``valid``, ``stats_missing`` and the answer: ``status``
@@ -486,7 +490,7 @@ def _check_comparable(a: Capture, b: Capture, request: Any) -> list[str]:
     return requests
 
 
-_NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_l2": None, "max_ulp": None}
+_NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_fro": None, "max_ulp": None}
 
 
 def _boundary_row(
@@ -532,7 +536,7 @@ def _boundary_row(
                 "n_diff": 0,
                 "n_diff_rows": 0,
                 "max_abs": 0.0,
-                "rel_l2": 0.0,
+                "rel_fro": 0.0 if is_float(ba.np_dtype) else None,
                 "max_ulp": 0 if is_float(ba.np_dtype) else None,
             }
         )
@@ -574,7 +578,7 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
         df[c] = df[c].astype("Int64")
-    for c in ("max_abs", "rel_l2"):
+    for c in ("max_abs", "rel_fro"):
         df[c] = df[c].astype("Float64")
     return df[[*COLUMNS, "note"]]
 
@@ -752,91 +756,149 @@ def _roles(rows: list[dict[str, Any]]) -> None:
 
 def unjudged_line(df: pd.DataFrame, limit: int = 6) -> str:
     """``name (reason); ...`` for the boundaries that could not be judged, on one line."""
-    items = df.attrs["unjudged"]
+    return _unjudged_text(df.attrs["unjudged"], limit)
+
+
+def _unjudged_text(items: list[dict[str, Any]], limit: int = 6) -> str:
     text = "; ".join(f"{u['boundary']} ({u['reason']})" for u in items[:limit])
     return text + (f"; and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def capture_verdict(df: pd.DataFrame) -> str:
-    """A few lines of plain text: the answer, first divergence, culprit, controls, validity."""
-    at = df.attrs
-    lines = []
-    n_un = len(at["unjudged"])
-    if at["status"] == "inconclusive":
-        lines.append(
-            f"inconclusive: no difference in {at['n_comparable']} judged boundaries, but {n_un} "
-            f"could not be judged and the model's outputs were not shown to match: "
-            f"{unjudged_line(df)}"
-        )
-    elif at["status"] == "identical":
-        if n_un:
+@dataclass(frozen=True, eq=False)
+class CaptureVerdict(Verdict):
+    """The answer of :func:`compare_captures`, read from its frame's attrs.
+
+    True only when ``status`` is ``"identical"`` and no control failed (an inconclusive
+    comparison, a divergence, a repeat that did not hold or a planted change that went
+    unseen are False); ``str()`` is the text the command line prints under the table;
+    ``to_dict()`` holds the attrs it rests on, with their values.
+    """
+
+    status: str
+    n_comparable: int
+    unjudged: list[dict[str, Any]]
+    first_divergent_boundary: str | None
+    culprit: str | None
+    culprits: list[str]
+    entry: str | None
+    culprit_op: str | None
+    op_alignment: dict[str, Any] | None
+    layout_inputs: list[str]
+    stats_missing: list[str]
+    repeat_control: dict[str, Any] | None
+    negative_control: dict[str, Any]
+    valid: bool | None
+
+    @classmethod
+    def of(cls, df: pd.DataFrame) -> CaptureVerdict:
+        """The verdict of a :func:`compare_captures` frame."""
+        at = df.attrs
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: at.get(n, [] if n == "layout_inputs" else None) for n in names})
+
+    @property
+    def failed_control(self) -> bool:
+        """A repeat control that did not hold, or a negative control that failed."""
+        rc, nc = self.repeat_control, self.negative_control
+        return (rc is not None and not rc["held"]) or nc["passed"] is False
+
+    def __bool__(self) -> bool:
+        return self.status == "identical" and not self.failed_control
+
+    def __str__(self) -> str:
+        return "\n".join([*self._answer(), *self._context(), *self._controls()])
+
+    def _answer(self) -> list[str]:
+        """The status, first divergence and culprit lines."""
+        n_un, un = len(self.unjudged), _unjudged_text(self.unjudged)
+        if self.status == "inconclusive":
+            return [
+                f"inconclusive: no difference in {self.n_comparable} judged boundaries, but "
+                f"{n_un} could not be judged and the model's outputs were not shown to match: {un}"
+            ]
+        if self.status == "identical":
+            if n_un:
+                return [
+                    f"identical: the model's outputs match; {n_un} inner boundaries could not "
+                    f"be judged: {un}"
+                ]
+            return [f"identical: all {self.n_comparable} boundaries match"]
+        lines = [f"first divergent boundary: {self.first_divergent_boundary}"]
+        if self.culprit is not None or self.entry is None:
+            lines.append(f"culprit (inputs identical, output differs): {self.culprit}")
+        if self.entry is not None and self.culprit is None:
             lines.append(
-                f"identical: the model's outputs match; {n_un} inner boundaries could not be "
-                f"judged: {unjudged_line(df)}"
-            )
-        else:
-            lines.append(f"identical: all {at['n_comparable']} boundaries match")
-    else:
-        lines.append(f"first divergent boundary: {at['first_divergent_boundary']}")
-        if at["culprit"] is not None or at.get("entry") is None:
-            lines.append(f"culprit (inputs identical, output differs): {at['culprit']}")
-        if at.get("entry") is not None and at["culprit"] is None:
-            lines.append(
-                f"the difference enters at an input: {at['entry']} (the module making it was "
+                f"the difference enters at an input: {self.entry} (the module making it was "
                 "not captured; hook it, or capture with ops=True, to name the culprit)"
             )
-        if len(at["culprits"]) > 1:
-            lines.append(f"other entry points: {', '.join(at['culprits'][1:6])}")
-        if at.get("op_alignment") is not None:
-            lines.append(f"culprit op (inputs identical, output differs): {at['culprit_op']}")
+        if len(self.culprits) > 1:
+            lines.append(f"other entry points: {', '.join(self.culprits[1:6])}")
+        if self.op_alignment is not None:
+            lines.append(f"culprit op (inputs identical, output differs): {self.culprit_op}")
         if n_un:
-            lines.append(f"not judged ({n_un}): {unjudged_line(df)}")
-    oa = at.get("op_alignment")
-    if oa is not None:
-        fp = oa["first_parting"]
-        where = (
-            "no parting"
-            if fp is None
-            else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
-        )
-        lines.append(
-            f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries paired; {where}"
-        )
-    if at.get("layout_inputs"):
-        lay = at["layout_inputs"]
-        lines.append(
-            f"layout inputs ({len(lay)}, not judged: they follow the batch layout, not the "
-            f"request): {', '.join(lay[:4])}"
-            + (f" and {len(lay) - 4} more" if len(lay) > 4 else "")
-        )
-    if at.get("stats_missing"):
-        lines.append(
-            f"statistics: '-' at {len(at['stats_missing'])} differing boundaries: they were not "
-            "dumped in both captures (hashes say where, not by how much; capture with dump= "
-            "matching them for element statistics)"
-        )
-    rc = at["repeat_control"]
-    n_inc = 0 if rc is None else sum(c.get("n_incomparable", 0) for c in rc["checks"])
-    lines.append(
-        "repeat control: not run"
-        if rc is None
-        else f"repeat control: {'held' if rc['held'] else 'FAILED'}"
-        + (f" ({n_inc} boundaries hashed with two schemes: not comparable)" if n_inc else "")
-    )
-    nc = at["negative_control"]
-    if nc["passed"] is None:
-        why = next((c.get("reason") for c in nc["checks"] if c.get("reason")), None)
-        lines.append(
-            "negative control: not run"
-            + (f" ({why}: the planted one-bit check needs a dumped boundary)" if why else "")
-        )
-    else:
-        lines.append(f"negative control: {'passed' if nc['passed'] else 'FAILED'}")
-    lines.append(f"valid: {at['valid']}")
-    return "\n".join(lines)
+            lines.append(f"not judged ({n_un}): {un}")
+        return lines
+
+    def _context(self) -> list[str]:
+        """Op alignment, layout inputs and missing statistics."""
+        lines = []
+        oa = self.op_alignment
+        if oa is not None:
+            fp = oa["first_parting"]
+            where = (
+                "no parting"
+                if fp is None
+                else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
+            )
+            lines.append(
+                f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries "
+                f"paired; {where}"
+            )
+        if self.layout_inputs:
+            lay = self.layout_inputs
+            lines.append(
+                f"layout inputs ({len(lay)}, not judged: they follow the batch layout, not the "
+                f"request): {', '.join(lay[:4])}"
+                + (f" and {len(lay) - 4} more" if len(lay) > 4 else "")
+            )
+        if self.stats_missing:
+            lines.append(
+                f"statistics: '-' at {len(self.stats_missing)} differing boundaries: they were "
+                "not dumped in both captures (hashes say where, not by how much; capture with "
+                "dump= matching them for element statistics)"
+            )
+        return lines
+
+    def _controls(self) -> list[str]:
+        """The repeat and negative controls, and validity."""
+        rc = self.repeat_control
+        n_inc = 0 if rc is None else sum(c.get("n_incomparable", 0) for c in rc["checks"])
+        lines = [
+            "repeat control: not run"
+            if rc is None
+            else f"repeat control: {'held' if rc['held'] else 'FAILED'}"
+            + (f" ({n_inc} boundaries hashed with two schemes: not comparable)" if n_inc else "")
+        ]
+        nc = self.negative_control
+        if nc["passed"] is None:
+            why = next((c.get("reason") for c in nc["checks"] if c.get("reason")), None)
+            lines.append(
+                "negative control: not run"
+                + (f" ({why}: the planted one-bit check needs a dumped boundary)" if why else "")
+            )
+        else:
+            lines.append(f"negative control: {'passed' if nc['passed'] else 'FAILED'}")
+        lines.append(f"valid: {self.valid}")
+        return lines
+
+
+def capture_verdict(df: pd.DataFrame) -> str:
+    """A few lines of plain text: the answer, first divergence, culprit, controls, validity
+    (``str()`` of :class:`CaptureVerdict`)."""
+    return str(CaptureVerdict.of(df))
 
 
 __all__ = [
     "compare_captures", "repeat_control", "planted_control", "element_stats", "capture_verdict",
-    "unjudged_line",
+    "unjudged_line", "CaptureVerdict",
 ]  # fmt: skip

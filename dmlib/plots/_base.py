@@ -26,7 +26,6 @@ __all__ = [
 LABELS: dict[str, str] = {
     "rel_fro": "rel_fro = ‖a−b‖_F / ‖a‖_F (relative Frobenius norm)",
     "worst_rel_fro": "worst_rel_fro = largest rel_fro over tensors (relative Frobenius norm)",
-    "rel_l2": "rel_l2 = ‖a−b‖₂ / ‖a‖₂ (relative L2 norm)",
     "max_ulp": "max_ulp (ULP)",
     "ulp": "distance (ULP)",
     "max_abs": "max_abs = max |a−b|",

@@ -17,7 +17,7 @@ def boundary_profile(
     df: pd.DataFrame,
     *,
     x: str = "boundary",
-    y: str = "rel_l2",
+    y: str = "rel_fro",
     hue: str | None = "comparison",
     first_divergent: Mapping[Any, Any] | None = None,
     max_labels: int = 30,

@@ -92,6 +92,8 @@ from dmlib.kernels.pair import (
     same_layout,
 )
 from dmlib.sources import Patterns, Source, check_selection, opened, patterns, select
+from dmlib.stats.options import CompareOptions
+from dmlib.stats.verdicts import Summary
 from dmlib.tensor import Tensor, TensorSet
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: the CLI starts without it
@@ -100,6 +102,7 @@ if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: the CLI star
 __all__ = [
     "COLUMNS",
     "NAN_COLUMNS",
+    "Summary",
     "ULP_BUCKETS",
     "ULP_COLUMNS",
     "compare",
@@ -170,7 +173,6 @@ def compare(
         pieces, each read and compared by a task on Dask's current scheduler (the active
         ``distributed.Client``), from paths every worker can see; the rows are the local
         engine's, bit for bit (:mod:`dmlib.engine.dask`).
-
     mapping
         A mapping file (path to TOML, a dict of the same, or a
         :class:`dmlib.mapping.Mapping`) from ``a``'s tensors to ``b``'s through layout
@@ -186,11 +188,10 @@ def compare(
         One row per compared tensor, columns as described in this module's docstring,
         in ``a``'s disk order; everything else in ``df.attrs``.
     """
-    return _compare(
-        a, b, include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
+    opts = CompareOptions(include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
         cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
-        engine=engine, frame=True, mapping=mapping,
-    )  # fmt: skip
+        engine=engine, mapping=mapping)  # fmt: skip
+    return compare_with(a, b, opts)
 
 
 def compare_records(
@@ -210,95 +211,61 @@ def compare_records(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """:func:`compare` as ``(rows, attrs)``: plain dicts (every column, None where null),
     without importing pandas (the command line's fast start)."""
-    return _compare(
-        a, b, include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
+    opts = CompareOptions(
+        include=include, exclude=exclude, file_hashes=file_hashes, rename=rename,
         cross_dtype=cross_dtype, chunk_bytes=chunk_bytes, progress=progress, hash=hash,
-        engine=engine, frame=False, mapping=mapping,
+        engine=engine, mapping=mapping,
     )  # fmt: skip
+    return compare_with(a, b, opts, frame=False)
 
 
-def _compare(
-    a: Source,
-    b: Source,
-    *,
-    include: Patterns,
-    exclude: Patterns,
-    file_hashes: bool,
-    rename: Any,
-    cross_dtype: bool,
-    chunk_bytes: int,
-    progress: bool | None,
-    hash: str | None,
-    engine: str,
-    frame: bool,
-    mapping: Any = None,
-) -> Any:
-    from dmlib.engine import check_engine
-    from dmlib.names import apply_renames, parse_renames
-
-    if mapping is not None:  # names and layouts from a mapping file (dmlib.mapping)
-        return _compare_mapped(
-            a, b, mapping, include=include, exclude=exclude, rename=rename, engine=engine,
-            file_hashes=file_hashes, cross_dtype=cross_dtype, chunk_bytes=chunk_bytes,
-            progress=progress, hash=hash, frame=frame,
-        )  # fmt: skip
-
-    if chunk_bytes < 1:
-        raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
-    hash_name = None if _no_hash(hash) else hashing.algorithm(hash)
-    if hash_name is None and file_hashes:
-        raise DmlibError(
-            "whole-file hashes (file_hashes=True, --file-hashes) need a hash scheme: "
-            "blake3 or sha256, not none"
-        )
+def compare_with(a: Source, b: Source, opts: CompareOptions, *, frame: bool = True) -> Any:
+    """:func:`compare` with its settings as one :class:`CompareOptions` (``frame=False``:
+    :func:`compare_records`' ``(rows, attrs)``)."""
+    if opts.mapping is not None:  # names and layouts from a mapping file (dmlib.mapping)
+        return _compare_mapped(a, b, opts, frame)
     pair_row = None
-    if check_engine(engine) == "dask":
-        if file_hashes:
-            raise DmlibError("file_hashes=True reads whole files here: use engine='local'")
+    if opts.engine == "dask":
         from dmlib.engine.dask import DaskPairs
 
-        pair_row = DaskPairs(chunk_bytes, hash_name)
-    renames = parse_renames(rename)
+        pair_row = DaskPairs(opts.chunk_bytes, opts.hash_name)
     with opened(a) as sa, opened(b) as sb:
-        detected = None
-        if not renames:  # separators / JAX's trailing ".value", when only one rule set pairs them
-            from dmlib.names import detect_mapping
-
-            detected = detect_mapping(list(sa), list(sb))
-            renames = detected["renames"] if detected else []
-        sa2 = apply_renames(sa, renames, "a")
-        sb2 = apply_renames(_pair_single_arrays(sa, sb), renames, "b")
-        out = compare_sets(
-            sa2, sb2, include, exclude, file_hashes, chunk_bytes, progress,
-            cross_dtype=cross_dtype, check_names=True, hash_name=hash_name,
-            pair_row=pair_row, frame=frame,
-        )  # fmt: skip
+        renames, detected = _renames(opts.rename, sa, sb)
+        sa2, sb2 = _renamed_sides(sa, sb, renames)
+        out = compare_sets(sa2, sb2, opts, check_names=True, pair_row=pair_row, frame=frame)
         attrs = out.attrs if frame else out[1]
         attrs["rename"] = [str(r) for r in renames]
         attrs["rename_detected"] = detected is not None
         return out
 
 
-def _compare_mapped(a: Any, b: Any, mapping: Any, **kw: Any) -> Any:
+def _renames(rename: Any, sa: TensorSet, sb: TensorSet) -> tuple[list[Any], Any]:
+    """The name mappings asked for, else the one detected (separators, JAX's ``.value``)
+    when only one rule set pairs the names; and the detection (None when none ran or found)."""
+    from dmlib.names import detect_mapping, parse_renames
+
+    renames = parse_renames(rename)
+    if renames:
+        return renames, None
+    detected = detect_mapping(list(sa), list(sb))
+    return (detected["renames"] if detected else []), detected
+
+
+def _renamed_sides(sa: TensorSet, sb: TensorSet, renames: list[Any]) -> tuple[TensorSet, TensorSet]:
+    from dmlib.names import apply_renames
+
+    return apply_renames(sa, renames, "a"), apply_renames(_pair_single_arrays(sa, sb), renames, "b")
+
+
+def _compare_mapped(a: Any, b: Any, opts: CompareOptions, frame: bool) -> Any:
     """``mapping=``: the comparison of :mod:`dmlib.stats.mapped` (local engine, no rename)."""
     from dmlib.stats.mapped import compare_mapped
 
-    for key, off in (("rename", None), ("engine", "local"), ("file_hashes", False)):
-        if kw.pop(key) not in (off, [], ()):
-            raise DmlibError(
-                f"mapping= does not combine with {key}= (the mapping names the tensors)"
-            )
-    if kw["chunk_bytes"] < 1:
-        raise DmlibError(f"chunk_bytes must be a positive number of bytes, got {kw['chunk_bytes']}")
-    h = kw.pop("hash")
     return compare_mapped(
-        a, b, mapping, hash_name=None if _no_hash(h) else hashing.algorithm(h), **kw
-    )
-
-
-def _no_hash(hash: Any) -> bool:
-    """True for ``hash="none"`` (or False): no identity hashes, bytes compared only."""
-    return hash is False or (isinstance(hash, str) and hash.lower() == "none")
+        a, b, opts.mapping, include=opts.include, exclude=opts.exclude,
+        cross_dtype=opts.cross_dtype, chunk_bytes=opts.chunk_bytes, progress=opts.progress,
+        hash_name=opts.hash_name, frame=frame,
+    )  # fmt: skip
 
 
 def _pair_single_arrays(sa: TensorSet, sb: TensorSet) -> TensorSet:
@@ -327,28 +294,30 @@ class _Pairing:
 def compare_sets(
     sa: TensorSet,
     sb: TensorSet,
-    include: Patterns,
-    exclude: Patterns,
-    file_hashes: bool,
-    chunk_bytes: int,
-    progress: bool | None,
+    opts: CompareOptions,
+    *,
     hash_pool: ThreadPoolExecutor | None = None,
     hash_cache: dict[int, Any] | None = None,
-    *,
-    cross_dtype: bool = False,
     check_names: bool = False,
-    hash_name: str | None = hashing.DEFAULT,
     pair_row: Any = None,
     frame: bool = True,
-    file_hash_name: str | None = None,
+    digests_known: bool = False,
 ) -> Any:
     """:func:`compare` of two open sets; ``hash_pool``/``hash_cache`` are shared by a matrix.
 
     ``pair_row(ta, tb, compute) -> row`` lets a caller that knows contents (matrix) or
     runs the work elsewhere (an engine) supply rows; its ``prepare(pairs)``, if any,
-    sees every pair first. ``frame=False`` returns ``(records, attrs)`` without pandas.
+    sees every pair first. ``digests_known``: ``pair_row`` supplies every tensor's digest
+    (no per-tensor hash here; ``opts.hash`` is the scheme of whole-file hashes and of
+    ``attrs["hash"]`` stays None). ``frame=False`` returns ``(records, attrs)`` without pandas.
     """
-    pairing = _pair_up(sa, sb, include, exclude, cross_dtype=cross_dtype, check_names=check_names)
+    include, exclude, chunk_bytes = opts.include, opts.exclude, opts.chunk_bytes
+    file_hashes, progress = opts.file_hashes, opts.progress
+    hash_name = None if digests_known else opts.hash_name
+    file_hash_name = opts.hash_name if digests_known else None
+    pairing = _pair_up(
+        sa, sb, include, exclude, cross_dtype=opts.cross_dtype, check_names=check_names
+    )
     if hasattr(pair_row, "prepare"):
         pair_row.prepare(pairing.pairs)
     own_pool = hash_pool is None
@@ -732,12 +701,14 @@ def dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
 # -- summaries --------------------------------------------------------------------------
 
 
-def summarize(df: pd.DataFrame) -> dict[str, Any]:
+def summarize(df: pd.DataFrame) -> Summary:
     """One verdict over a :func:`compare` result.
 
     Returns
     -------
-    dict
+    Summary
+        A frozen verdict, True only when ``identical``, printed as the command line's
+        one-line verdict, read like a dict (``to_dict()`` gives one) with the keys:
         ``n_tensors`` compared, ``numel`` (total slots), ``n_diff`` (slots differing),
         ``frac_diff``, ``n_tensors_diff``, ``worst_rel_fro`` and ``worst_rel_fro_name``,
         ``max_ulp`` and ``max_ulp_name``, ``max_abs``, ``only_in_a``, ``only_in_b``,
@@ -776,8 +747,13 @@ def _argmax(vals: list[float | None]) -> int | None:
     return best
 
 
-def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any]:
+def summarize_records(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> Summary:
     """:func:`summarize` of :func:`compare_records`' ``(rows, attrs)`` (no pandas needed)."""
+    return Summary.of(_summary_dict(rows, attrs), attrs)
+
+
+def _summary_dict(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any]:
+    """The summary's values, in its documented key order."""
     if "only_in_a" not in attrs:
         raise DmlibError(
             "summarize takes the DataFrame returned by dmlib.compare (its attrs are missing)"

@@ -18,6 +18,7 @@ import numpy as np
 from dmlib import hashing
 from dmlib.errors import DmlibError
 from dmlib.kernels import stream as K
+from dmlib.kernels.pair import DEFAULT_CHUNK
 from dmlib.mapping.resolve import Binding, count_problem, describe, resolve
 from dmlib.mapping.sides import opened_side
 from dmlib.mapping.spec import load_mapping
@@ -41,7 +42,7 @@ def compare_mapped(
     include: Patterns = None,
     exclude: Patterns = None,
     cross_dtype: bool = False,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = DEFAULT_CHUNK,
     progress: bool | None = None,
     hash_name: str | None = hashing.DEFAULT,
     frame: bool = True,

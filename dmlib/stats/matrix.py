@@ -24,21 +24,20 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dmlib import hashing
-from dmlib.engine import check_engine
 from dmlib.engine.local import Content, group_contents
 from dmlib.errors import DmlibError
-from dmlib.kernels.pair import NULLABLE_INT, identical_row
+from dmlib.kernels.pair import DEFAULT_CHUNK, NULLABLE_INT, identical_row
 from dmlib.sources import Patterns, Source, check_selection, opened, select
 from dmlib.stats.compare import (
     COLUMNS,
-    _no_hash,
     _num,
     compare_sets,
     pair_workers,
     summarize_records,
 )
 from dmlib.stats.mapped import locate_rows, map_runs
+from dmlib.stats.options import CompareOptions
+from dmlib.stats.verdicts import MatrixVerdict
 from dmlib.tensor import Tensor
 
 if TYPE_CHECKING:  # imported where the frame is built: the command line starts without it
@@ -52,7 +51,7 @@ def matrix(
     include: Patterns = None,
     exclude: Patterns = None,
     file_hashes: bool = False,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = DEFAULT_CHUNK,
     progress: bool | None = None,
     hash: str | None = None,
     engine: str = "local",
@@ -89,49 +88,41 @@ def matrix(
         ``attrs["verdict"]`` is :func:`verdict` of it, ``attrs["pairs"]`` maps
         ``"a/b"`` to that pair's compare attrs.
     """
-    return _frame(
-        *_matrix_rows(
-            runs, control=control, include=include, exclude=exclude, file_hashes=file_hashes,
-            chunk_bytes=chunk_bytes, progress=progress, hash=hash, engine=engine,
-            mapping=mapping,
-        )
+    opts = CompareOptions(
+        include=include, exclude=exclude, file_hashes=file_hashes, chunk_bytes=chunk_bytes,
+        progress=progress, hash=hash, engine=engine,
     )  # fmt: skip
+    return _frame(*_matrix_rows(runs, control, opts, mapping))
 
 
 def matrix_records(
-    runs: Mapping[str, Source], **kwargs: Any
+    runs: Mapping[str, Source], *, control: str | None = None, mapping: Any = None, **kwargs: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """:func:`matrix` as ``(rows, attrs)``: plain dicts (every column, None where null) and
-    the attrs, verdict included, without importing pandas (the command line's path)."""
-    return _matrix_rows(runs, **kwargs)
+    the attrs, verdict included, without importing pandas (the command line's path).
+    ``kwargs``: :func:`matrix`'s comparison settings (:class:`CompareOptions`' fields)."""
+    return _matrix_rows(runs, control, CompareOptions(**kwargs), mapping)
 
 
 def _matrix_rows(
-    runs: Mapping[str, Source],
-    *,
-    control: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    file_hashes: bool = False,
-    chunk_bytes: int = 4 << 20,
-    progress: bool | None = None,
-    hash: str | None = None,
-    engine: str = "local",
-    mapping: Any = None,
+    runs: Mapping[str, Source], control: str | None, opts: CompareOptions, mapping: Any = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The matrix's rows and attrs; ``mapping``: :func:`matrix`'s (runs seen through a
+    mapping), apart from ``opts.mapping``, compare's single-pair mapping, refused here."""
     labels = list(runs)
     if len(labels) < 2:
         raise DmlibError(f"matrix needs at least two runs, got {len(labels)}")
     if control is not None and control not in runs:
         raise DmlibError(f"control {control!r} is not one of the runs ({', '.join(labels)})")
-    check_engine(engine)
-    hash_name = None if _no_hash(hash) else hashing.algorithm(hash)
+    for key, off in (("rename", None), ("cross_dtype", False), ("mapping", None)):
+        if getattr(opts, key) != off:  # settings of compare that matrix does not apply
+            raise DmlibError(f"matrix does not take {key}= (a setting of dmlib.compare only)")
+    if opts.engine == "dask" and mapping is not None:  # workers read files, not a chain
+        raise DmlibError("a mapping is applied in this process: use engine='local'")
+    include, exclude, chunk_bytes = opts.include, opts.exclude, opts.chunk_bytes
+    hash_name = opts.hash_name
     remote = None
-    if engine == "dask":
-        if mapping is not None:  # the workers read tensors from files, not through a chain
-            raise DmlibError("a mapping is applied in this process: use engine='local'")
-        if file_hashes:
-            raise DmlibError("file_hashes=True reads whole files here: use engine='local'")
+    if opts.engine == "dask":
         from dmlib.engine.dask import DaskPairs
 
         remote = DaskPairs(chunk_bytes, None)
@@ -157,13 +148,8 @@ def _matrix_rows(
             rows, attrs = compare_sets(
                 sets[la],
                 sets[lb],
-                include,
-                exclude,
-                file_hashes,
-                chunk_bytes,
-                progress,
-                hash_name=None,  # each content's digest comes from the grouping
-                file_hash_name=hash_name,
+                opts,
+                digests_known=True,  # each content's digest comes from the grouping
                 pair_row=pair_row,
                 frame=False,
             )
@@ -234,12 +220,14 @@ def distinct_rows(
     return pair_row
 
 
-def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
+def verdict(df: pd.DataFrame, *, control: str | None = None) -> MatrixVerdict:
     """Same-seed pairs against the control, from a :func:`matrix` result.
 
     Returns
     -------
-    dict
+    MatrixVerdict
+        A frozen verdict, True only when every pair is bit-identical, printed as the
+        command line's lines under the pair table, read like a dict with the keys:
         ``pairs``: one dict per pair (``a``, ``b``, ``control`` [involves the control],
         ``identical``, ``numel``, ``n_diff``, ``frac_diff``, ``worst_rel_fro``,
         ``max_ulp``, ``worst_median_ulp`` [the largest per-tensor ``median_ulp``],
@@ -265,7 +253,7 @@ def verdict(df: pd.DataFrame, *, control: str | None = None) -> dict[str, Any]:
 
 def _verdict(
     rows: list[dict[str, Any]], attrs: dict[str, Any], control: str | None
-) -> dict[str, Any]:
+) -> MatrixVerdict:
     if control is None:
         control = attrs.get("control")
     pair_attrs = attrs.get("pairs", {})
@@ -280,20 +268,20 @@ def _verdict(
     ctrl = [p for p in pairs if p["control"]]
     same_rel = _worst_of(same, "worst_rel_fro")
     ctrl_rel = _worst_of(ctrl, "worst_rel_fro", min)
-    return {
-        "control": control,
-        "pairs": pairs,
-        "same_worst_rel_fro": same_rel,
-        "same_max_ulp": _worst_of(same, "max_ulp"),
-        "same_worst_median_ulp": _worst_of(same, "worst_median_ulp"),
-        "same_max_abs": _worst_of(same, "max_abs"),
-        "control_rel_fro": ctrl_rel,
-        "control_max_ulp": _worst_of(ctrl, "max_ulp", min),
-        "separation_orders": _separation(same_rel, ctrl_rel),
-        "identical_pairs": [f"{p['a']}/{p['b']}" for p in pairs if p["identical"]],
-        "never_differ": _never_differ(rows, control),
-        "always_identical": bool(same) and all(p["identical"] for p in same),
-    }
+    return MatrixVerdict(
+        control=control,
+        pairs=pairs,
+        same_worst_rel_fro=same_rel,
+        same_max_ulp=_worst_of(same, "max_ulp"),
+        same_worst_median_ulp=_worst_of(same, "worst_median_ulp"),
+        same_max_abs=_worst_of(same, "max_abs"),
+        control_rel_fro=ctrl_rel,
+        control_max_ulp=_worst_of(ctrl, "max_ulp", min),
+        separation_orders=_separation(same_rel, ctrl_rel),
+        identical_pairs=[f"{p['a']}/{p['b']}" for p in pairs if p["identical"]],
+        never_differ=_never_differ(rows, control),
+        always_identical=bool(same) and all(p["identical"] for p in same),
+    )
 
 
 def _pair_keys(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> list[tuple[str, str]]:
