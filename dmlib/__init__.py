@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.io.safetensors import write_safetensors
     from dmlib.kernels.ulp import ulp_distance
     from dmlib.localize.arbitrate import arbitrate
-    from dmlib.localize.boundaries import compare_captures, repeat_control
+    from dmlib.localize.boundaries import CaptureVerdict, compare_captures, repeat_control
     from dmlib.localize.capture import capture
     from dmlib.localize.captures import open_capture
     from dmlib.localize.patch import patch_test
@@ -55,6 +55,8 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.padding import padding_across_runs, padding_census, padding_summary
     from dmlib.stats.compare import compare, summarize, ulp_long
     from dmlib.stats.matrix import matrix, verdict
+    from dmlib.stats.options import CompareOptions
+    from dmlib.stats.verdicts import MatrixVerdict, Summary
     from dmlib.tensor import ArrayTensorSet, Tensor, TensorSet
 
 # public name -> module that defines it
@@ -77,6 +79,9 @@ _LAZY: dict[str, str] = {
     "matrix": "dmlib.stats.matrix",
     "verdict": "dmlib.stats.matrix",
     "ulp_long": "dmlib.stats.compare",
+    "CompareOptions": "dmlib.stats.options",
+    "Summary": "dmlib.stats.verdicts",
+    "MatrixVerdict": "dmlib.stats.verdicts",
     # structure-aware forensics
     "first_divergent_column": "dmlib.forensics.columns",
     "column_cosines": "dmlib.forensics.columns",
@@ -96,6 +101,7 @@ _LAZY: dict[str, str] = {
     "capture": "dmlib.localize.capture",
     "open_capture": "dmlib.localize.captures",
     "compare_captures": "dmlib.localize.boundaries",
+    "CaptureVerdict": "dmlib.localize.boundaries",
     "repeat_control": "dmlib.localize.boundaries",
     "patch_test": "dmlib.localize.patch",
     "arbitrate": "dmlib.localize.arbitrate",
@@ -116,7 +122,11 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "ArrayTensorSet",
+    "CaptureVerdict",
+    "CompareOptions",
     "FactorGroup",
+    "MatrixVerdict",
+    "Summary",
     "Tensor",
     "TensorSet",
     "arbitrate",
