@@ -55,7 +55,6 @@ from dmlib.localize.captures import (
     root_label,
 )
 from dmlib.localize.ops import OpRecorder, quiet
-from dmlib.safepaths import bounded_json
 
 try:
     import torch
@@ -66,6 +65,7 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) without a new encoder per call
 
 
 def _require_torch() -> None:
@@ -154,6 +154,11 @@ def _device_checksums(
         digest = blocks[0] if len(blocks) == 1 else _ck(mine, row_bytes)
         requests[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
     return whole, lead, requests
+
+
+def _b3_hex(b3: Any, mv: memoryview, scheme: str) -> str:
+    """``digest_hex`` of a byte slice: the plain BLAKE3 digest up to one piece."""
+    return b3(mv).hexdigest() if mv.nbytes <= hashing.PIECE else digest_hex(mv, scheme)
 
 
 def _ck(moments: np.ndarray, row_bytes: int) -> str:
@@ -322,6 +327,7 @@ class Recorder:
         # same version holds the same bytes
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
+        self._plan: list[tuple[str, np.ndarray, tuple[int, int] | None]] | None = None
 
     def is_layout(self, module: str, slot: str) -> bool:
         """Whether input ``slot`` of ``module`` follows the batch layout (a mask, positions)."""
@@ -555,19 +561,45 @@ class Recorder:
         if entry["leading"] is not None:
             entry["leading"] = [digest_hex(x, scheme) for x in arr]
         if rows is not None and self.row_map is not None:
-            spans = self.row_map.spans
-            for rid, idx in self.row_map.requests.items():
-                span = spans.get(rid)
-                # consecutive rows are read in place; others are gathered (a copy)
-                mine = rows[span[0] : span[1]] if span is not None else rows[idx]
-                digest, blocks = request_hashes(mine, self.block_rows, scheme)
-                entry["requests"][rid] = {
-                    "digest": digest,
-                    "n_rows": int(len(idx)),
-                    "blocks": blocks,
-                }
+            entry["requests"].update(self._request_digests(rows, scheme))
         if entry["dump"] is not None:
             self._write_dump(entry["dump"], arr, rows)
+
+    def _request_plan(self) -> list[tuple[str, np.ndarray, tuple[int, int] | None]]:
+        """(request, its physical rows, (start, stop) where they are consecutive), once."""
+        if self._plan is None:
+            rm = cast(RowMap, self.row_map)
+            self._plan = [(rid, idx, rm.spans.get(rid)) for rid, idx in rm.requests.items()]
+        return self._plan
+
+    def _request_digests(self, rows: np.ndarray, scheme: str) -> dict[str, dict[str, Any]]:
+        """Per-request digests of ``rows`` (physical row, ...), as :func:`request_hashes`.
+
+        The tensor is made contiguous once; a request on consecutive rows is hashed from
+        byte offsets into that buffer (its blocks, then all its rows when it has several
+        blocks), with no per-request array handling. Gathered requests (rows not
+        consecutive), other schemes and empty rows take :func:`request_hashes`.
+        """
+        plan, block = self._request_plan(), self.block_rows
+        out: dict[str, dict[str, Any]] = {}
+        fast = scheme == hashing.BLAKE3 and rows.size > 0 and rows.ndim >= 1
+        if fast:
+            rows = np.ascontiguousarray(rows)
+            mv = rows.reshape(-1).view(np.uint8).data
+            rb = rows.nbytes // rows.shape[0]
+            b3 = hashing._blake3()
+        for rid, idx, span in plan:
+            if not fast or span is None:
+                # consecutive rows are read in place; others are gathered (a copy)
+                mine = rows[span[0] : span[1]] if span is not None else rows[idx]
+                digest, blocks = request_hashes(mine, block, scheme)
+            else:
+                lo, n = span[0] * rb, len(idx)
+                cuts = [(lo + i * rb, lo + min(i + block, n) * rb) for i in range(0, n, block)]
+                blocks = [_b3_hex(b3, mv[a:b], scheme) for a, b in cuts]
+                digest = blocks[0] if len(blocks) == 1 else _b3_hex(b3, mv[lo : lo + n * rb], scheme)
+            out[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
+        return out
 
     def _device_digests(
         self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
@@ -698,8 +730,8 @@ class Recorder:
         m = self.manifest(complete=complete, error=error)
         boundaries = m.pop("boundaries")
         # one boundary per line: compact, yet diffable and readable with grep
-        head = json.dumps(m, separators=(",", ":"))[:-1]
-        lines = ",\n".join(json.dumps(b, separators=(",", ":")) for b in boundaries)
+        head = _COMPACT.encode(m)[:-1]
+        lines = ",\n".join(map(_COMPACT.encode, boundaries))
         text = f'{head},"boundaries":[\n{lines}\n]}}\n'
         _atomic.atomic_write_text(self.path / MANIFEST, text)
 
@@ -892,8 +924,10 @@ def _holds_capture(manifest: Path) -> bool:
     if manifest.is_symlink() or not manifest.is_file():
         return False
     try:
-        doc = bounded_json(manifest.read_text(), where=manifest, error=CaptureError)
-    except (OSError, UnicodeDecodeError, CaptureError):
+        # only the top-level "format" is read: a plain parse, too deep a nesting refused
+        # (RecursionError); no walk of the whole document (milliseconds on a big manifest)
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("format") == FORMAT
 
