@@ -65,7 +65,8 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
-_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) without a new encoder per call
+# json.dumps(..., separators=...) without building an encoder per call
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 def _require_torch() -> None:
@@ -428,6 +429,30 @@ class Recorder:
         """
         original, t = t, t.detach()  # detach() makes a new object: identity is the original's
         shape = tuple(int(d) for d in t.shape)
+        entry = self._entry(module, call, kind, slot, t.dtype, shape, extra)
+        name = entry["name"]
+        k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
+        wants_dump = self._wants_dump(name)
+        self.boundaries.append(entry)
+        if self._share(entry, original, (k, axes, entry["leading"] is not None), wants_dump):
+            return name
+        if wants_dump:  # planned now, so that a later boundary of this tensor can share it
+            index = len(self.boundaries) - 1
+            entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
+        self._digest(entry, t, k, axes)
+        return name
+
+    def _entry(
+        self,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """A boundary's manifest entry, digests still to be filled."""
         suffix = "" if call == 0 else f"#{call}"
         name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
         entry: dict[str, Any] = {
@@ -436,8 +461,7 @@ class Recorder:
             "call": call,
             "kind": kind,
             "slot": slot,
-            "dtype": _NP_NAMES.get(t.dtype)
-            or _NP_NAMES.setdefault(t.dtype, _np_dtype(t.dtype).name),
+            "dtype": _NP_NAMES.get(dtype) or _NP_NAMES.setdefault(dtype, _np_dtype(dtype).name),
             "shape": list(shape),
             "hash": self.scheme,
             "digest": None,
@@ -449,6 +473,16 @@ class Recorder:
         }
         if self.step:
             entry["step"] = self.step
+        return entry
+
+    def _read_rows(
+        self, entry: dict[str, Any], shape: tuple[int, ...], row_mapped: bool, op: bool
+    ) -> tuple[int | None, tuple[int, int] | None]:
+        """How the tensor is read per request: (row dims, row axes), set in ``entry``.
+
+        Neither: hashed whole (listed in ``whole_only``), and per index of axis 0 where
+        that axis may be the batch.
+        """
         row_map = self.row_map
         k = row_map.row_dims(shape) if row_map is not None and row_mapped else None
         if k is not None and self.step and not self._prompt_rows(shape, k):
@@ -457,46 +491,53 @@ class Recorder:
             self.layout = (row_map.batch, len(row_map) // row_map.batch)  # a nested row map
         if k == 2 and self.layout is None:
             self.layout = (shape[0], shape[1])  # (batch, positions)
-        axes = self._row_axes(shape) if k is None and row_mapped and extra else None
+        axes = self._row_axes(shape) if k is None and row_mapped and op else None
         if row_map is not None and (k is not None or axes is not None):
             entry["row_dims"] = k
             if axes is not None:
                 entry["row_axes"] = list(axes)
             for rid in row_map.requests:
                 entry["requests"][rid] = None  # filled by _hash, in row-map order
-        elif self.row_map is not None:
-            self.whole_only.append(name)
+        elif row_map is not None:
+            self.whole_only.append(entry["name"])
             # (never for a parameter: its first axis is no batch)
-            if row_mapped and len(shape) >= 1 and 1 <= shape[0] <= len(self.row_map):
+            if row_mapped and len(shape) >= 1 and 1 <= shape[0] <= len(row_map):
                 # one hash per index of axis 0: if that axis is the batch, the comparison
                 # attributes each row to the request filling that batch row
                 entry["leading"] = []
-        wants_dump = self._wants_dump(name)
-        self.boundaries.append(entry)
-        key = self._identity(original, (k, axes, entry["leading"] is not None))
+        return k, axes
+
+    def _share(
+        self, entry: dict[str, Any], original: Any, how: tuple[Any, ...], wants_dump: bool
+    ) -> bool:
+        """True where this live tensor, unchanged, was recorded already: its digests are shared."""
+        key = self._identity(original, how)
         first = self._seen.get(key) if key is not None else None
         if first is not None and first[0]() is original and (first[1]["dump"] or not wants_dump):
             self._same.append((entry, first[1]))  # the same bytes: digests filled in finish()
             if wants_dump:
                 entry["dump"] = first[1]["dump"]
-            return name
+            return True
         if key is not None:
             self._seen[key] = (weakref.ref(original), entry)
+        return False
+
+    def _digest(
+        self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
+    ) -> None:
+        """Hash one tensor: on its device, in the hook, or on a worker from a private copy."""
         on_device = t.device.type != "cpu" or self._device_path_on_cpu
-        index = len(self.boundaries) - 1
-        if wants_dump:  # planned now, so that a later boundary of this tensor can share it
-            entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
         if on_device and self.device_hash and self._device_digests(entry, t, k, axes):
-            if wants_dump:
+            if entry["dump"] is not None:
                 arr = _to_numpy(t)
                 self._write_dump(entry["dump"], arr, self._rows(arr, k, axes))
-            return name
+            return
         entry["hash"] = self.scheme  # (a failed device checksum falls back to the host)
         arr = _to_numpy(t)
         if self._pool is None or arr.nbytes <= INLINE_BYTES:
             # no worker for a small tensor: handing it over costs more than hashing it
             self._hash(entry, arr, self._rows(arr, k, axes))
-            return name
+            return
         arr = np.array(arr, copy=True)
         rows = self._rows(arr, k, axes)
         fut = self._pool.submit(self._hash, entry, arr, rows)
@@ -504,7 +545,6 @@ class Recorder:
         self._pending_bytes += arr.nbytes
         while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
             self._wait_oldest()
-        return name
 
     def _prompt_rows(self, shape: tuple[int, ...], k: int) -> bool:
         """Whether a later pass's tensor is laid out exactly as the row map's rows.
@@ -606,7 +646,8 @@ class Recorder:
                 lo, n = span[0] * rb, len(idx)
                 cuts = [(lo + i * rb, lo + min(i + block, n) * rb) for i in range(0, n, block)]
                 blocks = [_b3_hex(b3, mv[a:b], scheme) for a, b in cuts]
-                digest = blocks[0] if len(blocks) == 1 else _b3_hex(b3, mv[lo : lo + n * rb], scheme)
+                whole = blocks[0] if len(blocks) == 1 else None
+                digest = whole or _b3_hex(b3, mv[lo : lo + n * rb], scheme)
             out[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
         return out
 
@@ -830,6 +871,36 @@ def capture(
     """
     _require_torch()
     path = Path(path)
+    rec = _new_recorder(model, path, row_map=row_map, block_rows=block_rows, dump=dump,
+                        dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
+                        hash_threads=hash_threads, device_hash=device_hash,
+                        layout_inputs=layout_inputs)  # fmt: skip
+    rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
+    tracker = None
+    if ops:
+        tracker = OpRecorder(
+            rec, model, _select(model, modules if op_modules is None else op_modules)
+        )
+    with _hooked(model, modules, rec, tracker):
+        yield rec
+    _conclude(rec, path)
+
+
+def _new_recorder(
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    row_map: Sequence[Any] | None,
+    block_rows: int,
+    dump: str | Iterable[str] | None,
+    dump_requests: Iterable[Any] | None,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+    hash_threads: int,
+    device_hash: bool,
+    layout_inputs: str | Iterable[str] | None,
+) -> Recorder:
+    """Check the arguments, prepare the folder and build the :class:`Recorder`."""
     if block_rows < 1:
         raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
     extra_layout = (
@@ -838,7 +909,7 @@ def capture(
     )  # fmt: skip
     root = root_label(n for n, _ in model.named_modules())
     _prepare_dir(path, overwrite)
-    rec = Recorder(
+    return Recorder(
         path,
         row_map=None if row_map is None else RowMap(list(row_map), path=path),
         block_rows=int(block_rows),
@@ -850,22 +921,26 @@ def capture(
         root=root,
         layout_inputs=(*LAYOUT_INPUTS, *extra_layout),
     )
-    rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
+
+
+@contextlib.contextmanager
+def _hooked(
+    model: torch.nn.Module,
+    modules: str | Iterable[str] | None,
+    rec: Recorder,
+    tracker: OpRecorder | None,
+) -> Iterator[None]:
+    """Hooks installed for the block's duration; an exception marks the capture interrupted."""
     handles: list[Any] = []
-    tracker = None
-    if ops:
-        tracker = OpRecorder(
-            rec, model, _select(model, modules if op_modules is None else op_modules)
-        )
     try:
         handles.append(model.register_forward_pre_hook(_step_hook(rec), prepend=True))
         handles += _install_hooks(model, modules, rec)
         if tracker is None:
-            yield rec
+            yield
         else:
             handles += tracker.install()
             with tracker:
-                yield rec
+                yield
     except BaseException as err:
         with contextlib.suppress(Exception):
             rec.finish()
@@ -876,6 +951,10 @@ def capture(
     finally:
         for h in handles:
             h.remove()
+
+
+def _conclude(rec: Recorder, path: Path) -> None:
+    """Wait for the hashes, check the row map fitted, and write the complete manifest."""
     rec.finish()
     if not rec.boundaries:
         rec.write_manifest(complete=False, error="no hooked module ran inside the capture block")
