@@ -197,15 +197,18 @@ def is_cache(obj: Any) -> bool:
     )
 
 
-def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """(slot, tensor) of each layer's keys and values in a KV cache (empty layers left out).
+def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any, bool]]:
+    """(slot, tensor, rolled) of each layer's keys and values in a KV cache (empty left out).
 
     A ``Cache`` object as ``prefix.layers.{i}.keys`` / ``.values``; a tuple of past
-    (key, value) pairs as ``prefix.{i}.0`` / ``.1``.
+    (key, value) pairs as ``prefix.{i}.0`` / ``.1``. A static layer (preallocated
+    ``max_cache_len`` positions, filled in place) gives its filled positions only, as a
+    dynamic one holds them; a sliding-window static layer, whose positions roll over,
+    is ``rolled``: hashed whole, not per request.
     """
     if torch.is_tensor(obj):
         if obj.numel():
-            yield prefix, obj
+            yield prefix, obj, False
     elif isinstance(obj, (tuple, list)):
         for i, o in enumerate(obj):
             yield from _cache_tensors(o, f"{prefix}.{i}")
@@ -217,28 +220,43 @@ def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             for part in ("keys", "values"):
                 t = getattr(layer, part, None)
                 if torch.is_tensor(t) and t.numel():
-                    yield f"{prefix}.layers.{i}.{part}", t
+                    t, rolled = _filled(layer, t)
+                    if t.numel():
+                        yield f"{prefix}.layers.{i}.{part}", t, rolled
     elif isinstance(getattr(obj, "key_cache", None), list):  # older transformers
         for part in ("key_cache", "value_cache"):
             for i, t in enumerate(getattr(obj, part, None) or []):
                 if torch.is_tensor(t) and t.numel():
-                    yield f"{prefix}.{part}.{i}", t
+                    yield f"{prefix}.{part}.{i}", t, False
 
 
-def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any, bool]]:
-    """(slot, tensor, is a KV-cache tensor) for a module call's inputs."""
+def _filled(layer: Any, t: Any) -> tuple[Any, bool]:
+    """A cache layer's keys or values cut to the positions it holds; (tensor, rolled)."""
+    if getattr(layer, "max_cache_len", None) is None or t.dim() != 4:
+        return t, False  # a dynamic layer: every position it holds is filled
+    if getattr(layer, "is_sliding", False):
+        return t, True
+    n = int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else int(t.shape[2])
+    return t[:, :, : min(n, int(t.shape[2]))], False
+
+
+def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any, bool | str]]:
+    """(slot, tensor, kind) for a module call's inputs: False, a KV-cache tensor (True),
+    or one of a rolling cache (``"rolled"``)."""
     for i, a in enumerate(args):
         if is_cache(a):
-            for slot, t in _cache_tensors(a, f"input{i}"):
-                yield slot, t, True
+            for slot, t, rolled in _cache_tensors(a, f"input{i}"):
+                yield slot, t, "rolled" if rolled else True
         else:
             for slot, t in _tensors(a, f"input{i}"):
                 yield slot, t, False
     for k, v in kwargs.items():
-        cache = is_cache(v) or (k in CACHE_KWARGS and isinstance(v, (tuple, list)))
-        walk = _cache_tensors if cache else _tensors
-        for slot, t in walk(v, f"input.{k}"):
-            yield slot, t, cache
+        if is_cache(v) or (k in CACHE_KWARGS and isinstance(v, (tuple, list))):
+            for slot, t, rolled in _cache_tensors(v, f"input.{k}"):
+                yield slot, t, "rolled" if rolled else True
+        else:
+            for slot, t in _tensors(v, f"input.{k}"):
+                yield slot, t, False
 
 
 def default_modules(model: torch.nn.Module) -> list[str]:
@@ -342,15 +360,21 @@ class Recorder:
             _LAYOUT_HITS[key] = hit
         return hit
 
-    def record_cache(self, module: str, call: int, slot: str, t: Any) -> str:
+    def record_cache(
+        self, module: str, call: int, slot: str, t: Any, *, rolled: bool = False
+    ) -> str:
         """Hash one KV-cache tensor ``(batch, heads, positions, head_dim)`` per request.
 
         Position ``j`` of batch row ``r`` is the row map's entry ``r * seq + j`` for
         ``j < seq`` (the prompt), else the ``j - seq``-th generated token of the request
         filling row ``r`` alone; padding and rows shared by several requests are left
         out. Without a known (batch, seq) layout, or for another shape, it is hashed
-        whole and per batch row.
+        whole and per batch row. A rolling (sliding-window) cache, whose slots do not
+        follow positions, is hashed whole only (``rolled``): never judged per request.
         """
+        if rolled:
+            return self.record(module, call, "input", slot, t, row_mapped=False,
+                               extra={"cache": True, "rolled": True})  # fmt: skip
         rows = self._cache_rows(tuple(int(d) for d in t.shape))
         if rows is None:
             return self.record(module, call, "input", slot, t, extra={"cache": True})
@@ -1049,7 +1073,7 @@ def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:
         with quiet():  # the recorder's own tensor calls are not the model's ops
             for slot, t, cache in _inputs(args, kwargs):
                 if cache:
-                    rec.record_cache(name, call, slot, t)
+                    rec.record_cache(name, call, slot, t, rolled=cache == "rolled")
                 elif rec.is_layout(name, slot):
                     rec.record(name, call, "input", slot, t, row_mapped=False,
                                extra={"layout": True})  # fmt: skip
