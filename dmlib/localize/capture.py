@@ -635,8 +635,42 @@ class Recorder:
                 entry["leading"] = [digest_hex(x, scheme) for x in arr]
         if rows is not None and self.row_map is not None:
             entry["requests"].update(self._request_digests(rows, scheme))
+            if entry.get("row_axes") == [0, 2] and arr.ndim == 4:
+                self._kv_repeat(entry, arr, scheme)
         if entry["dump"] is not None:
             self._write_dump(entry["dump"], arr, rows)
+
+    def _kv_repeat(self, entry: dict[str, Any], arr: np.ndarray, scheme: str) -> None:
+        """Digests of ``(batch, heads, positions, head_dim)`` with repeated heads collapsed.
+
+        Grouped-KV attention run on repeated heads (each of ``n_kv`` heads copied ``g``
+        times in a row, as transformers' ``repeat_kv`` lays them out) holds the same
+        values as the ``n_kv`` heads another layout passes unrepeated. Where every group
+        of ``g`` consecutive heads is bit-for-bit one head copied (``g > 1``, the largest
+        such), ``kv_repeat`` records ``g`` and the per-request digests of the first head
+        of each group, so the comparison can judge the two layouts in a common form.
+        """
+        b, h, s, d = arr.shape
+        if h < 2 or not arr.size:
+            return
+        bits = (
+            arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
+            if arr.dtype.itemsize in (1, 2, 4, 8)
+            else None
+        )
+        if bits is None or not np.array_equal(bits[:, 0], bits[:, 1]):
+            return  # the common case (distinct heads) is settled by one comparison
+        g = 2
+        while g < h and np.array_equal(bits[:, 0], bits[:, g]):
+            g += 1
+        while g > 1 and h % g:
+            g -= 1
+        grouped = bits.reshape(b, h // g, g, s, d)
+        if g < 2 or not (grouped == grouped[:, :, :1]).all():
+            return
+        one = arr.reshape(b, h // g, g, s, d)[:, :, 0]
+        rows = np.moveaxis(one, (0, 2), (0, 1)).reshape(len(cast(RowMap, self.row_map)), h // g, d)
+        entry["kv_repeat"] = {"groups": g, "requests": self._request_digests(rows, scheme)}
 
     def _request_plan(self) -> list[tuple[str, np.ndarray, tuple[int, int] | None]]:
         """(request, its physical rows, (start, stop) where they are consecutive), once."""
@@ -712,6 +746,8 @@ class Recorder:
             entry["requests"] = {
                 r: dict(v, blocks=list(v["blocks"])) for r, v in first["requests"].items()
             }
+            if "kv_repeat" in first:
+                entry["kv_repeat"] = first["kv_repeat"]
         self._same.clear()
         self._seen.clear()
 
