@@ -110,3 +110,65 @@ def test_repeated_kv_heads_judged_collapsed_against_oracle(tmp_path, kind, case)
     if case == "copies_broken":
         k0 = f"model.layers.0.self_attn/{SDPA}#0:input1"
         assert not verdicts[0] and "not exact copies" in df.loc[k0, "note"]
+
+
+@pytest.mark.parametrize("case", ["batched", "repeated"])
+def test_patch_test_on_sdpa_in_every_layer_against_a_plain_patch(tmp_path, case):
+    """patch_test on SDPA in both layers (GQA: 2 KV heads alone, 4 repeated in the other).
+
+    Oracle: the same patch by hand: the second run's SDPA outputs get the probe's rows of
+    the alone run's outputs (wrapping ``scaled_dot_product_attention``). Where the probe's
+    logits already match without the patch, patch_test must say every boundary already
+    matched; otherwise confirmed is asserted equal to whether the patched logits equal
+    the alone run's bit for bit. ``batched``: whatever this CPU gives; ``repeated``: the
+    same request alone with transformers told to repeat the KV heads.
+    """
+    from dmlib.localize.patch import patch_test
+
+    model = make("llama", "sdpa", torch.float32)
+    alone, rows_a, batched, rows_b, where = layouts("right")
+    if case == "repeated":
+        batched, rows_b, where = alone, rows_a, slice(0, N_PROBE)
+    real = torch.nn.functional.scaled_dot_product_attention
+    outs: list[torch.Tensor] = []
+    calls = [0]
+
+    def keep(*a, **kw):
+        out = real(*a, **kw)
+        outs.append(out.detach().clone())
+        return out
+
+    def patched(*a, **kw):
+        out = real(*a, **kw).clone()
+        out[0, :, where] = outs[calls[0]][0]
+        calls[0] += 1
+        return out
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        if case == "repeated":
+            mp.setattr(hf_sdpa, "use_gqa_in_sdpa", lambda *a, **k: False)
+        lb0 = model(**batched).logits
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", keep)
+        with pytest.MonkeyPatch.context() as mp2:
+            mp2.setattr(hf_sdpa, "use_gqa_in_sdpa", lambda *a, **k: True)
+            la = model(**alone).logits
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", patched)
+        lb = model(**batched).logits
+    already = torch.equal(la[0], lb0[0, where])
+    expect = torch.equal(la[0], lb[0, where])
+    with torch.no_grad(), dmlib.capture(model, tmp_path / "alone", row_map=rows_a, ops=True,
+                                        op_modules="model.layers.*.self_attn", dump="*"):  # fmt: skip
+        model(**alone)
+    names = [f"model.layers.{i}.self_attn/{SDPA}#0" for i in range(2)]
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        if case == "repeated":
+            mp.setattr(hf_sdpa, "use_gqa_in_sdpa", lambda *a, **k: False)
+        res = patch_test(model, source=tmp_path / "alone", boundary=names, request="probe",
+                         row_map=rows_b, run=lambda: model(**batched))  # fmt: skip
+    t = res.table.set_index("boundary")
+    assert bool(t.loc["lm_head", "identical_before"]) == already
+    assert bool(t.loc["lm_head", "identical_after"]) == expect
+    if already and all(bool(t.loc[n, "identical_before"]) for n in names):
+        assert not res.confirmed and "already matched" in res.reason
+    else:
+        assert res.confirmed == expect, res.reason
