@@ -58,7 +58,7 @@ def _oracle_same(xa, xb) -> bool:
     return torch.equal(grouped[:, 0], _bits(small))
 
 
-def _capture(model, path, kwargs, rows, tamper=False):
+def _capture(model, path, kwargs, rows, tamper=False, device=False):
     real = torch.nn.functional.scaled_dot_product_attention
 
     def wrapper(q, k, v, *a, **kw):
@@ -70,29 +70,32 @@ def _capture(model, path, kwargs, rows, tamper=False):
     torch.nn.functional.scaled_dot_product_attention = wrapper
     try:
         with torch.no_grad(), dmlib.capture(model, path, row_map=rows, ops=True,
-                                            op_modules="model.layers.*.self_attn"):  # fmt: skip
+                                            op_modules="model.layers.*.self_attn") as rec:  # fmt: skip
+            rec._device_path_on_cpu = device  # the device checksums, taken on CPU tensors
             model(**kwargs)
     finally:
         torch.nn.functional.scaled_dot_product_attention = real
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("case", ["repeated_only", "batched", "copies_broken"])
+@pytest.mark.parametrize(
+    "case", ["repeated_only", "batched", "copies_broken", "repeated_only_device", "batched_device"]
+)
 def test_repeated_kv_heads_judged_collapsed_against_oracle(tmp_path, kind, case):
     model = make(kind, "sdpa", torch.float32)
     alone, rows_a, batched, rows_b, where = layouts("right")
-    if case == "batched":
+    if case.startswith("batched"):
         other, other_rows, cut = batched, rows_b, where
     else:  # the same request alone, transformers told to repeat the KV heads
         other, other_rows, cut = alone, rows_a, slice(0, N_PROBE)
-    tamper = case == "copies_broken"
+    tamper, device = case == "copies_broken", case.endswith("_device")
     sa = _run(model, alone)
-    _capture(model, tmp_path / "a", alone, rows_a)
+    _capture(model, tmp_path / "a", alone, rows_a, device=device)
     with pytest.MonkeyPatch.context() as mp:
-        if case != "batched":
+        if not case.startswith("batched"):
             mp.setattr(hf_sdpa, "use_gqa_in_sdpa", lambda *a, **k: False)
         sb = _run(model, other, tamper)
-        _capture(model, tmp_path / "b", other, other_rows, tamper)
+        _capture(model, tmp_path / "b", other, other_rows, tamper, device)
     assert len(sa) == len(sb) == 2 and sa[0][0].shape[1] == 2 and sb[0][0].shape[1] == 4
     df = dmlib.compare_captures(tmp_path / "a", tmp_path / "b", request="probe")
     df = df.set_index("boundary")
@@ -104,8 +107,10 @@ def test_repeated_kv_heads_judged_collapsed_against_oracle(tmp_path, kind, case)
             got = df.loc[name, "identical"]
             assert got is not None and bool(got) == expect, (name, df.loc[name, "note"])
             assert "grouped KV heads" in df.loc[name, "note"]
+            if device:  # the device checksums (and their collapsed form) were compared
+                assert dmlib.open_capture(tmp_path / "b").boundary(name).hash == "cksum4-v1"
             verdicts.append(expect)
-    if case == "repeated_only":  # one batch, same matmuls: the oracle finds the keys equal
+    if case.startswith("repeated_only"):  # one batch, same matmuls: the oracle finds the keys equal
         assert all(verdicts)
     if case == "copies_broken":
         k0 = f"model.layers.0.self_attn/{SDPA}#0:input1"

@@ -162,6 +162,24 @@ def _b3_hex(b3: Any, mv: memoryview, scheme: str) -> str:
     return b3(mv).hexdigest() if mv.nbytes <= hashing.PIECE else digest_hex(mv, scheme)
 
 
+def _repeat_groups(bits: Any, same: Callable[[Any, Any], bool]) -> int:
+    """``g > 1`` where each run of ``g`` consecutive heads (axis 1) is one head copied, else 1.
+
+    ``bits``: an integer view of ``(batch, heads, ...)`` (numpy or torch), so that the
+    copies are compared bit for bit; ``same``: that library's whole-array equality.
+    """
+    h = int(bits.shape[1])
+    if h < 2 or not same(bits[:, 0], bits[:, 1]):
+        return 1  # the common case (distinct heads), settled by one comparison
+    g = 2
+    while g < h and same(bits[:, 0], bits[:, g]):
+        g += 1
+    while g > 1 and h % g:
+        g -= 1
+    grouped = bits.reshape(bits.shape[0], h // g, g, *bits.shape[2:])
+    return g if g > 1 and bool((grouped == grouped[:, :, :1]).all()) else 1
+
+
 def _ck(moments: np.ndarray, row_bytes: int) -> str:
     return hashing.checksum_of_rows(moments, row_bytes).split(":", 1)[1]
 
@@ -552,6 +570,8 @@ class Recorder:
         """Hash one tensor: on its device, in the hook, or on a worker from a private copy."""
         on_device = t.device.type != "cpu" or self._device_path_on_cpu
         if on_device and self.device_hash and self._device_digests(entry, t, k, axes):
+            if axes == (0, 2) and t.dim() == 4:
+                self._kv_repeat_device(entry, t)
             if entry["dump"] is not None:
                 arr = _to_numpy(t)
                 self._write_dump(entry["dump"], arr, self._rows(arr, k, axes))
@@ -651,26 +671,37 @@ class Recorder:
         of each group, so the comparison can judge the two layouts in a common form.
         """
         b, h, s, d = arr.shape
-        if h < 2 or not arr.size:
+        size = arr.dtype.itemsize
+        if not arr.size or size not in (1, 2, 4, 8):
+            return  # not checked: the comparison leaves a head-count change unjudged
+        g = _repeat_groups(arr.view(np.dtype(f"u{size}")), np.array_equal)
+        kv: dict[str, Any] = {"groups": g, "requests": {}}  # groups 1: checked, no repeats
+        if g > 1:
+            one = arr.reshape(b, h // g, g, s, d)[:, :, 0]
+            n = len(cast(RowMap, self.row_map))
+            kv["requests"] = self._request_digests(
+                np.moveaxis(one, (0, 2), (0, 1)).reshape(n, h // g, d), scheme
+            )
+        entry["kv_repeat"] = kv
+
+    def _kv_repeat_device(self, entry: dict[str, Any], t: Any) -> None:
+        """:meth:`_kv_repeat` where ``t`` lives, digests as ``cksum4-v1`` (nothing set if
+        the device cannot: the comparison then leaves a head-count change unjudged)."""
+        b, h, s, d = (int(x) for x in t.shape)
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        if not t.numel() or t.element_size() not in ints:
             return
-        bits = (
-            arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
-            if arr.dtype.itemsize in (1, 2, 4, 8)
-            else None
-        )
-        if bits is None or not np.array_equal(bits[:, 0], bits[:, 1]):
-            return  # the common case (distinct heads) is settled by one comparison
-        g = 2
-        while g < h and np.array_equal(bits[:, 0], bits[:, g]):
-            g += 1
-        while g > 1 and h % g:
-            g -= 1
-        grouped = bits.reshape(b, h // g, g, s, d)
-        if g < 2 or not (grouped == grouped[:, :, :1]).all():
+        try:
+            g = _repeat_groups(t.view(ints[t.element_size()]), torch.equal)
+            kv: dict[str, Any] = {"groups": g, "requests": {}}
+            if g > 1:
+                one = t.reshape(b, h // g, g, s, d)[:, :, 0]
+                kv["requests"] = _device_checksums(
+                    one, None, (0, 2), False, self.row_map, self.block_rows
+                )[2]
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
             return
-        one = arr.reshape(b, h // g, g, s, d)[:, :, 0]
-        rows = np.moveaxis(one, (0, 2), (0, 1)).reshape(len(cast(RowMap, self.row_map)), h // g, d)
-        entry["kv_repeat"] = {"groups": g, "requests": self._request_digests(rows, scheme)}
+        entry["kv_repeat"] = kv
 
     def _request_plan(self) -> list[tuple[str, np.ndarray, tuple[int, int] | None]]:
         """(request, its physical rows, (start, stop) where they are consecutive), once."""

@@ -321,18 +321,21 @@ def judge_heads(ba: Boundary, bb: Boundary, r: str) -> tuple[bool, str] | None:
     heads repeated (``kv_repeat``); each side offers its rows as they are and, where
     repeated, collapsed to one head per group. Where some head count is offered by both
     sides, those digests decide (True/False and a note). Where the side with more heads
-    does not hold exact copies that collapse to the other's count, that is a difference
-    (False). None: not a head-layout change (other dims differ).
+    was checked and holds no exact copies that collapse to the other's count, that is a
+    difference (False). None: not a head-layout change (other dims differ), or the side
+    with more heads was never checked for repeats.
     """
     sa, sb = ba.row_shape, bb.row_shape
     if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[1] or sa[0] == sb[0]:
         return None
     if max(sa[0], sb[0]) % min(sa[0], sb[0]):
         return None
+    if (ba if sa[0] > sb[0] else bb).kv_repeat is None:
+        return None  # the side with more heads was not checked for repeats (an older capture)
     forms = []
     for x, h in ((ba, sa[0]), (bb, sb[0])):
         f = {h: x.requests[r].digest} if x.requests.get(r) is not None else {}
-        if x.kv_repeat is not None and r in x.kv_repeat[1]:
+        if x.kv_repeat is not None and x.kv_repeat[0] > 1 and r in x.kv_repeat[1]:
             f[h // x.kv_repeat[0]] = x.kv_repeat[1][r].digest
         forms.append(f)
     common = sorted(set(forms[0]) & set(forms[1]))
