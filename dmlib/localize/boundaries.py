@@ -29,6 +29,7 @@ from dmlib.localize.captures import (
     Boundary,
     Capture,
     is_layout_slot,
+    judge_heads,
     open_capture,
     request_hashes,
     request_key,
@@ -148,6 +149,9 @@ def _judge_request(
                 f"row {ba.dtype}{list(ba.row_shape)} vs {bb.dtype}{list(bb.row_shape)}",
             )
         if ba.row_shape != bb.row_shape:
+            heads = judge_heads(ba, bb, r)  # grouped KV heads repeated in one layout only
+            if heads is not None:
+                return heads[0], [], heads[1]
             return None, [], "not judged: " + _shape_reason(a, b, ba.row_shape, bb.row_shape)
         diff = [
             offsets[r] + k

@@ -10,8 +10,12 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
 
 - Host tensors are hashed with BLAKE3 (``blake3-64MiB``, about 2.6x SHA-256's speed on one
   core) on worker threads, each from a private copy taken in the hook (a later in-place op
-  may change the memory). A request that fits in one block is hashed once: its block's
-  bytes are all of its bytes.
+  may change the memory); tensors up to 1 MiB are hashed in the hook (handing them to a
+  worker costs more). A request that fits in one block is hashed once: its block's
+  bytes are all of its bytes. A tensor is made contiguous once and every digest (whole,
+  per batch row, per request and block) is taken from byte offsets into that buffer.
+  What remains on a small model is the hashing itself: every byte is hashed three times
+  (whole tensor, blocks, each request's rows), about 3 GB/s on one core.
 - One tensor object passed on unchanged (a block's output is the next block's input, the
   input of query, key and value) is hashed, copied and dumped once: a boundary that
   records the same live tensor object at the same version counter (torch bumps it on
@@ -55,7 +59,6 @@ from dmlib.localize.captures import (
     root_label,
 )
 from dmlib.localize.ops import OpRecorder, quiet
-from dmlib.safepaths import bounded_json
 
 try:
     import torch
@@ -66,6 +69,8 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
+# json.dumps(..., separators=...) without building an encoder per call
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 def _require_torch() -> None:
@@ -156,6 +161,29 @@ def _device_checksums(
     return whole, lead, requests
 
 
+def _b3_hex(b3: Any, mv: memoryview, scheme: str) -> str:
+    """``digest_hex`` of a byte slice: the plain BLAKE3 digest up to one piece."""
+    return b3(mv).hexdigest() if mv.nbytes <= hashing.PIECE else digest_hex(mv, scheme)
+
+
+def _repeat_groups(bits: Any, same: Callable[[Any, Any], bool]) -> int:
+    """``g > 1`` where each run of ``g`` consecutive heads (axis 1) is one head copied, else 1.
+
+    ``bits``: an integer view of ``(batch, heads, ...)`` (numpy or torch), so that the
+    copies are compared bit for bit; ``same``: that library's whole-array equality.
+    """
+    h = int(bits.shape[1])
+    if h < 2 or not same(bits[:, 0], bits[:, 1]):
+        return 1  # the common case (distinct heads), settled by one comparison
+    g = 2
+    while g < h and same(bits[:, 0], bits[:, g]):
+        g += 1
+    while g > 1 and h % g:
+        g -= 1
+    grouped = bits.reshape(bits.shape[0], h // g, g, *bits.shape[2:])
+    return g if g > 1 and bool((grouped == grouped[:, :, :1]).all()) else 1
+
+
 def _ck(moments: np.ndarray, row_bytes: int) -> str:
     return hashing.checksum_of_rows(moments, row_bytes).split(":", 1)[1]
 
@@ -191,15 +219,18 @@ def is_cache(obj: Any) -> bool:
     )
 
 
-def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """(slot, tensor) of each layer's keys and values in a KV cache (empty layers left out).
+def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any, bool]]:
+    """(slot, tensor, rolled) of each layer's keys and values in a KV cache (empty left out).
 
     A ``Cache`` object as ``prefix.layers.{i}.keys`` / ``.values``; a tuple of past
-    (key, value) pairs as ``prefix.{i}.0`` / ``.1``.
+    (key, value) pairs as ``prefix.{i}.0`` / ``.1``. A static layer (preallocated
+    ``max_cache_len`` positions, filled in place) gives its filled positions only, as a
+    dynamic one holds them; a sliding-window static layer, whose positions roll over,
+    is ``rolled``: hashed whole, not per request.
     """
     if torch.is_tensor(obj):
         if obj.numel():
-            yield prefix, obj
+            yield prefix, obj, False
     elif isinstance(obj, (tuple, list)):
         for i, o in enumerate(obj):
             yield from _cache_tensors(o, f"{prefix}.{i}")
@@ -211,28 +242,43 @@ def _cache_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             for part in ("keys", "values"):
                 t = getattr(layer, part, None)
                 if torch.is_tensor(t) and t.numel():
-                    yield f"{prefix}.layers.{i}.{part}", t
+                    t, rolled = _filled(layer, t)
+                    if t.numel():
+                        yield f"{prefix}.layers.{i}.{part}", t, rolled
     elif isinstance(getattr(obj, "key_cache", None), list):  # older transformers
         for part in ("key_cache", "value_cache"):
             for i, t in enumerate(getattr(obj, part, None) or []):
                 if torch.is_tensor(t) and t.numel():
-                    yield f"{prefix}.{part}.{i}", t
+                    yield f"{prefix}.{part}.{i}", t, False
 
 
-def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any, bool]]:
-    """(slot, tensor, is a KV-cache tensor) for a module call's inputs."""
+def _filled(layer: Any, t: Any) -> tuple[Any, bool]:
+    """A cache layer's keys or values cut to the positions it holds; (tensor, rolled)."""
+    if getattr(layer, "max_cache_len", None) is None or t.dim() != 4:
+        return t, False  # a dynamic layer: every position it holds is filled
+    if getattr(layer, "is_sliding", False):
+        return t, True
+    n = int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else int(t.shape[2])
+    return t[:, :, : min(n, int(t.shape[2]))], False
+
+
+def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any, bool | str]]:
+    """(slot, tensor, kind) for a module call's inputs: False, a KV-cache tensor (True),
+    or one of a rolling cache (``"rolled"``)."""
     for i, a in enumerate(args):
         if is_cache(a):
-            for slot, t in _cache_tensors(a, f"input{i}"):
-                yield slot, t, True
+            for slot, t, rolled in _cache_tensors(a, f"input{i}"):
+                yield slot, t, "rolled" if rolled else True
         else:
             for slot, t in _tensors(a, f"input{i}"):
                 yield slot, t, False
     for k, v in kwargs.items():
-        cache = is_cache(v) or (k in CACHE_KWARGS and isinstance(v, (tuple, list)))
-        walk = _cache_tensors if cache else _tensors
-        for slot, t in walk(v, f"input.{k}"):
-            yield slot, t, cache
+        if is_cache(v) or (k in CACHE_KWARGS and isinstance(v, (tuple, list))):
+            for slot, t, rolled in _cache_tensors(v, f"input.{k}"):
+                yield slot, t, "rolled" if rolled else True
+        else:
+            for slot, t in _tensors(v, f"input.{k}"):
+                yield slot, t, False
 
 
 def default_modules(model: torch.nn.Module) -> list[str]:
@@ -322,6 +368,7 @@ class Recorder:
         # same version holds the same bytes
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
+        self._plan: list[tuple[str, np.ndarray, tuple[int, int] | None]] | None = None
 
     def is_layout(self, module: str, slot: str) -> bool:
         """Whether input ``slot`` of ``module`` follows the batch layout (a mask, positions)."""
@@ -335,15 +382,21 @@ class Recorder:
             _LAYOUT_HITS[key] = hit
         return hit
 
-    def record_cache(self, module: str, call: int, slot: str, t: Any) -> str:
+    def record_cache(
+        self, module: str, call: int, slot: str, t: Any, *, rolled: bool = False
+    ) -> str:
         """Hash one KV-cache tensor ``(batch, heads, positions, head_dim)`` per request.
 
         Position ``j`` of batch row ``r`` is the row map's entry ``r * seq + j`` for
         ``j < seq`` (the prompt), else the ``j - seq``-th generated token of the request
         filling row ``r`` alone; padding and rows shared by several requests are left
         out. Without a known (batch, seq) layout, or for another shape, it is hashed
-        whole and per batch row.
+        whole and per batch row. A rolling (sliding-window) cache, whose slots do not
+        follow positions, is hashed whole only (``rolled``): never judged per request.
         """
+        if rolled:
+            return self.record(module, call, "input", slot, t, row_mapped=False,
+                               extra={"cache": True, "rolled": True})  # fmt: skip
         rows = self._cache_rows(tuple(int(d) for d in t.shape))
         if rows is None:
             return self.record(module, call, "input", slot, t, extra={"cache": True})
@@ -422,6 +475,30 @@ class Recorder:
         """
         original, t = t, t.detach()  # detach() makes a new object: identity is the original's
         shape = tuple(int(d) for d in t.shape)
+        entry = self._entry(module, call, kind, slot, t.dtype, shape, extra)
+        name = entry["name"]
+        k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
+        wants_dump = self._wants_dump(name)
+        self.boundaries.append(entry)
+        if self._share(entry, original, (k, axes, entry["leading"] is not None), wants_dump):
+            return name
+        if wants_dump:  # planned now, so that a later boundary of this tensor can share it
+            index = len(self.boundaries) - 1
+            entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
+        self._digest(entry, t, k, axes)
+        return name
+
+    def _entry(
+        self,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """A boundary's manifest entry, digests still to be filled."""
         suffix = "" if call == 0 else f"#{call}"
         name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
         entry: dict[str, Any] = {
@@ -430,8 +507,7 @@ class Recorder:
             "call": call,
             "kind": kind,
             "slot": slot,
-            "dtype": _NP_NAMES.get(t.dtype)
-            or _NP_NAMES.setdefault(t.dtype, _np_dtype(t.dtype).name),
+            "dtype": _NP_NAMES.get(dtype) or _NP_NAMES.setdefault(dtype, _np_dtype(dtype).name),
             "shape": list(shape),
             "hash": self.scheme,
             "digest": None,
@@ -443,6 +519,16 @@ class Recorder:
         }
         if self.step:
             entry["step"] = self.step
+        return entry
+
+    def _read_rows(
+        self, entry: dict[str, Any], shape: tuple[int, ...], row_mapped: bool, op: bool
+    ) -> tuple[int | None, tuple[int, int] | None]:
+        """How the tensor is read per request: (row dims, row axes), set in ``entry``.
+
+        Neither: hashed whole (listed in ``whole_only``), and per index of axis 0 where
+        that axis may be the batch.
+        """
         row_map = self.row_map
         k = row_map.row_dims(shape) if row_map is not None and row_mapped else None
         if k is not None and self.step and not self._prompt_rows(shape, k):
@@ -451,46 +537,55 @@ class Recorder:
             self.layout = (row_map.batch, len(row_map) // row_map.batch)  # a nested row map
         if k == 2 and self.layout is None:
             self.layout = (shape[0], shape[1])  # (batch, positions)
-        axes = self._row_axes(shape) if k is None and row_mapped and extra else None
+        axes = self._row_axes(shape) if k is None and row_mapped and op else None
         if row_map is not None and (k is not None or axes is not None):
             entry["row_dims"] = k
             if axes is not None:
                 entry["row_axes"] = list(axes)
             for rid in row_map.requests:
                 entry["requests"][rid] = None  # filled by _hash, in row-map order
-        elif self.row_map is not None:
-            self.whole_only.append(name)
+        elif row_map is not None:
+            self.whole_only.append(entry["name"])
             # (never for a parameter: its first axis is no batch)
-            if row_mapped and len(shape) >= 1 and 1 <= shape[0] <= len(self.row_map):
+            if row_mapped and len(shape) >= 1 and 1 <= shape[0] <= len(row_map):
                 # one hash per index of axis 0: if that axis is the batch, the comparison
                 # attributes each row to the request filling that batch row
                 entry["leading"] = []
-        wants_dump = self._wants_dump(name)
-        self.boundaries.append(entry)
-        key = self._identity(original, (k, axes, entry["leading"] is not None))
+        return k, axes
+
+    def _share(
+        self, entry: dict[str, Any], original: Any, how: tuple[Any, ...], wants_dump: bool
+    ) -> bool:
+        """True where this live tensor, unchanged, was recorded already: its digests are shared."""
+        key = self._identity(original, how)
         first = self._seen.get(key) if key is not None else None
         if first is not None and first[0]() is original and (first[1]["dump"] or not wants_dump):
             self._same.append((entry, first[1]))  # the same bytes: digests filled in finish()
             if wants_dump:
                 entry["dump"] = first[1]["dump"]
-            return name
+            return True
         if key is not None:
             self._seen[key] = (weakref.ref(original), entry)
+        return False
+
+    def _digest(
+        self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
+    ) -> None:
+        """Hash one tensor: on its device, in the hook, or on a worker from a private copy."""
         on_device = t.device.type != "cpu" or self._device_path_on_cpu
-        index = len(self.boundaries) - 1
-        if wants_dump:  # planned now, so that a later boundary of this tensor can share it
-            entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
         if on_device and self.device_hash and self._device_digests(entry, t, k, axes):
-            if wants_dump:
+            if axes == (0, 2) and t.dim() == 4:
+                self._kv_repeat_device(entry, t)
+            if entry["dump"] is not None:
                 arr = _to_numpy(t)
                 self._write_dump(entry["dump"], arr, self._rows(arr, k, axes))
-            return name
+            return
         entry["hash"] = self.scheme  # (a failed device checksum falls back to the host)
         arr = _to_numpy(t)
         if self._pool is None or arr.nbytes <= INLINE_BYTES:
             # no worker for a small tensor: handing it over costs more than hashing it
             self._hash(entry, arr, self._rows(arr, k, axes))
-            return name
+            return
         arr = np.array(arr, copy=True)
         rows = self._rows(arr, k, axes)
         fut = self._pool.submit(self._hash, entry, arr, rows)
@@ -498,7 +593,6 @@ class Recorder:
         self._pending_bytes += arr.nbytes
         while self._pending_bytes > MAX_PENDING_BYTES:  # bound the copies held in memory
             self._wait_oldest()
-        return name
 
     def _prompt_rows(self, shape: tuple[int, ...], k: int) -> bool:
         """Whether a later pass's tensor is laid out exactly as the row map's rows.
@@ -551,23 +645,104 @@ class Recorder:
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         """Digests of one boundary on the host (and its dump file, if planned)."""
         scheme = entry["hash"]
-        entry["digest"] = digest_hex(arr, scheme)
-        if entry["leading"] is not None:
-            entry["leading"] = [digest_hex(x, scheme) for x in arr]
+        if scheme == hashing.BLAKE3 and arr.ndim >= 1 and arr.size:
+            arr = np.ascontiguousarray(arr)
+            mv, b3 = arr.reshape(-1).view(np.uint8).data, hashing._blake3()
+            entry["digest"] = _b3_hex(b3, mv, scheme)
+            if entry["leading"] is not None:  # one digest per index of axis 0, by offsets
+                rb = arr.nbytes // arr.shape[0]
+                entry["leading"] = [_b3_hex(b3, mv[i * rb : (i + 1) * rb], scheme)
+                                    for i in range(arr.shape[0])]  # fmt: skip
+        else:
+            entry["digest"] = digest_hex(arr, scheme)
+            if entry["leading"] is not None:
+                entry["leading"] = [digest_hex(x, scheme) for x in arr]
         if rows is not None and self.row_map is not None:
-            spans = self.row_map.spans
-            for rid, idx in self.row_map.requests.items():
-                span = spans.get(rid)
-                # consecutive rows are read in place; others are gathered (a copy)
-                mine = rows[span[0] : span[1]] if span is not None else rows[idx]
-                digest, blocks = request_hashes(mine, self.block_rows, scheme)
-                entry["requests"][rid] = {
-                    "digest": digest,
-                    "n_rows": int(len(idx)),
-                    "blocks": blocks,
-                }
+            entry["requests"].update(self._request_digests(rows, scheme))
+            if entry.get("row_axes") == [0, 2] and arr.ndim == 4:
+                self._kv_repeat(entry, arr, scheme)
         if entry["dump"] is not None:
             self._write_dump(entry["dump"], arr, rows)
+
+    def _kv_repeat(self, entry: dict[str, Any], arr: np.ndarray, scheme: str) -> None:
+        """Digests of ``(batch, heads, positions, head_dim)`` with repeated heads collapsed.
+
+        Grouped-KV attention run on repeated heads (each of ``n_kv`` heads copied ``g``
+        times in a row, as transformers' ``repeat_kv`` lays them out) holds the same
+        values as the ``n_kv`` heads another layout passes unrepeated. Where every group
+        of ``g`` consecutive heads is bit-for-bit one head copied (``g > 1``, the largest
+        such), ``kv_repeat`` records ``g`` and the per-request digests of the first head
+        of each group, so the comparison can judge the two layouts in a common form.
+        """
+        b, h, s, d = arr.shape
+        size = arr.dtype.itemsize
+        if not arr.size or size not in (1, 2, 4, 8):
+            return  # not checked: the comparison leaves a head-count change unjudged
+        g = _repeat_groups(arr.view(np.dtype(f"u{size}")), np.array_equal)
+        kv: dict[str, Any] = {"groups": g, "requests": {}}  # groups 1: checked, no repeats
+        if g > 1:
+            one = arr.reshape(b, h // g, g, s, d)[:, :, 0]
+            n = len(cast(RowMap, self.row_map))
+            kv["requests"] = self._request_digests(
+                np.moveaxis(one, (0, 2), (0, 1)).reshape(n, h // g, d), scheme
+            )
+        entry["kv_repeat"] = kv
+
+    def _kv_repeat_device(self, entry: dict[str, Any], t: Any) -> None:
+        """:meth:`_kv_repeat` where ``t`` lives, digests as ``cksum4-v1`` (nothing set if
+        the device cannot: the comparison then leaves a head-count change unjudged)."""
+        b, h, s, d = (int(x) for x in t.shape)
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        if not t.numel() or t.element_size() not in ints:
+            return
+        try:
+            g = _repeat_groups(t.view(ints[t.element_size()]), torch.equal)
+            kv: dict[str, Any] = {"groups": g, "requests": {}}
+            if g > 1:
+                one = t.reshape(b, h // g, g, s, d)[:, :, 0]
+                kv["requests"] = _device_checksums(
+                    one, None, (0, 2), False, self.row_map, self.block_rows
+                )[2]
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            return
+        entry["kv_repeat"] = kv
+
+    def _request_plan(self) -> list[tuple[str, np.ndarray, tuple[int, int] | None]]:
+        """(request, its physical rows, (start, stop) where they are consecutive), once."""
+        if self._plan is None:
+            rm = cast(RowMap, self.row_map)
+            self._plan = [(rid, idx, rm.spans.get(rid)) for rid, idx in rm.requests.items()]
+        return self._plan
+
+    def _request_digests(self, rows: np.ndarray, scheme: str) -> dict[str, dict[str, Any]]:
+        """Per-request digests of ``rows`` (physical row, ...), as :func:`request_hashes`.
+
+        The tensor is made contiguous once; a request on consecutive rows is hashed from
+        byte offsets into that buffer (its blocks, then all its rows when it has several
+        blocks), with no per-request array handling. Gathered requests (rows not
+        consecutive), other schemes and empty rows take :func:`request_hashes`.
+        """
+        plan, block = self._request_plan(), self.block_rows
+        out: dict[str, dict[str, Any]] = {}
+        fast = scheme == hashing.BLAKE3 and rows.size > 0 and rows.ndim >= 1
+        if fast:
+            rows = np.ascontiguousarray(rows)
+            mv = rows.reshape(-1).view(np.uint8).data
+            rb = rows.nbytes // rows.shape[0]
+            b3 = hashing._blake3()
+        for rid, idx, span in plan:
+            if not fast or span is None:
+                # consecutive rows are read in place; others are gathered (a copy)
+                mine = rows[span[0] : span[1]] if span is not None else rows[idx]
+                digest, blocks = request_hashes(mine, block, scheme)
+            else:
+                lo, n = span[0] * rb, len(idx)
+                cuts = [(lo + i * rb, lo + min(i + block, n) * rb) for i in range(0, n, block)]
+                blocks = [_b3_hex(b3, mv[a:b], scheme) for a, b in cuts]
+                whole = blocks[0] if len(blocks) == 1 else None
+                digest = whole or _b3_hex(b3, mv[lo : lo + n * rb], scheme)
+            out[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
+        return out
 
     def _device_digests(
         self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
@@ -606,6 +781,8 @@ class Recorder:
             entry["requests"] = {
                 r: dict(v, blocks=list(v["blocks"])) for r, v in first["requests"].items()
             }
+            if "kv_repeat" in first:
+                entry["kv_repeat"] = first["kv_repeat"]
         self._same.clear()
         self._seen.clear()
 
@@ -698,8 +875,8 @@ class Recorder:
         m = self.manifest(complete=complete, error=error)
         boundaries = m.pop("boundaries")
         # one boundary per line: compact, yet diffable and readable with grep
-        head = json.dumps(m, separators=(",", ":"))[:-1]
-        lines = ",\n".join(json.dumps(b, separators=(",", ":")) for b in boundaries)
+        head = _COMPACT.encode(m)[:-1]
+        lines = ",\n".join(map(_COMPACT.encode, boundaries))
         text = f'{head},"boundaries":[\n{lines}\n]}}\n'
         _atomic.atomic_write_text(self.path / MANIFEST, text)
 
@@ -789,6 +966,36 @@ def capture(
     """
     _require_torch()
     path = Path(path)
+    rec = _new_recorder(model, path, row_map=row_map, block_rows=block_rows, dump=dump,
+                        dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
+                        hash_threads=hash_threads, device_hash=device_hash,
+                        layout_inputs=layout_inputs)  # fmt: skip
+    rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
+    tracker = None
+    if ops:
+        tracker = OpRecorder(
+            rec, model, _select(model, modules if op_modules is None else op_modules)
+        )
+    with _hooked(model, modules, rec, tracker):
+        yield rec
+    _conclude(rec, path)
+
+
+def _new_recorder(
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    row_map: Sequence[Any] | None,
+    block_rows: int,
+    dump: str | Iterable[str] | None,
+    dump_requests: Iterable[Any] | None,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+    hash_threads: int,
+    device_hash: bool,
+    layout_inputs: str | Iterable[str] | None,
+) -> Recorder:
+    """Check the arguments, prepare the folder and build the :class:`Recorder`."""
     if block_rows < 1:
         raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
     extra_layout = (
@@ -797,7 +1004,7 @@ def capture(
     )  # fmt: skip
     root = root_label(n for n, _ in model.named_modules())
     _prepare_dir(path, overwrite)
-    rec = Recorder(
+    return Recorder(
         path,
         row_map=None if row_map is None else RowMap(list(row_map), path=path),
         block_rows=int(block_rows),
@@ -809,22 +1016,26 @@ def capture(
         root=root,
         layout_inputs=(*LAYOUT_INPUTS, *extra_layout),
     )
-    rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
+
+
+@contextlib.contextmanager
+def _hooked(
+    model: torch.nn.Module,
+    modules: str | Iterable[str] | None,
+    rec: Recorder,
+    tracker: OpRecorder | None,
+) -> Iterator[None]:
+    """Hooks installed for the block's duration; an exception marks the capture interrupted."""
     handles: list[Any] = []
-    tracker = None
-    if ops:
-        tracker = OpRecorder(
-            rec, model, _select(model, modules if op_modules is None else op_modules)
-        )
     try:
         handles.append(model.register_forward_pre_hook(_step_hook(rec), prepend=True))
         handles += _install_hooks(model, modules, rec)
         if tracker is None:
-            yield rec
+            yield
         else:
             handles += tracker.install()
             with tracker:
-                yield rec
+                yield
     except BaseException as err:
         with contextlib.suppress(Exception):
             rec.finish()
@@ -835,6 +1046,10 @@ def capture(
     finally:
         for h in handles:
             h.remove()
+
+
+def _conclude(rec: Recorder, path: Path) -> None:
+    """Wait for the hashes, check the row map fitted, and write the complete manifest."""
     rec.finish()
     if not rec.boundaries:
         rec.write_manifest(complete=False, error="no hooked module ran inside the capture block")
@@ -892,8 +1107,10 @@ def _holds_capture(manifest: Path) -> bool:
     if manifest.is_symlink() or not manifest.is_file():
         return False
     try:
-        doc = bounded_json(manifest.read_text(), where=manifest, error=CaptureError)
-    except (OSError, UnicodeDecodeError, CaptureError):
+        # only the top-level "format" is read: a plain parse, too deep a nesting refused
+        # (RecursionError); no walk of the whole document (milliseconds on a big manifest)
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("format") == FORMAT
 
@@ -927,7 +1144,7 @@ def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:
         with quiet():  # the recorder's own tensor calls are not the model's ops
             for slot, t, cache in _inputs(args, kwargs):
                 if cache:
-                    rec.record_cache(name, call, slot, t)
+                    rec.record_cache(name, call, slot, t, rolled=cache == "rolled")
                 elif rec.is_layout(name, slot):
                     rec.record(name, call, "input", slot, t, row_mapped=False,
                                extra={"layout": True})  # fmt: skip

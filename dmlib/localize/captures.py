@@ -277,6 +277,8 @@ class Boundary:
     layout: bool = False  # an input declared (or named) as following the batch layout
     step: int = 0  # forward pass (decode step, from 0) of a multi-pass capture
     cache: bool = False  # a KV-cache tensor: per request along its position axis
+    # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
+    kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -299,6 +301,54 @@ class Boundary:
         if self.row_axes is not None:
             whole = np.moveaxis(whole, self.row_axes, (0, 1))
         return whole.reshape((-1, *self.row_shape))
+
+
+def _kv_repeat(d: Any, key: str) -> tuple[int, dict[str, RequestHash]] | None:
+    """A boundary's ``kv_repeat`` entry (repeated heads collapsed), or None."""
+    if d is None:
+        return None
+    reqs = {
+        k: RequestHash(str(v[key]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
+        for k, v in d["requests"].items()
+    }
+    return int(d["groups"]), reqs
+
+
+def judge_heads(ba: Boundary, bb: Boundary, r: str) -> tuple[bool, str] | None:
+    """Request ``r``'s rows of two boundaries whose head counts differ, in a common form.
+
+    Rows ``(heads, head_dim)`` with ``h_a != h_b``: a side's heads may be grouped-KV
+    heads repeated (``kv_repeat``); each side offers its rows as they are and, where
+    repeated, collapsed to one head per group. Where some head count is offered by both
+    sides, those digests decide (True/False and a note). Where the side with more heads
+    was checked and holds no exact copies that collapse to the other's count, that is a
+    difference (False). None: not a head-layout change (other dims differ), or the side
+    with more heads was never checked for repeats.
+    """
+    sa, sb = ba.row_shape, bb.row_shape
+    if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[1] or sa[0] == sb[0]:
+        return None
+    if max(sa[0], sb[0]) % min(sa[0], sb[0]):
+        return None
+    if (ba if sa[0] > sb[0] else bb).kv_repeat is None:
+        return None  # the side with more heads was not checked for repeats (an older capture)
+    forms = []
+    for x, h in ((ba, sa[0]), (bb, sb[0])):
+        f = {h: x.requests[r].digest} if x.requests.get(r) is not None else {}
+        if x.kv_repeat is not None and x.kv_repeat[0] > 1 and r in x.kv_repeat[1]:
+            f[h // x.kv_repeat[0]] = x.kv_repeat[1][r].digest
+        forms.append(f)
+    common = sorted(set(forms[0]) & set(forms[1]))
+    shapes = f"{sa[0]} heads in A, {sb[0]} in B"
+    if common:
+        n = common[0]
+        same = forms[0][n] == forms[1][n]
+        return same, f"grouped KV heads ({shapes}): compared as {n} heads, repeats collapsed"
+    big = "A" if sa[0] > sb[0] else "B"
+    return False, (
+        f"grouped KV heads ({shapes}): {big}'s heads are not exact copies of "
+        f"{min(sa[0], sb[0])} heads repeated; a difference"
+    )
 
 
 def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
@@ -348,6 +398,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             layout=bool(d.get("layout", False)),
             step=int(d.get("step") or 0),
             cache=bool(d.get("cache", False)),
+            kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(
@@ -594,7 +645,7 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
 
 
 __all__ = [
-    "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex",
+    "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex", "judge_heads",
     "same_scheme", "dump_files", "FORMAT", "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS",
     "root_label", "is_layout_slot",
 ]  # fmt: skip
