@@ -1,7 +1,7 @@
 """Reports: run the notebook collection on a study and write a report to share.
 
 Inside a notebook, ``from dmlib import report`` gives the helpers of
-:mod:`dmlib.report.notebook` (:func:`save_figure`, :func:`record`, :func:`finding`,
+:mod:`dmlib.report.notebook` (:func:`setup`, :func:`save_figure`, :func:`record`, :func:`finding`,
 :func:`skip`, :func:`say`, :func:`load_study`, and :func:`md_code` / :func:`md_text`
 for names from the data in Markdown). The rest of the package:
 :mod:`~dmlib.report.study` (the ``study.toml`` format), :mod:`~dmlib.report.runner`
@@ -25,6 +25,7 @@ from dmlib.report.notebook import (
     record,
     save_figure,
     say,
+    setup,
     skip,
 )
 
@@ -42,5 +43,6 @@ __all__ = [
     "record",
     "save_figure",
     "say",
+    "setup",
     "skip",
 ]

@@ -5,7 +5,7 @@ one configured folder, and shown inline where the notebook makes it); every numb
 prose quotes goes through :func:`record` (a JSON file per notebook), so tests can check
 the figures' numbers against dmlib directly. :func:`finding` states the notebook's
 one-line result (shown in the report's index), :func:`skip` a section the study has no
-data for, :func:`say` computed prose.
+data for, :func:`say` computed prose; :func:`setup` is a notebook's first call.
 
 :func:`finding` and :func:`say` take Markdown: a name or label from the data goes into
 it through :func:`md_code` (a code span it cannot break out of) or :func:`md_text`
@@ -43,6 +43,7 @@ __all__ = [
     "record",
     "save_figure",
     "say",
+    "setup",
     "skip",
 ]
 
@@ -198,6 +199,21 @@ def say(*lines: str) -> None:
     flat = [" ".join(str(ln).split()) for ln in lines]
     text = flat[0] if len(flat) == 1 else "\n".join(f"* {ln}" for ln in flat)
     _display_markdown(text)
+
+
+def setup(
+    study: str | os.PathLike[str],
+    figure_folder: str | os.PathLike[str],
+    notebook: str,
+) -> Any:
+    """A report notebook's first call: figures into ``figure_folder``, numbers recorded under
+    ``notebook``, pandas' display widened for the tables; returns the study ``study`` names."""
+    configure(figure_dir=figure_folder, notebook=notebook)
+    import pandas as pd
+
+    pd.set_option("display.width", 160)
+    pd.set_option("display.max_columns", 20)
+    return load_study(study)
 
 
 def load_study(path: str | os.PathLike[str]) -> Any:

@@ -19,7 +19,7 @@ import pandas as pd
 from dmlib.report.htmlsafe import md_code as _c
 from dmlib.report.htmlsafe import md_text as _t
 
-__all__ = ["captures", "columns", "fmt", "ladder", "matrix"]
+__all__ = ["anatomy", "captures", "columns", "fmt", "ladder", "matrix", "not_burnpack"]
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -442,3 +442,60 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
             "No repeat capture is declared for the first comparison ([captures.repeats]): a difference cannot be told from run-to-run noise."
         )
     return finding, lines
+
+
+NO_SAME_NAMES = "no two sources hold the same tensor names (declare such files in [anatomy])"
+
+
+def not_burnpack(name: str, file_format: str) -> str:
+    """Why a file gets no byte-layout map (plain text, for :func:`~dmlib.report.skip`)."""
+    return (
+        f"{name} is a {file_format} file: the byte-layout map and padding census read "
+        "burnpack files"
+    )
+
+
+def anatomy(
+    slots: Mapping[str, Sequence[Mapping[str, Any]]],
+    facts: Sequence[Mapping[str, Any]],
+    n_files: int,
+) -> tuple[str, list[str]]:
+    """Checkpoint anatomy: slot counts per burnpack file (``padding_census`` slots records by
+    file) and pairs of sources holding the same tensor names (``facts``: ``a``, ``b``,
+    ``tensors``, ``identical_tensors``, ``file_sha256_equal``), of ``n_files`` files listed."""
+    lines = [_slots_line(name, recs) for name, recs in slots.items()]
+    lines += [_same_names_line(f) for f in facts]
+    n_dirty = sum(1 for recs in slots.values() if any(r["padding_nonzero_slots"] for r in recs))
+    finding = (
+        f"{len(slots)} burnpack file(s) mapped; {n_dirty} with non-zero padding"
+        if slots
+        else f"{n_files} file(s) listed, none burnpack"
+    )
+    if facts:
+        n = sum(f["identical_tensors"] and not f["file_sha256_equal"] for f in facts)
+        finding += f"; {n} pair(s) hold identical tensors in different files"
+    return finding + ".", lines
+
+
+def _slots_line(name: str, recs: Sequence[Mapping[str, Any]]) -> str:
+    pad = sum(r["padding_slots"] for r in recs)
+    nz = sum(r["padding_nonzero_slots"] for r in recs)
+    head = (
+        f"{_c(name)}: {sum(r['named_slots'] for r in recs):,} named slots and {pad:,} padding "
+        f"slots over {len(recs)} record(s); "
+    )
+    if not nz:
+        return head + "the padding is all zero bytes."
+    return head + (
+        f"{nz:,} padding slots hold non-zero bytes ({sum(r['nan'] for r in recs)} NaN, "
+        f"{sum(r['huge'] for r in recs)} |v| >= 1e30): a flat read counts them as parameters."
+    )
+
+
+def _same_names_line(f: Mapping[str, Any]) -> str:
+    text = f"{_c(f['a'])} and {_c(f['b'])}: {f['tensors']} tensors, "
+    if not f["identical_tensors"]:
+        return text + "not identical."
+    if f["file_sha256_equal"]:
+        return text + "bit-identical, and the files are byte-identical."
+    return text + "bit-identical, yet the files differ: compare named tensors, never file hashes."

@@ -1,0 +1,80 @@
+"""Sentences of report.prose written out by hand, and the notebooks' setup call."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from dmlib import report
+from dmlib.report import prose
+
+
+def _rec(named, pad, nonzero=0, nan=0, huge=0):
+    return {
+        "named_slots": named,
+        "padding_slots": pad,
+        "padding_nonzero_slots": nonzero,
+        "nan": nan,
+        "huge": huge,
+    }
+
+
+def test_anatomy_sentences_for_clean_and_dirty_padding() -> None:
+    slots = {
+        "a.bpk": [_rec(1000, 12)],
+        "b.bpk": [_rec(600, 3, nonzero=2, nan=1, huge=0), _rec(400, 5, nonzero=1, huge=1)],
+    }
+    facts = [
+        {"a": "a.bpk", "b": "b.bpk", "tensors": 7, "identical_tensors": True,
+         "file_sha256_equal": False},
+        {"a": "a.bpk", "b": "c.bpk", "tensors": 7, "identical_tensors": True,
+         "file_sha256_equal": True},
+        {"a": "b.bpk", "b": "c.bpk", "tensors": 7, "identical_tensors": False,
+         "file_sha256_equal": False},
+    ]  # fmt: skip
+    finding, lines = prose.anatomy(slots, facts, n_files=3)
+    assert finding == (
+        "2 burnpack file(s) mapped; 1 with non-zero padding; "
+        "1 pair(s) hold identical tensors in different files."
+    )
+    assert lines == [
+        "`a.bpk`: 1,000 named slots and 12 padding slots over 1 record(s); "
+        "the padding is all zero bytes.",
+        "`b.bpk`: 1,000 named slots and 8 padding slots over 2 record(s); 3 padding slots "
+        "hold non-zero bytes (1 NaN, 1 |v| >= 1e30): a flat read counts them as parameters.",
+        "`a.bpk` and `b.bpk`: 7 tensors, bit-identical, yet the files differ: compare named "
+        "tensors, never file hashes.",
+        "`a.bpk` and `c.bpk`: 7 tensors, bit-identical, and the files are byte-identical.",
+        "`b.bpk` and `c.bpk`: 7 tensors, not identical.",
+    ]
+
+
+def test_anatomy_without_burnpack_files_or_pairs() -> None:
+    assert prose.anatomy({}, [], n_files=2) == ("2 file(s) listed, none burnpack.", [])
+
+
+def test_anatomy_names_cannot_carry_markup() -> None:
+    _, lines = prose.anatomy({"x`<b>": [_rec(1, 0)]}, [], n_files=1)
+    # a code span whose fence is longer than the backtick run inside: the name stays literal
+    assert lines[0].startswith("``x`<b>``: 1 named slots")
+
+
+def test_not_burnpack_names_the_file_and_its_format() -> None:
+    assert prose.not_burnpack("w.npz", "npz") == (
+        "w.npz is a npz file: the byte-layout map and padding census read burnpack files"
+    )
+
+
+def test_setup_configures_the_folder_and_name_and_loads_the_study(tmp_path, monkeypatch) -> None:
+    ckpt = tmp_path / "a.npz"
+    import numpy as np
+
+    np.savez(ckpt, w=np.zeros(2, np.float32))
+    (tmp_path / "study.toml").write_text('title = "t"\n[runs]\na = "a.npz"\n')
+    monkeypatch.setattr(report.notebook, "_config", {"figure_dir": None, "notebook": None})
+    with pd.option_context("display.width", 80, "display.max_columns", 5):
+        study = report.setup(tmp_path / "study.toml", tmp_path / "figs", "nb_x")
+        assert pd.get_option("display.width") == 160
+        assert pd.get_option("display.max_columns") == 20
+    assert study.title == "t" and list(study.runs) == ["a"]
+    assert report.figure_dir() == tmp_path / "figs"
+    assert report.numbers_path() == tmp_path / "numbers" / "nb_x.json"
