@@ -78,3 +78,28 @@ def test_setup_configures_the_folder_and_name_and_loads_the_study(tmp_path, monk
     assert study.title == "t" and list(study.runs) == ["a"]
     assert report.figure_dir() == tmp_path / "figs"
     assert report.numbers_path() == tmp_path / "numbers" / "nb_x.json"
+
+
+def _study(tmp_path, labels, control=None):
+    import numpy as np
+
+    for k in labels:
+        np.savez(tmp_path / f"{k}.npz", w=np.zeros(2, np.float32))
+    runs = "".join(f'{k} = "{k}.npz"\n' for k in labels)
+    head = f'title = "t"\ncontrol = "{control}"\n' if control else 'title = "t"\n'
+    (tmp_path / "study.toml").write_text(head + "[runs]\n" + runs)
+    return report.load_study(tmp_path / "study.toml")
+
+
+def test_runs_at_last_step_puts_the_control_last_and_small_keeps_three(tmp_path) -> None:
+    study = _study(tmp_path, ["ctl", "a", "b", "c", "d"], control="ctl")
+    labels, files, _ = report.runs_at_last_step(study)
+    assert labels == ["a", "b", "c", "d", "ctl"]
+    assert {k: p.name for k, p in files.items()} == {k: f"{k}.npz" for k in labels}
+    labels, files, _ = report.runs_at_last_step(study, small=True)
+    assert labels == ["a", "b", "c", "ctl"] and list(files) == labels
+
+
+def test_runs_at_last_step_without_a_control(tmp_path) -> None:
+    study = _study(tmp_path, ["a", "b", "c", "d"])
+    assert report.runs_at_last_step(study, small=True)[0] == ["a", "b", "c"]

@@ -41,6 +41,7 @@ __all__ = [
     "notebook_name",
     "numbers_path",
     "record",
+    "runs_at_last_step",
     "save_figure",
     "say",
     "setup",
@@ -214,6 +215,22 @@ def setup(
     pd.set_option("display.width", 160)
     pd.set_option("display.max_columns", 20)
     return load_study(study)
+
+
+def runs_at_last_step(study: Any, small: bool = False) -> tuple[list[str], dict[str, Path], str]:
+    """The runs a matrix notebook compares: ``(labels, files, when)``.
+
+    ``labels`` are the study's runs besides the control (the first three when ``small``),
+    then the control if one is declared; ``files`` and ``when`` are
+    :meth:`~dmlib.report.study.Study.at_last_step` of those runs.
+    """
+    control = study.control
+    labels = [k for k in study.runs if k != control]
+    if small:  # a quick run: three runs and the control
+        labels = labels[:3]
+    labels += [control] if control else []
+    files, when = study.at_last_step(labels)
+    return labels, files, when
 
 
 def load_study(path: str | os.PathLike[str]) -> Any:
