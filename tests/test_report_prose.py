@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from dmlib import report
 from dmlib.report import prose
@@ -103,3 +104,42 @@ def test_runs_at_last_step_puts_the_control_last_and_small_keeps_three(tmp_path)
 def test_runs_at_last_step_without_a_control(tmp_path) -> None:
     study = _study(tmp_path, ["a", "b", "c", "d"])
     assert report.runs_at_last_step(study, small=True)[0] == ["a", "b", "c"]
+
+
+def _toy_study(tmp_path):
+    """Captures of the toy model alone (twice), packed (twice): a study file naming them."""
+    pytest.importorskip("torch")
+    from _support.toymodel import Toy, run_capture
+
+    for name, kind in (("alone", "alone"), ("alone_r", "alone"), ("packed", "packed"),
+                       ("packed_r", "packed"), ("other", "packed")):  # fmt: skip
+        run_capture(Toy(), tmp_path / name, kind, modules="*")
+    (tmp_path / "study.toml").write_text(
+        'title = "toy"\n[captures]\nrequest = "r"\nreference = "alone"\n'
+        '[captures.folders]\nalone = "alone"\npacked = "packed"\nother = "other"\n'
+        '[captures.repeats]\nalone = "alone_r"\npacked = "packed_r"\n'
+    )
+    return report.load_study(tmp_path / "study.toml")
+
+
+def test_compare_study_captures_passes_each_comparison_its_controls(tmp_path) -> None:
+    import dmlib
+
+    study = _toy_study(tmp_path)
+    got = report.compare_study_captures(study)
+    assert list(got) == ["alone vs packed", "alone vs other", "alone vs its repeat"]
+    d = tmp_path
+    want = {
+        "alone vs packed": dmlib.compare_captures(
+            d / "alone", d / "packed", request="r", repeat=(d / "alone_r", d / "packed_r")
+        ),
+        "alone vs other": dmlib.compare_captures(
+            d / "alone", d / "other", request="r", repeat=(d / "alone_r",)
+        ),
+        "alone vs its repeat": dmlib.compare_captures(d / "alone", d / "alone_r", request="r"),
+    }
+    for label, df in want.items():
+        pd.testing.assert_frame_equal(got[label], df)
+        assert got[label].attrs["repeat_control"] == df.attrs["repeat_control"]
+    assert got["alone vs packed"].attrs["repeat_control"] is not None
+    assert got["alone vs its repeat"].attrs["repeat_control"] is None

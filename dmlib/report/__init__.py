@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dmlib.report.notebook import (
     DEFAULT_FIGURE_DIR,
+    compare_study_captures,
     configure,
     figure_dir,
     finding,
@@ -32,6 +33,7 @@ from dmlib.report.notebook import (
 
 __all__ = [
     "DEFAULT_FIGURE_DIR",
+    "compare_study_captures",
     "configure",
     "figure_dir",
     "finding",

@@ -31,6 +31,7 @@ from dmlib.report.htmlsafe import md_code, md_text
 
 __all__ = [
     "DEFAULT_FIGURE_DIR",
+    "compare_study_captures",
     "configure",
     "figure_dir",
     "finding",
@@ -231,6 +232,37 @@ def runs_at_last_step(study: Any, small: bool = False) -> tuple[list[str], dict[
     labels += [control] if control else []
     files, when = study.at_last_step(labels)
     return labels, files, when
+
+
+def compare_study_captures(study: Any) -> dict[str, Any]:
+    """Each capture of ``study`` compared with the reference capture, and the reference
+    with its own repeat: ``{"REF vs LABEL": dmlib.compare_captures frame}``, reference
+    comparisons first.
+
+    A comparison gets the repeat control when the reference has a repeat (with the other
+    capture's repeat as well when it has one), and the study's negative control.
+    """
+    from dmlib.localize.boundaries import compare_captures
+
+    cap = study.captures
+    ref = cap.reference
+    results = {}
+    for k in (k for k in cap.folders if k != ref):
+        reps = (
+            tuple(cap.repeats[x] for x in (ref, k) if x in cap.repeats)
+            if ref in cap.repeats
+            else None
+        )
+        results[f"{ref} vs {k}"] = compare_captures(
+            cap.folders[ref], cap.folders[k], request=cap.request, repeat=reps or None,
+            negative=cap.negative,
+        )  # fmt: skip
+    for k, folder in cap.repeats.items():
+        if k == ref:
+            results[f"{ref} vs its repeat"] = compare_captures(
+                cap.folders[ref], folder, request=cap.request
+            )
+    return results
 
 
 def load_study(path: str | os.PathLike[str]) -> Any:
