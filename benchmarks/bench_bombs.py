@@ -4,7 +4,7 @@
 without the bounds), its module source taken with ``git show`` into a temporary folder and
 imported next to today's dmlib; "after" is the same harness with this checkout's reader
 (``dmlib.io.<module>``), so both pay the same start-up. Each is one child process measured from fork to exit with its peak RSS from ``wait4``
-(benchmarks/_proc.py). The bombs are built by tests/_bombs.py (honest sizes and CRCs):
+(benchmarks/_proc.py). The bombs are built by tests/_support/bombs.py (honest sizes and CRCs):
 
 - ``npz``: two members of ``--npz-mib`` MiB of zeros each (about 600 KB at the default):
   the old reader inflated every member at open;
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "bombs.json"
 sys.path.insert(0, str(ROOT / "tests"))
-import _bombs  # noqa: E402
+from _support import bombs as _bombs  # noqa: E402
 
 # open a file with one reader module (the baseline's, or today's) and load every tensor
 _OLD = """

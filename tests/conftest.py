@@ -30,14 +30,14 @@ def burnpack_fixtures() -> Path:
 
 @pytest.fixture(scope="session")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Real ``transformers.Trainer`` runs and an Accelerate state (tests/_hf_train.py),
+    """Real ``transformers.Trainer`` runs and an Accelerate state (tests/_support/hf_train.py),
     trained once per session in a subprocess; skips without transformers/accelerate."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     root = tmp_path_factory.mktemp("hf")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "_hf_train.py"), str(root)],
+        [sys.executable, str(REPO / "tests" / "_support" / "hf_train.py"), str(root)],
         capture_output=True,
         text=True,
         env=env,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_errors import CAPTURE_COMMANDS, CKPT_ARGV, subcommands
+from _support.cli_argv import CAPTURE_COMMANDS, CKPT_ARGV, subcommands
 
 import dmlib.io
 import dmlib.io.numpy_

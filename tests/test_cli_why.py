@@ -10,7 +10,7 @@ import pytest
 from dmlib.cli import main
 
 torch = pytest.importorskip("torch")
-from opsmodel import Net, layout  # noqa: E402
+from _support.opsmodel import Net, layout  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.io.safetensors import write_safetensors  # noqa: E402

@@ -37,11 +37,13 @@ from pathlib import Path
 import cbor2
 import numpy as np
 import pytest
+from _support import cli_argv
+from _support.cli_argv import CAPTURE_COMMANDS, CKPT_ARGV, CKPT_ARGV_SECOND, subcommands
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dmlib
-from dmlib.cli import build_parser, main
+from dmlib.cli import main
 from dmlib.errors import (
     DmlibError,
     FormatError,
@@ -995,14 +997,6 @@ def test_safetensors_offsets_shifted_are_refused(tmp_path: Path, shift: int) -> 
 # The command line
 
 
-def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
 def _good_tensors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {
@@ -1036,66 +1030,13 @@ def good_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _step2(good: str) -> str:
-    return good.replace("good.bpk", "good-step2.bpk")
-
-
-# subcommand -> argv with the bad input BAD in first position (and GOOD where another
-# input is needed); subcommands not listed get their positionals filled with BAD, GOOD
-CKPT_ARGV: dict[str, Callable[[str, str], list[str]]] = {
-    "inspect": lambda bad, good: [bad],
-    "compare": lambda bad, good: [bad, good],
-    "matrix": lambda bad, good: [f"a={bad}", f"b={good}"],
-    "factors": lambda bad, good: [bad, good, "--group", "svd:{prefix}.u,{prefix}.s,{prefix}.v"],
-    "firstcol": lambda bad, good: [f"a={bad}", f"b={good}"],
-    "ladder": lambda bad, good: [
-        f"r:1={bad}",
-        f"r:2={_step2(good)}",
-        f"s:1={good}",
-        f"s:2={_step2(good)}",
-    ],
-    "gapcheck": lambda bad, good: [f"a={bad}", f"b={good}"],
-    "repeats": lambda bad, good: [f"a={bad},{good}"],
-    "report": lambda bad, good: [
-        "--run",
-        f"a={bad}",
-        "--run",
-        f"b={good}",
-        "--out",
-        str(Path(good).parent / "report"),
-    ],
-    "map": lambda bad, good: ["suggest", bad, good, "--out", str(Path(good).parent / "m.toml")],
-    "study": lambda bad, good: [
-        "init",
-        "--run",
-        f"a={bad}",
-        "--run",
-        f"b={good}",
-        "--out",
-        str(Path(good).parent / "s.toml"),
-    ],
-}
-# the same with the bad input second, where the command takes two or more inputs
-CKPT_ARGV_SECOND: dict[str, Callable[[str, str], list[str]]] = {
-    "compare": lambda bad, good: [good, bad],
-    "matrix": lambda bad, good: [f"a={good}", f"b={bad}"],
-    "factors": lambda bad, good: [good, bad, "--group", "svd:{prefix}.u,{prefix}.s,{prefix}.v"],
-    "firstcol": lambda bad, good: [f"a={good}", f"b={bad}"],
-    "ladder": lambda bad, good: [f"r:1={good}", f"r:2={_step2(good)}", f"s:1={good}", f"s:2={bad}"],
-    "gapcheck": lambda bad, good: [f"a={good}", f"b={bad}"],
-    "repeats": lambda bad, good: [f"a={good},{bad}"],
-    "map": lambda bad, good: ["suggest", good, bad, "--out", str(Path(good).parent / "m.toml")],
-}
-CAPTURE_COMMANDS = {"localize", "arbitrate"}  # inputs are capture directories
-
-
 def _generic_argv(sub: argparse.ArgumentParser, bad: str, good: str) -> list[str]:
     argv: list[str] = []
     for a in sub._actions:
         if a.option_strings:
             if a.required:
                 pytest.fail(
-                    f"subcommand needs option {a.option_strings}: add it to CKPT_ARGV in {__file__}"
+                    f"subcommand needs option {a.option_strings}: add it to CKPT_ARGV in {cli_argv.__file__}"
                 )
             continue
         argv += [bad] if not argv else [good]

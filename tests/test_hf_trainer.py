@@ -1,6 +1,6 @@
 """Hugging Face training folders read by dmlib, checked against the files' own readers.
 
-The runs are real ``transformers.Trainer`` trainings of a tiny Llama (tests/_hf_train.py),
+The runs are real ``transformers.Trainer`` trainings of a tiny Llama (tests/_support/hf_train.py),
 made once per session in a subprocess. Every expected value comes from safetensors.numpy,
 torch.load, json or the Trainer's own grouping, never from dmlib.
 """

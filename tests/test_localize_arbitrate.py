@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-import opsmodel  # noqa: E402
-from opsmodel import Net, layout  # noqa: E402
+from _support import opsmodel  # noqa: E402
+from _support.opsmodel import Net, layout  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as tf  # noqa: E402
 

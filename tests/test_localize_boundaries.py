@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_localize_toy import NUDGE, F, Toy, run_capture  # noqa: E402
+from _support.toymodel import NUDGE, F, Toy, run_capture  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.errors import CaptureError  # noqa: E402

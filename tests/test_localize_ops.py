@@ -1,4 +1,4 @@
-"""Op-level capture and comparison, checked against the plants of tests/opsmodel.py."""
+"""Op-level capture and comparison, checked against the plants of tests/_support/opsmodel.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from blake3 import blake3
 
 torch = pytest.importorskip("torch")
-import opsmodel  # noqa: E402
-from opsmodel import LENGTHS, F, Net, S, layout  # noqa: E402
+from _support import opsmodel  # noqa: E402
+from _support.opsmodel import LENGTHS, F, Net, S, layout  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402

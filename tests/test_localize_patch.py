@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opsmodel import Net, layout  # noqa: E402
+from _support.opsmodel import Net, layout  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.errors import CaptureError  # noqa: E402

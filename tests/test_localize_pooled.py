@@ -1,6 +1,6 @@
 """Localising through per-sequence boundaries (pooled outputs, a classifier head).
 
-A tiny transformer classifier (tests/_tinynet.py) runs one request alone and packed as
+A tiny transformer classifier (tests/_support/tinynet.py) runs one request alone and packed as
 one batch row among four. Its only batch-dependent op is planted in the head, so the
 ground truth is known; an independent oracle (plain forward hooks, comparing the
 request's rows with torch.equal) confirms it on every run.
@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import _tinynet as tn  # noqa: E402
+import _support.tinynet as tn  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.cli import main  # noqa: E402

@@ -12,7 +12,7 @@ from dmlib.mapping.spec import load_mapping
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-import test_mapping as tm  # noqa: E402
+import _support.mapmodels as tm  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 

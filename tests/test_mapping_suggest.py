@@ -17,7 +17,7 @@ from dmlib.stats.compare import summarize
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import test_mapping as tm  # noqa: E402
+import _support.mapmodels as tm  # noqa: E402
 
 
 def per_target(mapping, names_a, names_b) -> dict[str, tuple[tuple[str, ...], str]]:

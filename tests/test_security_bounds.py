@@ -1,6 +1,6 @@
 """Bounded work for any input: small files that declare gigabytes are refused, exit 2, one line.
 
-Each bomb is built here (tests/_bombs.py: deflate streams of zeros, honest sizes and CRCs
+Each bomb is built here (tests/_support/bombs.py: deflate streams of zeros, honest sizes and CRCs
 checked by zipfile/gzip in ``test_the_bomb_builders_write_what_they_declare``) and opened by
 ``dmlib inspect`` in a child process; the child's peak resident memory (its own high-water
 mark, ``VmHWM``, or ``getrusage`` where /proc is absent) must stay far below what the bomb
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bombs  # noqa: E402
+from _support import bombs as _bombs  # noqa: E402
 
 from dmlib import _limits  # noqa: E402
 from dmlib.errors import DmlibError, FormatError  # noqa: E402

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import _tinynet as tn  # noqa: E402
+import _support.tinynet as tn  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.cli import main  # noqa: E402

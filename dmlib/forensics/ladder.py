@@ -24,7 +24,7 @@ from dmlib.forensics.factors import FactorGroup, as_groups, layers_of
 from dmlib.sources import Patterns, Source, name_filter, open_source
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
-__all__ = ["check_steps", "growth_rates", "ladder_summary", "step_ladder"]
+__all__ = ["check_steps", "growth_rates", "ladder_summary", "small_norm", "step_ladder"]
 
 Ladder = Mapping[str, Mapping[Any, Source]]
 StepKey = str | Callable[[TensorSet], Any] | None
@@ -710,3 +710,19 @@ def ladder_summary(df: pd.DataFrame, *, top: int = 3) -> pd.DataFrame:
     )
     out["first_diff_step"] = out["first_diff_step"].astype("Int64")
     return out
+
+
+def small_norm(df: pd.DataFrame, below: float) -> tuple[list[str], int]:
+    """The parameters of a :func:`step_ladder` frame whose Frobenius norm in the reference
+    run at the first step compared is below ``below``: ``(sorted names, that step)``.
+
+    A parameter whose norm is not recorded (NaN) is not counted as small.
+    """
+    for col in ("step", "name", "norm"):
+        if col not in df.columns:
+            raise DmlibError(f"small_norm needs a step_ladder frame: no column {col!r}")
+    if not len(df):
+        raise DmlibError("small_norm: the step_ladder frame is empty")
+    first_step = int(df["step"].min())
+    ref_norm = df[df["step"].eq(first_step)].groupby("name")["norm"].first()
+    return sorted(ref_norm[ref_norm < below].index), first_step

@@ -63,14 +63,6 @@ def op_findings(
     """
     import torch
 
-    from dmlib.lab.manifest import describe_machine, environment
-    from dmlib.lab.minilm import load_minilm, tokenize
-    from dmlib.localize.arbitrate import arbitrate
-    from dmlib.localize.boundaries import compare_captures
-    from dmlib.localize.capture import capture
-    from dmlib.localize.captures import open_capture
-    from dmlib.localize.patch import patch_test
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     tmp = None
@@ -79,63 +71,98 @@ def op_findings(
         out_dir = tmp.name
     root = Path(out_dir)
     try:
+        from dmlib.lab.minilm import load_minilm
+        from dmlib.localize.boundaries import compare_captures
+
         model = load_minilm()
-        layouts = packed._layouts(small=True)
-        runs: dict[str, Any] = {}
-        for name in ("alone", "packed"):
-            texts, probe, pad_to = layouts[name]
-            batch = tokenize(texts, pad_to=pad_to)
-            rows = packed.row_map(batch["attention_mask"], probe)
-            with torch.no_grad(), capture(model, root / name, modules="*", ops=True,
-                                          op_modules=op_modules, row_map=rows,
-                                          block_rows=packed.BLOCK_ROWS, overwrite=True,
-                                          dump=dump):  # fmt: skip
-                model(**batch)
-            runs[name] = (batch, rows)
+        runs = _capture_layouts(model, root, op_modules, dump)
         df = compare_captures(root / "alone", root / "packed", request=packed.REQUEST)
-        at = df.attrs
-        batch, rows = runs["packed"]
-
-        def run() -> Any:
-            with torch.no_grad():
-                return model(**batch)
-
-        out: dict[str, Any] = {
-            "machine": describe_machine(environment()),
-            "torch": torch.__version__,
-            "threads": threads,
-            "op_modules": op_modules,
-            "first_divergent_boundary": at["first_divergent_boundary"],
-            "first_divergent_op": at["first_divergent_op"],
-            "culprit_op": at["culprit_op"],
-            "culprit_module": None if at["culprit_op"] is None else at["culprit_op"].split("/")[0],
-            "op_alignment": at["op_alignment"],
-            "patch": None,
-            "patch_every_layer": None,
-            "patch_control": None,
-            "arbitration": None,
-        }
-        op = at["culprit_op"]
-        if op is None:
-            return out
-        out["patch"] = _patch(patch_test, model, root, op, rows, run)
-        every = _in_every_layer(op, open_capture(root / "alone"))
-        if len(every) > 1:
-            out["patch_every_layer"] = _patch(patch_test, model, root, every, rows, run)
-        control = _last_matching_op_before(df, op, open_capture(root / "alone"))
-        if control is not None:
-            out["patch_control"] = _patch(patch_test, model, root, control, rows, run)
-        arb = arbitrate(root / "alone", root / "packed", op, request=packed.REQUEST)
-        out["arbitration"] = {
-            "verdict": arb.verdict,
-            "reason": arb.reason,
-            "rows": arb.table.to_dict(orient="records"),
-        }
+        out = _boundary_findings(df.attrs, threads, op_modules)
+        if out["culprit_op"] is not None:
+            _culprit_tests(out, df, model, root, *runs["packed"])
         return out
     finally:
         torch.set_num_threads(previous)
         if tmp is not None:
             tmp.cleanup()
+
+
+def _capture_layouts(
+    model: Any, root: Path, op_modules: str, dump: str
+) -> dict[str, tuple[Any, Any]]:
+    """Capture the probe alone and packed into ``root/alone`` and ``root/packed``;
+    ``{layout: (batch, row_map)}``."""
+    import torch
+
+    from dmlib.lab.minilm import tokenize
+    from dmlib.localize.capture import capture
+
+    layouts = packed._layouts(small=True)
+    runs: dict[str, Any] = {}
+    for name in ("alone", "packed"):
+        texts, probe, pad_to = layouts[name]
+        batch = tokenize(texts, pad_to=pad_to)
+        rows = packed.row_map(batch["attention_mask"], probe)
+        with torch.no_grad(), capture(model, root / name, modules="*", ops=True,
+                                      op_modules=op_modules, row_map=rows,
+                                      block_rows=packed.BLOCK_ROWS, overwrite=True,
+                                      dump=dump):  # fmt: skip
+            model(**batch)
+        runs[name] = (batch, rows)
+    return runs
+
+
+def _boundary_findings(at: dict[str, Any], threads: int, op_modules: str) -> dict[str, Any]:
+    """The result's machine and what the capture comparison shows; the tests left empty."""
+    import torch
+
+    from dmlib.lab.manifest import describe_machine, environment
+
+    return {
+        "machine": describe_machine(environment()),
+        "torch": torch.__version__,
+        "threads": threads,
+        "op_modules": op_modules,
+        "first_divergent_boundary": at["first_divergent_boundary"],
+        "first_divergent_op": at["first_divergent_op"],
+        "culprit_op": at["culprit_op"],
+        "culprit_module": None if at["culprit_op"] is None else at["culprit_op"].split("/")[0],
+        "op_alignment": at["op_alignment"],
+        "patch": None,
+        "patch_every_layer": None,
+        "patch_control": None,
+        "arbitration": None,
+    }
+
+
+def _culprit_tests(
+    out: dict[str, Any], df: Any, model: Any, root: Path, batch: Any, rows: Any
+) -> None:
+    """Fill ``out``'s patch tests (culprit op, in every layer, control) and arbitration."""
+    import torch
+
+    from dmlib.localize.arbitrate import arbitrate
+    from dmlib.localize.captures import open_capture
+    from dmlib.localize.patch import patch_test
+
+    def run() -> Any:
+        with torch.no_grad():
+            return model(**batch)
+
+    op = out["culprit_op"]
+    out["patch"] = _patch(patch_test, model, root, op, rows, run)
+    every = _in_every_layer(op, open_capture(root / "alone"))
+    if len(every) > 1:
+        out["patch_every_layer"] = _patch(patch_test, model, root, every, rows, run)
+    control = _last_matching_op_before(df, op, open_capture(root / "alone"))
+    if control is not None:
+        out["patch_control"] = _patch(patch_test, model, root, control, rows, run)
+    arb = arbitrate(root / "alone", root / "packed", op, request=packed.REQUEST)
+    out["arbitration"] = {
+        "verdict": arb.verdict,
+        "reason": arb.reason,
+        "rows": arb.table.to_dict(orient="records"),
+    }
 
 
 def _in_every_layer(op: str, source: Any) -> list[str]:

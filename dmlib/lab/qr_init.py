@@ -246,6 +246,31 @@ def generate(
     for old in [*ds.glob("*.bpk"), ds / "index.json", ds / "README.md"]:  # a previous run's files
         old.unlink(missing_ok=True)
     labels = [f"p{i}" for i in range(1, 4 if small else 7)]
+    reports = _run_processes(ds, labels, small, tuning)
+    runs = {lab: r["file"] for lab, r in reports.items() if r.get("file")}
+    data = {lab: load(ds / f) for lab, f in runs.items()}
+    index = _index(runs, reports, _pairs(data, labels, small))
+    _atomic.atomic_write_text(ds / "index.json", json.dumps(index, indent=1) + "\n")
+    _atomic.atomic_write_text(ds / "README.md", _readme(index, small))
+    files = sorted(f.name for f in ds.iterdir() if f.is_file() and not f.name.startswith("."))
+    return {
+        "name": DATASET,
+        "description": (
+            "Smoke-test copy (three same-seed processes, two blocks). " if small else ""
+        )
+        + DESCRIPTION,
+        "command": "python -m dmlib.lab qr_init --out data" + (" --small" if small else ""),
+        "files": [f"{DATASET}/{f}" for f in files],
+    }
+
+
+def _run_processes(
+    ds: Path,
+    labels: list[str],
+    small: bool,
+    tuning: Mapping[str, Mapping[str, Any]] | None,
+) -> dict[str, dict[str, Any]]:
+    """Run each same-seed process, the control and the records process; label -> report."""
     jobs: list[tuple[str, int, str | None, list[str]]] = [
         (lab, SEED, f"seed{SEED}_{lab}.bpk", []) for lab in labels
     ]
@@ -259,17 +284,27 @@ def generate(
         spec = (tuning or {}).get(label)
         env = {ENV_TUNE: json.dumps(dict(spec)) if spec else ""}
         reports[label] = _proc.run_worker("dmlib.lab.qr_init", args, env=env)
-    runs = {lab: r["file"] for lab, r in reports.items() if r.get("file")}
-    data = {lab: load(ds / f) for lab, f in runs.items()}
+    return reports
+
+
+def _pairs(data: Mapping[str, Any], labels: list[str], small: bool) -> dict[str, Any]:
+    """Every same-seed pair's summary, then p1 against the control."""
     n_blocks = model_shapes(small)["n_blocks"]
     pairs = {}
-    same = labels
-    for i, x in enumerate(same):
-        for y in same[i + 1 :]:
+    for i, x in enumerate(labels):
+        for y in labels[i + 1 :]:
             pairs[f"{x}/{y}"] = _pair_summary(data[x], data[y], n_blocks)
     control = f"seed{CONTROL_SEED}"
     pairs[f"p1/{control}"] = _pair_summary(data["p1"], data[control], n_blocks)
-    index = {
+    return pairs
+
+
+def _index(
+    runs: dict[str, str], reports: Mapping[str, Mapping[str, Any]], pairs: dict[str, Any]
+) -> dict[str, Any]:
+    """The dataset's ``index.json``."""
+    control = f"seed{CONTROL_SEED}"
+    return {
         "runs": runs,
         "control": control,
         "control_file": runs[control],
@@ -290,18 +325,6 @@ def generate(
         "strategies": {lab: r["strategy"] for lab, r in reports.items()},
         "pids": {lab: r["pid"] for lab, r in reports.items()},
         "pairs": pairs,
-    }
-    _atomic.atomic_write_text(ds / "index.json", json.dumps(index, indent=1) + "\n")
-    _atomic.atomic_write_text(ds / "README.md", _readme(index, small))
-    files = sorted(f.name for f in ds.iterdir() if f.is_file() and not f.name.startswith("."))
-    return {
-        "name": DATASET,
-        "description": (
-            "Smoke-test copy (three same-seed processes, two blocks). " if small else ""
-        )
-        + DESCRIPTION,
-        "command": "python -m dmlib.lab qr_init --out data" + (" --small" if small else ""),
-        "files": [f"{DATASET}/{f}" for f in files],
     }
 
 
@@ -336,27 +359,19 @@ def entry_summary(index: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _readme(index: dict[str, Any], small: bool) -> str:
+    """The dataset's README: the model, the mechanism and what the files hold."""
     d = model_shapes(small)["d"]
+    agree = WIN_PROB**2 + (1 - WIN_PROB) ** 2 / (len(CANDIDATES) - 1)
+    n_keys = len(key_columns(d, RANK))
+    return _readme_mechanism(d, small, agree, n_keys) + _readme_results(index, agree, n_keys)
+
+
+def _readme_mechanism(d: int, small: bool, agree: float, n_keys: int) -> str:
+    """The README up to the runs: the model and the per-process autotuner cache."""
     key_rows = "\n".join(
         f"| `{k}` | {c[0]}-{c[-1]} | {c[0] + (k.startswith('dot'))} |"
         for k, c in key_columns(d, RANK).items()
     )
-    rows = "\n".join(
-        f"| {lab} | {index['runs'].get(lab, index['records_file'])} | "
-        f"{' '.join(f'`{k}={v}`' for k, v in st['not_usual'].items()) or 'none'} | {st['source']} |"
-        for lab, st in index["strategies"].items()
-    )
-    prs = "\n".join(
-        f"| {k} | {v['direct_slots_differing']} / {v['direct_slots']} | {v['factor_slots_differing']} / "
-        f"{v['factor_slots']} | "
-        f"{min((c for c in v['first_divergent_column'].values() if c is not None), default='-')} | "
-        f"{sum(c is None for c in v['first_divergent_column'].values())} / {len(v['first_divergent_column'])} | "
-        f"{v['factor_max_abs_delta']:.3e} | {v['worst_rel_fro_W']:.3e} |"
-        for k, v in index["pairs"].items()
-    )
-    e = entry_summary(index)
-    agree = WIN_PROB**2 + (1 - WIN_PROB) ** 2 / (len(CANDIDATES) - 1)
-    n_keys = len(key_columns(d, RANK))
     return f"""# qr_init: one seed, several processes
 
 {DESCRIPTION}
@@ -404,7 +419,26 @@ alike with probability {WIN_PROB}^2 + {1 - WIN_PROB:.2f}^2/4 = {agree:.4f}, and 
 {agree:.4f}^i x {1 - agree:.4f}: the early columns are the likeliest entries, the last ones stay
 possible. Every number below is one draw of this dataset, not an average.
 
-## Runs and the kernels each process tuned
+"""
+
+
+def _readme_results(index: dict[str, Any], agree: float, n_keys: int) -> str:
+    """The README from the runs on: each process's kernels and the pairs' numbers."""
+    rows = "\n".join(
+        f"| {lab} | {index['runs'].get(lab, index['records_file'])} | "
+        f"{' '.join(f'`{k}={v}`' for k, v in st['not_usual'].items()) or 'none'} | {st['source']} |"
+        for lab, st in index["strategies"].items()
+    )
+    prs = "\n".join(
+        f"| {k} | {v['direct_slots_differing']} / {v['direct_slots']} | {v['factor_slots_differing']} / "
+        f"{v['factor_slots']} | "
+        f"{min((c for c in v['first_divergent_column'].values() if c is not None), default='-')} | "
+        f"{sum(c is None for c in v['first_divergent_column'].values())} / {len(v['first_divergent_column'])} | "
+        f"{v['factor_max_abs_delta']:.3e} | {v['worst_rel_fro_W']:.3e} |"
+        for k, v in index["pairs"].items()
+    )
+    e = entry_summary(index)
+    return f"""## Runs and the kernels each process tuned
 
 Keys not listed ran `{USUAL_WINNER}`; `index.json` (`strategies.*.cache`) and each file's
 metadata (`qr_autotune_cache`) hold the full cache, in first-use order. Replay one process with

@@ -477,15 +477,6 @@ class Capture:
                 path=self.path,
             ) from None
 
-    def block_hashes(self, boundary: str | Boundary, request: Any) -> list[str]:
-        b = self.boundary(boundary)
-        rh = b.requests.get(request_key(request))
-        if rh is None:
-            raise CaptureError(
-                f"boundary {b.name!r} has no rows of request {request!r}", path=self.path
-            )
-        return list(rh.blocks)
-
     def dumped(self, boundary: str | Boundary, request: Any = None) -> bool:
         """Whether :meth:`tensor` can return this boundary (for this request)."""
         b = self.boundary(boundary)

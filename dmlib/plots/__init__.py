@@ -12,7 +12,7 @@ from __future__ import annotations
 from dmlib.plots._base import LABELS, label
 from dmlib.plots.anatomy import layout_map, slot_counts
 from dmlib.plots.divergence import first_column_histogram, run_matrix_heatmap, ulp_histogram
-from dmlib.plots.growth import growth_rate_bars, step_growth
+from dmlib.plots.growth import growth_rate_bars, step_growth, step_growth_grid
 from dmlib.plots.localize import block_heatmap, boundary_profile
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "run_matrix_heatmap",
     "slot_counts",
     "step_growth",
+    "step_growth_grid",
     "ulp_histogram",
 ]

@@ -9,7 +9,7 @@ import pandas as pd
 
 from dmlib.plots._base import axes_or_current, floats, label, name_matcher, need, palette
 
-__all__ = ["growth_rate_bars", "step_growth"]
+__all__ = ["growth_rate_bars", "step_growth", "step_growth_grid"]
 
 
 def step_growth(
@@ -115,3 +115,45 @@ def growth_rate_bars(
     if hue:
         ax.legend(title=hue, fontsize="small")
     return ax
+
+
+def step_growth_grid(
+    df: pd.DataFrame,
+    reference: str,
+    *,
+    highlight: Any = None,
+    highlight_label: str = "highlighted",
+    ncols: int = 2,
+) -> Any:
+    """One :func:`step_growth` panel per ``pair`` of a step ladder, in a grid of ``ncols``
+    columns (shared y axis), each titled with its largest ``rel_fro`` and its step; the
+    legend is drawn once, below the panels. Returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+
+    need(df, ["pair", "step", "rel_fro"], "step_growth_grid")
+    pairs = list(dict.fromkeys(df["pair"]))
+    ncols = max(min(ncols, len(pairs)), 1)
+    nrows = max(-(-len(pairs) // ncols), 1)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(7 * ncols, 4.6 * nrows), sharey=True, squeeze=False
+    )
+    for ax, pair in zip(axes.flat, pairs):
+        sub = df[df["pair"].eq(pair)]
+        step_growth(sub, highlight=highlight, highlight_label=highlight_label, legend=False,
+                    ax=ax, title=f"{pair}: {_worst_note(sub)}")  # fmt: skip
+    for ax in axes.flat[len(pairs) :]:
+        ax.set_visible(False)
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="lower center", ncol=3, fontsize="small", frameon=False)
+    fig.suptitle(f"rel_fro of each saved parameter against {reference}, by step")
+    fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
+    return fig
+
+
+def _worst_note(sub: pd.DataFrame) -> str:
+    """A panel's note: where its largest rel_fro is, or that it is bit-identical throughout."""
+    if len(sub) and sub["rel_fro"].max() > 0:
+        worst = sub.loc[sub["rel_fro"].idxmax()]
+        return f"max {worst['rel_fro']:.2g} at step {int(worst['step'])}"
+    return "bit-identical at every step"

@@ -135,11 +135,7 @@ def build_report(
     paths = find_notebooks(notebooks, only)
     nbs = {p: read_notebook(p) for p in paths}
     skipped = {p: missing(nbs[p], study) for p in paths}
-    to_run = [p for p in paths if skipped[p] is None]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
-        outdir.clean_stale(out.parent, pattern)  # left by a killed run
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    stage = _new_stage(out)
     try:
         outdir.write_owner(stage)
         (stage / "study.toml").write_text(resolved_toml(study, out), encoding="utf-8")
@@ -155,54 +151,85 @@ def build_report(
             "SMALL": bool(small),
             **dict(params or {}),
         }
-        done = [0]
-
-        def progress(res: NotebookResult) -> None:
-            done[0] += 1
-            if log is not None:
-                print(f"[{done[0]}/{len(to_run)}] {res.describe()}", file=log, flush=True)
-
-        if log is not None:
-            for p in paths:
-                if skipped[p]:
-                    print(f"{p.stem}: skipped ({skipped[p]})", file=log, flush=True)
-            print(f"running {len(to_run)} notebooks on {study.title!r} ...", file=log, flush=True)
-        results = (
-            run_notebooks(to_run, stage, all_params, jobs=jobs, timeout=timeout, progress=progress)
-            if to_run
-            else []
-        )
-        by_path = dict(zip(to_run, results, strict=True))
-        ordered = [
-            by_path.get(p) or NotebookResult(name=p.stem, ok=True, seconds=0.0, skipped=skipped[p])
-            for p in paths
-        ]
+        ordered = _run_all(study, paths, skipped, stage, all_params, jobs, timeout, log)
         probe.join()
         prov = provenance.collect(study.input_files(), study.root, torch=torch_box.get("v"))
         _write_outputs(study, stage, out, ordered, prov)
-        (stage / outdir.OWNER).unlink()
-        outdir.write_marker(
-            stage,
-            "report",
-            {
-                "title": study.title,
-                "study": Path(study.path).name if study.path is not None else None,
-                "version": prov["versions"].get("dmlib"),
-            },
-        )
+        _seal_stage(study, stage, prov)
         _replace(stage, out, study)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     if log is not None:
+        n_run = sum(skipped[p] is None for p in paths)
         failed = sum(r.status == "FAILED" for r in ordered)
         print(
-            f"{len(to_run) - failed}/{len(to_run)} notebooks ok in {time.perf_counter() - t0:.1f} s; "
+            f"{n_run - failed}/{n_run} notebooks ok in {time.perf_counter() - t0:.1f} s; "
             f"open {os.path.relpath(out / 'index.html')} (or the one file {os.path.relpath(out / 'report.html')})",
             file=log,
             flush=True,
         )
     return ordered
+
+
+def _new_stage(out: Path) -> Path:
+    """A fresh staging folder beside ``out``, after removing those a killed run left."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
+        outdir.clean_stale(out.parent, pattern)  # left by a killed run
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+
+def _run_all(
+    study: Study,
+    paths: list[Path],
+    skipped: Mapping[Path, str | None],
+    stage: Path,
+    all_params: Mapping[str, Any],
+    jobs: int | None,
+    timeout: int,
+    log: Any,
+) -> list[NotebookResult]:
+    """Run the notebooks not skipped into ``stage``; one result per notebook, in order."""
+    to_run = [p for p in paths if skipped[p] is None]
+    done = [0]
+
+    def progress(res: NotebookResult) -> None:
+        done[0] += 1
+        if log is not None:
+            print(f"[{done[0]}/{len(to_run)}] {res.describe()}", file=log, flush=True)
+
+    if log is not None:
+        for p in paths:
+            if skipped[p]:
+                print(f"{p.stem}: skipped ({skipped[p]})", file=log, flush=True)
+        print(f"running {len(to_run)} notebooks on {study.title!r} ...", file=log, flush=True)
+    results = (
+        run_notebooks(
+            to_run, stage, dict(all_params), jobs=jobs, timeout=timeout, progress=progress
+        )
+        if to_run
+        else []
+    )
+    by_path = dict(zip(to_run, results, strict=True))
+    return [
+        by_path.get(p) or NotebookResult(name=p.stem, ok=True, seconds=0.0, skipped=skipped[p])
+        for p in paths
+    ]
+
+
+def _seal_stage(study: Study, stage: Path, prov: Mapping[str, Any]) -> None:
+    """Mark the staged folder as a finished report (its owner file replaced by the marker)."""
+    (stage / outdir.OWNER).unlink()
+    outdir.write_marker(
+        stage,
+        "report",
+        {
+            "title": study.title,
+            "study": Path(study.path).name if study.path is not None else None,
+            "version": prov["versions"].get("dmlib"),
+        },
+    )
 
 
 def _machine_paths(study: Study, stage: Path, out: Path) -> list[tuple[str, str]]:

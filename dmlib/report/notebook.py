@@ -5,7 +5,7 @@ one configured folder, and shown inline where the notebook makes it); every numb
 prose quotes goes through :func:`record` (a JSON file per notebook), so tests can check
 the figures' numbers against dmlib directly. :func:`finding` states the notebook's
 one-line result (shown in the report's index), :func:`skip` a section the study has no
-data for, :func:`say` computed prose.
+data for, :func:`say` computed prose; :func:`setup` is a notebook's first call.
 
 :func:`finding` and :func:`say` take Markdown: a name or label from the data goes into
 it through :func:`md_code` (a code span it cannot break out of) or :func:`md_text`
@@ -31,6 +31,7 @@ from dmlib.report.htmlsafe import md_code, md_text
 
 __all__ = [
     "DEFAULT_FIGURE_DIR",
+    "compare_study_captures",
     "configure",
     "figure_dir",
     "finding",
@@ -41,8 +42,10 @@ __all__ = [
     "notebook_name",
     "numbers_path",
     "record",
+    "runs_at_last_step",
     "save_figure",
     "say",
+    "setup",
     "skip",
 ]
 
@@ -198,6 +201,68 @@ def say(*lines: str) -> None:
     flat = [" ".join(str(ln).split()) for ln in lines]
     text = flat[0] if len(flat) == 1 else "\n".join(f"* {ln}" for ln in flat)
     _display_markdown(text)
+
+
+def setup(
+    study: str | os.PathLike[str],
+    figure_folder: str | os.PathLike[str],
+    notebook: str,
+) -> Any:
+    """A report notebook's first call: figures into ``figure_folder``, numbers recorded under
+    ``notebook``, pandas' display widened for the tables; returns the study ``study`` names."""
+    configure(figure_dir=figure_folder, notebook=notebook)
+    import pandas as pd
+
+    pd.set_option("display.width", 160)
+    pd.set_option("display.max_columns", 20)
+    return load_study(study)
+
+
+def runs_at_last_step(study: Any, small: bool = False) -> tuple[list[str], dict[str, Path], str]:
+    """The runs a matrix notebook compares: ``(labels, files, when)``.
+
+    ``labels`` are the study's runs besides the control (the first three when ``small``),
+    then the control if one is declared; ``files`` and ``when`` are
+    :meth:`~dmlib.report.study.Study.at_last_step` of those runs.
+    """
+    control = study.control
+    labels = [k for k in study.runs if k != control]
+    if small:  # a quick run: three runs and the control
+        labels = labels[:3]
+    labels += [control] if control else []
+    files, when = study.at_last_step(labels)
+    return labels, files, when
+
+
+def compare_study_captures(study: Any) -> dict[str, Any]:
+    """Each capture of ``study`` compared with the reference capture, and the reference
+    with its own repeat: ``{"REF vs LABEL": dmlib.compare_captures frame}``, reference
+    comparisons first.
+
+    A comparison gets the repeat control when the reference has a repeat (with the other
+    capture's repeat as well when it has one), and the study's negative control.
+    """
+    from dmlib.localize.boundaries import compare_captures
+
+    cap = study.captures
+    ref = cap.reference
+    results = {}
+    for k in (k for k in cap.folders if k != ref):
+        reps = (
+            tuple(cap.repeats[x] for x in (ref, k) if x in cap.repeats)
+            if ref in cap.repeats
+            else None
+        )
+        results[f"{ref} vs {k}"] = compare_captures(
+            cap.folders[ref], cap.folders[k], request=cap.request, repeat=reps or None,
+            negative=cap.negative,
+        )  # fmt: skip
+    for k, folder in cap.repeats.items():
+        if k == ref:
+            results[f"{ref} vs its repeat"] = compare_captures(
+                cap.folders[ref], folder, request=cap.request
+            )
+    return results
 
 
 def load_study(path: str | os.PathLike[str]) -> Any:

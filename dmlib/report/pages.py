@@ -89,10 +89,6 @@ def notebook_page(title: str, body: str) -> str:
     return page(title, nav + body)
 
 
-def _data_uri(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
-
-
 def _esc(x: Any) -> str:
     return esc(x)
 

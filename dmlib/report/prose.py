@@ -20,7 +20,7 @@ from dmlib.numfmt import prose as fmt  # a number for prose: one formatter for e
 from dmlib.report.htmlsafe import md_code as _c
 from dmlib.report.htmlsafe import md_text as _t
 
-__all__ = ["captures", "columns", "fmt", "ladder", "matrix"]
+__all__ = ["anatomy", "captures", "columns", "fmt", "ladder", "matrix", "not_burnpack"]
 
 
 def _list(names: Sequence[str], n: int = 5) -> str:
@@ -32,92 +32,12 @@ def matrix(
     verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: Sequence[str]
 ) -> tuple[str, list[str]]:
     """Pairs of runs (``dmlib.matrix``'s verdict) ``when`` ("at step 20")."""
-    pairs = verdict["pairs"]
     control = _t(verdict["control"]) if verdict["control"] is not None else None
-    when_cap = _t(when.capitalize())
-    when = _t(when)
-    others = [p for p in pairs if not p["control"]]
-    k = len(verdict["identical_pairs"])
-    same, ctrl, sep = (
-        verdict["same_worst_rel_fro"],
-        verdict["control_rel_fro"],
-        verdict["separation_orders"],
-    )
-    lines = []
-    if control is None:
-        finding = (
-            f"{when_cap}: worst rel_fro over {len(pairs)} pairs of runs {fmt(same)}; "
-            f"{k} of {len(pairs)} pairs bit-identical (no control declared)."
-        )
-        lines.append(
-            "No control is declared, so nothing here says how large a real difference would be; "
-            "declare a run that is expected to differ (another seed) as `control`."
-        )
-    elif not others:
-        finding = f"{when_cap}: the only pair involves the control {control}, rel_fro {fmt(ctrl)}."
-    else:
-        one = len(others) == 1
-        body = (
-            ("is bit-identical" if one else "are all bit-identical")
-            if k == len(others)
-            else f"differ{'s' if one else ''} by at most rel_fro {fmt(same)} (max {fmt(verdict['same_max_ulp'])} ULP)"
-        )
-        subject = (
-            f"the one pair without the control ({_t(others[0]['a'])}/{_t(others[0]['b'])})"
-            if one
-            else f"the {len(others)} pairs without the control"
-        )
-        sep_text = (
-            "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
-        )
-        finding = (
-            f"{when_cap}: {subject} {body}; "
-            f"every pair with {control} by at least {fmt(ctrl)}{sep_text}."
-        )
-        if sep is not None and not math.isinf(sep):
-            if sep >= 2:
-                lines.append(
-                    f"The least difference to the control is {sep:.1f} orders of magnitude above the "
-                    f"worst pair without it ({fmt(ctrl)} vs {fmt(same)}, {when}): those runs agree far "
-                    "more closely than a run expected to differ."
-                )
-            elif sep >= 1:
-                lines.append(
-                    f"The control is {sep:.1f} orders of magnitude above the worst pair without it "
-                    f"({fmt(ctrl)} vs {fmt(same)}, {when}): a clear but not wide separation."
-                )
-            else:
-                lines.append(
-                    f"The worst pair without the control ({fmt(same)}) is within an order of magnitude "
-                    f"of the control ({fmt(ctrl)}, {when}): those runs differ about as much as a run "
-                    "expected to differ."
-                )
-        elif sep is not None:
-            lines.append(
-                f"Every pair without the control is bit-identical {when}; the control differs by {fmt(ctrl)}."
-            )
+    others = [p for p in verdict["pairs"] if not p["control"]]
+    finding, lines = _matrix_finding(verdict, when, control, others)
     if others or control is None:
-        group = others if control is not None else pairs
-        if 0 < k < len(group):
-            lines.append(
-                f"{k} of {len(group)} pairs are bit-identical ({', '.join(_t(x) for x in verdict['identical_pairs'][:6])}) "
-                "while the others differ: a difference between processes that some runs share and "
-                "others do not, rather than noise every run carries."
-            )
-        elif k == 0 and group:
-            lines.append(
-                f"No pair{' without the control' if control else ''} is bit-identical {when}."
-            )
-    if n_tensors:
-        if differing:
-            lines.append(
-                f"{n_tensors - len(differing)} of {n_tensors} tensors are bit-identical in every pair"
-                f"{' without the control' if control else ''}; the {len(differing)} that differ: {_list(list(differing))}."
-            )
-        else:
-            lines.append(
-                f"All {n_tensors} tensors are bit-identical in every pair{' without the control' if control else ''}."
-            )
+        lines += _identical_pairs_lines(verdict, when, control, others)
+    lines += _tensor_lines(n_tensors, differing, control)
     mu, med = verdict.get("same_max_ulp"), verdict.get("same_worst_median_ulp")
     if mu and med is not None and mu > 100 * max(med, 1):
         lines.append(
@@ -125,6 +45,105 @@ def matrix(
             "near zero one ULP is tiny, so rel_fro is the measure of what a layer computes."
         )
     return finding, lines
+
+
+def _matrix_finding(
+    verdict: Mapping[str, Any], when: str, control: str | None, others: list[Mapping[str, Any]]
+) -> tuple[str, list[str]]:
+    """The matrix's finding and the line on how the pairs stand against the control."""
+    pairs = verdict["pairs"]
+    when_cap = _t(when.capitalize())
+    k = len(verdict["identical_pairs"])
+    same, ctrl, sep = (
+        verdict["same_worst_rel_fro"],
+        verdict["control_rel_fro"],
+        verdict["separation_orders"],
+    )
+    if control is None:
+        finding = (
+            f"{when_cap}: worst rel_fro over {len(pairs)} pairs of runs {fmt(same)}; "
+            f"{k} of {len(pairs)} pairs bit-identical (no control declared)."
+        )
+        return finding, [
+            "No control is declared, so nothing here says how large a real difference would be; "
+            "declare a run that is expected to differ (another seed) as `control`."
+        ]
+    if not others:
+        return f"{when_cap}: the only pair involves the control {control}, rel_fro {fmt(ctrl)}.", []
+    one = len(others) == 1
+    body = (
+        ("is bit-identical" if one else "are all bit-identical")
+        if k == len(others)
+        else f"differ{'s' if one else ''} by at most rel_fro {fmt(same)} (max {fmt(verdict['same_max_ulp'])} ULP)"
+    )
+    subject = (
+        f"the one pair without the control ({_t(others[0]['a'])}/{_t(others[0]['b'])})"
+        if one
+        else f"the {len(others)} pairs without the control"
+    )
+    sep_text = "" if sep is None or math.isinf(sep) else f", {sep:.1f} orders of magnitude apart"
+    finding = (
+        f"{when_cap}: {subject} {body}; "
+        f"every pair with {control} by at least {fmt(ctrl)}{sep_text}."
+    )
+    return finding, _separation_lines(sep, same, ctrl, _t(when))
+
+
+def _separation_lines(sep: float | None, same: Any, ctrl: Any, when: str) -> list[str]:
+    """How far the control stands above the worst pair without it (``when`` already escaped)."""
+    if sep is None:
+        return []
+    if math.isinf(sep):
+        return [
+            f"Every pair without the control is bit-identical {when}; the control differs by {fmt(ctrl)}."
+        ]
+    if sep >= 2:
+        return [
+            f"The least difference to the control is {sep:.1f} orders of magnitude above the "
+            f"worst pair without it ({fmt(ctrl)} vs {fmt(same)}, {when}): those runs agree far "
+            "more closely than a run expected to differ."
+        ]
+    if sep >= 1:
+        return [
+            f"The control is {sep:.1f} orders of magnitude above the worst pair without it "
+            f"({fmt(ctrl)} vs {fmt(same)}, {when}): a clear but not wide separation."
+        ]
+    return [
+        f"The worst pair without the control ({fmt(same)}) is within an order of magnitude "
+        f"of the control ({fmt(ctrl)}, {when}): those runs differ about as much as a run "
+        "expected to differ."
+    ]
+
+
+def _identical_pairs_lines(
+    verdict: Mapping[str, Any], when: str, control: str | None, others: list[Mapping[str, Any]]
+) -> list[str]:
+    """Whether some, none or all of the pairs (without the control) are bit-identical."""
+    group = others if control is not None else verdict["pairs"]
+    k = len(verdict["identical_pairs"])
+    if 0 < k < len(group):
+        return [
+            f"{k} of {len(group)} pairs are bit-identical ({', '.join(_t(x) for x in verdict['identical_pairs'][:6])}) "
+            "while the others differ: a difference between processes that some runs share and "
+            "others do not, rather than noise every run carries."
+        ]
+    if k == 0 and group:
+        return [f"No pair{' without the control' if control else ''} is bit-identical {_t(when)}."]
+    return []
+
+
+def _tensor_lines(n_tensors: int, differing: Sequence[str], control: str | None) -> list[str]:
+    """How many tensors are bit-identical in every pair, and which differ."""
+    if not n_tensors:
+        return []
+    if differing:
+        return [
+            f"{n_tensors - len(differing)} of {n_tensors} tensors are bit-identical in every pair"
+            f"{' without the control' if control else ''}; the {len(differing)} that differ: {_list(list(differing))}."
+        ]
+    return [
+        f"All {n_tensors} tensors are bit-identical in every pair{' without the control' if control else ''}."
+    ]
 
 
 def effective(eff: pd.DataFrame, stored: pd.DataFrame, control: str | None, when: str) -> list[str]:
@@ -202,14 +221,10 @@ def ladder(
     summary of the other runs, and quoted after it.
     """
     steps = sorted(int(s) for s in df["step"].unique())
-    lines = []
-    for pair, sub in repeats.items():
-        lines.append(_pair_line(pair, sub, repeat=True))
-    rep_pairs = set(repeats)
-    earliest = None
-    n_div = 0
-    pairs = [p for p in dict.fromkeys(df["pair"]) if p not in rep_pairs]
+    lines = [_pair_line(pair, sub, repeat=True) for pair, sub in repeats.items()]
+    pairs = [p for p in dict.fromkeys(df["pair"]) if p not in set(repeats)]
     ctrl_pairs = [p for p in pairs if control is not None and control in p.split("/")]
+    earliest, n_div = None, 0
     for pair in pairs:
         sub = df[df["pair"].eq(pair)]
         lines.append(_pair_line(pair, sub))
@@ -220,21 +235,58 @@ def ladder(
                 earliest = (first, pair)
     last = steps[-1] if steps else None
     at_last = df[df["step"].eq(last)]
+    lines += _rate_lines(rates)
+    if small and len(at_last):
+        lines += _small_lines(at_last, small, small_norm, last)
+    others = [p for p in pairs if p not in ctrl_pairs]
+    finding = _ladder_finding(reference, steps, others, ctrl_pairs, earliest, n_div, at_last)
+    finding += _controls_and_repeats(df, ctrl_pairs, repeats, steps)
+    if not repeats:
+        lines.append(
+            "No repeat is declared ([repeats]): nothing shows whether a run of the same configuration "
+            "reproduces itself, so differences cannot be attributed to the configurations alone."
+        )
+    return finding, lines
+
+
+def _rate_lines(rates: pd.DataFrame) -> list[str]:
+    """Per pair: the median growth of rel_fro per step over its groups."""
+    lines = []
     for pair, g in rates.dropna(subset=["slope"]).groupby("pair"):
         med = float(g["slope"].median())
         lines.append(
             f"{_t(pair)}: rel_fro {'grows' if med > 0 else 'shrinks'} by a median {abs(med):.2g} decades per step "
             f"over its groups (fit over steps {int(g['step_min'].min())}-{int(g['step_max'].max())} where rel_fro > 0)."
         )
-    if small and len(at_last):
-        for pair, g in at_last.groupby("pair"):
-            is_small = g["name"].isin(small)
-            a, b = g.loc[is_small, "rel_fro"].median(), g.loc[~is_small, "rel_fro"].median()
-            if is_small.any() and (~is_small).any() and (a > 0 or b > 0):
-                lines.append(
-                    f"{_t(pair)} at step {last}: parameters of norm < {small_norm} have median rel_fro {fmt(a)}, "
-                    f"the others {fmt(b)}."
-                )
+    return lines
+
+
+def _small_lines(
+    at_last: pd.DataFrame, small: Sequence[str], small_norm: float, last: int | None
+) -> list[str]:
+    """Per pair at the last step: median rel_fro of the small-norm parameters against the others."""
+    lines = []
+    for pair, g in at_last.groupby("pair"):
+        is_small = g["name"].isin(small)
+        a, b = g.loc[is_small, "rel_fro"].median(), g.loc[~is_small, "rel_fro"].median()
+        if is_small.any() and (~is_small).any() and (a > 0 or b > 0):
+            lines.append(
+                f"{_t(pair)} at step {last}: parameters of norm < {small_norm} have median rel_fro {fmt(a)}, "
+                f"the others {fmt(b)}."
+            )
+    return lines
+
+
+def _ladder_finding(
+    reference: str,
+    steps: list[int],
+    others: list[str],
+    ctrl_pairs: list[str],
+    earliest: tuple[int, str] | None,
+    n_div: int,
+    at_last: pd.DataFrame,
+) -> str:
+    """The ladder's finding for the runs besides repeats and the control."""
     span = (
         f"steps {steps[0]}-{steps[-1]}"
         if len(steps) > 1
@@ -242,47 +294,49 @@ def ladder(
         if steps
         else "no step"
     )
-    others = [p for p in pairs if p not in ctrl_pairs]
     if not others:
-        finding = (
+        return (
             f"Against {_t(reference)}, {span}: no run besides repeats and the control to compare."
         )
-    elif earliest is None:
-        finding = f"Against {_t(reference)}, {span}: every run{' but the control' if ctrl_pairs else ''} is bit-identical at every step."
-    else:
-        at_o = at_last[at_last["pair"].isin(others)]
-        top = (
-            at_o.loc[at_o["rel_fro"].idxmax()] if len(at_o) and at_o["rel_fro"].max() > 0 else None
-        )
-        word = "run" if len(others) == 1 else "runs"
-        finding = (
-            f"Against {_t(reference)}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
-            f"{'diverges' if n_div == 1 else 'diverge'}, the earliest from step {earliest[0]} ({_t(earliest[1])})"
-            + _first_compared(earliest[0], steps)
-        )
-        if top is not None:
-            finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} ({_c(top['name'])}, {_t(top['pair'])})"
-        finding += "."
+    if earliest is None:
+        return f"Against {_t(reference)}, {span}: every run{' but the control' if ctrl_pairs else ''} is bit-identical at every step."
+    at_o = at_last[at_last["pair"].isin(others)]
+    top = at_o.loc[at_o["rel_fro"].idxmax()] if len(at_o) and at_o["rel_fro"].max() > 0 else None
+    word = "run" if len(others) == 1 else "runs"
+    finding = (
+        f"Against {_t(reference)}, {span}: {n_div} of {len(others)} {word}{' besides the control' if ctrl_pairs else ''} "
+        f"{'diverges' if n_div == 1 else 'diverge'}, the earliest from step {earliest[0]} ({_t(earliest[1])})"
+        + _first_compared(earliest[0], steps)
+    )
+    if top is not None:
+        last = steps[-1] if steps else None
+        finding += f"; largest rel_fro at step {last}: {fmt(top['rel_fro'])} ({_c(top['name'])}, {_t(top['pair'])})"
+    return finding + "."
+
+
+def _controls_and_repeats(
+    df: pd.DataFrame,
+    ctrl_pairs: list[str],
+    repeats: Mapping[str, pd.DataFrame],
+    steps: list[int],
+) -> str:
+    """The sentences the finding ends with: each control pair, then each repeat pair."""
+    text = ""
     for pair in ctrl_pairs:
         first = _first(df[df["pair"].eq(pair)])
-        finding += f" Control {_t(pair)}: " + (
+        text += f" Control {_t(pair)}: " + (
             "bit-identical at every step."
             if first is None
             else f"differs from step {first} on{_first_compared(first, steps)}."
         )
     for pair, sub in repeats.items():
         first = _first(sub)
-        finding += (
+        text += (
             f" Repeat {_t(pair)}: bit-identical at every step."
             if first is None
             else f" Repeat {_t(pair)}: differs from step {first}{_first_compared(first, steps)}."
         )
-    if not repeats:
-        lines.append(
-            "No repeat is declared ([repeats]): nothing shows whether a run of the same configuration "
-            "reproduces itself, so differences cannot be attributed to the configurations alone."
-        )
-    return finding, lines
+    return text
 
 
 def _first_compared(step: int, steps: Sequence[int]) -> str:
@@ -373,3 +427,60 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
             "No repeat capture is declared for the first comparison ([captures.repeats]): a difference cannot be told from run-to-run noise."
         )
     return finding, lines
+
+
+NO_SAME_NAMES = "no two sources hold the same tensor names (declare such files in [anatomy])"
+
+
+def not_burnpack(name: str, file_format: str) -> str:
+    """Why a file gets no byte-layout map (plain text, for :func:`~dmlib.report.skip`)."""
+    return (
+        f"{name} is a {file_format} file: the byte-layout map and padding census read "
+        "burnpack files"
+    )
+
+
+def anatomy(
+    slots: Mapping[str, Sequence[Mapping[str, Any]]],
+    facts: Sequence[Mapping[str, Any]],
+    n_files: int,
+) -> tuple[str, list[str]]:
+    """Checkpoint anatomy: slot counts per burnpack file (``padding_census`` slots records by
+    file) and pairs of sources holding the same tensor names (``facts``: ``a``, ``b``,
+    ``tensors``, ``identical_tensors``, ``file_sha256_equal``), of ``n_files`` files listed."""
+    lines = [_slots_line(name, recs) for name, recs in slots.items()]
+    lines += [_same_names_line(f) for f in facts]
+    n_dirty = sum(1 for recs in slots.values() if any(r["padding_nonzero_slots"] for r in recs))
+    finding = (
+        f"{len(slots)} burnpack file(s) mapped; {n_dirty} with non-zero padding"
+        if slots
+        else f"{n_files} file(s) listed, none burnpack"
+    )
+    if facts:
+        n = sum(f["identical_tensors"] and not f["file_sha256_equal"] for f in facts)
+        finding += f"; {n} pair(s) hold identical tensors in different files"
+    return finding + ".", lines
+
+
+def _slots_line(name: str, recs: Sequence[Mapping[str, Any]]) -> str:
+    pad = sum(r["padding_slots"] for r in recs)
+    nz = sum(r["padding_nonzero_slots"] for r in recs)
+    head = (
+        f"{_c(name)}: {sum(r['named_slots'] for r in recs):,} named slots and {pad:,} padding "
+        f"slots over {len(recs)} record(s); "
+    )
+    if not nz:
+        return head + "the padding is all zero bytes."
+    return head + (
+        f"{nz:,} padding slots hold non-zero bytes ({sum(r['nan'] for r in recs)} NaN, "
+        f"{sum(r['huge'] for r in recs)} |v| >= 1e30): a flat read counts them as parameters."
+    )
+
+
+def _same_names_line(f: Mapping[str, Any]) -> str:
+    text = f"{_c(f['a'])} and {_c(f['b'])}: {f['tensors']} tensors, "
+    if not f["identical_tensors"]:
+        return text + "not identical."
+    if f["file_sha256_equal"]:
+        return text + "bit-identical, and the files are byte-identical."
+    return text + "bit-identical, yet the files differ: compare named tensors, never file hashes."

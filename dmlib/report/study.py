@@ -118,10 +118,6 @@ class Run:
     def steps(self) -> list[int]:
         return sorted(s for s in self.checkpoints if s is not None)
 
-    @property
-    def is_ladder(self) -> bool:
-        return len(self.checkpoints) > 1
-
     def last(self) -> tuple[int | None, Path]:
         """The checkpoint at the highest step (the only one of a single-file run)."""
         if self.steps:
@@ -166,11 +162,6 @@ class Study:
     def rel(self, path: str | os.PathLike[str]) -> str:
         """``path`` relative to the study's folder, for display (never an absolute path)."""
         return os.path.relpath(path, self.root).replace(os.sep, "/")
-
-    def common_steps(self) -> list[int]:
-        """Steps at which every run has a checkpoint."""
-        sets = [set(r.steps) for r in self.runs.values()]
-        return sorted(set.intersection(*sets)) if sets and all(sets) else []
 
     def at_last_step(self, labels: list[str] | None = None) -> tuple[dict[str, Path], str]:
         """One checkpoint per run at the last step they share, and the phrase quoting it.

@@ -180,51 +180,10 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
     one checkpoint (the folder itself, when it is one of those, is the one run); a
     subfolder holding ``manifest.json`` of a dmlib capture is a capture.
     """
-    from dmlib.io import detect_format
-
     folder = Path(folder)
     if not folder.is_dir():
         raise DmlibError("not a folder", path=folder)
-
-    def is_checkpoint(p: Path) -> bool:
-        if not p.is_file() or p.name.startswith("."):
-            return False
-        try:
-            detect_format(p)
-        except DmlibError:
-            return False
-        return True
-
-    runs: dict[str, str] = {}
-    notes: dict[str, str] = {}
-    captures: dict[str, str] = {}
-    own = _training_note(folder)
-    if own is not None:  # the folder is itself one training run (or one checkpoint)
-        runs[_label(folder.resolve().name, runs)] = "./"
-        notes["./"] = own
-    for p in [] if own is not None else sorted(folder.iterdir()):
-        if p.name.startswith("."):
-            continue
-        if p.is_dir() and (p / "manifest.json").is_file():
-            captures[p.name] = p.name
-        elif p.is_dir() and _orbax_steps(p) is not None:  # Orbax: a manager or step folder
-            n = len(_orbax_steps(p) or [])
-            runs[_label(p.name, runs)] = p.name + "/"
-            notes[p.name + "/"] = f"Orbax, {n} step folder{'s' if n > 1 else ''}"
-        elif p.is_dir() and _training_note(p) is not None:
-            runs[_label(p.name, runs)] = p.name + "/"
-            notes[p.name + "/"] = _training_note(p) or ""
-        elif p.is_dir():
-            n = sum(is_checkpoint(q) for q in p.iterdir())
-            if n:
-                runs[_label(p.name, runs)] = p.name + "/"
-                notes[p.name + "/"] = (
-                    f"{n} checkpoint{'s' if n > 1 else ''}: a step ladder"
-                    if n > 1
-                    else "1 checkpoint"
-                )
-        elif is_checkpoint(p):
-            runs[_label(p.stem, runs)] = p.name
+    runs, notes, captures = _scan_folder(folder)
     if not runs and not captures:
         raise DmlibError("no checkpoint files or capture folders found", path=folder)
     lines = [
@@ -246,25 +205,78 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
             lines.append(f"{_key(k)} = {_value(v)}" + (f"  # {notes[v]}" if v in notes else ""))
         lines += _repeat_guesses(list(runs))
     if captures:
-        lines += [
-            "",
-            "[captures]",
-            '# request = "ID"  # default: every request present in both captures',
-        ]
-        ref = next((k for k in captures if "alone" in k.lower()), next(iter(captures)))
-        lines.append(
-            f"reference = {_value(ref)}  # guessed: the layout the others are compared with"
-        )
-        lines += ["", "[captures.folders]"]
-        repeats = {k for k in captures if _repeat_of(k, list(captures))}
-        lines += [f"{_key(k)} = {_value(v)}" for k, v in captures.items() if k not in repeats]
-        if repeats:
-            lines += ["", "[captures.repeats]  # guessed from the names"]
-            lines += [
-                f"{_key(_repeat_of(k, list(captures)) or k)} = {_value(captures[k])}"
-                for k in sorted(repeats)
-            ]
+        lines += _capture_lines(captures)
     return "\n".join(lines) + "\n"
+
+
+def _is_checkpoint(p: Path) -> bool:
+    """Whether ``p`` is a (visible) file in a checkpoint format dmlib detects."""
+    from dmlib.io import detect_format
+
+    if not p.is_file() or p.name.startswith("."):
+        return False
+    try:
+        detect_format(p)
+    except DmlibError:
+        return False
+    return True
+
+
+def _scan_folder(folder: Path) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """``(runs, notes, captures)``: run label -> path, path -> what it was taken for, and
+    capture label -> folder, from what ``folder`` holds."""
+    runs: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    captures: dict[str, str] = {}
+    own = _training_note(folder)
+    if own is not None:  # the folder is itself one training run (or one checkpoint)
+        runs[_label(folder.resolve().name, runs)] = "./"
+        notes["./"] = own
+    for p in [] if own is not None else sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_dir() and (p / "manifest.json").is_file():
+            captures[p.name] = p.name
+        elif p.is_dir() and _orbax_steps(p) is not None:  # Orbax: a manager or step folder
+            n = len(_orbax_steps(p) or [])
+            runs[_label(p.name, runs)] = p.name + "/"
+            notes[p.name + "/"] = f"Orbax, {n} step folder{'s' if n > 1 else ''}"
+        elif p.is_dir() and _training_note(p) is not None:
+            runs[_label(p.name, runs)] = p.name + "/"
+            notes[p.name + "/"] = _training_note(p) or ""
+        elif p.is_dir():
+            n = sum(_is_checkpoint(q) for q in p.iterdir())
+            if n:
+                runs[_label(p.name, runs)] = p.name + "/"
+                notes[p.name + "/"] = (
+                    f"{n} checkpoint{'s' if n > 1 else ''}: a step ladder"
+                    if n > 1
+                    else "1 checkpoint"
+                )
+        elif _is_checkpoint(p):
+            runs[_label(p.stem, runs)] = p.name
+    return runs, notes, captures
+
+
+def _capture_lines(captures: dict[str, str]) -> list[str]:
+    """The ``[captures]`` section, with the reference and repeats guessed from the names."""
+    lines = [
+        "",
+        "[captures]",
+        '# request = "ID"  # default: every request present in both captures',
+    ]
+    ref = next((k for k in captures if "alone" in k.lower()), next(iter(captures)))
+    lines.append(f"reference = {_value(ref)}  # guessed: the layout the others are compared with")
+    lines += ["", "[captures.folders]"]
+    repeats = {k for k in captures if _repeat_of(k, list(captures))}
+    lines += [f"{_key(k)} = {_value(v)}" for k, v in captures.items() if k not in repeats]
+    if repeats:
+        lines += ["", "[captures.repeats]  # guessed from the names"]
+        lines += [
+            f"{_key(_repeat_of(k, list(captures)) or k)} = {_value(captures[k])}"
+            for k in sorted(repeats)
+        ]
+    return lines
 
 
 def _training_note(p: Path) -> str | None:

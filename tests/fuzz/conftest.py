@@ -9,7 +9,7 @@ settings.
 
 from __future__ import annotations
 
-import fuzzlib
+from _support import fuzzlib
 from hypothesis import HealthCheck, settings
 
 _COMMON = dict(

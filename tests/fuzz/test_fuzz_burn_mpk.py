@@ -5,10 +5,10 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
-import fuzzlib
 import numpy as np
 import pytest
-from fuzzlib import read_or_refuse
+from _support import fuzzlib
+from _support.fuzzlib import read_or_refuse
 from hypothesis import given
 from hypothesis import strategies as st
 

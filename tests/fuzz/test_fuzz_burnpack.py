@@ -11,10 +11,10 @@ import struct
 from pathlib import Path
 
 import cbor2
-import fuzzlib
 import numpy as np
 import pytest
-from fuzzlib import (
+from _support import fuzzlib
+from _support.fuzzlib import (
     align,
     bpk_build,
     bpk_split,

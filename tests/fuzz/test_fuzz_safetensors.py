@@ -8,10 +8,10 @@ import os
 import struct
 from pathlib import Path
 
-import fuzzlib
 import numpy as np
 import pytest
-from fuzzlib import check_untouched, read_or_refuse, st_build, st_split, st_tensor_bytes
+from _support import fuzzlib
+from _support.fuzzlib import check_untouched, read_or_refuse, st_build, st_split, st_tensor_bytes
 from hypothesis import assume, given
 from hypothesis import strategies as st
 

@@ -2,7 +2,7 @@
 the real training folders the Hugging Face tests read. Run as a script, in its own process
 (torch's global state and transformers' warnings stay out of the test process)::
 
-    python tests/_hf_train.py OUT
+    python tests/_support/hf_train.py OUT
 
 writes ``OUT/runs/{A,B,G,S}`` (A, its repeat B, gradient accumulation G with the same
 effective batch, another seed S), ``OUT/runs/R`` (A resumed from its checkpoint-2),
