@@ -133,3 +133,30 @@ def test_the_checker_sees_a_bad_edge(tmp_path: Path) -> None:
     assert ("dmlib.report.pages", "_esc", 2) in got and ("dmlib.cli", None, 3) in got
     assert room_of("dmlib.report.pages") == "report" and room_of("dmlib._atomic") == "base"
     assert "cli" not in allowed_edges()["stats"]
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines, its docstring not counted (documentation is not length)."""
+    n = fn.end_lineno - fn.lineno + 1  # type: ignore[operator]
+    if ast.get_docstring(fn, clean=False) is not None:
+        doc = fn.body[0]
+        n -= doc.end_lineno - doc.lineno + 1  # type: ignore[operator]
+    return n
+
+
+def test_no_function_over_80_lines() -> None:
+    """Long functions are split into named steps (docs/architecture.md)."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := _body_lines(node)) > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "functions over 80 lines (docstrings not counted):\n" + "\n".join(long)
+
+
+def test_the_length_rule_counts_code_not_docstrings() -> None:
+    doc = '    """' + "\n" * 100 + '    """\n'
+    src = "def f():\n" + doc + "    x = 1\n" * 5 + "def g():\n" + "    y = 2\n" * 81
+    fns = {n.name: _body_lines(n) for n in ast.parse(src).body}
+    assert fns == {"f": 6, "g": 82}
