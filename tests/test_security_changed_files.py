@@ -145,7 +145,10 @@ def truncating(ca, cb):  # once the first chunk is compared, b shrinks to its he
 _pair.same_bytes = truncating
 try:
     with dmlib.open_tensors(a) as sa, dmlib.open_tensors(b) as sb:
-        compare_records(sa, sb, include=["w"], chunk_bytes=64 << 10)
+        # hash="none": this process's one reader is the chunk loop, whose guards are under
+        # test; a hashing thread reading b at the instant it shrinks is the residual window
+        # (docs/formats.md), which the command line turns into exit 2 (tests below)
+        compare_records(sa, sb, include=["w"], chunk_bytes=64 << 10, hash="none")
 except DmlibError as err:
     print(err, file=sys.stderr)
     sys.exit(2)
@@ -210,3 +213,66 @@ def test_cli_compare_of_a_file_changed_after_open_exits_2(
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "changed while reading" in lines[0] and str(b) in lines[0]
     assert "IDENTICAL" not in proc.stdout and "DIFFERENT" not in proc.stdout
+
+
+# -- the residual window: a read at the instant the file shrinks --------------------------
+
+_SIGBUS_RAW = """
+import mmap, os, sys
+from dmlib.kernels import stream as K
+path, install = sys.argv[1], sys.argv[2] == "on"
+if install:
+    assert K.exit_on_sigbus("shrank under a read\\n")
+with open(path, "r+b") as f:
+    m = mmap.mmap(f.fileno(), 0)
+os.truncate(path, 0)
+print(m[100_000])  # past the new end: SIGBUS
+"""
+
+_SIGBUS_CLI = """
+import os, sys
+import numpy as np
+from dmlib.cli import main
+from dmlib.kernels import pair
+b = sys.argv[2]
+def shrinking(ca, cb):  # b shrinks in the instant its chunk is read
+    os.truncate(b, 4096)
+    return bool(np.asarray(cb).sum() == np.asarray(ca).sum())
+pair.same_bytes = shrinking
+sys.exit(main(["compare", sys.argv[1], b, "--hash", "none"]))
+"""
+
+
+def _compiled() -> bool:
+    from dmlib.kernels import stream as K
+
+    return K._fused is not None and hasattr(K._fused, "exit_on_sigbus")
+
+
+needs_compiled = pytest.mark.skipif(
+    not _compiled() or not hasattr(signal, "SIGBUS"),
+    reason="the SIGBUS handler is in the compiled module (dmlib/kernels/_fused.c), not built "
+    "here, or this platform has no SIGBUS",
+)
+
+
+@needs_compiled
+@pytest.mark.parametrize("install", ["on", "off"])
+def test_a_read_past_a_shrunk_map_exits_2_with_the_handler(tmp_path: Path, install: str) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(1 << 20))
+    proc = _child(_SIGBUS_RAW, str(p), install)
+    if install == "on":
+        assert proc.returncode == 2 and proc.stderr == "shrank under a read\n", proc
+    else:  # the control: the same read kills a process without it
+        assert proc.returncode == -signal.SIGBUS, proc
+
+
+@needs_compiled
+def test_cli_compare_of_a_file_shrinking_mid_read_exits_2_in_one_line(tmp_path: Path) -> None:
+    from dmlib.cli import SIGBUS_LINE
+
+    a, b = _pair(tmp_path)
+    proc = _child(_SIGBUS_CLI, str(a), str(b))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-300:])
+    assert proc.stderr == SIGBUS_LINE and proc.stdout == ""

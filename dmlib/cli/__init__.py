@@ -84,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = SafeStream(out), SafeStream(err)
     previous = _on_sigterm()
+    sigbus = _exit_on_sigbus()
     command = "dmlib"
     try:
         parser = build_parser()
@@ -98,9 +99,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         _restore_sigterm(previous)
+        if sigbus:
+            from dmlib.kernels.stream import restore_sigbus
+
+            restore_sigbus()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         sys.stdout, sys.stderr = out, err
+
+
+# what a command says when a memory-mapped input shrank under a read (SIGBUS: no Python
+# runs then, so no file name; see dmlib.kernels.stream.exit_on_sigbus)
+SIGBUS_LINE = (
+    "dmlib: error: an input file shrank while it was being read (changed while reading: "
+    "its memory map was read past the file's new end); nothing computed from it is reported\n"
+)
+
+
+def _exit_on_sigbus() -> bool:
+    """Exit 2 with :data:`SIGBUS_LINE` on SIGBUS while a command runs (main thread only)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    from dmlib.kernels.stream import exit_on_sigbus
+
+    return exit_on_sigbus(SIGBUS_LINE)
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
