@@ -471,7 +471,8 @@ def _map_steps(
     ref_sets = [ts for (r, _), ts in sorted(sets.items()) if r == ref]
     if not ref_sets:
         raise DmlibError(f"reference run {ref!r} has no usable checkpoint to map onto")
-    out, info = dict(sets), {}
+    out = dict(sets)
+    info: dict[str, Any] = {}
     for step in sorted({s for _, s in sets}):
         group = {r: ts for (r, s), ts in sets.items() if s == step and r != ref}
         group = {ref: sets.get((ref, step), ref_sets[0]), **group}

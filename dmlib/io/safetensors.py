@@ -12,7 +12,7 @@ import math
 import os
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -94,7 +94,8 @@ def open_safetensors(path: str | os.PathLike[str]) -> TensorSet:
     # Like the reference implementation: tensors tile the data section exactly, in
     # offset order, with no gap, no overlap and nothing after the last one. Bytes that
     # belong to no tensor are where a dropped duplicate or a shifted offset would hide.
-    spans = [(t.offset - base, t.offset - base + t.nbytes, t.name) for t in tensors.values()]
+    offsets = {name: cast(int, t.offset) for name, t in tensors.items()}  # set by _tensor
+    spans = [(offsets[n] - base, offsets[n] - base + t.nbytes, n) for n, t in tensors.items()]
     problem = tiling_problem(spans, size - base, base=base)
     if problem is not None:
         cls = TruncatedError if problem.kind == "bounds" else LayoutError
