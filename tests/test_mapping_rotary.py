@@ -8,6 +8,8 @@ HF row ``h*d + r*d/2 + m``, the inverse of the ``permute`` in Hugging Face's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -203,3 +205,35 @@ def test_piece_rotary_refusals() -> None:
             continue
         with pytest.raises(DmlibError, match=msg):
             loads(base.format(rot=rot))
+
+
+def test_ladder_locates_a_difference_in_the_source(model, tmp_path: Path) -> None:
+    kv_heads, hf, meta = model
+    name = QKV[1].format(i=0)
+    row, col = 3, 7  # in k, head 0
+    hf20 = {k: v * np.float32(2) for k, v in hf.items()}
+    meta20 = fused_meta(hf20, kv_heads)
+    hf20[name] = hf20[name].copy()
+    hf20[name][row, col] = np.nextafter(hf20[name][row, col], np.float32(-np.inf))
+    ladder = {"hf": {10: hf, 20: hf20}, "meta": {10: meta, 20: meta20}}
+    df = dmlib.step_ladder(ladder, reference="hf", mapping={"meta": loads(hand_map(kv_heads))})
+    assert (df[df.step == 10]["n_diff"] == 0).all()
+    assert df[df.n_diff > 0][["step", "name"]].values.tolist() == [[20, name]]
+    # HF row 3 of a head of 8: r = 0, m = 3 -> Meta row 6; k's rows start after q's
+    assert hf_to_meta_row(row, HD) == 6
+    assert df.attrs["located"] == [
+        {
+            "step": 20,
+            "pair": "hf/meta",
+            "name": name,
+            "target": f"{name}[{row}, {col}]",
+            "source_b": f"{FUSED.format(i=0)}[{HIDDEN + 6}, {col}]",
+        }
+    ]
+
+
+def test_ladder_without_a_mapping_locates_nothing() -> None:
+    a = {"w": np.ones((2, 2), np.float32)}
+    b = {"w": np.full((2, 2), 2, np.float32)}
+    df = dmlib.step_ladder({"x": {1: a}, "y": {1: b}})
+    assert df.attrs["located"] == []
