@@ -318,6 +318,8 @@ def _compare(
                 if pd.notna(r.max_abs)
                 else (0.0 if numeric else float("nan")),
                 "rel_fro": float(r.rel_fro) if pd.notna(r.rel_fro) else float("nan"),
+                # kept for attrs["located"] (not a column)
+                "first_diff": r.first_diff if r.n_diff else None,
             }
         )
     return rows
@@ -440,7 +442,10 @@ def step_ladder(
         ``numel``, ``norm`` (||a||_F of the tensor itself, finite elements), ``n_diff``,
         ``max_abs``, ``rel_fro`` (as ``dmlib.compare`` computes them), ``rank`` (1 = the
         fastest mover by rel_fro within its step and pair). ``attrs["checks"]`` is :func:`check_steps` as records;
-        ``attrs["excluded"]`` the checkpoints left out and why.
+        ``attrs["excluded"]`` the checkpoints left out and why. With a ``mapping``,
+        ``attrs["located"]`` lists each differing tensor's first difference per step and
+        pair: ``step``, ``pair``, ``name``, ``target`` (``name[k, l]``) and, per mapped
+        side, ``source_a``/``source_b`` (``source[i, j]`` in the source's coordinates).
     """
     from dmlib.engine import check_engine
 
@@ -535,10 +540,15 @@ def _ladder(
                 if tb is not None and (tb.dtype, tb.shape) == (ta.dtype, ta.shape):
                     together.append((ta, tb))
         shared.pair_row.prepare(together)  # type: ignore[attr-defined]
+    located = []
     for step, ra, rb in plan:
-        for row in _pair_rows(sets[(ra, step)], sets[(rb, step)], keep, gs, shared):
+        sa, sb = sets[(ra, step)], sets[(rb, step)]
+        got = _pair_rows(sa, sb, keep, gs, shared)
+        for row in got:
             rows.append({"step": step, "pair": f"{ra}/{rb}", "a": ra, "b": rb, **row})
+        located += _located(step, f"{ra}/{rb}", got, sa, sb)
     df = pd.DataFrame(rows, columns=LADDER_COLUMNS)
+    df.attrs["located"] = located
     if len(df):
         df["rank"] = (
             df.groupby(["step", "pair"])["rel_fro"]
@@ -550,6 +560,21 @@ def _ladder(
     df.attrs["checks"] = checks.astype(object).where(checks.notna(), None).to_dict("records")
     df.attrs["excluded"] = [c for c, u in zip(df.attrs["checks"], usable, strict=True) if not u]
     return df
+
+
+def _located(
+    step: int, pair: str, rows: list[dict[str, Any]], sa: TensorSet, sb: TensorSet
+) -> list[dict[str, Any]]:
+    """The first difference of each differing tensor of a pair with a mapped side, as
+    ``target`` (``name[k, l]``) and ``source_a``/``source_b`` (``source[i, j]`` on each
+    mapped side, traced through its mapping): records for ``attrs["located"]``."""
+    if "mapping" not in sa.layout and "mapping" not in sb.layout:
+        return []
+    from dmlib.stats.mapped import locate_rows
+
+    plain = [r for r in rows if r["kind"] == "tensor"]
+    found = locate_rows(plain, sa, sb)
+    return [{"step": step, "pair": pair, "name": n, **where} for n, where in found.items()]
 
 
 # ---------------------------------------------------------------------------

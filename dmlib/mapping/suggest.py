@@ -10,7 +10,8 @@ slightly, as closely as the best chain can; such a rule says so in its comment).
 
 What is searched, in order: one source to one target (identity, a permutation of axes, the
 rotary head permutation, a reshape, a reshape and a transpose together); one source split into several targets (along any
-axis, after an optional transpose, or per group as Megatron's fused ``linear_qkv``);
+axis, after an optional transpose, or per group as Megatron's fused ``linear_qkv``; a
+piece that holds its target's rows in the other rotary order gets a ``rotary`` on it);
 several sources concatenated into one target (tensor-parallel shards); then approximate
 one-to-one matches. Ties between tensors holding the same values (LayerNorm weights of
 ones) are broken by the numbers in the names and then by order, and the comment says so.
@@ -242,8 +243,9 @@ def _split_chain(s: np.ndarray, parts: list[np.ndarray], names: list[str]) -> An
                     if equal
                     else {"axis": axis, "sizes": sizes},
                 )
-                if _pieces_match(pre + [split], s, [parts[i] for i in perm]):
-                    return pre + [split], [names[i] for i in perm]
+                ops = _pieces_match(pre + [split], s, [parts[i] for i in perm])
+                if ops is not None:
+                    return ops, [names[i] for i in perm]
             if w.ndim == 2 and axis == 0:
                 got = _grouped(w, parts, names)
                 if got is not None:
@@ -268,20 +270,56 @@ def _grouped(w: np.ndarray, parts: list[np.ndarray], names: list[str]) -> Any:
                 Op("split", {"axis": 1, "sizes": sizes}),
                 Op("reshape", {"shape": [-1, d]}),
             ]
-            if _pieces_match(ops, w, [parts[i] for i in perm]):
+            ops = _pieces_match(ops, w, [parts[i] for i in perm])
+            if ops is not None:
                 return ops, [names[i] for i in perm]
     return None
 
 
-def _pieces_match(ops: list[Op], s: np.ndarray, parts: list[np.ndarray]) -> bool:
+def _pieces_match(ops: list[Op], s: np.ndarray, parts: list[np.ndarray]) -> list[Op] | None:
+    """``ops`` if it cuts ``s`` into ``parts`` exactly; ``ops`` and a ``rotary`` on some
+    pieces if those need the rotary permutation too (a fused Meta QKV: q and k, not v);
+    else None."""
     try:
         got = run_chain(ops, [s])
     except Exception:
-        return False
-    return len(got) == len(parts) and all(
-        g.shape == p.shape and np.array_equal(g, p, equal_nan=_nan_ok(p))
-        for g, p in zip(got, parts)
-    )
+        return None
+    if len(got) != len(parts) or any(g.shape != p.shape for g, p in zip(got, parts)):
+        return None
+    fixes: dict[tuple[int, str], list[int]] = {}
+    for k, (g, p) in enumerate(zip(got, parts)):
+        if np.array_equal(g, p, equal_nan=_nan_ok(p)):
+            continue
+        fix = _rotary_fix(g, p)
+        if fix is None:
+            return None
+        fixes.setdefault(fix, []).append(k)
+    extra = [
+        Op("rotary", {"head_dim": hd, "to": to, "pieces": ks}) for (hd, to), ks in fixes.items()
+    ]
+    return ops + extra
+
+
+def _rotary_fix(g: np.ndarray, p: np.ndarray) -> tuple[int, str] | None:
+    """The (head_dim, direction) of the rotary permutation taking piece ``g`` to ``p``.
+
+    The permutation keeps the first row of every head in place, so ``g[0] == p[0]`` is
+    checked before any permutation is tried (a cheap refusal for a piece that differs).
+    """
+    if g.ndim not in (1, 2) or g.shape[0] < 4:
+        return None
+    if not np.array_equal(g[0], p[0], equal_nan=_nan_ok(p)) or _digest(g) != _digest(p):
+        return None
+    rows = g.shape[0]
+    for heads in range(1, min(rows // 2, 512) + 1):
+        if rows % heads or (rows // heads) % 2:
+            continue
+        for to in ("hf", "meta"):
+            op = Op("rotary", {"head_dim": rows // heads, "to": to})
+            (got,) = run_chain([op], [g])
+            if np.array_equal(got, p, equal_nan=_nan_ok(p)):
+                return rows // heads, to
+    return None
 
 
 def _concats(A: dict, B: dict, used_a: set, used_b: set) -> list[_Found]:

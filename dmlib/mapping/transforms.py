@@ -2,7 +2,8 @@
 
 A rule's chain works on a *list* of arrays: it starts with the rule's source tensors (in
 order) and must end with one array per target. Element-wise ops (``transpose``,
-``permute``, ``reshape``, ``rotary``) apply to every array of the list; ``split`` cuts
+``permute``, ``reshape``, ``rotary``) apply to every array of the list (``rotary`` with
+``pieces``: to those positions only, the q and k pieces of a split QKV); ``split`` cuts
 each array into pieces (the list grows), ``concat`` joins the whole list into one array,
 ``tie`` repeats a single array (one source standing for several targets), and ``cast``
 changes nothing here: it declares the target's dtype, and the pair is then compared under
@@ -23,7 +24,7 @@ import numpy as np
 
 from dmlib.errors import DmlibError
 
-__all__ = ["OPS", "Op", "parse_op", "run_chain", "describe_chain"]
+__all__ = ["OPS", "Op", "each", "parse_op", "run_chain", "describe_chain"]
 
 #: op name -> (required keys, optional keys)
 OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -32,7 +33,7 @@ OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "reshape": (("shape",), ()),
     "split": (("axis",), ("parts", "sizes")),
     "concat": (("axis",), ()),
-    "rotary": (("heads", "to"), ()),
+    "rotary": (("to",), ("heads", "head_dim", "pieces")),
     "cast": (("dtype",), ()),
     "tie": (("copies",), ()),
 }
@@ -88,6 +89,8 @@ def parse_op(raw: Any, where: str) -> Op:
         )
     if name == "split" and ("parts" in params) == ("sizes" in params):
         raise DmlibError(f"{where}: transform 'split' takes exactly one of parts or sizes")
+    if name == "rotary" and ("heads" in params) == ("head_dim" in params):
+        raise DmlibError(f"{where}: transform 'rotary' takes exactly one of heads or head_dim")
     _check_types(name, params, where)
     return Op(name, params)
 
@@ -103,10 +106,16 @@ def _check_types(name: str, p: dict[str, Any], where: str) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise DmlibError(f"{where}: {name}.{key} must be an integer >= {lo}, got {v!r}")
 
-    for key in ("axes", "shape", "sizes"):
+    for key in ("axes", "shape", "sizes", "pieces"):
         if key in p:
             ints(key)
-    for key, lo in (("axis", -64), ("parts", 1), ("heads", 1), ("copies", 1)):
+    if "pieces" in p and (
+        not p["pieces"] or min(p["pieces"]) < 0 or len(set(p["pieces"])) != len(p["pieces"])
+    ):
+        raise DmlibError(
+            f"{where}: {name}.pieces must list distinct positions >= 0, got {p['pieces']!r}"
+        )
+    for key, lo in (("axis", -64), ("parts", 1), ("heads", 1), ("head_dim", 2), ("copies", 1)):
         if key in p:
             one(key, lo)
     if name == "rotary" and p["to"] not in ("hf", "meta"):
@@ -125,16 +134,25 @@ def describe_chain(ops: Sequence[Op]) -> str:
     return " | ".join(op.describe() for op in ops) or "identity"
 
 
-def rotary(w: np.ndarray, heads: int, to: str) -> np.ndarray:
+def rotary(w: np.ndarray, heads: int | None, to: str, head_dim: int | None = None) -> np.ndarray:
     """Reorder the rows of a query/key projection between the Meta and HF Llama layouts.
 
     Meta's checkpoints keep each head's rotary pairs interleaved (rows 2m, 2m+1 rotate
     together); Hugging Face's ``LlamaAttention`` rotates the first half of each head's rows
     with the second half (``rotate_half``). Within each head of ``d`` rows, Meta row
     ``2m + r`` (``r`` in {0, 1}) is HF row ``r * d/2 + m``; ``to="hf"`` goes from Meta to
-    HF, ``to="meta"`` back. Works on weights (rows x inputs) and biases (rows).
+    HF, ``to="meta"`` back. Works on weights (rows x inputs) and biases (rows). The heads
+    are given by their number or by their size ``head_dim`` (the same for the query and
+    the key of grouped-query attention, whose head counts differ).
     """
     rows = w.shape[0]
+    if head_dim is not None:
+        if rows % head_dim or head_dim % 2:
+            raise DmlibError(
+                f"rotary: {rows} rows do not split into heads of head_dim {head_dim} (even)"
+            )
+        heads = rows // head_dim
+    assert heads is not None
     if rows % heads or (rows // heads) % 2:
         raise DmlibError(f"rotary: {rows} rows do not split into {heads} heads of an even size")
     half = rows // heads // 2
@@ -179,7 +197,7 @@ def _one(op: Op, a: np.ndarray) -> np.ndarray:
         except ValueError:
             raise DmlibError(f"reshape: shape {list(a.shape)} cannot become {p['shape']}") from None
     if op.name == "rotary":
-        return rotary(a, p["heads"], p["to"])
+        return rotary(a, p.get("heads"), p["to"], p.get("head_dim"))
     return a  # cast: the dtype is settled when the pair is compared
 
 
@@ -202,8 +220,25 @@ def run_chain(ops: Sequence[Op], arrays: list[np.ndarray]) -> list[np.ndarray]:
                 raise DmlibError(f"tie repeats one tensor, the chain holds {len(out)} here")
             out = out * op.params["copies"]
         else:
-            out = [_one(op, a) for a in out]
+            out = each(op, out)
     return out
+
+
+def each(op: Op, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """An element-wise op on the list: on every array, or on the positions ``pieces`` names.
+
+    ``pieces`` (``rotary`` after a ``split``: the q and k pieces of a fused QKV, not v)
+    counts from 0 in the list as it stands at this step of the chain.
+    """
+    pieces = op.params.get("pieces")
+    if pieces is None:
+        return [_one(op, a) for a in arrays]
+    if max(pieces) >= len(arrays):
+        raise DmlibError(
+            f"{op.describe()}: piece {max(pieces)} does not exist, the chain holds "
+            f"{len(arrays)} tensor(s) here (pieces count from 0)"
+        )
+    return [_one(op, a) if k in pieces else a for k, a in enumerate(arrays)]
 
 
 def _concat(arrays: list[np.ndarray], axis: int) -> np.ndarray:

@@ -26,7 +26,7 @@ import numpy as np
 from dmlib.errors import DmlibError
 from dmlib.mapping.resolve import Binding, count_problem, describe, resolve
 from dmlib.mapping.spec import Mapping, load_mapping
-from dmlib.mapping.transforms import Op, _concat, _one, _split, run_chain, trace
+from dmlib.mapping.transforms import Op, _concat, _split, each, run_chain, trace
 from dmlib.tensor import Tensor, TensorSet
 
 __all__ = ["mapped_set", "source_index"]
@@ -139,7 +139,7 @@ def _shapes_after(ops: Sequence[Op], shapes: Sequence[tuple[int, ...]]) -> list[
         elif op.name == "tie":
             arrs = run_chain([op], arrs)
         else:
-            arrs = [_one(op, a) for a in arrs]
+            arrs = each(op, arrs)
     return [tuple(int(x) for x in a.shape) for a in arrs]
 
 
