@@ -270,9 +270,9 @@ def _grouped(w: np.ndarray, parts: list[np.ndarray], names: list[str]) -> Any:
                 Op("split", {"axis": 1, "sizes": sizes}),
                 Op("reshape", {"shape": [-1, d]}),
             ]
-            ops = _pieces_match(ops, w, [parts[i] for i in perm])
-            if ops is not None:
-                return ops, [names[i] for i in perm]
+            found = _pieces_match(ops, w, [parts[i] for i in perm])
+            if found is not None:
+                return found, [names[i] for i in perm]
     return None
 
 
