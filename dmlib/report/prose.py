@@ -484,3 +484,25 @@ def _same_names_line(f: Mapping[str, Any]) -> str:
     if f["file_sha256_equal"]:
         return text + "bit-identical, and the files are byte-identical."
     return text + "bit-identical, yet the files differ: compare named tensors, never file hashes."
+
+
+def matrix_runs(title: str, n_runs: int, when: str, control: str | None) -> str:
+    """The runs a matrix notebook compares, in one sentence."""
+    tail = f", control {_c(control)}" if control else ", no control declared"
+    return f"{_t(title)}: {n_runs} runs {_t(when)}{tail}."
+
+
+def ulp_title(verdict: Mapping[str, Any], when: str, control: str | None) -> str:
+    """The ULP histogram's title: the worst rel_fro without the control, and against it."""
+    sep = verdict["separation_orders"]
+    title = (
+        f"ULP distance of differing elements, {when}: worst rel_fro without the control "
+        f"{fmt(verdict['same_worst_rel_fro'])}"
+    )
+    if control:
+        title += f" vs control {fmt(verdict['control_rel_fro'])}" + (
+            f", {sep:.1f} orders of magnitude apart"
+            if sep is not None and abs(sep) != float("inf")
+            else ""
+        )
+    return title
