@@ -506,3 +506,32 @@ def ulp_title(verdict: Mapping[str, Any], when: str, control: str | None) -> str
             else ""
         )
     return title
+
+
+def anatomy_files(names: Sequence[str]) -> str:
+    """The files the anatomy notebook reads, in one sentence."""
+    return f"{len(names)} file(s) read: {', '.join(_c(n) for n in names)}."
+
+
+def column_runs(n_runs: int, when: str, patterns: Sequence[str]) -> str:
+    """The runs and factor tensors the column notebook compares, in one sentence."""
+    return (
+        f"{n_runs} runs without the control, {_t(when)}; factor tensors: "
+        f"{', '.join(_c(p) for p in patterns) or 'none'}."
+    )
+
+
+def column_histogram_title(n_pairs: int, n_runs: int, when: str, n_identical: int) -> str:
+    """The first-divergent-column histogram's title."""
+    return (
+        f"First divergent column over {n_pairs} factor-tensor pairs "
+        f"({n_runs} runs, {when}); {n_identical} pairs bit-identical"
+    )
+
+
+def all_columns_identical(when: str) -> str:
+    """Why the column histogram is skipped (plain text, for :func:`~dmlib.report.skip`)."""
+    return f"every factor-tensor pair is bit-identical {when}: no column to draw"
+
+
+FEWER_THAN_TWO_RUNS = "fewer than two runs besides the control: no pair to compare column by column"

@@ -223,5 +223,6 @@ def top_differing(sm: StudyMatrix, n: int = 10) -> pd.DataFrame:
 
 
 def conclude(sm: StudyMatrix) -> None:
-    """Says the conclusion lines the sections above computed."""
-    say(*sm.lines)
+    """Says the conclusion lines the sections above computed (nothing when there are none)."""
+    if sm.lines:
+        say(*sm.lines)
