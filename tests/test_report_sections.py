@@ -185,3 +185,13 @@ def test_prose_matrix_runs_and_ulp_title():
         "vs control 1, 2.0 orders of magnitude apart"
     )
     assert "orders" not in prose.ulp_title({**v, "separation_orders": math.inf}, "x", "c")
+
+
+def test_prose_pair_worst_lines():
+    from dmlib.report import prose
+
+    pairs = pd.DataFrame({"a": ["a", "a"], "b": ["b", "c"], "worst_rel_fro": [0.0, 1.5e-07]})
+    assert prose.pair_worst_lines(pairs) == [
+        "a/b: worst rel_fro 0",
+        "a/c: worst rel_fro 1.5e-07",
+    ]

@@ -123,6 +123,11 @@ def test_anatomy_same_names_in_different_files(stage):
     assert list(table["bytes"]) == [
         (stage / f).stat().st_size for f in ("a.safetensors", "b.safetensors")
     ]
+    shown = sections.tensors(an)
+    assert shown.to_dict("records") == [
+        {"file": f, "name": "w", "dtype": "float32", "shape": [3], "nbytes": 12}
+        for f in ("a.safetensors", "b.safetensors")
+    ]
     facts = sections.same_names(an)
     assert facts.to_dict("records") == [
         {"a": "a.safetensors", "b": "b.safetensors", "tensors": 1,

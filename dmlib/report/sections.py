@@ -88,13 +88,14 @@ def pairs_table(sm: StudyMatrix) -> pd.DataFrame:
 
 
 def worst_rel_fro(sm: StudyMatrix) -> pd.DataFrame:
-    """Records each pair's worst rel_fro, the bit-identical pairs and the separation;
-    returns the pairs' ``a``, ``b``, ``identical`` and ``worst_rel_fro``."""
+    """Records each pair's worst rel_fro, the bit-identical pairs and the separation, and
+    says each pair's; returns the pairs' ``a``, ``b``, ``identical`` and ``worst_rel_fro``."""
     pairs, v = sm.pairs, sm.verdict
     by_pair = {f"{a}/{b}": x for a, b, x in zip(pairs["a"], pairs["b"], pairs["worst_rel_fro"])}
     record("worst_rel_fro", by_pair)
     record("identical_pairs", v["identical_pairs"])
     record("separation_orders", v["separation_orders"])
+    say(*prose.pair_worst_lines(pairs))
     return pairs[["a", "b", "identical", "worst_rel_fro"]]
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "conclude",
     "first_columns",
     "same_names",
+    "tensors",
 ]
 
 SLOT_COLUMNS = [
@@ -106,6 +107,16 @@ def census(an: Anatomy) -> pd.DataFrame:
         rows.append(row)
     record("slots", an.slots)
     return pd.DataFrame(rows)
+
+
+def tensors(an: Anatomy, n: int = 20) -> pd.DataFrame:
+    """The first ``n`` tensors of each file opened by :func:`census`: file, name, dtype,
+    shape and bytes."""
+    cols = ["name", "dtype", "shape", "nbytes"]
+    parts = [ts.table()[cols].head(n).assign(file=name) for name, ts in an.opened.items()]
+    if not parts:
+        return pd.DataFrame(columns=["file", *cols])
+    return pd.concat(parts, ignore_index=True)[["file", *cols]]
 
 
 def _record_sources(an: Anatomy) -> dict[str, Any]:
