@@ -544,3 +544,26 @@ def pair_worst_lines(pairs: pd.DataFrame) -> list[str]:
         f"{_t(a)}/{_t(b)}: worst rel_fro {general(v)}"
         for a, b, v in zip(pairs["a"], pairs["b"], pairs["worst_rel_fro"])
     ]
+
+
+def ladder_runs(title: str, n_runs: int, reference: str, steps: Sequence[int]) -> str:
+    """The runs a step ladder compares and the steps they were saved at, in one sentence."""
+    return (
+        f"{_t(title)}: {n_runs} runs against {_c(reference)}; steps: "
+        f"{', '.join(str(s) for s in steps)}."
+    )
+
+
+def small_norm_line(small: Sequence[str], below: float, step: int) -> str:
+    """How many parameters are small-norm at the first step, with the first eight named."""
+    head = f"{len(small)} small-norm parameters (norm < {fmt(below)} at step {step})"
+    return head + (f": {_list(small, 8)}." if small else ".")
+
+
+ONE_LADDER = "only one run has a step ladder: nothing to compare it with"
+NO_GROWTH = "no group has rel_fro > 0 at two steps or more: no growth rate to fit"
+
+
+def growth_title(step_min: Any, step_max: Any) -> str:
+    """The growth-rate figure's title (the steps the fits span)."""
+    return f"Growth of rel_fro per step by group (fit over steps {step_min}-{step_max} where rel_fro > 0)"
