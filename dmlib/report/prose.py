@@ -567,3 +567,19 @@ NO_GROWTH = "no group has rel_fro > 0 at two steps or more: no growth rate to fi
 def growth_title(step_min: Any, step_max: Any) -> str:
     """The growth-rate figure's title (the steps the fits span)."""
     return f"Growth of rel_fro per step by group (fit over steps {step_min}-{step_max} where rel_fro > 0)"
+
+
+def captures_compared(request: str | None, reference: str, others: Sequence[str]) -> str:
+    """The request, the reference capture and the captures compared with it, in one sentence."""
+    req = _c(request) if request else "every request"
+    return f"Request: {req}; reference: {_c(reference)}; compared: {_list(others, len(others)) or 'none'}."
+
+
+NO_DUMPED_BOUNDARY = (
+    "no boundary was dumped in both captures: no element statistics to draw "
+    "(Figure 2 uses the hashes)"
+)
+NO_OP_CAPTURES = (
+    "the study declares no op-level captures ([captures.ops]): no first divergent op, "
+    "patch test or fp64 arbitration"
+)
