@@ -132,6 +132,12 @@ def test_damaged_or_foreign_cache_file_is_recomputed(lab, calls):
     path.write_text(json.dumps(data))
     _matrix(lab)
     assert len(calls) == 3
+    data = json.loads(path.read_text())
+    del data["verdict"]["pairs"]  # the right key but an entry that does not rebuild
+    path.write_text(json.dumps(data))
+    _, _, last = _matrix(lab)
+    assert len(calls) == 4
+    pd.testing.assert_frame_equal(first, last)
 
 
 def test_use_cache_false_writes_nothing(lab, calls):

@@ -168,14 +168,25 @@ def study_matrix(
     where.mkdir(parents=True, exist_ok=True)
     path = where / f"matrix-{key[:32]}.json"
     with _locked(where / f"matrix-{key[:32]}.lock"):
-        data = _read(path, key)
-        if data is not None:
-            return _frame(data["rows"], data["verdict"], data["attrs"])
+        cached = _rebuild(_read(path, key))
+        if cached is not None:
+            return cached
         frame, entry = _compute(study, files, control)
         entry.update(format=CACHE_FORMAT, key=key)
         text = json.dumps(entry, default=_json_default)
         atomic_write_text(path, text)
     return frame
+
+
+def _rebuild(data: dict[str, Any] | None) -> Any:
+    """The frame of a cache entry, or None when there is none or it does not rebuild
+    (a damaged entry is computed again, never half used)."""
+    if data is None:
+        return None
+    try:
+        return _frame(data["rows"], data["verdict"], data["attrs"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _compute(
