@@ -153,6 +153,7 @@ def build_report(
         }
         ordered = _run_all(study, paths, skipped, stage, all_params, jobs, timeout, log)
         probe.join()
+        shutil.rmtree(stage / "cache", ignore_errors=True)  # the matrix shared by notebooks
         prov = provenance.collect(study.input_files(), study.root, torch=torch_box.get("v"))
         _write_outputs(study, stage, out, ordered, prov)
         _seal_stage(study, stage, prov)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from dmlib.numfmt import general
 from dmlib.numfmt import prose as fmt  # a number for prose: one formatter for every output
 from dmlib.report.htmlsafe import md_code as _c
 from dmlib.report.htmlsafe import md_text as _t
@@ -484,3 +485,101 @@ def _same_names_line(f: Mapping[str, Any]) -> str:
     if f["file_sha256_equal"]:
         return text + "bit-identical, and the files are byte-identical."
     return text + "bit-identical, yet the files differ: compare named tensors, never file hashes."
+
+
+def matrix_runs(title: str, n_runs: int, when: str, control: str | None) -> str:
+    """The runs a matrix notebook compares, in one sentence."""
+    tail = f", control {_c(control)}" if control else ", no control declared"
+    return f"{_t(title)}: {n_runs} runs {_t(when)}{tail}."
+
+
+def ulp_title(verdict: Mapping[str, Any], when: str, control: str | None) -> str:
+    """The ULP histogram's title: the worst rel_fro without the control, and against it."""
+    sep = verdict["separation_orders"]
+    title = (
+        f"ULP distance of differing elements, {when}: worst rel_fro without the control "
+        f"{fmt(verdict['same_worst_rel_fro'])}"
+    )
+    if control:
+        title += f" vs control {fmt(verdict['control_rel_fro'])}" + (
+            f", {sep:.1f} orders of magnitude apart"
+            if sep is not None and abs(sep) != float("inf")
+            else ""
+        )
+    return title
+
+
+def anatomy_files(names: Sequence[str]) -> str:
+    """The files the anatomy notebook reads, in one sentence."""
+    return f"{len(names)} file(s) read: {', '.join(_c(n) for n in names)}."
+
+
+def column_runs(n_runs: int, when: str, patterns: Sequence[str]) -> str:
+    """The runs and factor tensors the column notebook compares, in one sentence."""
+    return (
+        f"{n_runs} runs without the control, {_t(when)}; factor tensors: "
+        f"{', '.join(_c(p) for p in patterns) or 'none'}."
+    )
+
+
+def column_histogram_title(n_pairs: int, n_runs: int, when: str, n_identical: int) -> str:
+    """The first-divergent-column histogram's title."""
+    return (
+        f"First divergent column over {n_pairs} factor-tensor pairs "
+        f"({n_runs} runs, {when}); {n_identical} pairs bit-identical"
+    )
+
+
+def all_columns_identical(when: str) -> str:
+    """Why the column histogram is skipped (plain text, for :func:`~dmlib.report.skip`)."""
+    return f"every factor-tensor pair is bit-identical {when}: no column to draw"
+
+
+FEWER_THAN_TWO_RUNS = "fewer than two runs besides the control: no pair to compare column by column"
+
+
+def pair_worst_lines(pairs: pd.DataFrame) -> list[str]:
+    """One line per pair of runs: its worst rel_fro over the stored tensors (``%g``)."""
+    return [
+        f"{_t(a)}/{_t(b)}: worst rel_fro {general(v)}"
+        for a, b, v in zip(pairs["a"], pairs["b"], pairs["worst_rel_fro"])
+    ]
+
+
+def ladder_runs(title: str, n_runs: int, reference: str, steps: Sequence[int]) -> str:
+    """The runs a step ladder compares and the steps they were saved at, in one sentence."""
+    return (
+        f"{_t(title)}: {n_runs} runs against {_c(reference)}; steps: "
+        f"{', '.join(str(s) for s in steps)}."
+    )
+
+
+def small_norm_line(small: Sequence[str], below: float, step: int) -> str:
+    """How many parameters are small-norm at the first step, with the first eight named."""
+    head = f"{len(small)} small-norm parameters (norm < {fmt(below)} at step {step})"
+    return head + (f": {_list(small, 8)}." if small else ".")
+
+
+ONE_LADDER = "only one run has a step ladder: nothing to compare it with"
+NO_GROWTH = "no group has rel_fro > 0 at two steps or more: no growth rate to fit"
+
+
+def growth_title(step_min: Any, step_max: Any) -> str:
+    """The growth-rate figure's title (the steps the fits span)."""
+    return f"Growth of rel_fro per step by group (fit over steps {step_min}-{step_max} where rel_fro > 0)"
+
+
+def captures_compared(request: str | None, reference: str, others: Sequence[str]) -> str:
+    """The request, the reference capture and the captures compared with it, in one sentence."""
+    req = _c(request) if request else "every request"
+    return f"Request: {req}; reference: {_c(reference)}; compared: {_list(others, len(others)) or 'none'}."
+
+
+NO_DUMPED_BOUNDARY = (
+    "no boundary was dumped in both captures: no element statistics to draw "
+    "(Figure 2 uses the hashes)"
+)
+NO_OP_CAPTURES = (
+    "the study declares no op-level captures ([captures.ops]): no first divergent op, "
+    "patch test or fp64 arbitration"
+)

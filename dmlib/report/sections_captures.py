@@ -1,0 +1,160 @@
+"""What the cells of ``capture_boundaries`` show, one call each.
+
+Like :mod:`dmlib.report.sections`: each function returns what its cell shows (a table,
+a figure saved through :func:`~dmlib.report.save_figure`, a finding), sentences come
+from :mod:`dmlib.report.prose`, numbers are recorded through
+:func:`~dmlib.report.record`, the conclusion lines gather on the :class:`Captures`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from dmlib.report import prose
+from dmlib.report.notebook import compare_study_captures, finding, record, save_figure, say, skip
+
+__all__ = [
+    "Captures",
+    "block_heatmap",
+    "boundary_profile",
+    "captures",
+    "conclude",
+    "culprit",
+    "op_level",
+]
+
+SUMMARY_KEYS = (
+    "first_divergent_boundary",
+    "culprit",
+    "n_divergent",
+    "n_comparable",
+    "n_boundaries",
+    "valid",
+)
+CULPRIT_COLUMNS = [
+    "boundary",
+    "role",
+    "identical",
+    "n_diff",
+    "n_diff_rows",
+    "max_abs",
+    "rel_fro",
+    "max_ulp",
+    "diff_blocks",
+]
+
+
+@dataclass
+class Captures:
+    """The study's capture comparisons (``REF vs LABEL`` -> compare_captures frame)."""
+
+    study: Any
+    results: dict[str, pd.DataFrame]
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def main_label(self) -> str:
+        """The first comparison's label (the reference against the first other capture)."""
+        return next(iter(self.results))
+
+    @property
+    def main(self) -> pd.DataFrame:
+        """The first comparison's frame."""
+        return self.results[self.main_label]
+
+
+def captures(study: Any) -> tuple[Captures, pd.DataFrame]:
+    """Each capture compared with the reference (:func:`compare_study_captures`); records
+    ``reference`` and says what is compared; returns the comparisons and one summary row
+    per comparison."""
+    cap = study.captures
+    ref = cap.reference
+    record("reference", ref)
+    say(prose.captures_compared(cap.request, ref, [k for k in cap.folders if k != ref]))
+    cb = Captures(study=study, results=compare_study_captures(study))
+    rows = {label: {k: df.attrs[k] for k in SUMMARY_KEYS} for label, df in cb.results.items()}
+    return cb, pd.DataFrame.from_dict(rows, orient="index")
+
+
+def boundary_profile(cb: Captures) -> Any:
+    """Figure 1: rel_fro at each boundary for each comparison (skipped when no boundary
+    was dumped in both captures)."""
+    long = pd.concat(
+        [df.assign(comparison=label) for label, df in cb.results.items()], ignore_index=True
+    )
+    if not long["rel_fro"].notna().any():
+        skip(prose.NO_DUMPED_BOUNDARY)
+        return None
+    import matplotlib.pyplot as plt
+
+    from dmlib import plots
+
+    cap = cb.study.captures
+    first = {label: df.attrs["first_divergent_boundary"] for label, df in cb.results.items()}
+    title = f"Request {cap.request or '(all)'}: rel_fro per boundary against {cap.reference}"
+    fig, ax = plt.subplots(figsize=(12, 5))
+    plots.boundary_profile(long, first_divergent=first, ax=ax, title=title)
+    save_figure(fig, "captures_boundary_profile")
+    return fig
+
+
+def block_heatmap(cb: Captures) -> Any:
+    """Figure 2: for the first comparison, which blocks of rows differ at each boundary."""
+    import matplotlib.pyplot as plt
+
+    from dmlib import plots
+
+    main = cb.main
+    index = main.attrs["block_index"]
+    several = len({x[0] for x in index}) > 1  # blocks of several requests: name the request
+    labels = [f"{r}:[{s},{e})" if several else f"[{s},{e})" for r, _, s, e in index]
+    fig, ax = plt.subplots(figsize=(9, min(14, 3 + 0.05 * len(main))))
+    title = f"{cb.main_label}: differing blocks; first divergent: {main.attrs['first_divergent_boundary']}"
+    plots.block_heatmap(main, n_blocks=len(index), block_labels=labels, ax=ax, title=title)
+    save_figure(fig, "captures_block_heatmap")
+    return fig
+
+
+def culprit(cb: Captures) -> pd.DataFrame:
+    """Records the first comparison's verdict and the finding (:func:`prose.captures`);
+    returns its culprit, entry and enclosing boundaries and those with element statistics."""
+    main, a = cb.main, cb.main.attrs
+    for key in ("first_divergent_boundary", "culprit", "n_divergent", "n_boundaries", "valid"):
+        record(key, a[key])
+    record("repeat_control_held", (a["repeat_control"] or {}).get("held"))
+    record("negative_control_passed", a["negative_control"]["passed"])
+    record(
+        "first_divergent", {k: df.attrs["first_divergent_boundary"] for k, df in cb.results.items()}
+    )
+    row = main[main["boundary"] == a["culprit"]]
+    record("culprit_rel_fro", row["rel_fro"].iloc[0] if len(row) else None)
+    text, lines = prose.captures(cb.results)
+    finding(text)
+    cb.lines += lines
+    shown = main["role"].isin(["culprit", "entry", "encloses-culprit"]) | main["rel_fro"].notna()
+    return main.loc[shown, CULPRIT_COLUMNS]
+
+
+def op_level(cb: Captures) -> pd.DataFrame | None:
+    """The op-level captures (:func:`dmlib.report.oplevel.op_level`): records their numbers,
+    says their sentences, returns the arbitration table (skipped when none are declared)."""
+    cap = cb.study.captures
+    if not cap.ops:
+        skip(prose.NO_OP_CAPTURES)
+        return None
+    from dmlib.report import oplevel
+
+    ops = oplevel.op_level(cap)
+    for key, value in ops.numbers.items():
+        record(key, value)
+    say(*ops.lines)
+    return ops.table
+
+
+def conclude(cb: Captures) -> None:
+    """Says the conclusion lines the cells above computed (nothing when there are none)."""
+    if cb.lines:
+        say(*cb.lines)
