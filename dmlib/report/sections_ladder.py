@@ -83,11 +83,12 @@ def _repeat_frames(sg: Ladder) -> dict[str, pd.DataFrame]:
     from dmlib.forensics.ladder import step_ladder
 
     out = {}
+    sources = sg.sources or {}  # set by the ladder's cell before the repeats are asked for
     for r, o in sg.repeat_of.items():
         if sg.df is not None and o == sg.reference:
             out[f"{o}/{r}"] = sg.df[sg.df["pair"].eq(f"{o}/{r}")]
         else:
-            pair = {o: sg.sources[o], r: sg.sources[r]}
+            pair = {o: sources[o], r: sources[r]}
             out[f"{o}/{r}"] = step_ladder(pair, reference=o)
     return out
 
@@ -166,7 +167,7 @@ def ladder_finding(sg: Ladder, n: int = 5) -> pd.DataFrame | None:
     record("top_mover_at_last_step", movers)
     by_step = df.groupby(["pair", "step"])["rel_fro"].max().items()
     record("max_rel_fro_by_pair_and_step", {f"{p}@{s}": float(v) for (p, s), v in by_step})
-    record("rates", sg.rates.to_dict("records"))
+    record("rates", [] if sg.rates is None else sg.rates.to_dict("records"))
     text, lines = prose.ladder(
         df, sg.reference, sg.repeats, sg.rates, sg.small, sg.below, control=sg.study.control
     )
