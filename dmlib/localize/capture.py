@@ -50,6 +50,7 @@ from dmlib.localize.captures import (
     MANIFEST,
     REQUEST_PREFIX,
     TENSOR_DIR,
+    TREE,
     VERSION,
     WHOLE_KEY,
     RowMap,
@@ -57,6 +58,7 @@ from dmlib.localize.captures import (
     is_layout_slot,
     request_hashes,
     root_label,
+    tree_request,
 )
 from dmlib.localize.ops import OpRecorder, quiet
 
@@ -354,7 +356,7 @@ class Recorder:
         self.dump = dump
         self.dump_requests = dump_requests
         self.metadata = metadata
-        self.scheme = hashing.BLAKE3  # the host's hash
+        self.scheme = TREE  # the host's hash
         self.device_hash = device_hash
         self._device_path_on_cpu = False  # tests: take the device path with CPU tensors
         self.boundaries: list[dict[str, Any]] = []
@@ -645,7 +647,7 @@ class Recorder:
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         """Digests of one boundary on the host (and its dump file, if planned)."""
         scheme = entry["hash"]
-        if scheme == hashing.BLAKE3 and arr.ndim >= 1 and arr.size:
+        if scheme in (TREE, hashing.BLAKE3) and arr.ndim >= 1 and arr.size:
             arr = np.ascontiguousarray(arr)
             mv, b3 = arr.reshape(-1).view(np.uint8).data, hashing._blake3()
             entry["digest"] = _b3_hex(b3, mv, scheme)
@@ -724,7 +726,7 @@ class Recorder:
         """
         plan, block = self._request_plan(), self.block_rows
         out: dict[str, dict[str, Any]] = {}
-        fast = scheme == hashing.BLAKE3 and rows.size > 0 and rows.ndim >= 1
+        fast = scheme in (hashing.BLAKE3, TREE) and rows.size > 0 and rows.ndim >= 1
         if fast:
             rows = np.ascontiguousarray(rows)
             mv = rows.reshape(-1).view(np.uint8).data
@@ -739,8 +741,11 @@ class Recorder:
                 lo, n = span[0] * rb, len(idx)
                 cuts = [(lo + i * rb, lo + min(i + block, n) * rb) for i in range(0, n, block)]
                 blocks = [_b3_hex(b3, mv[a:b], scheme) for a, b in cuts]
-                whole = blocks[0] if len(blocks) == 1 else None
-                digest = whole or _b3_hex(b3, mv[lo : lo + n * rb], scheme)
+                if scheme == TREE:
+                    digest = tree_request(blocks, n, rb, block)
+                else:
+                    whole = blocks[0] if len(blocks) == 1 else None
+                    digest = whole or _b3_hex(b3, mv[lo : lo + n * rb], scheme)
             out[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
         return out
 

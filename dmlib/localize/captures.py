@@ -12,8 +12,9 @@ the request's rows in position order and of each block of ``block_rows`` positio
 Hashing per logical request makes the hashes comparable between layouts that place the
 same request at different physical rows (alone, padded, packed with others).
 
-Every boundary names its hash scheme (``hash``): ``blake3-64MiB`` (what version 2 writes
-for host tensors), ``cksum4-v1`` (computed on the device for GPU tensors) or ``sha256``
+Every boundary names its hash scheme (``hash``): ``blake3-tree-v1`` (what version 3 writes
+for host tensors: a request's digest derived from its blocks, :func:`tree_request`),
+``blake3-64MiB`` (version 2's host scheme), ``cksum4-v1`` (computed on the device for GPU tensors) or ``sha256``
 (every version-1 capture). Digests of different schemes are never compared: such a
 boundary is not judged (:func:`same_scheme`).
 """
@@ -24,6 +25,7 @@ import fnmatch
 import hashlib
 import math
 import os
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +39,16 @@ from dmlib.errors import CaptureError, DmlibError
 from dmlib.safepaths import bounded_json, inside
 
 FORMAT = "dmlib-capture"
-VERSION = 2  # 2: digests under a named scheme ("hash"); 1: bare SHA-256 ("sha256" fields)
-READS = (1, 2)  # manifest versions this reader opens
+# 3: host digests as a hash tree ("blake3-tree-v1"); 2: digests under a named scheme
+# ("hash"); 1: bare SHA-256 ("sha256" fields)
+VERSION = 3
+READS = (1, 2, 3)  # manifest versions this reader opens
+#: The host's scheme from version 3: whole tensors, blocks and per-index rows are plain
+#: BLAKE3 (``blake3-64MiB``) digests of their bytes; a request's digest is derived from its
+#: blocks' digests (:func:`tree_request`), so that its bytes are not hashed a second time.
+TREE = "blake3-tree-v1"
 #: Hash schemes a capture may name; the first is what the host writes.
-SCHEMES = (hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
+SCHEMES = (TREE, hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
 MANIFEST = "manifest.json"
 TENSOR_DIR = "tensors"
 WHOLE_KEY = "tensor"  # safetensors key of a whole physical tensor
@@ -90,15 +98,34 @@ def digest_hex(data: np.ndarray | np.generic | memoryview | bytes, scheme: str) 
     """Bare hex digest of exactly these bytes (an ndarray as its C-order bytes) in ``scheme``."""
     if not isinstance(data, (bytes, memoryview)):  # an array, or a numpy scalar (x[i] of 1-d)
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    if scheme == hashing.BLAKE3:
+    if scheme in (hashing.BLAKE3, TREE):  # a tree's leaf is the plain digest of its bytes
         if memoryview(data).nbytes <= hashing.PIECE:  # the plain digest: skip the piece logic
             return hashing._blake3()(data).hexdigest()
-        return hashing.digest_bytes(data, scheme).split(":", 1)[1]
+        return hashing.digest_bytes(data, hashing.BLAKE3).split(":", 1)[1]
     if scheme == hashing.SHA256:
         return hashlib.sha256(data).hexdigest()
     if scheme == hashing.CHECKSUM:
         return hashing.checksum_host(data).split(":", 1)[1]
     raise CaptureError(f"unknown hash scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+
+
+_TREE_REQUEST = b"dmlib blake3-tree-v1 request\0"
+
+
+def tree_request(blocks: Sequence[str], n_rows: int, row_bytes: int, block_rows: int) -> str:
+    """A request's ``blake3-tree-v1`` digest from its block digests (hex).
+
+    One block: that block's digest (the plain BLAKE3 digest of every byte of the
+    request, as in ``blake3-64MiB``). Several: BLAKE3 of a domain tag, the row count,
+    the bytes per row, the rows per block and the blocks' 32-byte digests in order, so
+    that equal digests mean equal rows, cut into blocks the same way.
+    """
+    if len(blocks) == 1:
+        return str(blocks[0])
+    h = hashing._blake3()(_TREE_REQUEST)
+    h.update(struct.pack("<3Q", n_rows, row_bytes, block_rows))
+    h.update(b"".join(bytes.fromhex(b) for b in blocks))
+    return str(h.hexdigest())
 
 
 def request_hashes(
@@ -116,14 +143,18 @@ def request_hashes(
         else rows.reshape(rows.shape[0], 0)
     )
     n = rows.shape[0]
-    if scheme == hashing.BLAKE3 and rows.size and flat.nbytes <= hashing.PIECE:
+    if scheme in (hashing.BLAKE3, TREE) and rows.size and flat.nbytes <= hashing.PIECE:
         # the same digests as digest_hex, without its per-call array handling
         b3, mv, rb = hashing._blake3(), flat.reshape(-1).data, flat.shape[1]
         blocks = [
             b3(mv[i * rb : (i + block_rows) * rb]).hexdigest() for i in range(0, n, block_rows)
         ]
+        if scheme == TREE:
+            return tree_request(blocks, n, rb, block_rows), blocks
         return (blocks[0] if len(blocks) == 1 else b3(mv).hexdigest()), blocks
     blocks = [digest_hex(flat[i : i + block_rows], scheme) for i in range(0, n, block_rows)]
+    if scheme == TREE:
+        return tree_request(blocks, n, flat.shape[1], block_rows), blocks
     # one block holds every byte of the request: its digest is the request's
     return (blocks[0] if len(blocks) == 1 else digest_hex(flat, scheme)), blocks
 
@@ -637,6 +668,6 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
 
 __all__ = [
     "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex", "judge_heads",
-    "same_scheme", "dump_files", "FORMAT", "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS",
-    "root_label", "is_layout_slot",
+    "same_scheme", "tree_request", "TREE", "dump_files", "FORMAT",
+    "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS", "root_label", "is_layout_slot",
 ]  # fmt: skip
