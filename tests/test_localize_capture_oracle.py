@@ -14,11 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from _support.tree import tree_request  # noqa: E402
 from blake3 import blake3  # noqa: E402
 
 import dmlib  # noqa: E402
-from _support.tree import tree_request  # noqa: E402
-
 from dmlib.localize.capture import default_modules  # noqa: E402
 
 B, S, BLOCK = 3, 13, 4

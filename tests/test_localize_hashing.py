@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from _support.tree import tree_request  # noqa: E402
 from blake3 import blake3  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
-from _support.tree import tree_request  # noqa: E402
-
 from dmlib.hashing import checksum_host  # noqa: E402
 
 B, S, BLOCK = 2, 7, 3  # two batch rows of 7 positions, blocks of 3 positions

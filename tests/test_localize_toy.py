@@ -19,7 +19,6 @@ import pytest
 from blake3 import blake3
 
 torch = pytest.importorskip("torch")
-from _support.tree import tree_request  # noqa: E402
 from _support.toymodel import (  # noqa: E402
     BLOCK_ROWS,
     N_REQ,
@@ -30,6 +29,7 @@ from _support.toymodel import (  # noqa: E402
     layout,
     run_capture,
 )
+from _support.tree import tree_request  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
