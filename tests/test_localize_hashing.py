@@ -78,9 +78,7 @@ def _capture(model: Net, ids: torch.Tensor, path, *, device_path: bool = False, 
     return dmlib.open_capture(path)
 
 
-def _expect(
-    x: np.ndarray, fn, tree: bool = False
-) -> tuple[str, dict[str, tuple[str, list[str]]]]:
+def _expect(x: np.ndarray, fn, tree: bool = False) -> tuple[str, dict[str, tuple[str, list[str]]]]:
     """Whole digest and per-request (digest, blocks) of a (B, S, ...) boundary, by hand
     (``tree``: a request's digest is the blake3-tree-v1 one over its blocks)."""
     reqs = {"u": x[0, :S], "v": x[1, :5]}
