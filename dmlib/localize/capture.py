@@ -742,7 +742,7 @@ class Recorder:
                 cuts = [(lo + i * rb, lo + min(i + block, n) * rb) for i in range(0, n, block)]
                 blocks = [_b3_hex(b3, mv[a:b], scheme) for a, b in cuts]
                 if scheme == TREE:
-                    digest = tree_request(blocks, n, rb, block)
+                    digest = tree_request(blocks, n, block)
                 else:
                     whole = blocks[0] if len(blocks) == 1 else None
                     digest = whole or _b3_hex(b3, mv[lo : lo + n * rb], scheme)

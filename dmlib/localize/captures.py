@@ -112,18 +112,20 @@ def digest_hex(data: np.ndarray | np.generic | memoryview | bytes, scheme: str) 
 _TREE_REQUEST = b"dmlib blake3-tree-v1 request\0"
 
 
-def tree_request(blocks: Sequence[str], n_rows: int, row_bytes: int, block_rows: int) -> str:
+def tree_request(blocks: Sequence[str], n_rows: int, block_rows: int) -> str:
     """A request's ``blake3-tree-v1`` digest from its block digests (hex).
 
     One block: that block's digest (the plain BLAKE3 digest of every byte of the
-    request, as in ``blake3-64MiB``). Several: BLAKE3 of a domain tag, the row count,
-    the bytes per row, the rows per block and the blocks' 32-byte digests in order, so
-    that equal digests mean equal rows, cut into blocks the same way.
+    request, as in ``blake3-64MiB``). Several: BLAKE3 of a domain tag, the row count
+    and the rows per block (little-endian u64) and the blocks' 32-byte digests in
+    order: equal digests mean the same blocks, hence the same bytes. Everything it
+    needs is in the manifest, so a ``blake3-64MiB`` boundary's request digests can be
+    rebuilt under this scheme (:func:`lift_blake3`).
     """
     if len(blocks) == 1:
         return str(blocks[0])
     h = hashing._blake3()(_TREE_REQUEST)
-    h.update(struct.pack("<3Q", n_rows, row_bytes, block_rows))
+    h.update(struct.pack("<2Q", n_rows, block_rows))
     h.update(b"".join(bytes.fromhex(b) for b in blocks))
     return str(h.hexdigest())
 
@@ -150,11 +152,11 @@ def request_hashes(
             b3(mv[i * rb : (i + block_rows) * rb]).hexdigest() for i in range(0, n, block_rows)
         ]
         if scheme == TREE:
-            return tree_request(blocks, n, rb, block_rows), blocks
+            return tree_request(blocks, n, block_rows), blocks
         return (blocks[0] if len(blocks) == 1 else b3(mv).hexdigest()), blocks
     blocks = [digest_hex(flat[i : i + block_rows], scheme) for i in range(0, n, block_rows)]
     if scheme == TREE:
-        return tree_request(blocks, n, flat.shape[1], block_rows), blocks
+        return tree_request(blocks, n, block_rows), blocks
     # one block holds every byte of the request: its digest is the request's
     return (blocks[0] if len(blocks) == 1 else digest_hex(flat, scheme)), blocks
 
@@ -394,6 +396,43 @@ def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
 def same_scheme(x: Boundary, y: Boundary) -> bool:
     """Whether the two boundaries' digests are of one scheme, hence comparable at all."""
     return x.hash == y.hash
+
+
+def lift_blake3(a: Capture, b: Capture) -> tuple[Capture, Capture]:
+    """The two captures, one rebuilt so that ``blake3-64MiB`` meets ``blake3-tree-v1``.
+
+    Where one capture holds ``blake3-tree-v1`` boundaries (version 3) and the other
+    ``blake3-64MiB`` ones (version 2), the second's are read under the tree scheme:
+    whole, per-index and block digests are defined alike in both; a request's digest
+    is rebuilt from its blocks (:func:`tree_request`). Nothing is rehashed and the
+    folder is not touched; other pairs come back as they are.
+    """
+    schemes = ({x.hash for x in a.boundaries}, {x.hash for x in b.boundaries})
+    if TREE in schemes[0] and hashing.BLAKE3 in schemes[1]:
+        return a, _lifted(b)
+    if TREE in schemes[1] and hashing.BLAKE3 in schemes[0]:
+        return _lifted(a), b
+    return a, b
+
+
+def _lifted(c: Capture) -> Capture:
+    """``c`` with its ``blake3-64MiB`` boundaries restated as ``blake3-tree-v1``."""
+
+    def tree(requests: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            r: v if v is None else dict(v, digest=tree_request(v["blocks"], v["n_rows"], block))
+            for r, v in (requests or {}).items()
+        }
+
+    block, entries = c.block_rows, []
+    for d in c.manifest["boundaries"]:
+        if d.get("hash") == hashing.BLAKE3:
+            d = dict(d, hash=TREE, requests=tree(d.get("requests")))
+            if isinstance(d.get("kv_repeat"), dict):
+                kv = d["kv_repeat"]
+                d["kv_repeat"] = dict(kv, requests=tree(kv.get("requests")))
+        entries.append(d)
+    return Capture(c.path, dict(c.manifest, boundaries=entries))
 
 
 def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
@@ -668,6 +707,6 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
 
 __all__ = [
     "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex", "judge_heads",
-    "same_scheme", "tree_request", "TREE", "dump_files", "FORMAT",
+    "same_scheme", "tree_request", "lift_blake3", "TREE", "dump_files", "FORMAT",
     "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS", "root_label", "is_layout_slot",
 ]  # fmt: skip
