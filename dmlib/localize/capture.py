@@ -371,6 +371,8 @@ class Recorder:
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
         self._plan: list[tuple[str, np.ndarray, tuple[int, int] | None]] | None = None
+        # KV-cache shape -> its rows per request (the row map and layout are fixed once set)
+        self._cache_plans: dict[tuple[Any, ...], Any] = {}
 
     def is_layout(self, module: str, slot: str) -> bool:
         """Whether input ``slot`` of ``module`` follows the batch layout (a mask, positions)."""
@@ -431,7 +433,16 @@ class Recorder:
         return name
 
     def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
-        """(entry per flattened (batch, position) row, request -> its rows in order)."""
+        """(entry per flattened (batch, position) row, request -> its rows in order), once
+        per shape and layout."""
+        key = (shape, self.row_map.batch if self.row_map else None, self.layout)
+        if key not in self._cache_plans:
+            self._cache_plans[key] = self._cache_rows_of(shape)
+        return cast("tuple[list[Any], dict[str, list[int]]] | None", self._cache_plans[key])
+
+    def _cache_rows_of(
+        self, shape: tuple[int, ...]
+    ) -> tuple[list[Any], dict[str, list[int]]] | None:
         rm = self.row_map
         if rm is None or len(shape) != 4:
             return None
@@ -869,13 +880,18 @@ class Recorder:
     def write_manifest(
         self, *, complete: bool, error: str | None = None, durable: bool = True
     ) -> None:
-        """Write ``manifest.json`` (atomically; ``durable=False``: without fsync, for the
-        in-progress marker, whose loss leaves a folder a reader refuses just the same)."""
+        """Write ``manifest.json``, atomically (a temporary file renamed into place).
+
+        It is fsynced before the rename only where the capture wrote dump files (they
+        are durable before a manifest vouches for them; their writer syncs them). A
+        manifest that describes no file but itself needs no fsync: after a crash the
+        folder holds the in-progress marker, an empty or a cut file, each of which a
+        reader refuses, or the complete manifest (measured: 0.2 to 0.7 ms saved per
+        capture). ``durable=False``: the in-progress marker, never fsynced.
+        """
         if not durable:
             head = json.dumps(self.manifest(complete=complete, error=error) | {"boundaries": []})
-            tmp = self.path / (MANIFEST + ".tmp")
-            tmp.write_text(head)
-            os.replace(tmp, self.path / MANIFEST)
+            _replace(self.path, head)
             return
         m = self.manifest(complete=complete, error=error)
         boundaries = m.pop("boundaries")
@@ -883,7 +899,17 @@ class Recorder:
         head = _COMPACT.encode(m)[:-1]
         lines = ",\n".join(map(_COMPACT.encode, boundaries))
         text = f'{head},"boundaries":[\n{lines}\n]}}\n'
-        _atomic.atomic_write_text(self.path / MANIFEST, text)
+        if any(b["dump"] for b in boundaries) or (self.path / TENSOR_DIR).is_dir():
+            _atomic.atomic_write_text(self.path / MANIFEST, text)
+        else:
+            _replace(self.path, text)
+
+
+def _replace(folder: Path, text: str) -> None:
+    """``folder/manifest.json`` replaced by ``text`` through a rename, without fsync."""
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, folder / MANIFEST)
 
 
 @contextlib.contextmanager
