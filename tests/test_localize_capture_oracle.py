@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from _support.tree import tree_request  # noqa: E402
 from blake3 import blake3  # noqa: E402
 
 import dmlib  # noqa: E402
@@ -78,7 +79,7 @@ def test_llama_capture_digests_match_blake3_of_hooked_outputs(tmp_path, threads)
     checked = 0
     for name, x in seen.items():
         b = c.boundary(name)
-        assert b.hash == "blake3-64MiB" and b.digest == _b3(x), name
+        assert b.hash == "blake3-tree-v1" and b.digest == _b3(x), name
         if x.ndim >= 2 and x.shape[:2] == (B, S):
             rows = x.reshape(B * S, *x.shape[2:])
             for rid in ("r0", "r1", "r2"):
@@ -86,7 +87,9 @@ def test_llama_capture_digests_match_blake3_of_hooked_outputs(tmp_path, threads)
                 blocks = [_b3(mine[i : i + BLOCK]) for i in range(0, len(mine), BLOCK)]
                 got = b.requests[rid]
                 assert got.blocks == blocks, (name, rid)
-                assert got.digest == (blocks[0] if len(blocks) == 1 else _b3(mine)), (name, rid)
+                # a request of several blocks: its digest is the tree over its blocks
+                assert got.digest == tree_request(mine, BLOCK)[0], (name, rid)
+                assert (len(blocks) == 1) == (got.digest == _b3(mine)), (name, rid)
                 assert got.n_rows == len(mine)
             checked += 1
         elif b.leading is not None:

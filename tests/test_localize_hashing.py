@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from _support.tree import tree_request  # noqa: E402
 from blake3 import blake3  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -77,13 +78,14 @@ def _capture(model: Net, ids: torch.Tensor, path, *, device_path: bool = False, 
     return dmlib.open_capture(path)
 
 
-def _expect(x: np.ndarray, fn) -> tuple[str, dict[str, tuple[str, list[str]]]]:
-    """Whole digest and per-request (digest, blocks) of a (B, S, ...) boundary, by hand."""
+def _expect(x: np.ndarray, fn, tree: bool = False) -> tuple[str, dict[str, tuple[str, list[str]]]]:
+    """Whole digest and per-request (digest, blocks) of a (B, S, ...) boundary, by hand
+    (``tree``: a request's digest is the blake3-tree-v1 one over its blocks)."""
     reqs = {"u": x[0, :S], "v": x[1, :5]}
     out = {}
     for r, rows in reqs.items():
         blocks = [fn(rows[i : i + BLOCK].tobytes()) for i in range(0, len(rows), BLOCK)]
-        out[r] = (fn(rows.tobytes()), blocks)
+        out[r] = (tree_request(rows, BLOCK)[0] if tree else fn(rows.tobytes()), blocks)
     return fn(x.tobytes()), out
 
 
@@ -100,11 +102,11 @@ def test_host_digests_are_blake3_of_each_boundary_bytes(tmp_path, threads):
     model, ids = _model()
     seen = _seen(model, ids)
     c = _capture(model, ids, tmp_path / "c", hash_threads=threads)
-    assert c.manifest["version"] == 2 and c.manifest["hash"] == "blake3-64MiB"
+    assert c.manifest["version"] == 3 and c.manifest["hash"] == "blake3-tree-v1"
     for name in ("emb", "same:input0", "same", "lin:input0", "lin", "bump:input0", "bump"):
         b = c.boundary(name)
-        whole, reqs = _expect(seen[name], _b3)
-        assert b.hash == "blake3-64MiB" and b.digest == whole, name
+        whole, reqs = _expect(seen[name], _b3, tree=True)
+        assert b.hash == "blake3-tree-v1" and b.digest == whole, name
         for r, (digest, blocks) in reqs.items():
             assert (b.requests[r].digest, b.requests[r].blocks) == (digest, blocks), (name, r)
     # the in-place op: its input and output are one object, before and after the write
@@ -153,7 +155,7 @@ def test_two_schemes_are_never_called_identical(tmp_path):
     df = dmlib.compare_captures(host, dev, repeat=dev)
     assert df["identical"].isna().all()
     assert df.attrs["status"] == "inconclusive"
-    assert "hashed with blake3-64MiB in A, cksum4-v1 in B" in df["note"].iloc[0]
+    assert "hashed with blake3-tree-v1 in A, cksum4-v1 in B" in df["note"].iloc[0]
     rc = df.attrs["repeat_control"]["checks"][0]
     assert rc["held"] is False and rc["n_incomparable"] == len(host) and rc["n_differing"] == 0
     assert df.attrs["valid"] is False

@@ -9,6 +9,7 @@ from blake3 import blake3
 torch = pytest.importorskip("torch")
 from _support import opsmodel  # noqa: E402
 from _support.opsmodel import LENGTHS, F, Net, S, layout  # noqa: E402
+from _support.tree import tree_request  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
@@ -69,7 +70,7 @@ def test_op_names_hashes_and_rows(tmp_path):
     assert b.digest == blake3(out.tobytes()).hexdigest()
     assert b.row_dims == 2 and b.shape == (3, S, F)
     q_rows = out[1, :S]  # request q is batch row 1
-    assert b.requests["q"].digest == blake3(q_rows.tobytes()).hexdigest()
+    assert b.requests["q"].digest == tree_request(q_rows, 4)[0]
     assert b.requests["q"].blocks == [
         blake3(q_rows[i : i + 4].tobytes()).hexdigest() for i in range(0, S, 4)
     ]

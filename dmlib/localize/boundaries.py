@@ -30,6 +30,7 @@ from dmlib.localize.captures import (
     Capture,
     is_layout_slot,
     judge_heads,
+    lift_blake3,
     open_capture,
     request_hashes,
     request_key,
@@ -307,7 +308,7 @@ def repeat_control(a: CaptureLike, a_repeat: CaptureLike) -> dict[str, Any]:
     "n_incomparable", "incomparable"}``; a boundary hashed with two schemes cannot show
     that the repeat held, so it counts against it (listed under ``incomparable``).
     """
-    ca, cr = open_capture(a), open_capture(a_repeat)
+    ca, cr = lift_blake3(open_capture(a), open_capture(a_repeat))
     names_a = [x.name for x in ca.boundaries]
     names_r = [x.name for x in cr.boundaries]
     differing, incomparable = [], []
@@ -431,7 +432,8 @@ def compare_captures(
     sequence (first axis = batch) through the batch row the request fills alone;
     otherwise the whole tensor, when both captures have the same dtype and shape.
     """
-    a, b = open_capture(path_a), open_capture(path_b)
+    # a version-2 capture meets a version-3 one under one scheme (digests rebuilt, not rehashed)
+    a, b = lift_blake3(open_capture(path_a), open_capture(path_b))
     requests = _check_comparable(a, b, request)
     index = _block_index(a, requests)
     offsets = {r: i for i, (r, k, _, _) in enumerate(index) if k == 0}  # request -> first block id
@@ -671,10 +673,10 @@ def _negatives(
 ) -> dict[str, Any]:
     checks = [planted_control(a, request=requests[0] if len(requests) == 1 else None)]
     if negative is not None:
-        n = open_capture(negative)
+        la, n = lift_blake3(a, open_capture(negative))
         common = sorted(set(a.requests) & set(n.requests)) or None
         found = False
-        for x in a.boundaries:
+        for x in la.boundaries:
             if x.name not in n:
                 continue
             y = n.boundary(x.name)

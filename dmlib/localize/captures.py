@@ -12,8 +12,9 @@ the request's rows in position order and of each block of ``block_rows`` positio
 Hashing per logical request makes the hashes comparable between layouts that place the
 same request at different physical rows (alone, padded, packed with others).
 
-Every boundary names its hash scheme (``hash``): ``blake3-64MiB`` (what version 2 writes
-for host tensors), ``cksum4-v1`` (computed on the device for GPU tensors) or ``sha256``
+Every boundary names its hash scheme (``hash``): ``blake3-tree-v1`` (what version 3 writes
+for host tensors: a request's digest derived from its blocks, :func:`tree_request`),
+``blake3-64MiB`` (version 2's host scheme), ``cksum4-v1`` (computed on the device for GPU tensors) or ``sha256``
 (every version-1 capture). Digests of different schemes are never compared: such a
 boundary is not judged (:func:`same_scheme`).
 """
@@ -24,6 +25,7 @@ import fnmatch
 import hashlib
 import math
 import os
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +39,16 @@ from dmlib.errors import CaptureError, DmlibError
 from dmlib.safepaths import bounded_json, inside
 
 FORMAT = "dmlib-capture"
-VERSION = 2  # 2: digests under a named scheme ("hash"); 1: bare SHA-256 ("sha256" fields)
-READS = (1, 2)  # manifest versions this reader opens
+# 3: host digests as a hash tree ("blake3-tree-v1"); 2: digests under a named scheme
+# ("hash"); 1: bare SHA-256 ("sha256" fields)
+VERSION = 3
+READS = (1, 2, 3)  # manifest versions this reader opens
+#: The host's scheme from version 3: whole tensors, blocks and per-index rows are plain
+#: BLAKE3 (``blake3-64MiB``) digests of their bytes; a request's digest is derived from its
+#: blocks' digests (:func:`tree_request`), so that its bytes are not hashed a second time.
+TREE = "blake3-tree-v1"
 #: Hash schemes a capture may name; the first is what the host writes.
-SCHEMES = (hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
+SCHEMES = (TREE, hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
 MANIFEST = "manifest.json"
 TENSOR_DIR = "tensors"
 WHOLE_KEY = "tensor"  # safetensors key of a whole physical tensor
@@ -90,15 +98,47 @@ def digest_hex(data: np.ndarray | np.generic | memoryview | bytes, scheme: str) 
     """Bare hex digest of exactly these bytes (an ndarray as its C-order bytes) in ``scheme``."""
     if not isinstance(data, (bytes, memoryview)):  # an array, or a numpy scalar (x[i] of 1-d)
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    if scheme == hashing.BLAKE3:
+    if scheme in (hashing.BLAKE3, TREE):  # a tree's leaf is the plain digest of its bytes
         if memoryview(data).nbytes <= hashing.PIECE:  # the plain digest: skip the piece logic
             return hashing._blake3()(data).hexdigest()
-        return hashing.digest_bytes(data, scheme).split(":", 1)[1]
+        return hashing.digest_bytes(data, hashing.BLAKE3).split(":", 1)[1]
     if scheme == hashing.SHA256:
         return hashlib.sha256(data).hexdigest()
     if scheme == hashing.CHECKSUM:
         return hashing.checksum_host(data).split(":", 1)[1]
     raise CaptureError(f"unknown hash scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+
+
+_TREE_REQUEST = b"dmlib blake3-tree-v1 request\0"
+_COUNTS = struct.Struct("<2Q")  # (rows, rows per block)
+
+
+def tree_request(blocks: Sequence[str], n_rows: int, block_rows: int) -> str:
+    """A request's ``blake3-tree-v1`` digest from its block digests (hex).
+
+    One block: that block's digest (the plain BLAKE3 digest of every byte of the
+    request, as in ``blake3-64MiB``). Several: BLAKE3 of a domain tag, the row count
+    and the rows per block (little-endian u64) and the blocks' 32-byte digests in
+    order: equal digests mean the same blocks, hence the same bytes. Everything it
+    needs is in the manifest, so a ``blake3-64MiB`` boundary's request digests can be
+    rebuilt under this scheme (:func:`lift_blake3`).
+    """
+    if len(blocks) == 1:
+        return blocks[0]
+    # one decode of all the blocks and one hasher call: per-block work costs more than the hash
+    data = _TREE_REQUEST + _COUNTS.pack(n_rows, block_rows) + bytes.fromhex("".join(blocks))
+    return cast(str, _b3_class()(data).hexdigest())
+
+
+def _b3_class() -> Any:
+    """The blake3 constructor, looked up once (an import statement per call costs ~1 us)."""
+    global _B3
+    if _B3 is None:
+        _B3 = hashing._blake3()
+    return _B3
+
+
+_B3: Any = None
 
 
 def request_hashes(
@@ -116,14 +156,18 @@ def request_hashes(
         else rows.reshape(rows.shape[0], 0)
     )
     n = rows.shape[0]
-    if scheme == hashing.BLAKE3 and rows.size and flat.nbytes <= hashing.PIECE:
+    if scheme in (hashing.BLAKE3, TREE) and rows.size and flat.nbytes <= hashing.PIECE:
         # the same digests as digest_hex, without its per-call array handling
         b3, mv, rb = hashing._blake3(), flat.reshape(-1).data, flat.shape[1]
         blocks = [
             b3(mv[i * rb : (i + block_rows) * rb]).hexdigest() for i in range(0, n, block_rows)
         ]
+        if scheme == TREE:
+            return tree_request(blocks, n, block_rows), blocks
         return (blocks[0] if len(blocks) == 1 else b3(mv).hexdigest()), blocks
     blocks = [digest_hex(flat[i : i + block_rows], scheme) for i in range(0, n, block_rows)]
+    if scheme == TREE:
+        return tree_request(blocks, n, block_rows), blocks
     # one block holds every byte of the request: its digest is the request's
     return (blocks[0] if len(blocks) == 1 else digest_hex(flat, scheme)), blocks
 
@@ -363,6 +407,43 @@ def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
 def same_scheme(x: Boundary, y: Boundary) -> bool:
     """Whether the two boundaries' digests are of one scheme, hence comparable at all."""
     return x.hash == y.hash
+
+
+def lift_blake3(a: Capture, b: Capture) -> tuple[Capture, Capture]:
+    """The two captures, one rebuilt so that ``blake3-64MiB`` meets ``blake3-tree-v1``.
+
+    Where one capture holds ``blake3-tree-v1`` boundaries (version 3) and the other
+    ``blake3-64MiB`` ones (version 2), the second's are read under the tree scheme:
+    whole, per-index and block digests are defined alike in both; a request's digest
+    is rebuilt from its blocks (:func:`tree_request`). Nothing is rehashed and the
+    folder is not touched; other pairs come back as they are.
+    """
+    schemes = ({x.hash for x in a.boundaries}, {x.hash for x in b.boundaries})
+    if TREE in schemes[0] and hashing.BLAKE3 in schemes[1]:
+        return a, _lifted(b)
+    if TREE in schemes[1] and hashing.BLAKE3 in schemes[0]:
+        return _lifted(a), b
+    return a, b
+
+
+def _lifted(c: Capture) -> Capture:
+    """``c`` with its ``blake3-64MiB`` boundaries restated as ``blake3-tree-v1``."""
+
+    def tree(requests: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            r: v if v is None else dict(v, digest=tree_request(v["blocks"], v["n_rows"], block))
+            for r, v in (requests or {}).items()
+        }
+
+    block, entries = c.block_rows, []
+    for d in c.manifest["boundaries"]:
+        if d.get("hash") == hashing.BLAKE3:
+            d = dict(d, hash=TREE, requests=tree(d.get("requests")))
+            if isinstance(d.get("kv_repeat"), dict):
+                kv = d["kv_repeat"]
+                d["kv_repeat"] = dict(kv, requests=tree(kv.get("requests")))
+        entries.append(d)
+    return Capture(c.path, dict(c.manifest, boundaries=entries))
 
 
 def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
@@ -637,6 +718,6 @@ def n_blocks(n_rows: int, block_rows: int) -> int:
 
 __all__ = [
     "Boundary", "Capture", "RowMap", "open_capture", "request_hashes", "digest_hex", "judge_heads",
-    "same_scheme", "dump_files", "FORMAT", "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS",
-    "root_label", "is_layout_slot",
+    "same_scheme", "tree_request", "lift_blake3", "TREE", "dump_files", "FORMAT",
+    "VERSION", "SCHEMES", "ROOT", "LAYOUT_INPUTS", "root_label", "is_layout_slot",
 ]  # fmt: skip
