@@ -34,6 +34,13 @@ def _mapped(pid: int, name: str) -> bool:
         return False
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python turns it into
+    KeyboardInterrupt. A suite started in the background by a shell without job control
+    inherits SIGINT ignored, and an ignored SIGINT would never reach the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see the run")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -42,7 +49,8 @@ def test_interrupted_compare_exits_130_with_one_line(tmp_path: Path, sig: int) -
     _many(a, 8000, 0.0)
     _many(b, 8000, 1e-3)
     p = subprocess.Popen([sys.executable, "-m", "dmlib", "compare", str(a), str(b)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)  # fmt: skip
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                         preexec_fn=default_sigint)  # fmt: skip
     t0 = time.monotonic()
     while p.poll() is None and not _mapped(p.pid, "b.safetensors") and time.monotonic() - t0 < 60:
         time.sleep(0.02)

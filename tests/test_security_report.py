@@ -551,6 +551,10 @@ def _slow_notebooks(folder: Path) -> Path:
     return folder
 
 
+def _sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_report(small_study: Path, tmp_path: Path, out: Path) -> tuple[subprocess.Popen, Path]:
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
@@ -558,7 +562,8 @@ def _start_report(small_study: Path, tmp_path: Path, out: Path) -> tuple[subproc
     nbs = _slow_notebooks(tmp_path / "nbs")
     cmd = [sys.executable, "-m", "dmlib", "report", str(small_study / "study.toml")]
     cmd += ["--out", str(out), "--notebooks", str(nbs)]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child (see test_security_exitcodes.default_sigint)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint)
     deadline = time.monotonic() + 90
     while not list(tmp.glob("dmlib-kernel-*/kernel-0.json")):  # the kernel is starting
         assert proc.poll() is None and time.monotonic() < deadline
