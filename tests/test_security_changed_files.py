@@ -219,7 +219,7 @@ def test_cli_compare_of_a_file_changed_after_open_exits_2(
 
 _SIGBUS_RAW = """
 import mmap, os, sys
-from dmlib.kernels import stream as K
+from dmlib.kernels import signals as K
 path, install = sys.argv[1], sys.argv[2] == "on"
 if install:
     assert K.exit_on_sigbus("shrank under a read\\n")
@@ -244,9 +244,9 @@ sys.exit(main(["compare", sys.argv[1], b, "--hash", "none"]))
 
 
 def _compiled() -> bool:
-    from dmlib.kernels import stream as K
+    from dmlib.kernels import signals
 
-    return K._fused is not None and hasattr(K._fused, "exit_on_sigbus")
+    return signals._fused is not None and hasattr(signals._fused, "exit_on_sigbus")
 
 
 needs_compiled = pytest.mark.skipif(

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         _restore_sigterm(previous)
         if sigbus:
-            from dmlib.kernels.stream import restore_sigbus
+            from dmlib.kernels.signals import restore_sigbus
 
             restore_sigbus()
         with contextlib.suppress(Exception):
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # what a command says when a memory-mapped input shrank under a read (SIGBUS: no Python
-# runs then, so no file name; see dmlib.kernels.stream.exit_on_sigbus)
+# runs then, so no file name; see dmlib.kernels.signals.exit_on_sigbus)
 SIGBUS_LINE = (
     "dmlib: error: an input file shrank while it was being read (changed while reading: "
     "its memory map was read past the file's new end); nothing computed from it is reported\n"
@@ -122,7 +122,7 @@ def _exit_on_sigbus() -> bool:
 
     if threading.current_thread() is not threading.main_thread():
         return False
-    from dmlib.kernels.stream import exit_on_sigbus
+    from dmlib.kernels.signals import exit_on_sigbus
 
     return exit_on_sigbus(SIGBUS_LINE)
 
