@@ -24,6 +24,7 @@ from dmlib.tensor import ArrayTensorSet
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from _support.mapmodels import hf_to_meta_by_loops, tiny_llama  # noqa: E402
 
 HIDDEN, HEADS, LAYERS = 32, 4, 2
 HD = HIDDEN // HEADS  # head_dim 8
@@ -33,28 +34,10 @@ QKV = [f"model.layers.{{i}}.self_attn.{x}_proj.weight" for x in "qkv"]
 
 def llama(kv_heads: int) -> dict[str, np.ndarray]:
     """A tiny LlamaForCausalLM from its config, every parameter drawn at random."""
-    cfg = transformers.LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=kv_heads, vocab_size=24,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(kv_heads)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return tiny_llama(HIDDEN, HEADS, kv_heads, LAYERS, intermediate=48, vocab=24, seed=kv_heads)
 
 
-def to_meta_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """HF row order -> Meta's interleaved rotary order, one row at a time."""
-    d = w.shape[0] // heads
-    out = np.empty_like(w)
-    for h in range(heads):
-        for m in range(d // 2):
-            for r in range(2):
-                out[h * d + 2 * m + r] = w[h * d + r * (d // 2) + m]
-    return out
+to_meta_rows = hf_to_meta_by_loops  # HF row order -> Meta's interleaved rotary order
 
 
 def fused_meta(hf: dict[str, np.ndarray], kv_heads: int) -> dict[str, np.ndarray]:

@@ -108,12 +108,26 @@ HEADS, KV_HEADS = 4, 2
 
 
 def llama_hf() -> dict[str, np.ndarray]:
+    return tiny_llama(D, HEADS, KV_HEADS, LAYERS, intermediate=32, vocab=40, seed=1)
+
+
+def tiny_llama(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    layers: int,
+    *,
+    intermediate: int,
+    vocab: int,
+    seed: int,
+) -> dict[str, np.ndarray]:
+    """A tiny LlamaForCausalLM from its config, every parameter drawn at random (seeded)."""
     cfg = transformers.LlamaConfig(
-        hidden_size=D, intermediate_size=32, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, vocab_size=40, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0, tie_word_embeddings=False,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
