@@ -3,12 +3,11 @@ studies written by hand; every expected value follows from the arrays written.""
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _support.st_writer import write_f32
 
 from dmlib import report
 from dmlib.io.burnpack import write_burnpack
@@ -16,18 +15,7 @@ from dmlib.report import sections_files as sections
 
 
 def _write(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, str] | None = None) -> None:
-    header, blobs, offset = {"__metadata__": meta or {}}, [], 0
-    for name, arr in tensors.items():
-        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    write_f32(path, tensors, meta)
 
 
 @pytest.fixture()

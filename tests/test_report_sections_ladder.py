@@ -4,12 +4,11 @@ to ``r`` at step 1 and one float32 ULP off in one element of ``w`` at step 2."""
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _support.st_writer import write_f32
 
 from dmlib import report
 from dmlib.report import sections_ladder as sections
@@ -19,18 +18,7 @@ B = np.array([0.01], dtype=np.float32)  # Frobenius norm 0.01: small-norm below 
 
 
 def _write(path: Path, tensors: dict[str, np.ndarray], step: int) -> None:
-    header, blobs, offset = {"__metadata__": {"step": str(step)}}, [], 0
-    for name, arr in tensors.items():
-        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    write_f32(path, tensors, {"step": str(step)})
 
 
 @pytest.fixture()

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from _support.st_writer import write_f32  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dmlib.cli import main as cli  # noqa: E402
@@ -56,18 +57,7 @@ class Net(nn.Module):
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], step: int) -> None:
-    header, blobs, offset = {"__metadata__": {"step": str(step)}}, [], 0
-    for name, arr in tensors.items():
-        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    write_f32(path, tensors, {"step": str(step)})
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
