@@ -235,6 +235,142 @@ static PyObject *py_restore_sigbus(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* request_blocks(hasher, buf, row_bytes, spans, block_rows, tag, piece): the
+ * blake3-tree-v1 digests of requests on consecutive rows of one contiguous buffer, the
+ * loop of dmlib.localize.capture.Recorder._request_digests without the interpreter
+ * (per block, a slice, a hash object and a hex string cost more than hashing a few KiB).
+ * hasher: the blake3 constructor (called on a read-only memoryview of each block);
+ * spans: a sequence of (first row, rows); tag: the tree's domain tag. Per span: (digest,
+ * [block digests]) as hex, a block being `block_rows` rows (the last one shorter), the
+ * digest the one block's, or with several BLAKE3 of tag, (rows, block_rows) as
+ * little-endian u64 and the blocks' 32-byte digests. None when a block is over `piece`
+ * bytes (the caller's piece logic applies). A span outside the buffer: ValueError. */
+static PyObject *digest_name;
+
+static int put_u64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+    return 8;
+}
+
+static PyObject *hex_of(const unsigned char *d, Py_ssize_t n) {
+    static const char digits[] = "0123456789abcdef";
+    PyObject *out = PyUnicode_New(2 * n, 127);
+    if (!out) return NULL;
+    Py_UCS1 *o = PyUnicode_1BYTE_DATA(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        o[2 * i] = (Py_UCS1)digits[d[i] >> 4];
+        o[2 * i + 1] = (Py_UCS1)digits[d[i] & 15];
+    }
+    return out;
+}
+
+/* the 32-byte digest of `n` bytes at `p`, into `out`; -1 with an exception set */
+static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned char *out) {
+    PyObject *mv = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
+    if (!mv) return -1;
+    PyObject *h = PyObject_CallOneArg(hasher, mv);
+    Py_DECREF(mv);
+    if (!h) return -1;
+    PyObject *d = PyObject_CallMethodNoArgs(h, digest_name);
+    Py_DECREF(h);
+    if (!d) return -1;
+    if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) != 32) {
+        Py_DECREF(d);
+        PyErr_SetString(PyExc_ValueError, "the hasher's digest() is not 32 bytes");
+        return -1;
+    }
+    memcpy(out, PyBytes_AS_STRING(d), 32);
+    Py_DECREF(d);
+    return 0;
+}
+
+static PyObject *one_span(PyObject *hasher, const char *base, Py_ssize_t start, Py_ssize_t rows,
+                          Py_ssize_t row_bytes, Py_ssize_t block_rows, const char *tag,
+                          Py_ssize_t tag_len) {
+    Py_ssize_t n_blocks = rows ? (rows + block_rows - 1) / block_rows : 0;
+    Py_ssize_t head = tag_len + 16;
+    unsigned char *all = PyMem_Malloc((size_t)(head + 32 * (n_blocks ? n_blocks : 1)));
+    PyObject *blocks = PyList_New(n_blocks), *digest = NULL, *res = NULL;
+    if (!all || !blocks) goto done;
+    for (Py_ssize_t i = 0; i < n_blocks; i++) {
+        Py_ssize_t r0 = i * block_rows, r1 = r0 + block_rows < rows ? r0 + block_rows : rows;
+        unsigned char *d = all + head + 32 * i;
+        if (digest_of(hasher, base + (start + r0) * row_bytes, (r1 - r0) * row_bytes, d) < 0)
+            goto done;
+        PyObject *hx = hex_of(d, 32);
+        if (!hx) goto done;
+        PyList_SET_ITEM(blocks, i, hx);
+    }
+    if (n_blocks == 1) {
+        digest = PyList_GET_ITEM(blocks, 0);
+        Py_INCREF(digest);
+    } else {
+        unsigned char d[32];
+        memcpy(all, tag, (size_t)tag_len);
+        put_u64(all + tag_len, (uint64_t)rows);
+        put_u64(all + tag_len + 8, (uint64_t)block_rows);
+        if (digest_of(hasher, (const char *)all, head + 32 * n_blocks, d) < 0) goto done;
+        digest = hex_of(d, 32);
+        if (!digest) goto done;
+    }
+    res = PyTuple_Pack(2, digest, blocks);
+done:
+    Py_XDECREF(digest);
+    Py_XDECREF(blocks);
+    PyMem_Free(all);
+    if (!all && !PyErr_Occurred()) PyErr_NoMemory();
+    return res;
+}
+
+static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
+    PyObject *hasher, *spans;
+    Py_buffer buf;
+    Py_ssize_t row_bytes, block_rows, piece, tag_len;
+    const char *tag;
+    if (!PyArg_ParseTuple(args, "Oy*nOny#n", &hasher, &buf, &row_bytes, &spans, &block_rows,
+                          &tag, &tag_len, &piece))
+        return NULL;
+    PyObject *seq = NULL, *out = NULL;
+    if (row_bytes < 1 || block_rows < 1 || block_rows > PY_SSIZE_T_MAX / row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "row_bytes and block_rows must be positive");
+        goto done;
+    }
+    if (block_rows * row_bytes > piece) {  /* a block over one piece: the caller's logic */
+        out = Py_None;
+        Py_INCREF(out);
+        goto done;
+    }
+    seq = PySequence_Fast(spans, "spans must be a sequence of (start, rows)");
+    if (!seq) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = buf.len / row_bytes;
+    out = PyList_New(n);
+    if (!out) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t start, rows;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nn", &start, &rows)) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (start < 0 || rows < 0 || start > total || rows > total - start) {
+            PyErr_Format(PyExc_ValueError, "span (%zd, %zd) outside the buffer's %zd rows", start,
+                         rows, total);
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *r = one_span(hasher, (const char *)buf.buf, start, rows, row_bytes,
+                               block_rows, tag, tag_len);
+        if (!r) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, r);
+    }
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 static PyObject *py_f32(PyObject *self, PyObject *args) { return call(args, 4, 0); }
 static PyObject *py_f64(PyObject *self, PyObject *args) { return call(args, 8, 1); }
 
@@ -245,9 +381,15 @@ static PyMethodDef methods[] = {
     {"exit_on_sigbus", py_exit_on_sigbus, METH_VARARGS,
      "on SIGBUS, write the message to stderr and exit with status 2"},
     {"restore_sigbus", py_restore_sigbus, METH_NOARGS, "restore the SIGBUS handling before"},
+    {"request_blocks", py_request_blocks, METH_VARARGS,
+     "blake3-tree-v1 digests of requests on consecutive rows (see the source)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fused(void) {
+    digest_name = PyUnicode_InternFromString("digest");
+    if (!digest_name) return NULL;
+    return PyModule_Create(&module);
+}

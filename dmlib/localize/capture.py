@@ -45,6 +45,7 @@ import numpy as np
 
 from dmlib import _atomic, hashing
 from dmlib.errors import CaptureError, MissingDependencyError
+from dmlib.kernels.treehash import request_blocks
 from dmlib.localize.captures import (
     FORMAT,
     LAYOUT_INPUTS,
@@ -52,6 +53,7 @@ from dmlib.localize.captures import (
     REQUEST_PREFIX,
     TENSOR_DIR,
     TREE,
+    TREE_REQUEST_TAG,
     VERSION,
     WHOLE_KEY,
     RowMap,
@@ -74,6 +76,26 @@ INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, u
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
 # json.dumps(..., separators=...) without building an encoder per call
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
+# what the in-progress marker keeps of the manifest
+_MARKER_KEYS = ("format", "version", "complete", "hash", "block_rows", "root", "metadata", "error")
+# _COMPACT.encode builds its C encoder anew on every call (~5 us, once per boundary): one
+# built once, with the same settings (no circular-reference check: a manifest entry is
+# plain data dmlib built), gives the same text; CPython always has the C accelerator
+_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)
+if _C_ENCODER is not None:
+    _C_ENCODER = _C_ENCODER(None, _COMPACT.default, json.encoder.encode_basestring_ascii, None,
+                            ":", ",", False, False, True)  # fmt: skip
+
+
+def _encode_compact(obj: Any) -> str:
+    """``_COMPACT.encode(obj)``, with the encoder built once."""
+    if _C_ENCODER is None:  # pragma: no cover
+        return _COMPACT.encode(obj)
+    return "".join(_C_ENCODER(obj, 0))
+
+
+# how every manifest dmlib writes begins (json.dumps and _COMPACT alike: no space)
+_HEAD = f'{{"format":"{FORMAT}",'.encode()
 
 
 def _require_torch() -> None:
@@ -372,6 +394,7 @@ class Recorder:
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
         self._plan: list[tuple[str, np.ndarray, tuple[int, int] | None]] | None = None
+        self._spans: list[tuple[int, int]] | None = None
         # KV-cache shape -> its rows per request (the row map and layout are fixed once set)
         self._cache_plans: dict[tuple[Any, ...], Any] = {}
 
@@ -481,11 +504,20 @@ class Recorder:
         *,
         row_mapped: bool = True,
         extra: dict[str, Any] | None = None,
+        alias: tuple[Any, dict[str, Any]] | None = None,
+        fresh: bool = False,
     ) -> str:
         """Hash (and maybe dump) one boundary tensor; returns the boundary's name.
 
         ``row_mapped=False`` hashes the tensor whole even where its leading dims fit the
-        row map (a parameter, say); ``extra`` adds keys to the manifest entry.
+        row map (a parameter, say); ``extra`` adds keys to the manifest entry. ``alias``:
+        ``(tensor, its entry)`` of a tensor recorded before whose bytes this one's are
+        known to be, unchanged since (an op's input, where the op writes nothing and its
+        output shares the input's memory): the digests are shared where both are
+        contiguous over the same memory and read the same way (:meth:`_same_bytes`).
+        ``fresh``: hashed whatever was recorded before under the same tensor identity (the
+        output of an op that may write its inputs, seen from inside the dispatch, before
+        torch bumps the version counter of what it wrote).
         """
         original, t = t, t.detach()  # detach() makes a new object: identity is the original's
         shape = tuple(int(d) for d in t.shape)
@@ -494,7 +526,11 @@ class Recorder:
         k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
         wants_dump = self._wants_dump(name)
         self.boundaries.append(entry)
-        if self._share(entry, original, (k, axes, entry["leading"] is not None), wants_dump):
+        how = (k, axes, entry["leading"] is not None)
+        if not fresh and self._share(entry, original, how, wants_dump):
+            return name
+        if alias is not None and not wants_dump and self._same_bytes(alias, t, entry):
+            self._same.append((entry, alias[1]))
             return name
         if wants_dump:  # planned now, so that a later boundary of this tensor can share it
             index = len(self.boundaries) - 1
@@ -581,6 +617,37 @@ class Recorder:
         if key is not None:
             self._seen[key] = (weakref.ref(original), entry)
         return False
+
+    @staticmethod
+    def _same_bytes(alias: tuple[Any, dict[str, Any]], t: Any, entry: dict[str, Any]) -> bool:
+        """Whether ``t`` holds the bytes of ``alias``'s tensor, in order, read the same way.
+
+        Both contiguous from one address over as many bytes of one dtype and device: the
+        same bytes in the same order (the caller vouches that nothing wrote them since).
+        Read the same way: both per request by flat rows (any leading dims flatten to the
+        same rows), both whole (with per-index digests of axis 0 of one length, or none),
+        or both by the same row axes of one shape.
+        """
+        u, first = alias
+        if first.get("dump") is not None or first.get("hash") != entry["hash"]:
+            return False
+        try:
+            same_memory = (
+                u.data_ptr() == t.data_ptr() and u.dtype == t.dtype and u.device == t.device
+                and u.numel() == t.numel() and u.is_contiguous() and t.is_contiguous()
+            )  # fmt: skip
+        except (RuntimeError, AttributeError):
+            return False
+        if not same_memory:
+            return False
+        axes, first_axes = entry.get("row_axes"), first.get("row_axes")
+        if axes is not None or first_axes is not None:
+            return axes == first_axes and first["shape"] == entry["shape"]
+        if entry["row_dims"] is not None or first["row_dims"] is not None:
+            return entry["row_dims"] is not None and first["row_dims"] is not None
+        if entry["leading"] is None or first["leading"] is None:
+            return entry["leading"] is None and first["leading"] is None
+        return bool(first["shape"][:1] == entry["shape"][:1])
 
     def _digest(
         self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
@@ -728,6 +795,12 @@ class Recorder:
             self._plan = [(rid, idx, rm.spans.get(rid)) for rid, idx in rm.requests.items()]
         return self._plan
 
+    def _span_list(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each request on consecutive rows, in the plan's order, once."""
+        if self._spans is None:
+            self._spans = [(s[0], len(i)) for _, i, s in self._request_plan() if s is not None]
+        return self._spans
+
     def _request_digests(self, rows: np.ndarray, scheme: str) -> dict[str, dict[str, Any]]:
         """Per-request digests of ``rows`` (physical row, ...), as :func:`request_hashes`.
 
@@ -744,8 +817,15 @@ class Recorder:
             mv = rows.reshape(-1).view(np.uint8).data
             rb = rows.nbytes // rows.shape[0]
             b3 = hashing._blake3()
+        compiled = None
+        if fast and scheme == TREE:  # every consecutive request's blocks in one C call
+            compiled = request_blocks(b3, mv, rb, self._span_list(), block, TREE_REQUEST_TAG,
+                                      hashing.PIECE)  # fmt: skip
+        done = iter(compiled or ())
         for rid, idx, span in plan:
-            if not fast or span is None:
+            if compiled is not None and span is not None:
+                digest, blocks = next(done)
+            elif not fast or span is None:
                 # consecutive rows are read in place; others are gathered (a copy)
                 mine = rows[span[0] : span[1]] if span is not None else rows[idx]
                 digest, blocks = request_hashes(mine, block, scheme)
@@ -891,14 +971,17 @@ class Recorder:
         capture). ``durable=False``: the in-progress marker, never fsynced.
         """
         if not durable:
-            head = json.dumps(self.manifest(complete=complete, error=error) | {"boundaries": []})
-            _replace(self.path, head)
+            # what the capture is, and that it is not finished: no row map, no boundaries
+            # (a reader refuses it whatever it holds; the row map alone is kilobytes)
+            full = self.manifest(complete=complete, error=error)
+            marker = {k: full[k] for k in _MARKER_KEYS if k in full}
+            _replace(self.path, _COMPACT.encode(marker | {"boundaries": []}))
             return
         m = self.manifest(complete=complete, error=error)
         boundaries = m.pop("boundaries")
         # one boundary per line: compact, yet diffable and readable with grep
         head = _COMPACT.encode(m)[:-1]
-        lines = ",\n".join(map(_COMPACT.encode, boundaries))
+        lines = ",\n".join(map(_encode_compact, boundaries))
         text = f'{head},"boundaries":[\n{lines}\n]}}\n'
         if any(b["dump"] for b in boundaries) or (self.path / TENSOR_DIR).is_dir():
             _atomic.atomic_write_text(self.path / MANIFEST, text)
@@ -1135,8 +1218,23 @@ def _prepare_dir(path: Path, overwrite: bool) -> None:
 
 
 def _holds_capture(manifest: Path) -> bool:
-    """Whether ``manifest`` is a regular file holding a dmlib capture manifest (any state)."""
+    """Whether ``manifest`` is a regular file holding a dmlib capture manifest (any state).
+
+    A file as dmlib writes it (the ``format`` key first, a whole JSON object: it ends
+    in ``}``) is recognised from its first and last bytes, without parsing the rest
+    (a capture's manifest is often megabytes; re-capturing into a folder is common);
+    any other file is parsed whole, as before.
+    """
     if manifest.is_symlink() or not manifest.is_file():
+        return False
+    try:
+        with open(manifest, "rb") as f:
+            head = f.read(len(_HEAD) + 64)
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8))
+            tail = f.read()
+        if head.startswith(_HEAD) and tail.rstrip().endswith(b"}"):
+            return True
+    except OSError:
         return False
     try:
         # only the top-level "format" is read: a plain parse, too deep a nesting refused

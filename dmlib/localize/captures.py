@@ -109,7 +109,8 @@ def digest_hex(data: np.ndarray | np.generic | memoryview | bytes, scheme: str) 
     raise CaptureError(f"unknown hash scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
 
 
-_TREE_REQUEST = b"dmlib blake3-tree-v1 request\0"
+#: the domain tag of a ``blake3-tree-v1`` request digest over several blocks
+TREE_REQUEST_TAG = b"dmlib blake3-tree-v1 request\0"
 _COUNTS = struct.Struct("<2Q")  # (rows, rows per block)
 
 
@@ -126,7 +127,7 @@ def tree_request(blocks: Sequence[str], n_rows: int, block_rows: int) -> str:
     if len(blocks) == 1:
         return blocks[0]
     # one decode of all the blocks and one hasher call: per-block work costs more than the hash
-    data = _TREE_REQUEST + _COUNTS.pack(n_rows, block_rows) + bytes.fromhex("".join(blocks))
+    data = TREE_REQUEST_TAG + _COUNTS.pack(n_rows, block_rows) + bytes.fromhex("".join(blocks))
     return cast(str, _b3_class()(data).hexdigest())
 
 

@@ -1,0 +1,55 @@
+"""Per-request block digests (``blake3-tree-v1``) in one compiled call, where it is built.
+
+A capture hashes every row-mapped boundary per request, in blocks of rows: for a small
+tensor that is a few dozen hashes of a few KiB each, and the interpreter's work per
+block (a slice, a hash object, a hex string) costs more than the hashing.
+:func:`request_blocks` runs that loop in ``dmlib/kernels/_fused.c``; it returns None
+where the compiled module is not there (no C compiler at install), and the caller takes
+its Python loop, which gives the same digests (tests/test_localize_treehash.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    from dmlib.kernels import _fused  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - built wherever a C compiler is
+    _fused = None
+
+#: False (tests): take the caller's Python loop even where the compiled one is built
+USE_COMPILED = _fused is not None and hasattr(_fused, "request_blocks")
+
+
+def request_blocks(
+    hasher: Any,
+    buf: Any,
+    row_bytes: int,
+    spans: Sequence[tuple[int, int]],
+    block_rows: int,
+    tag: bytes,
+    piece: int,
+) -> list[tuple[str, list[str]]] | None:
+    """``(digest, block digests)`` (hex) per ``(first row, rows)`` span of ``buf``.
+
+    ``buf``: a contiguous buffer of whole rows of ``row_bytes`` bytes; ``hasher``: the
+    BLAKE3 constructor. Blocks are ``block_rows`` rows (the last one shorter); a span's
+    digest is its one block's, or with several the BLAKE3 digest of ``tag``, the row
+    count and ``block_rows`` (little-endian u64) and the blocks' 32-byte digests. None:
+    not computed here (no compiled module, or a block over ``piece`` bytes).
+
+    Raises
+    ------
+    ValueError
+        A span lies outside the buffer.
+    """
+    if not USE_COMPILED:
+        return None
+    out: list[tuple[str, list[str]]] | None = _fused.request_blocks(
+        hasher, buf, row_bytes, spans, block_rows, tag, piece
+    )
+    return out
+
+
+__all__ = ["USE_COMPILED", "request_blocks"]
