@@ -438,10 +438,7 @@ class Recorder:
         else:
             arr = _to_numpy(t)
             flat = np.ascontiguousarray(np.moveaxis(arr, 2, 1)).reshape(len(rows[0]), -1)
-            requests: dict[str, Any] = {}
-            for rid, idx in rows[1].items():
-                digest, blocks = request_hashes(flat[idx], self.block_rows, self.scheme)
-                requests[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
+            requests = self._row_set_digests(flat, rows[1])
             entry = {
                 "name": name, "module": module, "call": call, "kind": "input", "slot": slot,
                 "dtype": arr.dtype.name, "shape": list(arr.shape), "hash": self.scheme,
@@ -455,6 +452,26 @@ class Recorder:
             entry["step"] = self.step
         self.boundaries.append(entry)
         return name
+
+    def _row_set_digests(
+        self, flat: np.ndarray, row_sets: dict[str, list[int]]
+    ) -> dict[str, dict[str, Any]]:
+        """Per-request digests of the rows ``row_sets[r]`` (in order) of a 2-d contiguous
+        array: consecutive rows in one compiled call where it is built, others gathered."""
+        spans = {r: (i[0], len(i)) for r, i in row_sets.items()
+                 if i and i[-1] - i[0] == len(i) - 1}  # fmt: skip
+        compiled = None
+        if spans and self.scheme == TREE and flat.size:
+            compiled = request_blocks(hashing._blake3(), flat.reshape(-1).view(np.uint8).data,
+                                      flat.nbytes // flat.shape[0], list(spans.values()),
+                                      self.block_rows, TREE_REQUEST_TAG, hashing.PIECE)  # fmt: skip
+        done = dict(zip(spans, compiled or ()))
+        out: dict[str, dict[str, Any]] = {}
+        for rid, idx in row_sets.items():
+            digest, blocks = done.get(rid) or request_hashes(flat[idx], self.block_rows,
+                                                             self.scheme)  # fmt: skip
+            out[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
+        return out
 
     def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
         """(entry per flattened (batch, position) row, request -> its rows in order), once
