@@ -604,13 +604,25 @@ def test_rows_do_not_depend_on_the_number_of_threads(monkeypatch):
     import dmlib.stats.compare as C
 
     a, b = _many_tensors(11)
+    assert (
+        min(v.nbytes for v in a.values())
+        < C.THREADED_PAIR_BYTES
+        < max(v.nbytes for v in a.values())
+    )
     rows = {}
-    for n in (1, 2, 5):
+    # threads: none; two and five, with small pairs on the calling thread (the default
+    # threshold: a mix) or every pair on the pool (threshold 0)
+    for n, threshold in ((1, None), (2, None), (5, None), (2, 0), (5, 0)):
         monkeypatch.setattr(C, "pair_workers", lambda n=n: n)
+        if threshold is not None:
+            monkeypatch.setattr(C, "THREADED_PAIR_BYTES", threshold)
         df = compare(ArrayTensorSet(a), ArrayTensorSet(b), chunk_bytes=16_384)
-        rows[n] = df.to_dict("records")
+        rows[n, threshold] = df.to_dict("records")
+        monkeypatch.undo()
+    rows[5] = rows[5, None]
+    rows[1] = rows[1, None]
     # bit for bit: each pair is walked by one thread in chunk order, whatever the count
-    for n in (2, 5):
+    for n in ((2, None), (5, None), (2, 0), (5, 0)):
         assert len(rows[n]) == len(rows[1])
         for r1, rn in zip(rows[1], rows[n], strict=True):
             for col, v in r1.items():

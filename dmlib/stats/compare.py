@@ -382,6 +382,10 @@ def rows_out(
     return df
 
 
+#: Pairs of at least this many bytes (per side) are compared on worker threads.
+THREADED_PAIR_BYTES = 256 << 10
+
+
 def pair_workers() -> int:
     """Threads comparing tensor pairs side by side: this process's CPUs, at most 8."""
     try:
@@ -428,12 +432,20 @@ def _pairs_in_parallel(
         with np.errstate(over="ignore", invalid="ignore"):
             return compute() if pair_row is None else pair_row(ta, tb, compute)
 
-    n = min(pair_workers(), len(pairs))
-    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-compare") if n > 1 else None
+    # Small pairs are compared on this thread, big ones on the pool meanwhile: a small
+    # pair is mostly interpreter work (~0.2 ms), which threads only queue behind the GIL
+    # (20,000 tensors of 64 bytes: 6.2 s on two threads, 3.5 s on one)
+    big = [i for i, (ta, _) in enumerate(pairs) if ta.nbytes >= THREADED_PAIR_BYTES]
+    n = min(pair_workers(), len(big))
+    pool = None
+    if len(pairs) > 1 and big and pair_workers() > 1:
+        pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dmlib-compare")
     try:
         if pool is None:
             return [one(p) for p in pairs]
-        return list(pool.map(one, pairs))
+        futures = {i: pool.submit(one, pairs[i]) for i in big}
+        done = {i: one(p) for i, p in enumerate(pairs) if i not in futures}
+        return [done[i] if i in done else futures[i].result() for i in range(len(pairs))]
     finally:
         if pool is not None:  # on an error or Ctrl-C, pairs not yet started are dropped
             pool.shutdown(wait=True, cancel_futures=True)
@@ -456,9 +468,10 @@ def _pair_up(
         check_selection(order_a, order_b, include, exclude, sa.path, sb.path)
     keep_a = select(order_a, include, exclude)
     keep_b = set(select(order_b, include, exclude))
+    in_a = set(keep_a)  # once: a set built per name made pairing quadratic (20,000 names: 67 s)
     common = [n for n in keep_a if n in keep_b]
     only_a = [n for n in keep_a if n not in keep_b]
-    only_b = [n for n in order_b if n in keep_b and n not in set(keep_a)]
+    only_b = [n for n in order_b if n in keep_b and n not in in_a]
     hint = None
     if check_names and (only_a or only_b):
         hint = _alignment(keep_a, [n for n in order_b if n in keep_b], common, sa.path, sb.path)
