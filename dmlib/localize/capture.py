@@ -17,6 +17,14 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
   A request's digest is derived from its blocks' digests (``blake3-tree-v1``, format
   version 3), so each byte is hashed twice (whole tensor, blocks), no longer three
   times; the whole tensor stays a plain digest, comparable whatever the row maps.
+- Every request's blocks and tree digest of one boundary are hashed in one call into the
+  compiled module (:func:`dmlib.kernels.treehash.request_blocks`; the Python loop where it
+  is not built): per block, the interpreter's slice, hash object and hex string cost more
+  than hashing a few KiB.
+- An op's output over the memory of one of its inputs (a view, ``_unsafe_view``) takes the
+  input's digests when the op writes nothing (its ATen schema says so); the output of an
+  op that may write is always hashed (inside the dispatch, torch has not yet bumped the
+  version counter of what it wrote).
 - One tensor object passed on unchanged (a block's output is the next block's input, the
   input of query, key and value) is hashed, copied and dumped once: a boundary that
   records the same live tensor object at the same version counter (torch bumps it on
