@@ -6,6 +6,7 @@ The converted checkpoints are made by the hand-written numpy code of test_mappin
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -327,6 +328,10 @@ def test_cli_matrix_and_ladder_with_map(runs, capsys) -> None:
     )  # fmt: skip
     assert rc == 1, err
     assert "note: run hf seen through" in out and "onto the names of twin" in out
+    # the planted element, in the reference's and in the source's coordinates (by hand:
+    # K = c_attn.weight[:, D:2D].T)
+    source = f"transformer.h.1.attn.c_attn.weight[{C}, {D + R}]"
+    assert f"located: hf/twin: {K} first differs at {K}[{R}, {C}] <- a {source}" in out
     rc, out, err = _cli(
         ["matrix", f"hf={runs['hf']}", f"twin={runs['twin']}", "--map", "hf"], capsys
     )
@@ -342,6 +347,13 @@ def test_cli_matrix_and_ladder_with_map(runs, capsys) -> None:
     )  # fmt: skip
     assert rc == 1, err
     assert "note: run hf seen through" in out
+    assert f"located: step 10 twin/hf: {K} first differs at {K}[{R}, {C}] <- b {source}" in out
+    rc, out, err = _cli(
+        ["ladder", f"hf:10={runs['hf']}", f"twin:10={runs['twin']}", "--reference", "twin",
+         "--map", f"hf={runs['map']}", "--json"], capsys,
+    )  # fmt: skip
+    located = json.loads(out)["located"]
+    assert [(x["step"], x["name"], x["source_b"]) for x in located] == [(10, K, source)]
 
 
 def test_study_ladder_with_a_mapped_run(runs, tmp_path: Path) -> None:

@@ -296,7 +296,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     """``dmlib matrix LABEL=PATH ...``: one line per pair of runs and the verdict."""
-    from dmlib.cli.map import mapped_notes, run_maps
+    from dmlib.cli.map import located_lines, mapped_notes, run_maps
     from dmlib.stats.matrix import matrix_records
 
     runs = labelled_paths(args.runs)
@@ -329,6 +329,10 @@ def run_matrix(args: argparse.Namespace) -> int:
     ]
     print(table(v["pairs"], cols))
     for line in mapped_notes(attrs["mapped"]):
+        print(line)
+    located = [{"pair": pair, "name": name, **where}
+               for pair, at in attrs["pairs"].items() for name, where in at.get("located", {}).items()]  # fmt: skip
+    for line in located_lines(located):
         print(line)
     print(v)  # the MatrixVerdict's lines
     sys.stdout.flush()

@@ -10,7 +10,7 @@ from typing import Any
 from dmlib.cli._common import ONE_DOCUMENT, add_common, exit_code, print_json
 from dmlib.cli._dask import engine as engine_of
 from dmlib.cli._table import add_selection, fmt, table
-from dmlib.cli.map import add_run_maps, mapped_notes, run_maps
+from dmlib.cli.map import add_run_maps, located_lines, mapped_notes, run_maps
 from dmlib.cli.structure import add_group, parse_group
 from dmlib.errors import DmlibError
 
@@ -140,6 +140,7 @@ def run_ladder(args: argparse.Namespace) -> int:
                 "growth": growth,
                 "excluded": df.attrs["excluded"],
                 "mapped": df.attrs.get("mapped", {}),
+                "located": df.attrs.get("located", []),
             }
         )
         return code
@@ -150,6 +151,8 @@ def run_ladder(args: argparse.Namespace) -> int:
     _print_checks(checks, details=args.details)
     for r in summary.itertuples(index=False):
         print(_pair_line(r))
+    for line in located_lines(df.attrs.get("located", [])):
+        print(line)
     if args.details and len(df):
         _print_details(df, growth, top=args.top)
     return code

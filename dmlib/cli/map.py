@@ -166,6 +166,31 @@ def run_maps(items: list[str] | None) -> dict[str, str] | None:
     return out
 
 
+#: located lines printed at most (``--json`` lists them all)
+LOCATED_SHOWN = 20
+
+
+def located_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per traced first difference of a pair with a mapped side.
+
+    ``records``: ``{"pair", "name", "target", "source_a"/"source_b", "step"?}`` (a
+    matrix's per-pair ``located`` or a ladder's ``attrs["located"]``), printed as
+    ``located: [step S] A/B: NAME first differs at TARGET <- a SOURCE; b SOURCE``.
+    """
+    from dmlib.mapping.spec import printable
+
+    lines = []
+    for r in records[:LOCATED_SHOWN]:
+        step = f"step {r['step']} " if r.get("step") is not None else ""
+        sources = "; ".join(f"{side} {r[f'source_{side}']}" for side in ("a", "b")
+                            if r.get(f"source_{side}"))  # fmt: skip
+        lines.append(printable(f"located: {step}{r['pair']}: {r['name']} first differs at "
+                               f"{r['target']}" + (f" <- {sources}" if sources else "")))  # fmt: skip
+    if len(records) > LOCATED_SHOWN:
+        lines.append(f"located: {len(records) - LOCATED_SHOWN} more (--json lists them all)")
+    return lines
+
+
 def mapped_notes(mapped: dict[str, Any]) -> list[str]:
     """One line per mapped run: its mapping, the run it maps onto, what it leaves out."""
     from dmlib.mapping.spec import printable
