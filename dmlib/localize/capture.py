@@ -402,7 +402,7 @@ class Recorder:
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
         self._plan: list[tuple[str, np.ndarray, tuple[int, int] | None]] | None = None
-        self._spans: list[tuple[int, int]] | None = None
+        self._spans: dict[str, tuple[int, int]] | None = None
         # KV-cache shape -> its rows per request (the row map and layout are fixed once set)
         self._cache_plans: dict[tuple[Any, ...], Any] = {}
 
@@ -468,18 +468,27 @@ class Recorder:
         array: consecutive rows in one compiled call where it is built, others gathered."""
         spans = {r: (i[0], len(i)) for r, i in row_sets.items()
                  if i and i[-1] - i[0] == len(i) - 1}  # fmt: skip
-        compiled = None
-        if spans and self.scheme == TREE and flat.size:
-            compiled = request_blocks(hashing._blake3(), flat.reshape(-1).view(np.uint8).data,
-                                      flat.nbytes // flat.shape[0], list(spans.values()),
-                                      self.block_rows, TREE_REQUEST_TAG, hashing.PIECE)  # fmt: skip
-        done = dict(zip(spans, compiled or ()))
+        done = self._compiled(flat, spans) if self.scheme == TREE else {}
         out: dict[str, dict[str, Any]] = {}
         for rid, idx in row_sets.items():
             digest, blocks = done.get(rid) or request_hashes(flat[idx], self.block_rows,
                                                              self.scheme)  # fmt: skip
             out[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
         return out
+
+    def _compiled(
+        self, rows: np.ndarray, spans: dict[str, tuple[int, int]]
+    ) -> dict[str, tuple[str, list[str]]]:
+        """``blake3-tree-v1`` (digest, blocks) of each request on consecutive rows
+        ``spans[r] = (first row, rows)`` of the contiguous ``rows`` (physical row, ...), in
+        one compiled call; empty where the compiled module is not built (or a block is
+        over one piece): the caller's Python loop then hashes them."""
+        if not spans or not rows.size:
+            return {}
+        got = request_blocks(hashing._blake3(), rows.reshape(-1).view(np.uint8).data,
+                             rows.nbytes // rows.shape[0], list(spans.values()), self.block_rows,
+                             TREE_REQUEST_TAG, hashing.PIECE)  # fmt: skip
+        return {} if got is None else dict(zip(spans, got, strict=True))
 
     def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
         """(entry per flattened (batch, position) row, request -> its rows in order), once
@@ -820,10 +829,10 @@ class Recorder:
             self._plan = [(rid, idx, rm.spans.get(rid)) for rid, idx in rm.requests.items()]
         return self._plan
 
-    def _span_list(self) -> list[tuple[int, int]]:
+    def _span_dict(self) -> dict[str, tuple[int, int]]:
         """(first row, rows) of each request on consecutive rows, in the plan's order, once."""
         if self._spans is None:
-            self._spans = [(s[0], len(i)) for _, i, s in self._request_plan() if s is not None]
+            self._spans = {r: (s[0], len(i)) for r, i, s in self._request_plan() if s is not None}
         return self._spans
 
     def _request_digests(self, rows: np.ndarray, scheme: str) -> dict[str, dict[str, Any]]:
@@ -842,14 +851,11 @@ class Recorder:
             mv = rows.reshape(-1).view(np.uint8).data
             rb = rows.nbytes // rows.shape[0]
             b3 = hashing._blake3()
-        compiled = None
-        if fast and scheme == TREE:  # every consecutive request's blocks in one C call
-            compiled = request_blocks(b3, mv, rb, self._span_list(), block, TREE_REQUEST_TAG,
-                                      hashing.PIECE)  # fmt: skip
-        done = iter(compiled or ())
+        # every consecutive request's blocks in one compiled call
+        done = self._compiled(rows, self._span_dict()) if fast and scheme == TREE else {}
         for rid, idx, span in plan:
-            if compiled is not None and span is not None:
-                digest, blocks = next(done)
+            if rid in done:
+                digest, blocks = done[rid]
             elif not fast or span is None:
                 # consecutive rows are read in place; others are gathered (a copy)
                 mine = rows[span[0] : span[1]] if span is not None else rows[idx]
