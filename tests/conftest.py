@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED_FIXTURES = (REPO / ".." / "shared" / "fixtures").resolve()
 BURNPACK_FIXTURES = SHARED_FIXTURES / "burnpack"
+
+# dmlib keeps rebuilt Hugging Face parameter orders in a cache folder (dmlib.io._hf_names):
+# the tests, and the commands they start, use a folder of their own, never the user's
+os.environ["DMLIB_CACHE_DIR"] = tempfile.mkdtemp(prefix="dmlib-test-cache-")
 
 
 @pytest.fixture

@@ -207,3 +207,49 @@ def test_cli_compare_of_run_folders_and_checkpoints(hf_runs: Path, capsys) -> No
 def test_a_run_folder_is_not_one_checkpoint(hf_runs: Path) -> None:
     with pytest.raises(FormatError, match="run's output folder"):
         dmlib.open_tensors(hf_runs / "runs" / "A")
+
+
+_OPEN_CHILD = """
+import json, sys
+import dmlib
+with dmlib.open_tensors(sys.argv[1]) as ts:
+    names = [n for n in ts if n.startswith("optimizer.state.") and n.endswith(".exp_avg")]
+    note = ts.metadata["optimizer.optimizer_state_names"]
+print(json.dumps({"names": names, "note": note, "transformers": "transformers" in sys.modules}))
+"""
+
+
+def _open_in_child(ck: Path, cache: Path) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DMLIB_CACHE_DIR": str(cache), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", _OPEN_CHILD, str(ck)], capture_output=True,
+                          text=True, env=env, timeout=300, check=True)  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_rebuilt_parameter_order_is_kept_between_processes(hf_runs: Path, tmp_path) -> None:
+    grouping = json.loads((hf_runs / "grouping.json").read_text())
+    order = [n for g in grouping["groups"] for n in g]  # the Trainer's own grouping
+    expected = sorted(f"optimizer.state.{n}.exp_avg" for n in order)
+    ck = _ckpt(hf_runs, "A", 6)
+    cache = tmp_path / "cache"
+    first = _open_in_child(ck, cache)
+    assert first["transformers"] and sorted(first["names"]) == expected
+    files = list((cache / "hf-param-order").glob("*.json"))
+    assert len(files) == 1
+    second = _open_in_child(ck, cache)  # from the cache: transformers is not even imported
+    assert not second["transformers"] and second["names"] == first["names"]
+    assert second["note"] == first["note"]
+    files[0].write_text('{"format": "dmlib-hf-param-order-v1", "params": [["x", [-1]]]}')
+    third = _open_in_child(ck, cache)  # a damaged file: rebuilt (and rewritten), never used
+    assert third["transformers"] and third["names"] == first["names"]
+    assert _open_in_child(ck, cache)["transformers"] is False
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")  # a cache that cannot be written: opened all the same
+    assert _open_in_child(ck, blocked)["names"] == first["names"]
+    assert blocked.read_text() == "not a folder"
+    off = _open_in_child(ck, Path("off"))  # DMLIB_CACHE_DIR=off: nothing kept
+    assert off["transformers"] and off["names"] == first["names"]
