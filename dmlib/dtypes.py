@@ -118,9 +118,11 @@ class LazyDtypes(Mapping[str, np.dtype]):
         return spec is not None
 
     def without(self, *names: str) -> LazyDtypes:
+        """A copy of the table without the entries ``names``."""
         return LazyDtypes({k: v for k, v in self._specs.items() if k not in names})
 
     def extended(self, extra: Mapping[str, np.dtype | str]) -> LazyDtypes:
+        """A copy of the table with the entries of ``extra`` added (replacing same-named ones)."""
         return LazyDtypes({**self._specs, **extra})
 
     def name_of(self, dtype: np.dtype) -> str:

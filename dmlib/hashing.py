@@ -137,6 +137,7 @@ class Hasher:
             self._pieces: list[bytes] = []
 
     def update(self, data: bytes | memoryview | np.ndarray) -> None:
+        """Feed the next bytes (an ndarray as its raw C-order bytes)."""
         mv = _as_bytes(data)
         self.nbytes += mv.nbytes
         if self.name == SHA256:
@@ -202,6 +203,7 @@ def digest_file(
 
 
 def new_hasher() -> hashlib._Hash:
+    """A fresh hashlib SHA-256 hasher."""
     return _sha256()
 
 
@@ -211,6 +213,7 @@ def hash_bytes(data: bytes | memoryview | np.ndarray) -> str:
 
 
 def hash_chunks(chunks: Iterable[bytes | memoryview | np.ndarray]) -> str:
+    """Bare SHA-256 hex of the chunks' bytes, concatenated in order."""
     h = _sha256()
     for c in chunks:
         h.update(_as_bytes(c))

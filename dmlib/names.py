@@ -86,6 +86,9 @@ class Rename:
         return cls(side, old, new)
 
     def apply(self, name: str) -> str:
+        """``name`` renamed (a name that does not start with ``old`` is kept); with ``regex=True``
+        every match replaced, a failing replacement a DmlibError.
+        """
         if self.regex:
             try:
                 return _compiled(self.old).sub(self.new, name)

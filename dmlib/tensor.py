@@ -210,10 +210,12 @@ class Tensor:
 
     @property
     def numel(self) -> int:
+        """The element count: the product of the shape."""
         return math.prod(self.shape)
 
     @property
     def path(self) -> str | None:
+        """The file the tensor was read from (None when none was given)."""
         return self._path
 
     def raw(self) -> np.ndarray:
@@ -453,6 +455,7 @@ class TensorSet(Mapping[str, Tensor]):
 
     @property
     def numel(self) -> int:
+        """The element count of all its tensors together."""
         return sum(t.numel for t in self._tensors.values())
 
     def file_hash(self) -> str | None:

@@ -109,6 +109,7 @@ class SafeStream(io.TextIOBase):
         self.raw = raw
 
     def write(self, s: str) -> int:
+        """Write ``s`` to the wrapped stream through :func:`escape` (newlines and tabs kept)."""
         self.raw.write(escape(s, lines=True))
         return len(s)
 
@@ -118,17 +119,22 @@ class SafeStream(io.TextIOBase):
         return self.raw
 
     def flush(self) -> None:
+        """Flush the wrapped stream."""
         self.raw.flush()
 
     def isatty(self) -> bool:
+        """Whether the wrapped stream is a terminal."""
         return self.raw.isatty()
 
     def fileno(self) -> int:
+        """The wrapped stream's file descriptor."""
         return self.raw.fileno()
 
     def writable(self) -> bool:
+        """Always True."""
         return True
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
+        """The wrapped stream's encoding (``utf-8`` when it has none)."""
         return getattr(self.raw, "encoding", "utf-8")

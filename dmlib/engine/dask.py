@@ -33,6 +33,7 @@ class Done:
         self._value = value
 
     def result(self) -> Any:
+        """The value it was made with."""
         return self._value
 
 
@@ -337,6 +338,7 @@ def client_for(spec: str) -> Any:
 
 
 def close_client(client: Any) -> None:
+    """Close a client of :func:`client_for`, and the LocalCluster it started for ``local:N``."""
     cluster = getattr(client, "_dmlib_cluster", None)
     client.close()
     if cluster is not None:

@@ -31,6 +31,7 @@ class Ref:
     nbytes: int
 
     def np_dtype(self) -> np.dtype:
+        """The numpy dtype :attr:`dtype` names (ml_dtypes names import ml_dtypes)."""
         from dmlib.dtypes import from_label
 
         return from_label(self.dtype)

@@ -59,6 +59,9 @@ DTYPES = LazyDtypes(
 
 
 def can_open(head: bytes, path: str) -> bool:
+    """A ``.mpk.gz`` starting with gzip's magic ``\\x1f\\x8b``, or a ``.mpk`` whose first byte
+    opens a MessagePack map (a fixmap of 2 entries, a map16 or a map32); names in any case.
+    """
     low = path.lower()
     if low.endswith(".mpk.gz"):
         return head.startswith(b"\x1f\x8b")

@@ -51,6 +51,7 @@ _BOOL_STORES: dict[str, np.dtype] = {
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``a`` (:data:`ALIGN` by default)."""
     return -(-n // a) * a
 
 
@@ -425,6 +426,7 @@ def _refuse_shifted_legacy(
 
 
 def can_open(head: bytes, path: str) -> bool:
+    """A file whose first 4 bytes are burnpack's magic ``NRUB`` (any name)."""
     return head[:4] == MAGIC
 
 

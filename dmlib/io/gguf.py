@@ -115,6 +115,7 @@ _TYPE_NAMES = {
 
 
 def can_open(head: bytes, path: str) -> bool:
+    """A file starting with the magic ``GGUF`` (any name)."""
     return head.startswith(MAGIC)
 
 

@@ -29,10 +29,12 @@ _HEADER_LOCK = threading.Lock()
 
 
 def can_open_npy(head: bytes, path: str) -> bool:
+    """A file starting with the ``.npy`` magic ``\\x93NUMPY`` (any name)."""
     return head.startswith(NPY_MAGIC)
 
 
 def can_open_npz(head: bytes, path: str) -> bool:
+    """A zip archive (starting ``PK``) whose name ends in ``.npz``."""
     return head.startswith(b"PK") and path.endswith(".npz")
 
 
@@ -110,6 +112,12 @@ _NPY_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def open_npy(path: str | os.PathLike[str]) -> TensorSet:
+    """Open one ``.npy`` file, memory-mapped, as a TensorSet of one tensor named after the file.
+
+    The tensor's name is the file name without its extension. The header's shape x dtype
+    is checked against the bytes after it before anything is mapped; a Fortran-order array
+    is handed out as a C-order copy.
+    """
     path = os.fspath(path)
     name = os.path.splitext(os.path.basename(path))[0]
     stamp = FileStamp.take(path)

@@ -27,6 +27,9 @@ MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 
 
 def can_open(head: bytes, path: str) -> bool:
+    """At least 10 bytes: a little-endian u64 header length from 2 to :data:`MAX_HEADER`,
+    then a header starting with ``{`` (any name).
+    """
     if len(head) < 10:
         return False
     (n,) = struct.unpack("<Q", head[:8])
@@ -222,6 +225,7 @@ def _encoded(
 def encode_safetensors(
     tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None
 ) -> bytes:
+    """The bytes of a safetensors file holding ``tensors`` (and ``metadata``), built in memory."""
     head, chunks = _encoded(tensors, metadata)
     return head + b"".join(c.tobytes() for c in chunks)
 

@@ -20,6 +20,7 @@ SHARD_FORMATS = {".safetensors": "safetensors", ".bin": "torch", ".pt": "torch",
 
 
 def can_open(path: str) -> bool:
+    """A shard index: a path ending in ``.index.json`` (the name alone decides)."""
     return path.endswith(".index.json")
 
 

@@ -43,6 +43,9 @@ LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
 def can_open(head: bytes, path: str) -> bool:
+    """A legacy ``torch.save`` file (it starts with :data:`LEGACY_MAGIC`; any name), or a
+    file named with one of :data:`SUFFIXES` that starts as a zip (``PK``) or a protocol-2 pickle.
+    """
     if head.startswith(LEGACY_MAGIC):
         return True
     return path.endswith(SUFFIXES) and (head.startswith(b"PK") or head[:2] == b"\x80\x02")
@@ -285,6 +288,15 @@ def _top_class(path: str, is_zip: bool) -> str | None:
 
 
 def open_torch(path: str | os.PathLike[str]) -> TensorSet:
+    """Open a ``torch.save`` file (zip or legacy) as a TensorSet, without torch where it can.
+
+    dmlib's restricted unpickler reads it; a construct that reader leaves to torch makes
+    ``torch.load(weights_only=True)`` read it instead (``layout["reader"]`` says which).
+    Nested containers become dotted names and plain values ``scalars``; optimizer state is
+    named after the parameters where the file allows it and no name would collide. A file
+    that is one pickled object of a class dmlib refuses raises NotTensorsError; an object
+    that is no mapping and holds no tensor, UnsupportedError.
+    """
     path = os.fspath(path)
     try:
         is_zip = zipfile.is_zipfile(path)

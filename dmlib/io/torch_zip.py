@@ -91,6 +91,7 @@ class Storage:
         self._buf, self._start, self._crc, self._what = buf, start, crc, what
 
     def data(self, path: str | None) -> np.ndarray:
+        """The storage's bytes, checked against its CRC on first use (FormatError if damaged)."""
         arr = self._buf[self._start : self._start + self.nbytes]
         if self._crc is not None:
             if zlib.crc32(memoryview(arr)) != self._crc:  # type: ignore[arg-type]
@@ -115,13 +116,16 @@ class StoredTensor:
         self.offset, self.storage = offset, storage
 
     def dim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     def is_floating_point(self) -> bool:
+        """Whether the dtype is a float or bfloat type (:data:`FLOATING`)."""
         return self.dtype_name in FLOATING
 
     @property
     def numel(self) -> int:
+        """The element count: the product of the shape."""
         return math.prod(self.shape)
 
     def array(self, path: str | None) -> np.ndarray:
@@ -166,6 +170,12 @@ class NumpyArray:
         self.qualname = "numpy.ndarray"
 
     def pickle_build(self, state: Any) -> None:
+        """Set :attr:`array` from a BUILD state ``(version, shape, dtype, fortran, bytes)``.
+
+        UnsafePickleError for a state of another form, a dtype that is not a :class:`NumpyDtype`,
+        a shape that is not a tuple of at most 64 non-negative ints, or a byte count that does
+        not match shape x itemsize.
+        """
         if not (isinstance(state, tuple) and len(state) == 5):
             raise UnsafePickleError("BUILD of a numpy array with a state of another form")
         _version, shape, dt, fortran, raw = state
@@ -195,6 +205,10 @@ class NumpyDtype:
         self.qualname = "numpy.dtype"
 
     def pickle_build(self, state: Any) -> None:
+        """Apply a BUILD state: its byte order ``<`` or ``>`` is set on the dtype.
+
+        UnsafePickleError for a state with fields, a subarray or another form.
+        """
         if not (
             isinstance(state, tuple)
             and len(state) >= 5

@@ -97,9 +97,15 @@ class ZarrArray:
     fill: Any = None
 
     def grid(self) -> tuple[int, ...]:
+        """Chunks per axis: the shape over the chunk shape, rounded up (0 where a chunk is 0)."""
         return tuple(-(-s // c) if c else 0 for s, c in zip(self.shape, self.chunks))
 
     def chunk_key(self, idx: tuple[int, ...]) -> str:
+        """The store key of the chunk at grid position ``idx``.
+
+        ``name/`` then the indices joined by :attr:`separator`, after a ``c`` in v3's default
+        encoding; a 0-d array's chunk is ``name/0`` (``name/c`` in v3's default encoding).
+        """
         if self.zarr_format == 2:
             return f"{self.name}/" + (self.separator.join(map(str, idx)) if idx else "0")
         tail = self.separator.join(map(str, idx))
@@ -108,6 +114,9 @@ class ZarrArray:
         return f"{self.name}/" + (tail if idx else "0")
 
     def describe(self) -> dict[str, Any]:
+        """Layout facts: zarr format, chunk shape, grid and compressor (sharded: the inner chunk
+        shape, and the compressor as ``sharding_indexed[...]`` with ``+crc32c index`` if so).
+        """
         d: dict[str, Any] = {
             "zarr_format": self.zarr_format,
             "chunks": list(self.chunks),

@@ -385,6 +385,14 @@ def finish_row(
     reread: Any = None,
     parts: int = 1,
 ) -> dict[str, Any]:
+    """The result row of a compared pair, from its accumulator.
+
+    Name, dtype, shape, numel, ``n_diff``, ``frac_diff`` (of ``numel x parts`` components),
+    ``max_abs`` and ``first_diff`` (an element index, None when nothing differs); for
+    ``kind == "bytes"``, ``frac_diff`` is per byte, ``max_abs`` NaN and ``first_diff`` a byte
+    index. With float facts (``info`` not None), the ULP and norm columns too; ``reread``: an
+    engine's re-reads of the bytes for them (None: read here).
+    """
     # parts: components per element (2 for complex, compared component by component)
     numel = ta.numel
     row: dict[str, Any] = {

@@ -102,6 +102,7 @@ class PageReleaser:
             pass
 
     def flush(self) -> None:
+        """Release every page range still queued."""
         while self._queue:
             self._release(*self._queue.popleft())
 
@@ -155,6 +156,7 @@ class Progress:
         self.shown = False
 
     def advance(self, n: int) -> None:
+        """Count ``n`` more bytes; redraw the line from 1 s after the start, at most each 0.25 s."""
         if not self.enabled:
             return
         self.done += n
@@ -171,6 +173,7 @@ class Progress:
             err.flush()
 
     def finish(self) -> None:
+        """Clear the line, if it was shown."""
         if self.shown:
             self.shown = False
             err = _stderr()
@@ -204,10 +207,12 @@ class Acc:
 
     @property
     def bb(self) -> float:
+        """b.b, as ``aa + 2 sad + sdd``."""
         return self.aa + 2 * self.sad + self.sdd
 
     @property
     def ab(self) -> float:
+        """a.b, as ``aa + sad``."""
         return self.aa + self.sad
 
 

@@ -178,6 +178,7 @@ def ulp_bits(ua: np.ndarray, ub: np.ndarray, info: FloatBits) -> np.ndarray:
 
 
 def is_nan_bits(bits: np.ndarray, info: FloatBits) -> np.ndarray:
+    """Mask of NaN bit patterns (:meth:`FloatBits.nan`: with the non-values of narrow formats)."""
     return info.nan(bits)
 
 

@@ -78,6 +78,8 @@ class Config:
 
 
 class Embeddings(nn.Module):
+    """The ``embeddings`` block: word, token-type and position embeddings summed, then LayerNorm."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=0)
@@ -86,6 +88,7 @@ class Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq)`` token ids and token types -> ``(batch, seq, hidden)`` embeddings."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         x = (
             self.word_embeddings(input_ids)
@@ -96,6 +99,8 @@ class Embeddings(nn.Module):
 
 
 class SelfAttention(nn.Module):
+    """Multi-head self-attention (``attention.self``): the query, key and value projections."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.num_heads = c.num_attention_heads
@@ -109,6 +114,7 @@ class SelfAttention(nn.Module):
         return x.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` -> the same shape, heads merged; keys masked by ``attend``."""
         q, k, v = (self._heads(m(hidden)) for m in (self.query, self.key, self.value))
         # attend: (batch, 1, 1, seq) bool, True where the key is a real token
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=0.0)
@@ -117,46 +123,60 @@ class SelfAttention(nn.Module):
 
 
 class SelfOutput(nn.Module):
+    """The attention output (``attention.output``): dense, the residual added, LayerNorm."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, ctx: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` ctx and residual -> ``LayerNorm(dense(ctx) + residual)``."""
         return self.LayerNorm(self.dense(ctx) + residual)
 
 
 class Attention(nn.Module):
+    """One layer's attention block (``attention``): self-attention, then its output."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.self = SelfAttention(c)
         self.output = SelfOutput(c)
 
     def forward(self, hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` -> ``(batch, seq, hidden)``, keys masked by ``attend``."""
         return self.output(self.self(hidden, attend), hidden)
 
 
 class Intermediate(nn.Module):
+    """The feed-forward expansion (``intermediate``): dense to ``intermediate_size``, then GELU."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
         self.intermediate_act_fn = nn.GELU()  # exact (erf) GELU, as BERT's "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` -> ``(batch, seq, intermediate_size)``: ``GELU(dense(x))``."""
         return self.intermediate_act_fn(self.dense(x))
 
 
 class Output(nn.Module):
+    """The feed-forward output (``output``): dense back to ``hidden_size``, residual, LayerNorm."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.dense = nn.Linear(c.intermediate_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, intermediate_size)`` and the residual -> ``(batch, seq, hidden)``."""
         return self.LayerNorm(self.dense(x) + residual)
 
 
 class Layer(nn.Module):
+    """One encoder layer (``encoder.layer.{i}``): attention, then the feed-forward block."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.attention = Attention(c)
@@ -164,16 +184,20 @@ class Layer(nn.Module):
         self.output = Output(c)
 
     def forward(self, hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` -> the layer's output states, same shape."""
         a = self.attention(hidden, attend)
         return self.output(self.intermediate(a), a)
 
 
 class Encoder(nn.Module):
+    """The ``encoder``: ``num_hidden_layers`` encoder layers (``encoder.layer``) in order."""
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.layer = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
 
     def forward(self, hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` embeddings -> the last layer's hidden states, same shape."""
         for layer in self.layer:
             hidden = layer(hidden, attend)
         return hidden
@@ -194,6 +218,11 @@ class MiniLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``(batch, seq)`` token ids -> the last hidden state ``(batch, seq, hidden)``.
+
+        Without ``attention_mask`` every token is attended to; without ``token_type_ids``
+        every token type is 0.
+        """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if token_type_ids is None:

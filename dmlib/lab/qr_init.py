@@ -474,6 +474,9 @@ processes' caches differ. Files are never byte-equal (per-process `param_id`).
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: with ``--worker``, run one process and print its report as JSON;
+    without it, print the usage and return 2.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" not in argv:
         print(

@@ -165,6 +165,7 @@ def _train(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker(argv: Sequence[str]) -> dict[str, Any]:
+    """One process: the fine-tune ``argv`` describes, its checkpoints saved; returns its report."""
     ap = argparse.ArgumentParser(prog="python -m dmlib.lab.train_ladder --worker")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--label", required=True)
@@ -342,6 +343,9 @@ steps of about the learning rate, on tensors of small norm.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: with ``--worker``, run one process and print its report as JSON;
+    without it, print the usage and return 2.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" not in argv:
         print(

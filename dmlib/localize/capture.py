@@ -939,6 +939,9 @@ class Recorder:
         )
 
     def manifest(self, *, complete: bool, error: str | None = None) -> dict[str, Any]:
+        """The manifest as a dict: format, version, ``complete``, the host's hash scheme, the
+        capture's settings and row map, metadata and boundaries; ``ops`` and ``error`` if any.
+        """
         m: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,

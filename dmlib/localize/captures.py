@@ -285,6 +285,7 @@ class RowMap:
         return None
 
     def to_json(self) -> list[list[Any] | None]:
+        """The entries as the manifest stores them: ``[request, position]``, None for padding."""
         return [None if e is None else [e[0], e[1]] for e in self.entries]
 
 
@@ -332,6 +333,7 @@ class Boundary:
 
     @property
     def row_mapped(self) -> bool:
+        """Whether its rows map to requests (leading row dims, or batch and position axes)."""
         return self.row_dims is not None or self.row_axes is not None
 
     @property
@@ -533,6 +535,7 @@ class Capture:
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """A copy of the manifest's ``metadata`` (empty when it has none)."""
         return dict(self.manifest.get("metadata") or {})
 
     @property
@@ -548,6 +551,7 @@ class Capture:
         return None if self.row_map is None else self.row_map.batch
 
     def boundary(self, name: str | Boundary) -> Boundary:
+        """The boundary of that name (a Boundary is returned as it is); CaptureError if none."""
         if isinstance(name, Boundary):
             return name
         try:
@@ -714,6 +718,7 @@ def dump_files(path: Path, manifest: dict[str, Any]) -> list[Path]:
 
 
 def n_blocks(n_rows: int, block_rows: int) -> int:
+    """How many blocks of ``block_rows`` rows ``n_rows`` rows fill (the last one may be short)."""
     return math.ceil(n_rows / block_rows)
 
 

@@ -62,9 +62,15 @@ class Alignment:
     partings: list[dict[str, Any]] = field(default_factory=list)
 
     def name_in_b(self, name: str) -> str | None:
+        """The name in ``b`` of boundary ``name`` of ``a``: an op boundary's partner (None:
+        unpaired); any other name is its own.
+        """
         return self.partner.get(name, name)
 
     def summary(self) -> dict[str, Any] | None:
+        """Counts of op boundaries, pairs and partings, the first parting and the first 20 of
+        them; None for captures without ops.
+        """
         if not self.has_ops:
             return None
         n_paired = sum(v is not None for v in self.partner.values())
@@ -170,6 +176,7 @@ def layout_bound(a: Capture, b: Capture, ba: Any, bb: Any) -> bool:
 
 
 def is_op_boundary(cap: Capture, name: str) -> bool:
+    """Whether boundary ``name`` of ``cap`` is an op's tensor (its manifest entry has ``op``)."""
     entry = cap.manifest["boundaries"][cap.boundary(name).index]
     return "op" in entry
 

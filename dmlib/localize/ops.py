@@ -87,6 +87,7 @@ def op_name(func: Any) -> str:
 
 
 def op_id(owner: str, name: str, k: int) -> str:
+    """The id of an op call: ``owner/name#k``, call ``k`` (from 0) of ``name`` in ``owner``."""
     return f"{owner}/{name}#{k}"
 
 
@@ -103,6 +104,7 @@ class ModuleStack:
         self._mode: _Mode | None = None  # entered while a selected module runs
 
     def install(self) -> list[Any]:
+        """Register the push and pop hooks on every selected module; returns their handles."""
         handles = []
         for name, mod in self.selected:
             label = name or self.root
@@ -154,6 +156,7 @@ class ModuleStack:
         return op_id(owner, name, k)
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run one op seen by the dispatch mode, return its result (each subclass defines how)."""
         raise NotImplementedError
 
     def __enter__(self) -> ModuleStack:
@@ -216,6 +219,7 @@ class OpRecorder(ModuleStack):
                     self.params.setdefault(ptr, n)
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the op; when a selected module runs it, record its tensors and arguments too."""
         oid = self.next_id(func)
         if oid is None:
             return func(*args, **kwargs)

@@ -95,6 +95,7 @@ def _patched(out: Any, rows: np.ndarray, idx: np.ndarray, rm: RowMap, name: str,
 
 
 def torch_index(idx: np.ndarray, like: Any) -> Any:
+    """``idx`` as an int64 torch tensor on ``like``'s device."""
     import torch
 
     return torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(like.device)

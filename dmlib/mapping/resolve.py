@@ -31,6 +31,8 @@ class Binding:
 
 @dataclass(frozen=True)
 class Resolved:
+    """What :func:`resolve` returns: every binding, and the names each side declares unmapped."""
+
     bindings: list[Binding]
     ignored_a: list[str]  # names of A the mapping declares unmapped, in A's order
     ignored_b: list[str]

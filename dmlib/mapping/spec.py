@@ -64,6 +64,7 @@ class Rule:
         return [n for n in dict.fromkeys(seen) if n not in used]
 
     def label(self) -> str:
+        """``rule N (sources -> targets)``: the rule as messages name it."""
         return f"rule {self.number} ({', '.join(self.sources)} -> {', '.join(self.targets)})"
 
 

@@ -85,6 +85,7 @@ _STREAM_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def notebook_page(title: str, body: str) -> str:
+    """A notebook's page: :func:`page` with a link back to ``index.html`` above ``body``."""
     nav = '<p><a href="index.html">&larr; index</a></p>'
     return page(title, nav + body)
 

@@ -82,11 +82,13 @@ class NotebookResult:
 
     @property
     def status(self) -> str:
+        """``"skipped"``, ``"ok"`` or ``"FAILED"``."""
         if self.skipped:
             return "skipped"
         return "ok" if self.ok else "FAILED"
 
     def describe(self) -> str:
+        """One line: the name, then ``ok in N s``, ``skipped (why)`` or ``FAILED``, cell, error."""
         if self.skipped:
             return f"{self.name}: skipped ({self.skipped})"
         if self.ok:
@@ -219,6 +221,7 @@ def find_notebooks(
 
 
 def read_notebook(path: Path) -> Any:
+    """The notebook at ``path`` (nbformat version 4); DmlibError if it cannot be read."""
     import nbformat
 
     try:

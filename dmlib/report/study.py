@@ -116,6 +116,7 @@ class Run:
 
     @property
     def steps(self) -> list[int]:
+        """The recorded steps in increasing order (a checkpoint without a step left out)."""
         return sorted(s for s in self.checkpoints if s is not None)
 
     def last(self) -> tuple[int | None, Path]:

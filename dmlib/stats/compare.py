@@ -705,6 +705,9 @@ def _same_scalar(x: Any, y: Any) -> bool:
 
 
 def dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
+    """Key -> ``[value in a, value in b]`` for every key whose values differ or that one side
+    lacks (None there); a's keys first, in order, then b's others.
+    """
     keys = list(da) + [k for k in db if k not in da]
     return {
         k: [da.get(k), db.get(k)] for k in keys if da.get(k) != db.get(k) or (k in da) != (k in db)
