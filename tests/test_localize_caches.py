@@ -134,3 +134,78 @@ def test_legacy_tuple_cache_hashed_per_request(tmp_path):
         assert bd.requests["a"].digest == _b3(_request_rows(arr, 0, list(range(s))))
         assert bd.requests["b"].digest == _b3(_request_rows(arr, 1, list(range(1, s))))
         assert bd.requests["b"].n_rows == s - 1
+
+
+def _mistral_sliding():
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=4, attn_implementation="sdpa",
+                                     pad_token_id=0)  # fmt: skip
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+def test_sliding_window_cache_hashed_whole_and_judged_only_on_the_same_rows(tmp_path):
+    """A static cache with a sliding window (4 slots, a 6-token prompt: the slots roll over)
+    is hashed whole per layer (oracle: a pre-hook's clone of every layer's keys/values),
+    never judged between layouts that place the probe on other rows, judged between two
+    captures of one layout; a decode step whose rolled cache was not judged is never
+    called the culprit."""
+    from dmlib.localize.boundaries import CaptureVerdict, compare_captures
+
+    model = _mistral_sliding()
+    g = torch.Generator().manual_seed(1)
+    probe = torch.randint(1, 64, (1, 6), generator=g)
+    other = torch.randint(1, 64, (1, 6), generator=g)
+    gen = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0,
+           "cache_implementation": "static"}  # fmt: skip
+    seen: list[dict[str, np.ndarray]] = []
+
+    def pre(mod, args, kwargs):
+        kwarg = "past_key_values" if "past_key_values" in kwargs else "cache"
+        cache = kwargs[kwarg]
+        got = {"kwarg": kwarg}
+        for i, layer in enumerate(cache.layers):
+            for part in ("keys", "values"):
+                t = getattr(layer, part, None)
+                if torch.is_tensor(t) and t.numel():
+                    assert layer.is_sliding
+                    got[f"{i}.{part}"] = t.detach().clone().numpy()
+        seen.append(got)
+
+    layouts = {"alone": probe, "batched": torch.cat([probe, other]), "again": None}
+    layouts["again"] = layouts["batched"]
+    for name, ids in layouts.items():
+        mask = torch.ones_like(ids)
+        rows = row_map_from_attention_mask(mask, ["probe", "other"][: len(ids)])
+        kw = {"input_ids": ids, "attention_mask": mask, **gen}
+        h = model.model.layers[0].register_forward_pre_hook(pre, with_kwargs=True)
+        seen.clear()
+        with torch.no_grad():
+            capture_generate(model, tmp_path / name, row_map=rows, generate_kwargs=kw,
+                             modules=["model.layers.0"])  # fmt: skip
+        h.remove()
+        c = dmlib.open_capture(tmp_path / name)
+        checked = 0
+        for step, got in enumerate(seen):
+            kwarg = got.pop("kwarg")
+            for key, arr in got.items():
+                i, part = key.split(".")
+                b = c.boundary(f"model.layers.0:input.{kwarg}.layers.{i}.{part}#{step}")
+                assert b.cache and b.rolled and not b.requests and b.digest == _b3(arr)
+                checked += 1
+        assert checked == 2 * 2 * 2  # two decode steps, two layers, keys and values
+    df = compare_captures(tmp_path / "alone", tmp_path / "batched", request="probe")
+    rolled = df[df["boundary"].str.contains(r":input\.(?:past_key_values|cache)\.")]
+    assert len(rolled) == 8 and (rolled["role"] == "unjudged").all()
+    assert rolled["note"].str.contains("sliding-window KV cache").all()
+    v = CaptureVerdict.of(df)
+    for r in df[(df["module"] == "model.layers.0") & (df["kind"] == "output")].itertuples():
+        if r.boundary != "model.layers.0" and r.identical is False:  # a decode step
+            assert r.role in ("undetermined", "carrier"), (r.boundary, r.role)
+            assert r.boundary not in v.culprits
+            assert (r.role == "undetermined") == (r.boundary in v.undetermined)
+    same = compare_captures(tmp_path / "batched", tmp_path / "again", request="probe")
+    rolled = same[same["boundary"].str.contains(r":input\.(?:past_key_values|cache)\.")]
+    assert len(rolled) == 8 and (rolled["identical"] == True).all()  # noqa: E712

@@ -177,6 +177,8 @@ def _judge_request(
     same_rows = (
         a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
     )
+    if (ba.rolled or bb.rolled) and not same_rows:
+        return None, [], ROLLED_NOTE
     blocked = "mixed" in (ka, kb) or ("unknown" in (ka, kb) and not same_rows)
     if not blocked and ba.shape == bb.shape and ba.dtype == bb.dtype:
         return (
@@ -639,6 +641,7 @@ def _summary(
         else None,
         "culprit": culprits[0] if culprits else None,
         "culprits": culprits,
+        "undetermined": [r["boundary"] for r in rows if r["role"] == "undetermined"],
         "entry": entries[0] if entries else None,
         "layout_inputs": layout,
         "secondary": [r["boundary"] for r in secondary],
@@ -691,11 +694,18 @@ def _negatives(
     return {"passed": (all(verdicts) if verdicts else None), "checks": checks}
 
 
+ROLLED_NOTE = (
+    "not judged: a sliding-window KV cache (its slots roll over, so it is hashed whole), "
+    "and the two captures place the requests on different rows"
+)
+
+
 def _roles(rows: list[dict[str, Any]]) -> None:
     """Fill role, new_blocks and inherited_blocks (in place).
 
-    ``culprit``: an output whose judged inputs all match while it differs (a module's
-    output, or an op's first output); ``entry``: an input that differs before anything
+    ``culprit``: an output whose inputs were all judged and all match while it differs (a
+    module's output, or an op's first output; with an input not judged it is
+    ``undetermined``, the input named in its note); ``entry``: an input that differs before anything
     recorded does (its producer was not captured); ``carrier``: differs because an input
     does; ``secondary``: an op's other output differing while its first output matches;
     ``layout``: a layout input, never judged; ``unjudged`` / ``clean`` as they say.
@@ -734,6 +744,12 @@ def _roles(rows: list[dict[str, Any]]) -> None:
                 r["note"] = r["note"] or SECONDARY_NOTE
             elif not ins:
                 r["role"] = "undetermined"
+            elif all(i["identical"] for i in ins) and (unknown := _unjudged_inputs(inputs, r)):
+                # identical where judged, but an input was not judged (a rolling KV cache,
+                # a tensor absent from one capture): it may have brought the difference in
+                r["role"] = "undetermined"
+                extra = f"inputs identical where judged; not judged: {', '.join(unknown[:4])}"
+                r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
             elif all(i["identical"] for i in ins):
                 r["role"] = (
                     "culprit"
@@ -758,6 +774,15 @@ def _roles(rows: list[dict[str, Any]]) -> None:
         inner = (r["module"] + ".", r["module"] + "/")
         if any(o is not r and o["module"].startswith(inner) for o in candidates):
             r["role"] = "encloses-culprit"
+
+
+def _unjudged_inputs(
+    inputs: dict[tuple[str, int], list[dict[str, Any]]], r: dict[str, Any]
+) -> list[str]:
+    """The names of output row ``r``'s module-call inputs that were not judged."""
+    return [
+        i["boundary"] for i in inputs.get((r["module"], r["call"]), []) if i["identical"] is None
+    ]
 
 
 def unjudged_line(df: pd.DataFrame, limit: int = 6) -> str:
@@ -786,6 +811,7 @@ class CaptureVerdict(Verdict):
     first_divergent_boundary: str | None
     culprit: str | None
     culprits: list[str]
+    undetermined: list[str]
     entry: str | None
     culprit_op: str | None
     op_alignment: dict[str, Any] | None
@@ -800,7 +826,8 @@ class CaptureVerdict(Verdict):
         """The verdict of a :func:`compare_captures` frame."""
         at = df.attrs
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: at.get(n, [] if n == "layout_inputs" else None) for n in names})
+        lists = ("layout_inputs", "undetermined")
+        return cls(**{n: at.get(n, [] if n in lists else None) for n in names})
 
     @property
     def failed_control(self) -> bool:
@@ -839,6 +866,13 @@ class CaptureVerdict(Verdict):
             )
         if len(self.culprits) > 1:
             lines.append(f"other entry points: {', '.join(self.culprits[1:6])}")
+        if self.undetermined:
+            more = f" and {len(self.undetermined) - 6} more" if len(self.undetermined) > 6 else ""
+            lines.append(
+                "differs, but an input was not judged (no culprit claimed there): "
+                + ", ".join(self.undetermined[:6])
+                + more
+            )
         if self.op_alignment is not None:
             lines.append(f"culprit op (inputs identical, output differs): {self.culprit_op}")
         if n_un:

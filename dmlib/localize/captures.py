@@ -323,6 +323,9 @@ class Boundary:
     layout: bool = False  # an input declared (or named) as following the batch layout
     step: int = 0  # forward pass (decode step, from 0) of a multi-pass capture
     cache: bool = False  # a KV-cache tensor: per request along its position axis
+    # a sliding-window cache, whose slots roll over instead of following positions: hashed
+    # whole, judged only between captures that place every request on the same rows
+    rolled: bool = False
     # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
 
@@ -482,6 +485,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             layout=bool(d.get("layout", False)),
             step=int(d.get("step") or 0),
             cache=bool(d.get("cache", False)),
+            rolled=bool(d.get("rolled", False)),
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
         )
     except (KeyError, TypeError, ValueError) as err:
