@@ -142,8 +142,8 @@ def _capture_frame(status, repeat=None, negative=True, **extra):
     df = pd.DataFrame({"boundary": ["m.output"]})
     df.attrs.update({
         "status": status, "n_comparable": 3, "unjudged": [], "first_divergent_boundary": None,
-        "culprit": None, "culprits": [], "entry": None, "culprit_op": None, "op_alignment": None,
-        "layout_inputs": [], "stats_missing": [], "repeat_control": repeat,
+        "culprit": None, "culprits": [], "undetermined": [], "entry": None, "culprit_op": None,
+        "op_alignment": None, "layout_inputs": [], "stats_missing": [], "repeat_control": repeat,
         "negative_control": {"passed": negative, "checks": []},
         "valid": None if repeat is None else bool(repeat["held"] and negative is not False),
     })  # fmt: skip
