@@ -162,6 +162,18 @@ def _refuse_shared(bindings: list[Binding]) -> None:
             )
 
 
+def source_problem(srcs: Sequence[Any]) -> str | None:
+    """Why these source tensors cannot be transformed together, or None: a quantized or
+    packed one (no element layout to move), or sources of different dtypes."""
+    bad = [t.name for t in srcs if t.quantized or t.packing is not None]
+    if bad:
+        return f"{bad[0]!r} is quantized or packed; its layout cannot be transformed"
+    dtypes = {t.dtype.newbyteorder("=") for t in srcs}
+    if len(dtypes) > 1:
+        return f"the sources hold different dtypes ({', '.join(sorted(map(str, dtypes)))})"
+    return None
+
+
 def count_problem(b: Binding, produced: int) -> str | None:
     """Why a chain giving ``produced`` arrays does not fit the binding's targets, or None.
 

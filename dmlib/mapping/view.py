@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from dmlib.errors import DmlibError
-from dmlib.mapping.resolve import Binding, count_problem, describe, resolve
+from dmlib.mapping.resolve import Binding, count_problem, describe, resolve, source_problem
 from dmlib.mapping.spec import Mapping, load_mapping
 from dmlib.mapping.transforms import Op, _concat, _split, each, run_chain, trace
 from dmlib.tensor import Tensor, TensorSet
@@ -89,16 +89,9 @@ def _targets(bnd: Binding, ts: TensorSet) -> list[Tensor]:
         t = copy.copy(srcs[0])
         t.name = bnd.targets[0]
         return [t]
-    bad = [t.name for t in srcs if t.quantized or t.packing is not None]
-    if bad:
-        raise DmlibError(
-            f"{where}: {bad[0]!r} is quantized or packed; its layout cannot be transformed"
-        )
-    dtypes = {t.dtype.newbyteorder("=") for t in srcs}
-    if len(dtypes) > 1:
-        raise DmlibError(
-            f"{where}: the sources hold different dtypes ({', '.join(sorted(map(str, dtypes)))})"
-        )
+    problem = source_problem(srcs)
+    if problem:
+        raise DmlibError(f"{where}: {problem}")
     try:
         shapes = _shapes_after(bnd.rule.ops, [t.shape for t in srcs])
     except DmlibError as err:

@@ -19,7 +19,7 @@ from dmlib import hashing
 from dmlib.errors import DmlibError
 from dmlib.kernels import stream as K
 from dmlib.kernels.pair import DEFAULT_CHUNK
-from dmlib.mapping.resolve import Binding, count_problem, describe, resolve
+from dmlib.mapping.resolve import Binding, count_problem, describe, resolve, source_problem
 from dmlib.mapping.sides import opened_side
 from dmlib.mapping.spec import load_mapping
 from dmlib.mapping.transforms import cast_dtype, describe_chain, run_chain, trace
@@ -100,16 +100,9 @@ def _derived(bnd: Binding, sa: TensorSet) -> list[Tensor]:
     if not moving and len(srcs) == len(bnd.targets) == 1:
         return [_renamed(srcs[0], bnd.targets[0])]
     where = f"{bnd.rule.label()} on {', '.join(bnd.sources)}"
-    bad = [t.name for t in srcs if t.quantized or t.packing is not None]
-    if bad:
-        raise DmlibError(
-            f"{where}: {bad[0]!r} is quantized or packed; its layout cannot be transformed"
-        )
-    dtypes = {t.dtype.newbyteorder("=") for t in srcs}
-    if len(dtypes) > 1:
-        raise DmlibError(
-            f"{where}: the sources hold different dtypes ({', '.join(sorted(map(str, dtypes)))})"
-        )
+    problem = source_problem(srcs)
+    if problem:
+        raise DmlibError(f"{where}: {problem}")
     try:
         outs = run_chain(bnd.rule.ops, [t.load() for t in srcs])
     except DmlibError as err:
