@@ -378,3 +378,17 @@ def test_study_ladder_with_a_mapped_run(runs, tmp_path: Path) -> None:
     assert set(df["name"]) == set(runs["conv"])
     diff = df[df.n_diff > 0]
     assert list(zip(diff["step"], diff["name"])) == [(20, K)]
+
+
+def test_sources_of_different_dtypes_are_refused_by_the_view_and_the_comparison(
+    tmp_path: Path,
+) -> None:
+    src = ArrayTensorSet({"r0": np.zeros((2, 3), np.float32), "r1": np.zeros((3, 3), np.float16)})
+    text = '[[rule]]\nsource = "r{r}"\ntarget = "w"\ntransforms = [{ op = "concat", axis = 0 }]'
+    why = r"the sources hold different dtypes \(float16, float32\)"
+    with pytest.raises(DmlibError, match=why):
+        mapped_set(src, loads(text), ["w"])
+    (tmp_path / "map.toml").write_text(text)
+    target = ArrayTensorSet({"w": np.zeros((5, 3), np.float32)})
+    with pytest.raises(DmlibError, match=why):
+        dmlib.compare(src, target, mapping=str(tmp_path / "map.toml"))
