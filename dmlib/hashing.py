@@ -29,7 +29,9 @@ never compare equal.
 
 BLAKE3 rather than xxh3-128 (faster still, but not cryptographic): ``dmlib.matrix``
 treats equal digests as equal bytes, so the hash must not collide or be forgeable by
-construction. Measured on this project's machine: BLAKE3 2.2 GB/s on one core against
+construction. (A capture's host digests are XXH3-128 by default: there the digests are
+written by the process that ran the model and read as its statement, so a crafted
+collision buys nothing a forged manifest does not; see docs/formats.md.) Measured on this project's machine: BLAKE3 2.2 GB/s on one core against
 SHA-256's 0.84 GB/s; it runs on worker threads beside the comparison.
 
 The bare SHA-256 helpers at the end (:func:`hash_bytes`, :func:`hash_file`...) serve the
@@ -89,6 +91,20 @@ def _blake3() -> Any:
             "the default hash needs the blake3 package: pip install blake3 (or pass hash='sha256')"
         ) from None
     return blake3
+
+
+def xxh3_128() -> Any:
+    """The ``xxhash`` module (XXH3-128, the default leaf hash of a capture's host digests)."""
+    try:
+        import xxhash
+    except ImportError:  # pragma: no cover - a core dependency
+        from dmlib.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            "a capture's default hash needs the xxhash package: pip install xxhash (or "
+            "capture with hash='blake3')"
+        ) from None
+    return xxhash
 
 
 def _as_bytes(data: bytes | memoryview | np.ndarray) -> memoryview:

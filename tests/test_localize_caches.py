@@ -3,7 +3,8 @@ tuples of past (key, value) tensors, hashed per request.
 
 Oracle: plain forward pre-hooks of our own cloning the cache tensors when the hook runs;
 a request's cache rows are its positions (prompt, then generated tokens) in order, each
-position's heads x head_dim, hashed with the ``blake3`` package. The installed
+position's heads x head_dim, hashed with the ``xxhash`` package (XXH3-128, the default
+scheme). The installed
 transformers passes only ``Cache`` objects to Llama (no tuples), so legacy tuples are
 tested on a small module of our own that takes them.
 """
@@ -17,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from blake3 import blake3  # noqa: E402
+from _support.tree import leaf  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
@@ -27,7 +28,7 @@ N_PROBE, N_OTHER = 6, 9
 
 
 def _b3(x) -> str:
-    return blake3(np.ascontiguousarray(x).tobytes()).hexdigest()
+    return leaf(x, "xxh3")
 
 
 def _llama():

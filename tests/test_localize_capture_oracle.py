@@ -1,30 +1,24 @@
 """A capture's host digests on a tiny Llama against an oracle of our own.
 
 The oracle: plain torch forward hooks on the same modules, cloning each output when its
-hook runs, and the ``blake3`` package on its bytes: the whole tensor, each index of the
-first axis, and per request its rows in position order, in blocks of ``BLOCK`` positions
-(all rows when a request has more than one block). Left padding makes one request start
+hook runs, and the ``xxhash`` (default scheme) or ``blake3`` package (``hash="blake3"``)
+on its bytes: the whole tensor, each index of the first axis, and per request its rows
+in position order, in blocks of ``BLOCK`` positions (tests/_support/tree.py). Left padding makes one request start
 mid-row; several blocks per request exercise the block offsets.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from _support.tree import tree_request  # noqa: E402
-from blake3 import blake3  # noqa: E402
+from _support.tree import SCHEME, leaf, tree_request  # noqa: E402
 
 import dmlib  # noqa: E402
 from dmlib.localize.capture import default_modules  # noqa: E402
 
 B, S, BLOCK = 3, 13, 4
-
-
-def _b3(x: np.ndarray) -> str:
-    return blake3(np.ascontiguousarray(x).tobytes()).hexdigest()
 
 
 def _model():
@@ -62,7 +56,8 @@ def _oracle_outputs(model, ids, mask, names):
 
 
 @pytest.mark.parametrize("threads", [0, 2])
-def test_llama_capture_digests_match_blake3_of_hooked_outputs(tmp_path, threads):
+@pytest.mark.parametrize("scheme", ["xxh3", "blake3"])
+def test_llama_capture_digests_match_the_hash_of_hooked_outputs(tmp_path, threads, scheme):
     model = _model()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 64, (B, S), generator=g)
@@ -72,26 +67,26 @@ def test_llama_capture_digests_match_blake3_of_hooked_outputs(tmp_path, threads)
     seen = _oracle_outputs(model, ids, mask, names)
     rm = _row_map()
     with torch.no_grad(), dmlib.capture(model, tmp_path / "c", row_map=rm, block_rows=BLOCK,
-                                        hash_threads=threads):  # fmt: skip
+                                        hash_threads=threads, hash=scheme):  # fmt: skip
         model(input_ids=ids, attention_mask=mask)
     c = dmlib.open_capture(tmp_path / "c")
     flat = [e for row in rm for e in row]
     checked = 0
     for name, x in seen.items():
         b = c.boundary(name)
-        assert b.hash == "blake3-tree-v1" and b.digest == _b3(x), name
+        assert b.hash == SCHEME[scheme] and b.digest == leaf(x, scheme), name
         if x.ndim >= 2 and x.shape[:2] == (B, S):
             rows = x.reshape(B * S, *x.shape[2:])
             for rid in ("r0", "r1", "r2"):
                 mine = rows[[i for i, e in enumerate(flat) if e is not None and e[0] == rid]]
-                blocks = [_b3(mine[i : i + BLOCK]) for i in range(0, len(mine), BLOCK)]
+                blocks = [leaf(mine[i : i + BLOCK], scheme) for i in range(0, len(mine), BLOCK)]
                 got = b.requests[rid]
                 assert got.blocks == blocks, (name, rid)
                 # a request of several blocks: its digest is the tree over its blocks
-                assert got.digest == tree_request(mine, BLOCK)[0], (name, rid)
-                assert (len(blocks) == 1) == (got.digest == _b3(mine)), (name, rid)
+                assert got.digest == tree_request(mine, BLOCK, scheme)[0], (name, rid)
+                assert (len(blocks) == 1) == (got.digest == leaf(mine, scheme)), (name, rid)
                 assert got.n_rows == len(mine)
             checked += 1
         elif b.leading is not None:
-            assert b.leading == [_b3(row) for row in x], name
+            assert b.leading == [leaf(row, scheme) for row in x], name
     assert checked >= 10  # embeddings, projections, MLPs, norms, logits

@@ -1,6 +1,6 @@
 """Capture digests: the scheme each boundary names, shared digests, the device checksum.
 
-Oracles: the ``blake3`` package and :func:`dmlib.hashing.checksum_host` (numpy) on bytes
+Oracles: the ``xxhash`` and ``blake3`` packages and :func:`dmlib.hashing.checksum_host` (numpy) on bytes
 taken by plain torch forward hooks of our own, cloned at the moment each hook runs.
 """
 
@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from _support.tree import tree_request  # noqa: E402
-from blake3 import blake3  # noqa: E402
+from _support.tree import SCHEME, leaf, tree_request  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
@@ -78,19 +77,17 @@ def _capture(model: Net, ids: torch.Tensor, path, *, device_path: bool = False, 
     return dmlib.open_capture(path)
 
 
-def _expect(x: np.ndarray, fn, tree: bool = False) -> tuple[str, dict[str, tuple[str, list[str]]]]:
+def _expect(
+    x: np.ndarray, fn, tree: str | None = None
+) -> tuple[str, dict[str, tuple[str, list[str]]]]:
     """Whole digest and per-request (digest, blocks) of a (B, S, ...) boundary, by hand
-    (``tree``: a request's digest is the blake3-tree-v1 one over its blocks)."""
+    (``tree``: a request's digest is that tree scheme's over its blocks)."""
     reqs = {"u": x[0, :S], "v": x[1, :5]}
     out = {}
     for r, rows in reqs.items():
         blocks = [fn(rows[i : i + BLOCK].tobytes()) for i in range(0, len(rows), BLOCK)]
-        out[r] = (tree_request(rows, BLOCK)[0] if tree else fn(rows.tobytes()), blocks)
+        out[r] = (tree_request(rows, BLOCK, tree)[0] if tree else fn(rows.tobytes()), blocks)
     return fn(x.tobytes()), out
-
-
-def _b3(data: bytes) -> str:
-    return blake3(data).hexdigest()
 
 
 def _ck(data: bytes) -> str:
@@ -98,21 +95,26 @@ def _ck(data: bytes) -> str:
 
 
 @pytest.mark.parametrize("threads", [0, 2])
-def test_host_digests_are_blake3_of_each_boundary_bytes(tmp_path, threads):
+@pytest.mark.parametrize("scheme", ["xxh3", "blake3"])
+def test_host_digests_are_the_hash_of_each_boundary_bytes(tmp_path, threads, scheme):
     model, ids = _model()
     seen = _seen(model, ids)
-    c = _capture(model, ids, tmp_path / "c", hash_threads=threads)
-    assert c.manifest["version"] == 3 and c.manifest["hash"] == "blake3-tree-v1"
+    c = _capture(model, ids, tmp_path / "c", hash_threads=threads, hash=scheme)
+    assert c.manifest["version"] == 4 and c.manifest["hash"] == SCHEME[scheme]
+
+    def fn(data: bytes) -> str:
+        return leaf(data, scheme)
+
     for name in ("emb", "same:input0", "same", "lin:input0", "lin", "bump:input0", "bump"):
         b = c.boundary(name)
-        whole, reqs = _expect(seen[name], _b3, tree=True)
-        assert b.hash == "blake3-tree-v1" and b.digest == whole, name
+        whole, reqs = _expect(seen[name], fn, tree=scheme)
+        assert b.hash == SCHEME[scheme] and b.digest == whole, name
         for r, (digest, blocks) in reqs.items():
             assert (b.requests[r].digest, b.requests[r].blocks) == (digest, blocks), (name, r)
     # the in-place op: its input and output are one object, before and after the write
     assert c.boundary("bump:input0").digest != c.boundary("bump").digest
     # the pooled head (per sequence): one digest per batch row
-    assert c.boundary("head").leading == [_b3(row.tobytes()) for row in seen["head"]]
+    assert c.boundary("head").leading == [fn(row.tobytes()) for row in seen["head"]]
 
 
 def test_one_tensor_recorded_twice_shares_its_dump(tmp_path):
@@ -155,7 +157,7 @@ def test_two_schemes_are_never_called_identical(tmp_path):
     df = dmlib.compare_captures(host, dev, repeat=dev)
     assert df["identical"].isna().all()
     assert df.attrs["status"] == "inconclusive"
-    assert "hashed with blake3-tree-v1 in A, cksum4-v1 in B" in df["note"].iloc[0]
+    assert "hashed with xxh3-128-tree-v1 in A, cksum4-v1 in B" in df["note"].iloc[0]
     rc = df.attrs["repeat_control"]["checks"][0]
     assert rc["held"] is False and rc["n_incomparable"] == len(host) and rc["n_differing"] == 0
     assert df.attrs["valid"] is False

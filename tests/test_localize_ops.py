@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from blake3 import blake3
 
 torch = pytest.importorskip("torch")
 from _support import opsmodel  # noqa: E402
 from _support.opsmodel import LENGTHS, F, Net, S, layout  # noqa: E402
-from _support.tree import tree_request  # noqa: E402
+from _support.tree import leaf, tree_request  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
@@ -67,16 +66,12 @@ def test_op_names_hashes_and_rows(tmp_path):
     assert quirk_ops[0].inputs == [QUIRK_OP + ":input0"] and quirk_ops[0].outputs == [QUIRK_OP]
     b = c.boundary(QUIRK_OP)
     out = seen["out"].numpy()
-    assert b.digest == blake3(out.tobytes()).hexdigest()
+    assert b.digest == leaf(out.tobytes())
     assert b.row_dims == 2 and b.shape == (3, S, F)
     q_rows = out[1, :S]  # request q is batch row 1
     assert b.requests["q"].digest == tree_request(q_rows, 4)[0]
-    assert b.requests["q"].blocks == [
-        blake3(q_rows[i : i + 4].tobytes()).hexdigest() for i in range(0, S, 4)
-    ]
-    assert (
-        c.boundary(QUIRK_OP + ":input0").digest == blake3(seen["in"].numpy().tobytes()).hexdigest()
-    )
+    assert b.requests["q"].blocks == [leaf(q_rows[i : i + 4].tobytes()) for i in range(0, S, 4)]
+    assert c.boundary(QUIRK_OP + ":input0").digest == leaf(seen["in"].numpy().tobytes())
     # stage1 is x * weight + bias: aten.mul then aten.add, inputs by slot
     s1 = [o for o in ops if o.owner == "model.stage1"]
     assert [o.id for o in s1] == ["model.stage1/aten.mul#0", "model.stage1/aten.add#0"]
@@ -115,7 +110,7 @@ def test_ops_without_row_layout_are_hashed_whole_and_listed(tmp_path):
     assert s.row_dims is None and s.shape == (3, F) and s.requests == {}
     assert "(model)/aten.sum#0" in c.manifest["whole_only"]
     assert c.boundary("(model)/aten.sum#0:input0").row_dims == 2  # its input keeps the rows
-    assert c.boundary("(model)/aten.mul#0").digest == blake3(out.numpy().tobytes()).hexdigest()
+    assert c.boundary("(model)/aten.mul#0").digest == leaf(out.numpy().tobytes())
 
 
 def test_capture_with_ops_leaves_outputs_byte_identical(tmp_path):
@@ -317,7 +312,7 @@ def test_head_major_rows_are_attributed(heads):
     x, _ = layout("packed")
     # oracle: request q is batch row 1, positions 0..S-1, taken by hand from the input
     by_hand = x.view(3, S, 2, F // 2)[1].numpy()  # (positions, heads, head_dim)
-    assert t.requests["q"].digest == blake3(by_hand.tobytes()).hexdigest()
+    assert t.requests["q"].digest == leaf(by_hand.tobytes())
     np.testing.assert_array_equal(c.tensor(t, "q"), by_hand)
     entry = c.manifest["boundaries"][t.index]
     assert entry["row_axes"] == [0, 2] and entry["row_dims"] is None

@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 import pytest
-from blake3 import blake3
 
 torch = pytest.importorskip("torch")
 from _support.toymodel import (  # noqa: E402
@@ -29,7 +28,7 @@ from _support.toymodel import (  # noqa: E402
     layout,
     run_capture,
 )
-from _support.tree import tree_request  # noqa: E402
+from _support.tree import leaf, tree_request  # noqa: E402
 from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
@@ -89,13 +88,13 @@ def test_manifest_order_names_and_hashes(tmp_path):
     b = cap.boundary("blocks.1.quirk")
     out = seen["out"].numpy()
     assert (b.dtype, b.shape, b.kind, b.row_dims) == ("float32", (3, 30, F), "output", 2)
-    # version-3 captures name their scheme: BLAKE3 of the bytes (oracle: the blake3 package)
-    assert b.hash == "blake3-tree-v1" and cap.manifest["hash"] == "blake3-tree-v1"
-    assert b.digest == blake3(out.tobytes()).hexdigest()
+    # version-4 captures name their scheme: XXH3-128 of the bytes (oracle: the xxhash package)
+    assert b.hash == "xxh3-128-tree-v1" and cap.manifest["hash"] == "xxh3-128-tree-v1"
+    assert b.digest == leaf(out.tobytes())
     # oracle for the per-request rule: r sits in batch row 1, positions 0..23
     r_rows = out[1, :N_REQ]
     assert b.requests["r"].digest == tree_request(r_rows, BLOCK_ROWS)[0]
-    expect_blocks = [blake3(r_rows[i : i + BLOCK_ROWS].tobytes()).hexdigest() for i in (0, 8, 16)]
+    expect_blocks = [leaf(r_rows[i : i + BLOCK_ROWS].tobytes()) for i in (0, 8, 16)]
     assert b.requests["r"].blocks == expect_blocks
     assert b.requests["b"].n_rows == 11 and len(b.requests["b"].blocks) == 2
     assert cap.requests == {"a": 30, "r": 24, "b": 11}

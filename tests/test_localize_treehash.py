@@ -1,13 +1,14 @@
 """The capture's fast paths give the digests the format defines, checked against oracles.
 
 - the compiled per-request block loop (``dmlib.kernels.treehash``) against the
-  independent ``blake3-tree-v1`` oracle of tests/_support/tree.py, and a capture made
-  with it against one made with the Python loop;
+  independent ``xxh3-128-tree-v1`` and ``blake3-tree-v1`` oracles of
+  tests/_support/tree.py, and a capture made with it against one made with the Python
+  loop; ``DMLIB_KERNELS=numpy`` turns it off;
 - op outputs that share an input's memory (views) take its digests only where the op
   writes nothing, and an in-place op's output is hashed after its write (it once took
   its input's digest: torch bumps the version counter only after the dispatch): each op
-  boundary's digest equals BLAKE3 of the tensor's bytes as a plain dispatch mode in the
-  test sees them;
+  boundary's digest equals XXH3-128 of the tensor's bytes as a plain dispatch mode in
+  the test sees them;
 - the dispatch mode is on only while a selected module runs, and is off after a run that
   raised inside one;
 - the in-progress marker, and recognising a capture's manifest from its ends.
@@ -16,16 +17,20 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
+from _support.tree import leaf
 from _support.tree import tree_request as oracle_tree
-from blake3 import blake3
 
 from dmlib import hashing
 from dmlib.kernels import treehash
-from dmlib.localize.captures import TREE_REQUEST_TAG
+from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -40,22 +45,45 @@ from dmlib.localize import capture as capture_mod  # noqa: E402
 compiled = pytest.mark.skipif(not treehash.USE_COMPILED, reason="dmlib.kernels._fused not built")
 
 
+#: scheme -> (hasher, tag, piece, digest size) as the capture passes them
+ARGS = {
+    "xxh3": (xxhash.xxh3_128_digest, XXH_REQUEST_TAG, sys.maxsize, 16),
+    "blake3": (hashing._blake3(), TREE_REQUEST_TAG, hashing.PIECE, 32),
+}
+
+
 @compiled
+@pytest.mark.parametrize("scheme", ["xxh3", "blake3"])
 @pytest.mark.parametrize(
     ("row_bytes", "n_rows", "block"), [(256, 400, 64), (12, 97, 7), (4, 1, 64), (1000, 130, 64)]
 )
-def test_compiled_request_blocks_match_the_oracle(row_bytes, n_rows, block):
+def test_compiled_request_blocks_match_the_oracle(row_bytes, n_rows, block, scheme):
     rng = np.random.default_rng(row_bytes + n_rows)
     buf = rng.integers(0, 256, row_bytes * n_rows, dtype=np.uint8)
     rows = buf.reshape(n_rows, row_bytes)
     spans = [(0, n_rows // 3), (n_rows // 3, n_rows - n_rows // 3), (n_rows - 1, 1), (0, n_rows)]
     spans = [s for s in spans if s[1] > 0]
-    got = treehash.request_blocks(
-        hashing._blake3(), buf.data, row_bytes, spans, block, TREE_REQUEST_TAG, hashing.PIECE
-    )
+    hasher, tag, piece, size = ARGS[scheme]
+    got = treehash.request_blocks(hasher, buf.data, row_bytes, spans, block, tag, piece, size)
     assert got is not None and len(got) == len(spans)
     for (start, n), (digest, blocks) in zip(spans, got):
-        assert (digest, blocks) == oracle_tree(rows[start : start + n], block)
+        assert (digest, blocks) == oracle_tree(rows[start : start + n], block, scheme)
+
+
+@compiled
+def test_compiled_request_blocks_refuse_a_digest_of_another_size():
+    buf = np.zeros(40, np.uint8)
+    with pytest.raises(ValueError, match="not 32 bytes"):  # XXH3's 16 bytes, announced as 32
+        treehash.request_blocks(xxhash.xxh3_128_digest, buf.data, 4, [(0, 3)], 4, b"t", 1 << 30)
+    with pytest.raises(ValueError, match="digest_size"):
+        treehash.request_blocks(xxhash.xxh3_128_digest, buf.data, 4, [(0, 3)], 4, b"t", 40, 0)
+
+
+def test_dmlib_kernels_numpy_turns_the_compiled_loop_off():
+    code = "from dmlib.kernels import treehash; print(treehash.USE_COMPILED)"
+    env = dict(os.environ, DMLIB_KERNELS="numpy")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 @compiled
@@ -116,7 +144,7 @@ def test_capture_digests_are_the_oracles_with_and_without_the_compiled_loop(tmp_
                  "g": [(1, 3), (1, 5), (1, 6)]}  # fmt: skip
     for name, out in seen.items():
         b = by_name[name]
-        assert b["digest"] == blake3(np.ascontiguousarray(out).tobytes()).hexdigest()
+        assert b["digest"] == leaf(np.ascontiguousarray(out).tobytes())
         for rid, where in positions.items():
             mine = np.stack([out[r, j] for r, j in where])
             digest, blocks = oracle_tree(mine, 2)
@@ -150,7 +178,7 @@ class Witness(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             data = out.detach().contiguous().numpy().tobytes()
-            self.outputs.append((str(func.overloadpacket), blake3(data).hexdigest()))
+            self.outputs.append((str(func.overloadpacket), leaf(data)))
         return out
 
 

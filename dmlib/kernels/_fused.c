@@ -235,16 +235,18 @@ static PyObject *py_restore_sigbus(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* request_blocks(hasher, buf, row_bytes, spans, block_rows, tag, piece): the
- * blake3-tree-v1 digests of requests on consecutive rows of one contiguous buffer, the
- * loop of dmlib.localize.capture.Recorder._request_digests without the interpreter
- * (per block, a slice, a hash object and a hex string cost more than hashing a few KiB).
- * hasher: the blake3 constructor (called on a read-only memoryview of each block);
- * spans: a sequence of (first row, rows); tag: the tree's domain tag. Per span: (digest,
- * [block digests]) as hex, a block being `block_rows` rows (the last one shorter), the
- * digest the one block's, or with several BLAKE3 of tag, (rows, block_rows) as
- * little-endian u64 and the blocks' 32-byte digests. None when a block is over `piece`
- * bytes (the caller's piece logic applies). A span outside the buffer: ValueError. */
+/* request_blocks(hasher, buf, row_bytes, spans, block_rows, tag, piece, digest_size): the
+ * tree digests (blake3-tree-v1, xxh3-128-tree-v1) of requests on consecutive rows of one
+ * contiguous buffer, the loop of dmlib.localize.capture.Recorder._request_digests without
+ * the interpreter (per block, a slice, a hash object and a hex string cost more than
+ * hashing a few KiB). hasher: called on a read-only memoryview of each block, it returns
+ * the digest as bytes (xxhash.xxh3_128_digest) or an object whose digest() does (the
+ * blake3 constructor); every digest is digest_size bytes (1 to 64). spans: a sequence of
+ * (first row, rows); tag: the tree's domain tag. Per span: (digest, [block digests]) as
+ * hex, a block being `block_rows` rows (the last one shorter), the digest the one
+ * block's, or with several the hasher's digest of tag, (rows, block_rows) as
+ * little-endian u64 and the blocks' raw digests. None when a block is over `piece` bytes
+ * (the caller's piece logic applies). A span outside the buffer: ValueError. */
 static PyObject *digest_name;
 
 static int put_u64(unsigned char *p, uint64_t v) {
@@ -264,40 +266,45 @@ static PyObject *hex_of(const unsigned char *d, Py_ssize_t n) {
     return out;
 }
 
-/* the 32-byte digest of `n` bytes at `p`, into `out`; -1 with an exception set */
-static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned char *out) {
+/* the `size`-byte digest of `n` bytes at `p`, into `out`; -1 with an exception set */
+static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned char *out,
+                     Py_ssize_t size) {
     PyObject *mv = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
     if (!mv) return -1;
     PyObject *h = PyObject_CallOneArg(hasher, mv);
     Py_DECREF(mv);
     if (!h) return -1;
-    PyObject *d = PyObject_CallMethodNoArgs(h, digest_name);
-    Py_DECREF(h);
-    if (!d) return -1;
-    if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) != 32) {
+    PyObject *d = h;
+    if (!PyBytes_Check(h)) {  /* a hash object: its digest() */
+        d = PyObject_CallMethodNoArgs(h, digest_name);
+        Py_DECREF(h);
+        if (!d) return -1;
+    }
+    if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) != size) {
         Py_DECREF(d);
-        PyErr_SetString(PyExc_ValueError, "the hasher's digest() is not 32 bytes");
+        PyErr_Format(PyExc_ValueError, "the hasher's digest is not %zd bytes", size);
         return -1;
     }
-    memcpy(out, PyBytes_AS_STRING(d), 32);
+    memcpy(out, PyBytes_AS_STRING(d), (size_t)size);
     Py_DECREF(d);
     return 0;
 }
 
 static PyObject *one_span(PyObject *hasher, const char *base, Py_ssize_t start, Py_ssize_t rows,
                           Py_ssize_t row_bytes, Py_ssize_t block_rows, const char *tag,
-                          Py_ssize_t tag_len) {
+                          Py_ssize_t tag_len, Py_ssize_t size) {
     Py_ssize_t n_blocks = rows ? (rows + block_rows - 1) / block_rows : 0;
     Py_ssize_t head = tag_len + 16;
-    unsigned char *all = PyMem_Malloc((size_t)(head + 32 * (n_blocks ? n_blocks : 1)));
+    unsigned char *all = PyMem_Malloc((size_t)(head + size * (n_blocks ? n_blocks : 1)));
     PyObject *blocks = PyList_New(n_blocks), *digest = NULL, *res = NULL;
     if (!all || !blocks) goto done;
     for (Py_ssize_t i = 0; i < n_blocks; i++) {
         Py_ssize_t r0 = i * block_rows, r1 = r0 + block_rows < rows ? r0 + block_rows : rows;
-        unsigned char *d = all + head + 32 * i;
-        if (digest_of(hasher, base + (start + r0) * row_bytes, (r1 - r0) * row_bytes, d) < 0)
+        unsigned char *d = all + head + size * i;
+        if (digest_of(hasher, base + (start + r0) * row_bytes, (r1 - r0) * row_bytes, d, size) <
+            0)
             goto done;
-        PyObject *hx = hex_of(d, 32);
+        PyObject *hx = hex_of(d, size);
         if (!hx) goto done;
         PyList_SET_ITEM(blocks, i, hx);
     }
@@ -305,12 +312,12 @@ static PyObject *one_span(PyObject *hasher, const char *base, Py_ssize_t start, 
         digest = PyList_GET_ITEM(blocks, 0);
         Py_INCREF(digest);
     } else {
-        unsigned char d[32];
+        unsigned char d[64];
         memcpy(all, tag, (size_t)tag_len);
         put_u64(all + tag_len, (uint64_t)rows);
         put_u64(all + tag_len + 8, (uint64_t)block_rows);
-        if (digest_of(hasher, (const char *)all, head + 32 * n_blocks, d) < 0) goto done;
-        digest = hex_of(d, 32);
+        if (digest_of(hasher, (const char *)all, head + size * n_blocks, d, size) < 0) goto done;
+        digest = hex_of(d, size);
         if (!digest) goto done;
     }
     res = PyTuple_Pack(2, digest, blocks);
@@ -325,14 +332,18 @@ done:
 static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
     PyObject *hasher, *spans;
     Py_buffer buf;
-    Py_ssize_t row_bytes, block_rows, piece, tag_len;
+    Py_ssize_t row_bytes, block_rows, piece, tag_len, size;
     const char *tag;
-    if (!PyArg_ParseTuple(args, "Oy*nOny#n", &hasher, &buf, &row_bytes, &spans, &block_rows,
-                          &tag, &tag_len, &piece))
+    if (!PyArg_ParseTuple(args, "Oy*nOny#nn", &hasher, &buf, &row_bytes, &spans, &block_rows,
+                          &tag, &tag_len, &piece, &size))
         return NULL;
     PyObject *seq = NULL, *out = NULL;
     if (row_bytes < 1 || block_rows < 1 || block_rows > PY_SSIZE_T_MAX / row_bytes) {
         PyErr_SetString(PyExc_ValueError, "row_bytes and block_rows must be positive");
+        goto done;
+    }
+    if (size < 1 || size > 64 || tag_len > 1024) {
+        PyErr_SetString(PyExc_ValueError, "digest_size must be 1 to 64 bytes, the tag at most 1 KiB");
         goto done;
     }
     if (block_rows * row_bytes > piece) {  /* a block over one piece: the caller's logic */
@@ -358,7 +369,7 @@ static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
             goto done;
         }
         PyObject *r = one_span(hasher, (const char *)buf.buf, start, rows, row_bytes,
-                               block_rows, tag, tag_len);
+                               block_rows, tag, tag_len, size);
         if (!r) {
             Py_CLEAR(out);
             goto done;
@@ -382,7 +393,7 @@ static PyMethodDef methods[] = {
      "on SIGBUS, write the message to stderr and exit with status 2"},
     {"restore_sigbus", py_restore_sigbus, METH_NOARGS, "restore the SIGBUS handling before"},
     {"request_blocks", py_request_blocks, METH_VARARGS,
-     "blake3-tree-v1 digests of requests on consecutive rows (see the source)"},
+     "tree digests of requests on consecutive rows (see the source)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,15 +1,18 @@
-"""Per-request block digests (``blake3-tree-v1``) in one compiled call, where it is built.
+"""Per-request block digests (``xxh3-128-tree-v1``, ``blake3-tree-v1``) in one compiled call.
 
 A capture hashes every row-mapped boundary per request, in blocks of rows: for a small
 tensor that is a few dozen hashes of a few KiB each, and the interpreter's work per
 block (a slice, a hash object, a hex string) costs more than the hashing.
 :func:`request_blocks` runs that loop in ``dmlib/kernels/_fused.c``; it returns None
 where the compiled module is not there (no C compiler at install), and the caller takes
-its Python loop, which gives the same digests (tests/test_localize_treehash.py).
+its Python loop, which gives the same digests (tests/test_localize_treehash.py). The
+compiled module is used where it is built; ``DMLIB_KERNELS=numpy`` (the switch that
+turns the compiled statistics off) turns it off too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,8 +21,13 @@ try:
 except ImportError:  # pragma: no cover - built wherever a C compiler is
     _fused = None
 
-#: False (tests): take the caller's Python loop even where the compiled one is built
-USE_COMPILED = _fused is not None and hasattr(_fused, "request_blocks")
+#: False (tests, ``DMLIB_KERNELS=numpy``): take the caller's Python loop even where the
+#: compiled one is built
+USE_COMPILED = (
+    _fused is not None
+    and hasattr(_fused, "request_blocks")
+    and os.environ.get("DMLIB_KERNELS", "").lower() != "numpy"
+)
 
 
 def request_blocks(
@@ -30,14 +38,17 @@ def request_blocks(
     block_rows: int,
     tag: bytes,
     piece: int,
+    digest_size: int = 32,
 ) -> list[tuple[str, list[str]]] | None:
     """``(digest, block digests)`` (hex) per ``(first row, rows)`` span of ``buf``.
 
-    ``buf``: a contiguous buffer of whole rows of ``row_bytes`` bytes; ``hasher``: the
-    BLAKE3 constructor. Blocks are ``block_rows`` rows (the last one shorter); a span's
-    digest is its one block's, or with several the BLAKE3 digest of ``tag``, the row
-    count and ``block_rows`` (little-endian u64) and the blocks' 32-byte digests. None:
-    not computed here (no compiled module, or a block over ``piece`` bytes).
+    ``buf``: a contiguous buffer of whole rows of ``row_bytes`` bytes; ``hasher``: called
+    on each block's bytes, returns its ``digest_size``-byte digest (``bytes``, as
+    ``xxhash.xxh3_128_digest``) or an object whose ``digest()`` does (the BLAKE3
+    constructor). Blocks are ``block_rows`` rows (the last one shorter); a span's digest
+    is its one block's, or with several the hasher's digest of ``tag``, the row count
+    and ``block_rows`` (little-endian u64) and the blocks' raw digests. None: not
+    computed here (no compiled module, or a block over ``piece`` bytes).
 
     Raises
     ------
@@ -47,7 +58,7 @@ def request_blocks(
     if not USE_COMPILED:
         return None
     out: list[tuple[str, list[str]]] | None = _fused.request_blocks(
-        hasher, buf, row_bytes, spans, block_rows, tag, piece
+        hasher, buf, row_bytes, spans, block_rows, tag, piece, digest_size
     )
     return out
 

@@ -21,11 +21,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dmlib import hashing
 from dmlib.dtypes import bits_dtype, is_float
 from dmlib.errors import CaptureError
 from dmlib.kernels.verdict import Verdict
 from dmlib.localize.captures import (
     LAYOUT_INPUTS,
+    TREE,
+    XXH_TREE,
     Boundary,
     Capture,
     is_layout_slot,
@@ -248,6 +251,18 @@ def _judge_cache(
     return va.digest == vb.digest, [], f"KV cache: {va.n_rows} positions of request {r!r}"
 
 
+def scheme_note(a: str, b: str) -> str:
+    """Why a boundary hashed under two schemes is not judged, and, where both are host
+    schemes of one tree, how to make the captures comparable."""
+    note = f"not judged: hashed with {a} in A, {b} in B"
+    if {a, b} <= {XXH_TREE, TREE, hashing.BLAKE3}:
+        note += (
+            " (capture both sides with one hash: dmlib.capture(..., hash='blake3') writes "
+            f"{TREE}, the default {XXH_TREE})"
+        )
+    return note
+
+
 def _compare_one(
     a: Capture,
     b: Capture,
@@ -261,7 +276,7 @@ def _compare_one(
         return None, [], "not judged: absent from the second capture"
     if not same_scheme(ba, bb):
         # digests of two schemes say nothing about the bytes: never "identical"
-        return None, [], f"not judged: hashed with {ba.hash} in A, {bb.hash} in B"
+        return None, [], scheme_note(ba.hash, bb.hash)
     if requests:
         verdicts, diff, notes = [], [], []
         for r in requests:

@@ -8,15 +8,16 @@ model's outputs are unchanged.
 
 Where the time goes, and what is done about it (``benchmarks/bench_capture.py``):
 
-- Host tensors are hashed with BLAKE3 (``blake3-64MiB``, about 2.6x SHA-256's speed on one
-  core) on worker threads, each from a private copy taken in the hook (a later in-place op
-  may change the memory); tensors up to 1 MiB are hashed in the hook (handing them to a
-  worker costs more). A request that fits in one block is hashed once: its block's
-  bytes are all of its bytes. A tensor is made contiguous once and every digest (whole,
-  per batch row, per request and block) is taken from byte offsets into that buffer.
-  A request's digest is derived from its blocks' digests (``blake3-tree-v1``, format
-  version 3), so each byte is hashed twice (whole tensor, blocks), no longer three
-  times; the whole tensor stays a plain digest, comparable whatever the row maps.
+- Host tensors are hashed with XXH3-128 (``xxh3-128-tree-v1``, format version 4: about
+  ten times BLAKE3's speed, which ``hash="blake3"`` keeps) on worker threads, each from a
+  private copy taken in the hook (a later in-place op may change the memory); tensors up
+  to 1 MiB are hashed in the hook (handing them to a worker costs more). A request that
+  fits in one block is hashed once: its block's bytes are all of its bytes. A tensor is
+  made contiguous once and every digest (whole, per batch row, per request and block) is
+  taken from byte offsets into that buffer. A request's digest is derived from its
+  blocks' digests (a hash tree, since format version 3), so each byte is hashed twice
+  (whole tensor, blocks), no longer three times; the whole tensor stays a plain digest,
+  comparable whatever the row maps.
 - Every request's blocks and tree digest of one boundary are hashed in one call into the
   compiled module (:func:`dmlib.kernels.treehash.request_blocks`; the Python loop where it
   is not built): per block, the interpreter's slice, hash object and hex string cost more
@@ -43,6 +44,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,14 +58,15 @@ from dmlib.errors import CaptureError, MissingDependencyError
 from dmlib.kernels.treehash import request_blocks
 from dmlib.localize.captures import (
     FORMAT,
+    HOST_SCHEMES,
     LAYOUT_INPUTS,
     MANIFEST,
     REQUEST_PREFIX,
     TENSOR_DIR,
-    TREE,
-    TREE_REQUEST_TAG,
+    TREE_TAGS,
     VERSION,
     WHOLE_KEY,
+    XXH_TREE,
     RowMap,
     digest_hex,
     is_layout_slot,
@@ -197,6 +200,14 @@ def _device_checksums(
 def _b3_hex(b3: Any, mv: memoryview, scheme: str) -> str:
     """``digest_hex`` of a byte slice: the plain BLAKE3 digest up to one piece."""
     return b3(mv).hexdigest() if mv.nbytes <= hashing.PIECE else digest_hex(mv, scheme)
+
+
+def _leaf_hasher(scheme: str) -> Callable[[memoryview], str]:
+    """The hex digest of a byte slice in a host ``scheme`` (its tree's leaf digest)."""
+    if scheme == XXH_TREE:
+        return cast("Callable[[memoryview], str]", hashing.xxh3_128().xxh3_128_hexdigest)
+    b3 = hashing._blake3()
+    return lambda mv: _b3_hex(b3, mv, scheme)
 
 
 def _repeat_groups(bits: Any, same: Callable[[Any, Any], bool]) -> int:
@@ -368,6 +379,7 @@ class Recorder:
         device_hash: bool = True,
         root: str = "(model)",
         layout_inputs: Sequence[str] = LAYOUT_INPUTS,
+        scheme: str = XXH_TREE,
     ) -> None:
         self.path = path
         self.root = root  # the label of the hooked model itself
@@ -387,7 +399,10 @@ class Recorder:
         self.dump = dump
         self.dump_requests = dump_requests
         self.metadata = metadata
-        self.scheme = TREE  # the host's hash
+        if scheme not in TREE_TAGS:
+            raise CaptureError(f"host hash scheme {scheme!r}; expected one of {sorted(TREE_TAGS)}")
+        self.scheme = scheme  # the host's hash
+        self._leaf = _leaf_hasher(scheme)  # a byte slice's hex digest in it
         self.device_hash = device_hash
         self._device_path_on_cpu = False  # tests: take the device path with CPU tensors
         self.boundaries: list[dict[str, Any]] = []
@@ -468,7 +483,7 @@ class Recorder:
         array: consecutive rows in one compiled call where it is built, others gathered."""
         spans = {r: (i[0], len(i)) for r, i in row_sets.items()
                  if i and i[-1] - i[0] == len(i) - 1}  # fmt: skip
-        done = self._compiled(flat, spans) if self.scheme == TREE else {}
+        done = self._compiled(flat, spans) if self.scheme in TREE_TAGS else {}
         out: dict[str, dict[str, Any]] = {}
         for rid, idx in row_sets.items():
             digest, blocks = done.get(rid) or request_hashes(flat[idx], self.block_rows,
@@ -479,15 +494,19 @@ class Recorder:
     def _compiled(
         self, rows: np.ndarray, spans: dict[str, tuple[int, int]]
     ) -> dict[str, tuple[str, list[str]]]:
-        """``blake3-tree-v1`` (digest, blocks) of each request on consecutive rows
+        """Tree-scheme (digest, blocks) of each request on consecutive rows
         ``spans[r] = (first row, rows)`` of the contiguous ``rows`` (physical row, ...), in
         one compiled call; empty where the compiled module is not built (or a block is
         over one piece): the caller's Python loop then hashes them."""
         if not spans or not rows.size:
             return {}
-        got = request_blocks(hashing._blake3(), rows.reshape(-1).view(np.uint8).data,
+        if self.scheme == XXH_TREE:  # XXH3 digests any length in one piece
+            hasher, piece, size = hashing.xxh3_128().xxh3_128_digest, sys.maxsize, 16
+        else:
+            hasher, piece, size = hashing._blake3(), hashing.PIECE, 32
+        got = request_blocks(hasher, rows.reshape(-1).view(np.uint8).data,
                              rows.nbytes // rows.shape[0], list(spans.values()), self.block_rows,
-                             TREE_REQUEST_TAG, hashing.PIECE)  # fmt: skip
+                             TREE_TAGS[self.scheme], piece, size)  # fmt: skip
         return {} if got is None else dict(zip(spans, got, strict=True))
 
     def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
@@ -760,14 +779,13 @@ class Recorder:
     def _hash(self, entry: dict[str, Any], arr: np.ndarray, rows: np.ndarray | None) -> None:
         """Digests of one boundary on the host (and its dump file, if planned)."""
         scheme = entry["hash"]
-        if scheme in (TREE, hashing.BLAKE3) and arr.ndim >= 1 and arr.size:
+        if scheme == self.scheme and arr.ndim >= 1 and arr.size:
             arr = np.ascontiguousarray(arr)
-            mv, b3 = arr.reshape(-1).view(np.uint8).data, hashing._blake3()
-            entry["digest"] = _b3_hex(b3, mv, scheme)
+            mv, leaf = arr.reshape(-1).view(np.uint8).data, self._leaf
+            entry["digest"] = leaf(mv)
             if entry["leading"] is not None:  # one digest per index of axis 0, by offsets
                 rb = arr.nbytes // arr.shape[0]
-                entry["leading"] = [_b3_hex(b3, mv[i * rb : (i + 1) * rb], scheme)
-                                    for i in range(arr.shape[0])]  # fmt: skip
+                entry["leading"] = [leaf(mv[i * rb : (i + 1) * rb]) for i in range(arr.shape[0])]
         else:
             entry["digest"] = digest_hex(arr, scheme)
             if entry["leading"] is not None:
@@ -845,14 +863,13 @@ class Recorder:
         """
         plan, block = self._request_plan(), self.block_rows
         out: dict[str, dict[str, Any]] = {}
-        fast = scheme in (hashing.BLAKE3, TREE) and rows.size > 0 and rows.ndim >= 1
+        fast = scheme == self.scheme and rows.size > 0 and rows.ndim >= 1
         if fast:
             rows = np.ascontiguousarray(rows)
             mv = rows.reshape(-1).view(np.uint8).data
             rb = rows.nbytes // rows.shape[0]
-            b3 = hashing._blake3()
         # every consecutive request's blocks in one compiled call
-        done = self._compiled(rows, self._span_dict()) if fast and scheme == TREE else {}
+        done = self._compiled(rows, self._span_dict()) if fast else {}
         for rid, idx, span in plan:
             if rid in done:
                 digest, blocks = done[rid]
@@ -863,12 +880,8 @@ class Recorder:
             else:
                 lo, n = span[0] * rb, len(idx)
                 cuts = [(lo + i * rb, lo + min(i + block, n) * rb) for i in range(0, n, block)]
-                blocks = [_b3_hex(b3, mv[a:b], scheme) for a, b in cuts]
-                if scheme == TREE:
-                    digest = tree_request(blocks, n, block)
-                else:
-                    whole = blocks[0] if len(blocks) == 1 else None
-                    digest = whole or _b3_hex(b3, mv[lo : lo + n * rb], scheme)
+                blocks = [self._leaf(mv[a:b]) for a, b in cuts]
+                digest = tree_request(blocks, n, block, scheme)
             out[rid] = {"digest": digest, "n_rows": int(len(idx)), "blocks": blocks}
         return out
 
@@ -1047,6 +1060,7 @@ def capture(
     ops: bool = False,
     op_modules: str | Iterable[str] | None = None,
     layout_inputs: str | Iterable[str] | None = None,
+    hash: str = "xxh3",
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -1086,8 +1100,8 @@ def capture(
     hash_threads
         Worker threads that hash (and dump) host tensors while the forward pass runs
         (0: hash and write in the hook itself, with no copy of the tensor; with ``dump``,
-        two more threads, which mostly wait on the disk). Host digests are BLAKE3
-        (``blake3-64MiB``).
+        two more threads, which mostly wait on the disk); tensors up to 1 MiB are
+        hashed in the hook.
     device_hash
         Checksum tensors on a GPU (any non-CPU device) where they live, with torch ops
         (``cksum4-v1``, bit-exact with :func:`dmlib.hashing.checksum_host`); False: copy
@@ -1105,6 +1119,11 @@ def capture(
         ``"blocks.*:input2"``), added to :data:`~dmlib.localize.captures.LAYOUT_INPUTS`
         (attention masks, position ids, cache positions, cu_seqlens...). They are
         hashed whole, flagged ``layout`` and never judged as the request's values.
+    hash
+        The host tensors' digests: ``"xxh3"`` (``xxh3-128-tree-v1``, the default: XXH3-128,
+        about ten times BLAKE3's speed) or ``"blake3"`` (``blake3-tree-v1``, what dmlib
+        wrote before version 4: to compare with such captures). Captures compare only
+        digests of one scheme; docs/formats.md says why XXH3 is enough for captures.
 
     KV caches (a transformers ``Cache`` or tuples of past keys and values under
     ``past_key_values`` and kin) entering a hooked module are hashed per layer (keys,
@@ -1118,7 +1137,7 @@ def capture(
     rec = _new_recorder(model, path, row_map=row_map, block_rows=block_rows, dump=dump,
                         dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
                         hash_threads=hash_threads, device_hash=device_hash,
-                        layout_inputs=layout_inputs)  # fmt: skip
+                        layout_inputs=layout_inputs, scheme=hash)  # fmt: skip
     rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
     tracker = None
     if ops:
@@ -1143,10 +1162,14 @@ def _new_recorder(
     hash_threads: int,
     device_hash: bool,
     layout_inputs: str | Iterable[str] | None,
+    scheme: str = "xxh3",
 ) -> Recorder:
     """Check the arguments, prepare the folder and build the :class:`Recorder`."""
     if block_rows < 1:
         raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
+    host = HOST_SCHEMES.get(str(scheme).lower())
+    if host is None:
+        raise CaptureError(f"hash={scheme!r}; expected 'xxh3' or 'blake3'", path=path)
     extra_layout = (
         [] if layout_inputs is None
         else [layout_inputs] if isinstance(layout_inputs, str) else list(layout_inputs)
@@ -1164,6 +1187,7 @@ def _new_recorder(
         device_hash=bool(device_hash),
         root=root,
         layout_inputs=(*LAYOUT_INPUTS, *extra_layout),
+        scheme=host,
     )
 
 
