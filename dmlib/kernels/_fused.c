@@ -25,6 +25,7 @@
 #include <string.h>
 #include <signal.h>
 #ifndef _WIN32
+#include <dlfcn.h>
 #include <unistd.h>
 #endif
 
@@ -266,9 +267,31 @@ static PyObject *hex_of(const unsigned char *d, Py_ssize_t n) {
     return out;
 }
 
+/* XXH3-128 called where the xxhash package's compiled module defines it (its exported
+ * XXH3_128bits), without a Python call per digest: set by use_xxh3(), which checks it
+ * against the package's own xxh3_128_digest before it is used. `direct_for` is that
+ * Python function: digest_of() takes the direct path only for it. */
+typedef struct {
+    uint64_t low64, high64;
+} xxh128_t;
+typedef xxh128_t (*xxh3_128_fn)(const void *, size_t);
+static xxh3_128_fn direct128 = NULL;
+static PyObject *direct_for = NULL;
+
+static void canonical128(xxh128_t h, unsigned char *out) { /* big-endian high, then low */
+    for (int i = 0; i < 8; i++) {
+        out[i] = (unsigned char)(h.high64 >> (56 - 8 * i));
+        out[8 + i] = (unsigned char)(h.low64 >> (56 - 8 * i));
+    }
+}
+
 /* the `size`-byte digest of `n` bytes at `p`, into `out`; -1 with an exception set */
 static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned char *out,
                      Py_ssize_t size) {
+    if (direct128 && hasher == direct_for && size == 16) {
+        canonical128(direct128(p, (size_t)n), out);
+        return 0;
+    }
     PyObject *mv = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
     if (!mv) return -1;
     PyObject *h = PyObject_CallOneArg(hasher, mv);
@@ -382,6 +405,162 @@ done:
     return out;
 }
 
+/* hash_boundary(hasher, whole, n_lead, rows, row_bytes, spans, block_rows, tag, piece,
+ * digest_size): every host digest of one capture boundary in one call (the hot path of
+ * dmlib.localize.capture.Recorder, once per recorded tensor). whole: the tensor's bytes
+ * in C order; n_lead >= 0: also the digest of each of n_lead equal slices of whole (the
+ * per-index digests of axis 0), -1: none; rows: the buffer the requests' rows are read
+ * from (whole itself, or the tensor with its batch and position axes moved first), or
+ * None; spans: a sequence of (request id, first row, rows), each read as request_blocks
+ * reads a span. Returns (whole digest, [slice digests] or None, {request id: {"digest",
+ * "n_rows", "blocks"}} or None), every digest as hex; None where whole or a block is
+ * over `piece` bytes (the caller's piece logic applies). */
+static PyObject *key_digest, *key_n_rows, *key_blocks;
+
+static PyObject *request_entry(PyObject *pair, Py_ssize_t rows) {
+    /* {"digest": pair[0], "n_rows": rows, "blocks": pair[1]} from one_span's (digest, blocks) */
+    PyObject *d = PyDict_New(), *n = PyLong_FromSsize_t(rows);
+    if (!d || !n || PyDict_SetItem(d, key_digest, PyTuple_GET_ITEM(pair, 0)) < 0 ||
+        PyDict_SetItem(d, key_n_rows, n) < 0 ||
+        PyDict_SetItem(d, key_blocks, PyTuple_GET_ITEM(pair, 1)) < 0) {
+        Py_XDECREF(d);
+        Py_XDECREF(n);
+        return NULL;
+    }
+    Py_DECREF(n);
+    return d;
+}
+
+static PyObject *hash_requests(PyObject *hasher, Py_buffer *rows, Py_ssize_t row_bytes,
+                               PyObject *spans, Py_ssize_t block_rows, const char *tag,
+                               Py_ssize_t tag_len, Py_ssize_t size) {
+    PyObject *seq = PySequence_Fast(spans, "spans must be a sequence of (id, start, rows)");
+    if (!seq) return NULL;
+    PyObject *out = PyDict_New();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = rows->len / row_bytes;
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *rid;
+        Py_ssize_t start, count;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Onn", &rid, &start, &count)) {
+            Py_CLEAR(out);
+            break;
+        }
+        if (start < 0 || count < 1 || start > total || count > total - start) {
+            PyErr_Format(PyExc_ValueError, "span (%zd, %zd) outside the buffer's %zd rows", start,
+                         count, total);
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *pair = one_span(hasher, (const char *)rows->buf, start, count, row_bytes,
+                                  block_rows, tag, tag_len, size);
+        PyObject *entry = pair ? request_entry(pair, count) : NULL;
+        Py_XDECREF(pair);
+        if (!entry || PyDict_SetItem(out, rid, entry) < 0) Py_CLEAR(out);
+        Py_XDECREF(entry);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *py_hash_boundary(PyObject *self, PyObject *args) {
+    PyObject *hasher, *rows_obj, *spans;
+    Py_buffer whole, rows = {0};
+    Py_ssize_t n_lead, row_bytes, block_rows, piece, tag_len, size;
+    const char *tag;
+    if (!PyArg_ParseTuple(args, "Oy*nOnOny#nn", &hasher, &whole, &n_lead, &rows_obj, &row_bytes,
+                          &spans, &block_rows, &tag, &tag_len, &piece, &size))
+        return NULL;
+    PyObject *digest = NULL, *lead = Py_None, *reqs = Py_None, *out = NULL;
+    Py_INCREF(lead);
+    Py_INCREF(reqs);
+    int have_rows = rows_obj != Py_None;
+    if (have_rows && PyObject_GetBuffer(rows_obj, &rows, PyBUF_SIMPLE) < 0) {
+        have_rows = 0;
+        goto done;
+    }
+    if (size < 1 || size > 64 || tag_len > 1024 || block_rows < 1 ||
+        (have_rows && (row_bytes < 1 || block_rows > PY_SSIZE_T_MAX / row_bytes)) ||
+        (n_lead > 0 && whole.len % n_lead)) {
+        PyErr_SetString(PyExc_ValueError, "hash_boundary: inconsistent sizes");
+        goto done;
+    }
+    if (whole.len > piece || (have_rows && block_rows * row_bytes > piece)) {
+        out = Py_None;  /* over one piece: the caller's logic */
+        Py_INCREF(out);
+        goto done;
+    }
+    unsigned char d[64];
+    if (digest_of(hasher, (const char *)whole.buf, whole.len, d, size) < 0) goto done;
+    if (!(digest = hex_of(d, size))) goto done;
+    if (n_lead >= 0) {
+        Py_ssize_t rb = n_lead ? whole.len / n_lead : 0;
+        Py_SETREF(lead, PyList_New(n_lead));
+        if (!lead) goto done;
+        for (Py_ssize_t i = 0; i < n_lead; i++) {
+            PyObject *hx = NULL;
+            if (digest_of(hasher, (const char *)whole.buf + i * rb, rb, d, size) < 0 ||
+                !(hx = hex_of(d, size)))
+                goto done;
+            PyList_SET_ITEM(lead, i, hx);
+        }
+    }
+    if (have_rows) {
+        Py_SETREF(reqs, hash_requests(hasher, &rows, row_bytes, spans, block_rows, tag, tag_len,
+                                      size));
+        if (!reqs) goto done;
+    }
+    out = PyTuple_Pack(3, digest, lead, reqs);
+done:
+    Py_XDECREF(digest);
+    Py_XDECREF(lead);
+    Py_XDECREF(reqs);
+    if (have_rows) PyBuffer_Release(&rows);
+    PyBuffer_Release(&whole);
+    return out;
+}
+
+/* use_xxh3(path, hasher): take XXH3_128bits from the shared library at `path` (the xxhash
+ * package's compiled module, already loaded) for digests asked of `hasher` (its
+ * xxh3_128_digest). It is used only after its digests equal the hasher's on lengths 0 to
+ * 300 and a few larger ones (every code path of XXH3-128). Returns True when in use. */
+static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
+    const char *path;
+    PyObject *hasher;
+    if (!PyArg_ParseTuple(args, "sO", &path, &hasher)) return NULL;
+    direct128 = NULL;
+    Py_CLEAR(direct_for);
+#ifdef _WIN32
+    Py_RETURN_FALSE;
+#else
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) Py_RETURN_FALSE;
+    xxh3_128_fn fn = (xxh3_128_fn)dlsym(lib, "XXH3_128bits");
+    dlclose(lib); /* RTLD_NOLOAD: the module stays loaded while Python holds it */
+    if (!fn) Py_RETURN_FALSE;
+    static const Py_ssize_t lengths[] = {1000, 1024, 4096, 100003};
+    unsigned char *buf = PyMem_Malloc(100003);
+    if (!buf) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < 100003; i++) buf[i] = (unsigned char)(i * 2654435761u >> 13);
+    int ok = 1;
+    for (Py_ssize_t k = 0; ok && k < 301 + 4; k++) {
+        Py_ssize_t n = k < 301 ? k : lengths[k - 301];
+        unsigned char want[16], got[16];
+        if (digest_of(hasher, (const char *)buf + (k % 7), n, want, 16) < 0) {
+            PyMem_Free(buf);
+            return NULL;
+        }
+        canonical128(fn(buf + (k % 7), (size_t)n), got);
+        ok = memcmp(want, got, 16) == 0;
+    }
+    PyMem_Free(buf);
+    if (!ok) Py_RETURN_FALSE;
+    direct128 = fn;
+    Py_INCREF(hasher);
+    direct_for = hasher;
+    Py_RETURN_TRUE;
+#endif
+}
+
 static PyObject *py_f32(PyObject *self, PyObject *args) { return call(args, 4, 0); }
 static PyObject *py_f64(PyObject *self, PyObject *args) { return call(args, 8, 1); }
 
@@ -394,6 +573,10 @@ static PyMethodDef methods[] = {
     {"restore_sigbus", py_restore_sigbus, METH_NOARGS, "restore the SIGBUS handling before"},
     {"request_blocks", py_request_blocks, METH_VARARGS,
      "tree digests of requests on consecutive rows (see the source)"},
+    {"use_xxh3", py_use_xxh3, METH_VARARGS,
+     "call XXH3_128bits of the xxhash package's module directly (see the source)"},
+    {"hash_boundary", py_hash_boundary, METH_VARARGS,
+     "every host digest of one capture boundary (see the source)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -401,6 +584,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, m
 
 PyMODINIT_FUNC PyInit__fused(void) {
     digest_name = PyUnicode_InternFromString("digest");
-    if (!digest_name) return NULL;
+    key_digest = PyUnicode_InternFromString("digest");
+    key_n_rows = PyUnicode_InternFromString("n_rows");
+    key_blocks = PyUnicode_InternFromString("blocks");
+    if (!digest_name || !key_digest || !key_n_rows || !key_blocks) return NULL;
     return PyModule_Create(&module);
 }

@@ -13,8 +13,9 @@ turns the compiled statistics off) turns it off too.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 try:
     from dmlib.kernels import _fused  # type: ignore[attr-defined]
@@ -63,4 +64,57 @@ def request_blocks(
     return out
 
 
-__all__ = ["USE_COMPILED", "request_blocks"]
+def hash_boundary(
+    hasher: Any,
+    whole: Any,
+    n_lead: int,
+    rows: Any,
+    row_bytes: int,
+    spans: Sequence[tuple[str, int, int]],
+    block_rows: int,
+    tag: bytes,
+    piece: int,
+    digest_size: int,
+) -> tuple[str, list[str] | None, dict[str, dict[str, Any]] | None] | None:
+    """Every host digest of one capture boundary, in one compiled call.
+
+    ``whole``: the tensor's bytes in C order (a contiguous buffer), hashed whole, and with
+    ``n_lead >= 0`` also as that many equal slices (the digests per index of axis 0);
+    ``rows``: the buffer of rows of ``row_bytes`` bytes the requests are read from (or
+    None), ``spans``: ``(request id, first row, rows)`` per request on consecutive rows,
+    each hashed as :func:`request_blocks` hashes a span. Returns ``(whole digest, slice
+    digests or None, {request id: {"digest", "n_rows", "blocks"}} or None)`` in hex; None
+    where the compiled module is not there or the bytes are over one ``piece`` (the
+    caller's Python loop then gives the same digests).
+    """
+    if not USE_COMPILED or not _BOUNDARY:
+        return None
+    out = _fused.hash_boundary(hasher, whole, n_lead, rows, row_bytes, spans, block_rows, tag,
+                               piece, digest_size)  # fmt: skip
+    return cast("tuple[str, list[str] | None, dict[str, dict[str, Any]] | None] | None", out)
+
+
+# an older build of the module (a checkout updated without a rebuild) lacks it
+_BOUNDARY = _fused is not None and hasattr(_fused, "hash_boundary")
+_DIRECT: dict[int, bool] = {}  # id of an XXH3-128 digest function -> called directly?
+
+
+def direct_xxh3(digest: Any) -> bool:
+    """Let the compiled loop compute ``digest`` (``xxhash.xxh3_128_digest``) without a
+    Python call per block: through ``XXH3_128bits``, which the xxhash package's compiled
+    module exports, once its digests were found equal to ``digest``'s on every code path
+    (lengths 0 to 300 and larger). False (the Python call stays): not found, not equal, or
+    no compiled module. Checked once per process.
+    """
+    key = id(digest)
+    if key not in _DIRECT:
+        ok = False
+        module = sys.modules.get(getattr(digest, "__module__", "") or "")
+        path = getattr(module, "__file__", None)
+        if _fused is not None and hasattr(_fused, "use_xxh3") and path:
+            ok = bool(_fused.use_xxh3(path, digest))
+        _DIRECT[key] = ok
+    return _DIRECT[key]
+
+
+__all__ = ["USE_COMPILED", "direct_xxh3", "hash_boundary", "request_blocks"]

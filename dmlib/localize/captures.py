@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import math
 import os
 import struct
@@ -248,14 +249,17 @@ class RowMap:
                 f"batch size {batch} does not divide the row map's {len(entries)} rows", path=path
             )
         self.entries: list[tuple[str, int] | None] = []
-        rows: dict[str, list[tuple[int, int]]] = {}
+        append = self.entries.append
+        # request -> (positions, physical rows), in the order the entries give them
+        rows: dict[str, tuple[list[int], list[int]]] = {}
         for i, e in enumerate(entries):
             if e is None:
-                self.entries.append(None)
+                append(None)
                 continue
             try:
                 rid, pos = e
-                pos = int(pos)
+                if type(pos) is not int:
+                    pos = int(pos)
             except (TypeError, ValueError):
                 raise CaptureError(
                     f"row map entry {i} is {e!r}; expected (request_id, position) or None",
@@ -264,24 +268,31 @@ class RowMap:
             if pos < 0:
                 raise CaptureError(f"row map entry {i} has negative position {pos}", path=path)
             key = request_key(rid)
-            self.entries.append((key, pos))
-            rows.setdefault(key, []).append((pos, i))
+            append((key, pos))
+            mine = rows.get(key)
+            if mine is None:
+                mine = rows[key] = ([], [])
+            mine[0].append(pos)
+            mine[1].append(i)
         self.requests: dict[str, np.ndarray] = {}
-        for key, pairs in rows.items():
-            pairs.sort()
-            positions = [p for p, _ in pairs]
-            if positions != list(range(len(positions))):
-                raise CaptureError(
-                    f"request {key!r} has positions {positions[:8]}...; expected 0..n-1, each once",
-                    path=path,
-                )
-            self.requests[key] = np.array([i for _, i in pairs], dtype=np.int64)
+        for key, (positions, idx) in rows.items():
+            if positions != list(range(len(positions))):  # not in position order: sorted
+                pairs = sorted(zip(positions, idx, strict=True))
+                positions, idx = [p for p, _ in pairs], [i for _, i in pairs]
+                if positions != list(range(len(positions))):
+                    raise CaptureError(
+                        f"request {key!r} has positions {positions[:8]}...; expected 0..n-1, "
+                        "each once",
+                        path=path,
+                    )
+            self.requests[key] = np.array(idx, dtype=np.int64)
         # requests whose rows are consecutive physical rows: (start, stop), read as views
         self.spans: dict[str, tuple[int, int]] = {
             k: (int(v[0]), int(v[-1]) + 1)
             for k, v in self.requests.items()
             if len(v) and int(v[-1]) - int(v[0]) == len(v) - 1
         }
+        self._json: str | None = None
 
     def sequence_row(self, request: str, batch: int | None = None) -> tuple[int | None, str]:
         """The batch row that request ``request`` alone fills, or (None, why not).
@@ -323,6 +334,16 @@ class RowMap:
     def to_json(self) -> list[list[Any] | None]:
         """The entries as the manifest stores them: ``[request, position]``, None for padding."""
         return [None if e is None else [e[0], e[1]] for e in self.entries]
+
+    def json_text(self) -> str:
+        """:meth:`to_json` as compact JSON text (what ``json.dumps(..., separators=(",",
+        ":"))`` writes), made once: a capture writes it into every manifest it writes."""
+        if self._json is None:
+            keys = {k: json.dumps(k) for k in self.requests}  # each request id encoded once
+            self._json = "[" + ",".join(
+                "null" if e is None else f"[{keys[e[0]]},{e[1]}]" for e in self.entries
+            ) + "]"  # fmt: skip
+        return self._json
 
 
 @dataclass(frozen=True)

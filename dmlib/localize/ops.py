@@ -58,10 +58,32 @@ UNINITIALISED = {
 
 
 _QUIET = threading.local()
+_NAMES: dict[Any, str] = {}  # op -> op_name(op), looked up once
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
+class _Quiet:
+    """:func:`quiet`'s block (a class: a generator-based context manager costs ~2 us a use,
+    and a capture enters one per hook and per op tensor)."""
+
+    __slots__ = ("guard",)
+
+    def __enter__(self) -> None:
+        _QUIET.n = getattr(_QUIET, "n", 0) + 1
+        self.guard = None
+        if getattr(_QUIET, "modes", 0) and _NO_DISPATCH is not None:
+            guard = _NO_DISPATCH()
+            guard.__enter__()
+            self.guard = guard
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.guard is not None:
+                self.guard.__exit__(*exc)
+        finally:
+            _QUIET.n -= 1
+
+
+def quiet() -> contextlib.AbstractContextManager[None]:
     """Ops run inside this block (dmlib's own tensor calls) are seen by no tracker.
 
     While a tracker's mode is on, they do not even reach it: Python dispatch is off in
@@ -69,15 +91,7 @@ def quiet() -> Iterator[None]:
     ``contiguous`` and ``numpy`` calls cost what they cost without a mode (measured: a
     ``detach`` through the mode 3.7 us, with the guard 1.1 us, ~3 per recorded tensor).
     """
-    _QUIET.n = getattr(_QUIET, "n", 0) + 1
-    try:
-        if getattr(_QUIET, "modes", 0) and _NO_DISPATCH is not None:
-            with _NO_DISPATCH():
-                yield
-        else:
-            yield
-    finally:
-        _QUIET.n -= 1
+    return _Quiet()
 
 
 def op_name(func: Any) -> str:
@@ -150,7 +164,8 @@ class ModuleStack:
         """The id of this op call, or None when no selected module runs (or in quiet())."""
         if getattr(_QUIET, "n", 0) or not self.stack:
             return None
-        owner, name = self.stack[-1], op_name(func)
+        owner = self.stack[-1]
+        name = _NAMES.get(func) or _NAMES.setdefault(func, op_name(func))
         k = self.counts.get((owner, name), 0)
         self.counts[(owner, name)] = k + 1
         return op_id(owner, name, k)
@@ -242,10 +257,10 @@ class OpRecorder(ModuleStack):
         info["args"] = [_encode(a, names) for a in args]
         info["kwargs"] = {k: _encode(v, names) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        writes = not _writes_nothing(func)
+        writes, uninitialised = _traits(func)
         if writes:
             inputs.clear()  # the op may have written its inputs: their digests are the old bytes'
-        if op_name(func) in UNINITIALISED:
+        if uninitialised:
             info["skipped"].append("output: uninitialised memory, not hashed")
         else:
             results = out if isinstance(out, (tuple, list)) else (out,)
@@ -289,6 +304,17 @@ class OpRecorder(ModuleStack):
             inputs.setdefault(t.data_ptr(), (t, self.rec.boundaries[-1]))
         info["inputs" if kind == "input" else "outputs"].append(name)
         return name
+
+
+_TRAITS: dict[Any, tuple[bool, bool]] = {}
+
+
+def _traits(func: Any) -> tuple[bool, bool]:
+    """(may write its inputs, returns uninitialised memory) of an op, looked up once."""
+    got = _TRAITS.get(func)
+    if got is None:
+        got = _TRAITS[func] = (not _writes_nothing(func), op_name(func) in UNINITIALISED)
+    return got
 
 
 def _writes_nothing(func: Any) -> bool:
