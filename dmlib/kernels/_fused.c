@@ -522,13 +522,13 @@ done:
 /* use_xxh3(path, hasher): take XXH3_128bits from the shared library at `path` (the xxhash
  * package's compiled module, already loaded) for digests asked of `hasher` (its
  * xxh3_128_digest). It is used only after its digests equal the hasher's on lengths 0 to
- * 300 and a few larger ones (every code path of XXH3-128). Returns True when in use. */
+ * 300 and a few larger ones (every code path of XXH3-128). Returns True when in use; a
+ * check that fails leaves the function registered before in use. */
 static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
     const char *path;
     PyObject *hasher;
     if (!PyArg_ParseTuple(args, "sO", &path, &hasher)) return NULL;
-    direct128 = NULL;
-    Py_CLEAR(direct_for);
+    if (direct128 && hasher == direct_for) Py_RETURN_TRUE;
 #ifdef _WIN32
     Py_RETURN_FALSE;
 #else
@@ -542,10 +542,13 @@ static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
     if (!buf) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < 100003; i++) buf[i] = (unsigned char)(i * 2654435761u >> 13);
     int ok = 1;
+    xxh3_128_fn before = direct128; /* the check calls the hasher itself, through Python */
+    direct128 = NULL;
     for (Py_ssize_t k = 0; ok && k < 301 + 4; k++) {
         Py_ssize_t n = k < 301 ? k : lengths[k - 301];
         unsigned char want[16], got[16];
         if (digest_of(hasher, (const char *)buf + (k % 7), n, want, 16) < 0) {
+            direct128 = before;
             PyMem_Free(buf);
             return NULL;
         }
@@ -553,12 +556,160 @@ static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
         ok = memcmp(want, got, 16) == 0;
     }
     PyMem_Free(buf);
-    if (!ok) Py_RETURN_FALSE;
+    if (!ok) { /* the registration before stays */
+        direct128 = before;
+        Py_RETURN_FALSE;
+    }
     direct128 = fn;
     Py_INCREF(hasher);
-    direct_for = hasher;
+    Py_XSETREF(direct_for, hasher);
     Py_RETURN_TRUE;
 #endif
+}
+
+/* encode_json(obj): json.dumps(obj, separators=(",", ":")) (ASCII out, NaN and Infinity as
+ * Python writes them) for plain data: dict with str keys, list, tuple, str, int, float, bool
+ * and None, each of exactly that type, nested at most 64 deep; None for anything else (the
+ * caller's json encoder then writes it). A capture's manifest is thousands of small dicts
+ * of hex digests, where the json module's encoder spends its time on string fragments. */
+typedef struct {
+    char *p;
+    Py_ssize_t n, cap;
+} jbuf;
+
+static int jb_put(jbuf *b, const char *s, Py_ssize_t n) {
+    if (b->n + n > b->cap) {
+        Py_ssize_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n) cap *= 2;
+        char *q = PyMem_Realloc(b->p, (size_t)cap);
+        if (!q) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, (size_t)n);
+    b->n += n;
+    return 0;
+}
+
+static int jb_str(jbuf *b, PyObject *o) { /* a str, escaped as ensure_ascii does */
+    static const char hex[] = "0123456789abcdef";
+    Py_ssize_t len = PyUnicode_GET_LENGTH(o);
+    int kind = PyUnicode_KIND(o);
+    const void *data = PyUnicode_DATA(o);
+    if (jb_put(b, "\"", 1) < 0) return -1;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, i);
+        char e[12];
+        Py_ssize_t k = 0;
+        if (c >= ' ' && c <= '~' && c != '\\' && c != '"') {
+            e[k++] = (char)c;
+        } else if (c == '\\' || c == '"') {
+            e[k++] = '\\';
+            e[k++] = (char)c;
+        } else if (c == '\b' || c == '\f' || c == '\n' || c == '\r' || c == '\t') {
+            e[k++] = '\\';
+            e[k++] = c == '\b' ? 'b' : c == '\f' ? 'f' : c == '\n' ? 'n' : c == '\r' ? 'r' : 't';
+        } else {
+            Py_UCS4 units[2];
+            int m = 0;
+            if (c >= 0x10000) {
+                Py_UCS4 v = c - 0x10000;
+                units[m++] = 0xd800 | ((v >> 10) & 0x3ff);
+                units[m++] = 0xdc00 | (v & 0x3ff);
+            } else {
+                units[m++] = c;
+            }
+            for (int j = 0; j < m; j++) {
+                e[k++] = '\\';
+                e[k++] = 'u';
+                e[k++] = hex[(units[j] >> 12) & 15];
+                e[k++] = hex[(units[j] >> 8) & 15];
+                e[k++] = hex[(units[j] >> 4) & 15];
+                e[k++] = hex[units[j] & 15];
+            }
+        }
+        if (jb_put(b, e, k) < 0) return -1;
+    }
+    return jb_put(b, "\"", 1);
+}
+
+static int jb_text(jbuf *b, PyObject *text) { /* an ASCII str from repr() */
+    if (!text) return -1;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(text, &n);
+    int r = s ? jb_put(b, s, n) : -1;
+    Py_DECREF(text);
+    return r;
+}
+
+/* 0: written; 1: not plain data (nothing to report); -1: an exception is set */
+static int jb_value(jbuf *b, PyObject *o, int depth) {
+    if (depth > 64) return 1;
+    if (o == Py_None) return jb_put(b, "null", 4);
+    if (o == Py_True) return jb_put(b, "true", 4);
+    if (o == Py_False) return jb_put(b, "false", 5);
+    if (PyUnicode_CheckExact(o)) return jb_str(b, o);
+    if (PyLong_CheckExact(o)) return jb_text(b, PyLong_Type.tp_repr(o));
+    if (PyFloat_CheckExact(o)) {
+        double d = PyFloat_AS_DOUBLE(o);
+        if (Py_IS_NAN(d)) return jb_put(b, "NaN", 3);
+        if (Py_IS_INFINITY(d)) return d > 0 ? jb_put(b, "Infinity", 8) : jb_put(b, "-Infinity", 9);
+        return jb_text(b, PyFloat_Type.tp_repr(o));
+    }
+    if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
+        PyObject *seq = o;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (jb_put(b, "[", 1) < 0) return -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            /* a list may not change under us: every item is read by index, once */
+            if (i && jb_put(b, ",", 1) < 0) return -1;
+            if (i >= PySequence_Fast_GET_SIZE(seq)) return 1;
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+            Py_INCREF(item);
+            int r = jb_value(b, item, depth + 1);
+            Py_DECREF(item);
+            if (r) return r;
+        }
+        return jb_put(b, "]", 1);
+    }
+    if (PyDict_CheckExact(o)) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0, first = 1;
+        if (jb_put(b, "{", 1) < 0) return -1;
+        while (PyDict_Next(o, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) return 1;
+            if (!first && jb_put(b, ",", 1) < 0) return -1;
+            first = 0;
+            Py_INCREF(key);
+            Py_INCREF(value);
+            int r = jb_str(b, key);
+            if (!r) r = jb_put(b, ":", 1);
+            if (!r) r = jb_value(b, value, depth + 1);
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (r) return r;
+        }
+        return jb_put(b, "}", 1);
+    }
+    return 1;
+}
+
+static PyObject *py_encode_json(PyObject *self, PyObject *obj) {
+    jbuf b = {NULL, 0, 0};
+    int r = jb_value(&b, obj, 0);
+    PyObject *out = NULL;
+    if (r == 0) {
+        out = PyUnicode_New(b.n, 127);
+        if (out) memcpy(PyUnicode_1BYTE_DATA(out), b.p, (size_t)b.n);
+    } else if (r == 1) {
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    PyMem_Free(b.p);
+    return out;
 }
 
 static PyObject *py_f32(PyObject *self, PyObject *args) { return call(args, 4, 0); }
@@ -573,6 +724,8 @@ static PyMethodDef methods[] = {
     {"restore_sigbus", py_restore_sigbus, METH_NOARGS, "restore the SIGBUS handling before"},
     {"request_blocks", py_request_blocks, METH_VARARGS,
      "tree digests of requests on consecutive rows (see the source)"},
+    {"encode_json", py_encode_json, METH_O,
+     "json.dumps(obj, separators=(',', ':')) for plain data, else None (see the source)"},
     {"use_xxh3", py_use_xxh3, METH_VARARGS,
      "call XXH3_128bits of the xxhash package's module directly (see the source)"},
     {"hash_boundary", py_hash_boundary, METH_VARARGS,

@@ -96,7 +96,7 @@ def hash_boundary(
 
 # an older build of the module (a checkout updated without a rebuild) lacks it
 _BOUNDARY = _fused is not None and hasattr(_fused, "hash_boundary")
-_DIRECT: dict[int, bool] = {}  # id of an XXH3-128 digest function -> called directly?
+_DIRECT: list[tuple[Any, bool]] = []  # (an XXH3-128 digest function, called directly?)
 
 
 def direct_xxh3(digest: Any) -> bool:
@@ -106,15 +106,19 @@ def direct_xxh3(digest: Any) -> bool:
     (lengths 0 to 300 and larger). False (the Python call stays): not found, not equal, or
     no compiled module. Checked once per process.
     """
-    key = id(digest)
-    if key not in _DIRECT:
-        ok = False
-        module = sys.modules.get(getattr(digest, "__module__", "") or "")
-        path = getattr(module, "__file__", None)
-        if _fused is not None and hasattr(_fused, "use_xxh3") and path:
-            ok = bool(_fused.use_xxh3(path, digest))
-        _DIRECT[key] = ok
-    return _DIRECT[key]
+    for known, ok in _DIRECT:
+        if known is digest:
+            return ok
+    ok = False
+    module = sys.modules.get(getattr(digest, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    if _fused is not None and hasattr(_fused, "use_xxh3") and path:
+        # one function is called directly at a time: the last one checked and found equal
+        ok = bool(_fused.use_xxh3(path, digest))
+        if ok:
+            _DIRECT[:] = [(f, False) for f, _ in _DIRECT]
+    _DIRECT.append((digest, ok))
+    return ok
 
 
 __all__ = ["USE_COMPILED", "direct_xxh3", "hash_boundary", "request_blocks"]

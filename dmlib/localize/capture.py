@@ -55,7 +55,7 @@ import numpy as np
 
 from dmlib import _atomic, hashing
 from dmlib.errors import CaptureError, MissingDependencyError
-from dmlib.kernels import treehash
+from dmlib.kernels import jsonenc, treehash
 from dmlib.kernels.treehash import request_blocks
 from dmlib.localize.captures import (
     FORMAT,
@@ -100,7 +100,11 @@ if _C_ENCODER is not None:
 
 
 def _encode_compact(obj: Any) -> str:
-    """``_COMPACT.encode(obj)``, with the encoder built once."""
+    """``_COMPACT.encode(obj)``: in one compiled call for plain data (every manifest entry
+    dmlib builds), else with the json module's encoder, built once."""
+    text = jsonenc.compact(obj)
+    if text is not None:
+        return text
     if _C_ENCODER is None:  # pragma: no cover
         return _COMPACT.encode(obj)
     return "".join(_C_ENCODER(obj, 0))

@@ -39,6 +39,7 @@ import numpy as np
 from dmlib import dtypes as _dtypes
 from dmlib import hashing
 from dmlib.errors import CaptureError, DmlibError
+from dmlib.kernels import jsonenc
 from dmlib.safepaths import bounded_json, inside
 
 FORMAT = "dmlib-capture"
@@ -339,6 +340,8 @@ class RowMap:
         """:meth:`to_json` as compact JSON text (what ``json.dumps(..., separators=(",",
         ":"))`` writes), made once: a capture writes it into every manifest it writes."""
         if self._json is None:
+            self._json = jsonenc.compact(self.to_json())
+        if self._json is None:  # not compiled
             keys = {k: json.dumps(k) for k in self.requests}  # each request id encoded once
             self._json = "[" + ",".join(
                 "null" if e is None else f"[{keys[e[0]]},{e[1]}]" for e in self.entries

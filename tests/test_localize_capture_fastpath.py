@@ -1,0 +1,306 @@
+"""The capture's fast paths (commit "every host digest of a boundary in one compiled call").
+
+- ``treehash.hash_boundary`` (whole digest, per-slice digests, per-request dicts) against
+  the independent ``xxh3-128-tree-v1`` / ``blake3-tree-v1`` oracles of tests/_support/tree.py
+  (``leaf``, ``tree_request``: the xxhash and blake3 packages), plus its refusals (None
+  over one piece, ValueError for bad spans and sizes);
+- ``treehash.direct_xxh3``: once XXH3 is called directly, digests of unaligned buffers of
+  lengths 0..300 and larger still equal the xxhash package's; any other hasher is still
+  called (a reversed-input hasher gives the reversed-input digests);
+- the manifest file's text: parsed, it equals ``rec.manifest(complete=True)`` through
+  ``json`` (same top-level key order, "boundaries" last); ``RowMap.json_text()`` equals
+  ``json.dumps(to_json(), separators=(",", ":"))``; out-of-order entries give rows in
+  position order, duplicated or gapped positions are refused (hand-checked);
+- recapturing with ``overwrite=True`` leaves one ``manifest.json`` whose digests are the
+  oracle's ``leaf`` of the outputs a plain forward hook saw; a folder holding only a
+  capture's ``manifest.json.tmp`` counts as a capture, one holding another ``.tmp`` does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+from _support.tree import leaf
+from _support.tree import tree_request as oracle_tree
+
+from dmlib import hashing
+from dmlib.errors import CaptureError
+from dmlib.kernels import treehash
+from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG, RowMap
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import dmlib  # noqa: E402
+
+compiled = pytest.mark.skipif(
+    not treehash.USE_COMPILED or not treehash._BOUNDARY,
+    reason="dmlib.kernels._fused not built (or built without hash_boundary)",
+)
+
+#: scheme -> (hasher, tag, piece, digest size) as the capture passes them
+ARGS = {
+    "xxh3": (xxhash.xxh3_128_digest, XXH_REQUEST_TAG, sys.maxsize, 16),
+    "blake3": (hashing._blake3(), TREE_REQUEST_TAG, hashing.PIECE, 32),
+}
+ODD_IDS = ['a"b', "é", "</script>", "all"]
+
+
+def _spans(n: int) -> list[tuple[str, int, int]]:
+    spans = [(ODD_IDS[0], 0, n // 3), (ODD_IDS[1], n // 3, n - n // 3), (ODD_IDS[2], n - 1, 1)]
+    return [s for s in spans if s[2] > 0] + [(ODD_IDS[3], 0, n)]
+
+
+def _expected(rows: np.ndarray, spans, block: int, scheme: str) -> dict:
+    out = {}
+    for rid, start, n in spans:
+        digest, blocks = oracle_tree(rows[start : start + n], block, scheme)
+        out[rid] = {"digest": digest, "n_rows": n, "blocks": blocks}
+    return out
+
+
+@compiled
+@pytest.mark.parametrize("scheme", ["xxh3", "blake3"])
+@pytest.mark.parametrize(
+    ("row_bytes", "n_rows", "block"),
+    [(256, 40, 64), (12, 97, 7), (7, 45, 8), (4, 1, 64), (1000, 13, 4), (3, 2, 1)],
+)
+def test_hash_boundary_matches_the_oracle(row_bytes, n_rows, block, scheme):
+    rng = np.random.default_rng(row_bytes * 1000 + n_rows)
+    buf = rng.integers(0, 256, row_bytes * n_rows, dtype=np.uint8)
+    rows = buf.reshape(n_rows, row_bytes)
+    hasher, tag, piece, size = ARGS[scheme]
+    spans = _spans(n_rows)
+    for n_lead in sorted({0, 1, n_rows}):
+        got = treehash.hash_boundary(hasher, buf.data, n_lead, buf.data, row_bytes, spans, block,
+                                     tag, piece, size)  # fmt: skip
+        assert got is not None
+        whole, lead, reqs = got
+        assert whole == leaf(buf.tobytes(), scheme)
+        step = len(buf) // n_lead if n_lead else 0
+        assert lead == [leaf(buf[i * step : (i + 1) * step].tobytes(), scheme)
+                        for i in range(n_lead)]  # fmt: skip
+        assert reqs == _expected(rows, spans, block, scheme)
+        assert list(reqs) == [s[0] for s in spans]
+
+
+@compiled
+@pytest.mark.parametrize("scheme", ["xxh3", "blake3"])
+def test_hash_boundary_reads_requests_from_their_own_buffer(scheme):
+    # a (batch, positions, dim) tensor: whole in C order, the rows with positions moved first
+    x = np.random.default_rng(5).standard_normal((3, 10, 5)).astype(np.float32)
+    moved = np.ascontiguousarray(x.transpose(1, 0, 2)).reshape(10, 15)
+    hasher, tag, piece, size = ARGS[scheme]
+    spans = [("p", 0, 4), ("q", 4, 6)]
+    whole, lead, reqs = treehash.hash_boundary(hasher, x.reshape(-1).view(np.uint8).data, 3,
+                                               moved.view(np.uint8).reshape(-1).data, 60, spans, 3,
+                                               tag, piece, size)  # fmt: skip
+    assert whole == leaf(x, scheme) and lead == [leaf(x[i], scheme) for i in range(3)]
+    assert reqs == _expected(moved, spans, 3, scheme)
+    # n_lead=-1: no slices; rows=None: no requests
+    got = treehash.hash_boundary(hasher, x.tobytes(), -1, None, 60, spans, 3, tag, piece, size)
+    assert got == (leaf(x, scheme), None, None)
+
+
+@compiled
+def test_hash_boundary_defers_over_a_piece_and_refuses_bad_arguments():
+    buf = np.arange(40, dtype=np.uint8)
+    b3, tag, _, _ = ARGS["blake3"]
+
+    def call(whole=buf.data, n_lead=-1, rows=buf.data, row_bytes=4, spans=(("r", 0, 3),),
+             block=4, piece=hashing.PIECE, size=32):  # fmt: skip
+        return treehash.hash_boundary(b3, whole, n_lead, rows, row_bytes, list(spans), block,
+                                      tag, piece, size)  # fmt: skip
+
+    assert call(piece=39) is None  # the whole buffer over one piece
+    assert call(piece=40, block=11) is None  # a block (44 bytes) over one piece
+    assert call(piece=40, block=11, rows=None) == (leaf(buf.tobytes(), "blake3"), None, None)
+    for bad in [("r", 9, 2), ("r", -1, 1), ("r", 10, 1), ("r", 0, 11)]:
+        with pytest.raises(ValueError, match="outside the buffer"):
+            call(spans=[bad])
+    with pytest.raises(ValueError):
+        call(spans=[("r", 0, 0)])  # a request of no rows
+    with pytest.raises(ValueError, match="inconsistent"):
+        call(n_lead=3)  # 40 bytes in 3 slices
+    for size in (0, 65):
+        with pytest.raises(ValueError, match="inconsistent"):
+            call(size=size)
+    with pytest.raises(ValueError, match="not 16 bytes"):  # BLAKE3's 32 bytes announced as 16
+        call(size=16)
+
+
+def _unaligned(n: int, off: int) -> memoryview:
+    base = np.random.default_rng(n).integers(0, 256, n + 8, dtype=np.uint8)
+    return base[off : off + n].data  # contiguous, at an odd address
+
+
+@compiled
+def test_direct_xxh3_gives_the_xxhash_digests_and_only_for_that_function(monkeypatch):
+    fused = treehash._fused
+    if not hasattr(fused, "use_xxh3"):
+        pytest.skip("the compiled module has no use_xxh3 (built before the direct XXH3 path)")
+    monkeypatch.setattr(treehash, "_DIRECT", [])  # checked afresh, whatever ran before
+    digest = xxhash.xxh3_128_digest
+    assert treehash.direct_xxh3(digest) is True
+    _, tag, piece, _ = ARGS["xxh3"]
+    for n in [*range(301), 1000, 1024, 4096, 100003]:
+        mv = _unaligned(n, 1 + n % 7)
+        data = mv.tobytes()
+        n_lead = 2 if n % 2 == 0 else 1
+        got = treehash.hash_boundary(digest, mv, n_lead, mv, 1, [("r", 0, n)] if n else [],
+                                     64, tag, piece, 16)  # fmt: skip
+        assert got is not None, n
+        assert got[0] == leaf(data), n
+        half = n // n_lead
+        assert got[1] == [leaf(data[i * half : (i + 1) * half]) for i in range(n_lead)], n
+        if n:
+            assert got[2] == _expected(np.frombuffer(data, np.uint8).reshape(n, 1),
+                                       [("r", 0, n)], 64, "xxh3")  # fmt: skip
+
+    calls = []
+
+    def reversed_xxh3(b):
+        calls.append(len(b))
+        return xxhash.xxh3_128_digest(bytes(b)[::-1])
+
+    assert treehash.direct_xxh3(reversed_xxh3) is False  # no compiled XXH3 behind it
+    assert treehash.direct_xxh3(lambda b: xxhash.xxh3_128_digest(bytes(b)[::-1])) is False
+    for n in (0, 5, 17, 300, 4096):
+        mv = _unaligned(n, 3)
+        data = mv.tobytes()
+        calls.clear()
+        got = treehash.hash_boundary(reversed_xxh3, mv, -1, None, 1, [], 64, tag, piece, 16)
+        assert calls == [n]  # called, not bypassed
+        assert got == (xxhash.xxh3_128_digest(data[::-1]).hex(), None, None)
+        # the registered function still gives XXH3's digests (directly or through Python)
+        assert treehash.hash_boundary(digest, mv, -1, None, 1, [], 64, tag, piece, 16) == (
+            leaf(data), None, None)  # fmt: skip
+    # a failed check of another function leaves XXH3's registration as it was
+    assert treehash.direct_xxh3(digest) is True
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+#: two batch rows of 8 positions: quoted, non-ASCII and </script> ids, padding, a gap in rows
+ROWS = [
+    [('a"b', j) for j in range(3)] + [None, ("é", 0), ("é", 1), None, ("a\\b\n", 0)],
+    [("</script>", j) for j in range(5)] + [None, ("é", 2), None],
+]
+
+
+def _x(seed: int):
+    return torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_manifest_text_is_the_manifest_dict(tmp_path, ops):
+    model = Tiny().eval()
+    with torch.no_grad(), dmlib.capture(model, tmp_path / "c", row_map=ROWS, ops=ops,
+                                        block_rows=2) as rec:  # fmt: skip
+        model(_x(1))
+    text = (tmp_path / "c" / "manifest.json").read_text()
+    want = rec.manifest(complete=True)
+    assert json.loads(text) == json.loads(json.dumps(want))
+    assert list(json.loads(text)) == [k for k in want if k != "boundaries"] + ["boundaries"]
+    assert json.loads(text)["row_map"] == [None if e is None else list(e)
+                                           for r in ROWS for e in r]  # fmt: skip
+
+
+ENTRIES = [[e for r in ROWS for e in r], [("a", 1), ("a", 0), None, ("b", 0)], [], [None],
+           [(3, 0), ("3", 1), ("\u2028\x00", 0)]]  # fmt: skip
+
+
+@pytest.mark.parametrize("entries", ENTRIES)
+def test_row_map_json_text_is_compact_json(entries):
+    rm = RowMap(entries)
+    assert rm.json_text() == json.dumps(rm.to_json(), separators=(",", ":"))
+    assert rm.json_text() == rm.json_text()  # made once, the same text again
+
+
+def test_row_map_rows_in_position_order_and_bad_positions_refused():
+    rm = RowMap([("a", 1), ("a", 0), None, ("b", 0)])
+    assert rm.requests["a"].tolist() == [1, 0] and rm.requests["b"].tolist() == [3]
+    assert rm.to_json() == [["a", 1], ["a", 0], None, ["b", 0]]
+    for bad in ([("a", 0), ("a", 0)], [("a", 0), ("a", 2)], [("a", 1), ("a", 0), ("a", 1)],
+                [("a", 1)], [("a", 2), None, ("a", 0)]):  # fmt: skip
+        with pytest.raises(CaptureError, match="positions"):
+            RowMap(bad)
+
+
+def _outputs(model) -> tuple[dict, list]:
+    seen: dict[str, np.ndarray] = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o.numpy().copy()))
+             for n, m in (("a", model.a), ("b", model.b))]  # fmt: skip
+    return seen, hooks
+
+
+def _check_digests(folder, seen) -> None:
+    man = json.loads((folder / "manifest.json").read_text())
+    assert man["complete"] is True
+    by_name = {b["name"]: b for b in man["boundaries"]}
+    for name, out in seen.items():
+        b = by_name[name]
+        assert b["digest"] == leaf(out)
+        assert b["requests"]["</script>"]["digest"] == oracle_tree(out[1, :5], 2)[0]
+        assert b["requests"]['a"b']["digest"] == oracle_tree(out[0, :3], 2)[0]
+
+
+def test_recapture_with_overwrite_twice_leaves_one_manifest_of_the_new_input(tmp_path):
+    model = Tiny().eval()
+    folder = tmp_path / "c"
+    seen, hooks = _outputs(model)
+    for i, overwrite in enumerate([False, True, True]):
+        with torch.no_grad(), dmlib.capture(model, folder, row_map=ROWS, overwrite=overwrite,
+                                            block_rows=2):  # fmt: skip
+            model(_x(10 + i))
+        assert sorted(os.listdir(folder)) == ["manifest.json"]
+        _check_digests(folder, seen)
+    for h in hooks:
+        h.remove()
+
+
+def test_a_capture_left_under_the_temporary_name_counts_as_a_capture(tmp_path):
+    model = Tiny().eval()
+    folder = tmp_path / "c"
+    with torch.no_grad(), dmlib.capture(model, folder, row_map=ROWS, block_rows=2):
+        model(_x(1))
+    # as a run stopped between removing the old manifest and the rename leaves it
+    (folder / "manifest.json.tmp").write_bytes((folder / "manifest.json").read_bytes())
+    (folder / "manifest.json").unlink()
+    with pytest.raises(CaptureError, match="capture already exists"):
+        with torch.no_grad(), dmlib.capture(model, folder, row_map=ROWS):
+            model(_x(2))
+    assert sorted(os.listdir(folder)) == ["manifest.json.tmp"]
+    seen, hooks = _outputs(model)
+    with torch.no_grad(), dmlib.capture(model, folder, row_map=ROWS, overwrite=True, block_rows=2):
+        model(_x(2))
+    for h in hooks:
+        h.remove()
+    assert sorted(os.listdir(folder)) == ["manifest.json"]
+    _check_digests(folder, seen)
+
+
+def test_another_temporary_file_is_not_a_capture(tmp_path):
+    model = Tiny().eval()
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "manifest.json.tmp").write_text("hello")
+    with pytest.raises(CaptureError, match="replaces only a capture"):
+        with torch.no_grad(), dmlib.capture(model, folder, row_map=ROWS, overwrite=True):
+            model(_x(1))
+    assert sorted(os.listdir(folder)) == ["manifest.json.tmp"]
+    assert (folder / "manifest.json.tmp").read_text() == "hello"
