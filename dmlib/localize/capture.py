@@ -608,7 +608,9 @@ class Recorder:
         output of an op that may write its inputs, seen from inside the dispatch, before
         torch bumps the version counter of what it wrote).
         """
-        original, t = t, t.detach()  # detach() makes a new object: identity is the original's
+        # detach() makes a new object (identity stays the original's); only where autograd
+        # would stand between the recorder and the bytes
+        original, t = t, (t.detach() if t.requires_grad else t)
         shape = tuple(t.shape)  # torch.Size: ints
         entry = self._entry(module, call, kind, slot, t.dtype, shape, extra)
         name = entry["name"]
@@ -757,7 +759,7 @@ class Recorder:
         self, entry: dict[str, Any], t: Any, k: int | None, axes: tuple[int, int] | None
     ) -> None:
         """Hash one tensor: on its device, in the hook, or on a worker from a private copy."""
-        on_device = t.device.type != "cpu" or self._device_path_on_cpu
+        on_device = not t.is_cpu or self._device_path_on_cpu
         if on_device and self.device_hash and self._device_digests(entry, t, k, axes):
             if axes == (0, 2) and t.dim() == 4:
                 self._kv_repeat_device(entry, t)
@@ -771,6 +773,8 @@ class Recorder:
         arr = t.numpy() if plain else _to_numpy(t)
         if self._pool is None or arr.nbytes <= INLINE_BYTES:
             # no worker for a small tensor: handing it over costs more than hashing it
+            if axes is None and entry["dump"] is None and self._hash_in_place(entry, arr, k):
+                return
             self._hash(entry, arr, self._rows(arr, k, axes))
             return
         arr = np.array(arr, copy=True)
@@ -801,7 +805,7 @@ class Recorder:
         except (RuntimeError, AttributeError):
             return None
         return (id(t), version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
-                t.device, how)  # fmt: skip
+                True if t.is_cpu else t.device, how)  # fmt: skip
 
     def _rows(
         self, arr: np.ndarray, k: int | None, axes: tuple[int, int] | None
@@ -885,6 +889,35 @@ class Recorder:
                                                     self.scheme)  # fmt: skip
                     requests[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
                 requests = {rid: requests[rid] for rid in entry["requests"]}
+            entry["requests"] = requests
+        return True
+
+    def _hash_in_place(self, entry: dict[str, Any], arr: np.ndarray, k: int | None) -> bool:
+        """The common case of :meth:`_hash`, in one compiled call on ``arr``'s own memory:
+        hashed whole (and per index of axis 0), or per request by its leading ``k`` dims
+        (the rows are ``arr``'s bytes in order), every request on consecutive rows. False
+        (nothing set): :meth:`_hash` then."""
+        if not arr.ndim or not arr.size or entry["hash"] != self.scheme:
+            return False
+        n_lead = int(arr.shape[0]) if entry["leading"] is not None else -1
+        rows, row_bytes, spans = None, 0, cast("list[tuple[str, int, int]]", [])
+        if k is not None and self.row_map is not None:
+            spans = self._consecutive()
+            if self._gathered or not arr.flags.c_contiguous:
+                return False
+            rows, row_bytes = arr, arr.nbytes // len(self.row_map)
+        hasher, tag, piece, size = self._tree_args
+        try:
+            got = treehash.hash_boundary(hasher, arr, n_lead, rows, row_bytes, spans,
+                                         self.block_rows, tag, piece, size)  # fmt: skip
+        except (ValueError, BufferError):  # not one contiguous buffer: the general path
+            return False
+        if got is None:
+            return False
+        entry["digest"], leading, requests = got
+        if leading is not None:
+            entry["leading"] = leading
+        if requests is not None:
             entry["requests"] = requests
         return True
 
