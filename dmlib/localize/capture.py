@@ -615,7 +615,7 @@ class Recorder:
         entry = self._entry(module, call, kind, slot, t.dtype, shape, extra)
         name = entry["name"]
         k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
-        wants_dump = self._wants_dump(name)
+        wants_dump = bool(self.dump) and self._wants_dump(name)
         self.boundaries.append(entry)
         how = (k, axes, entry["leading"] is not None)
         if not fresh and self._share(entry, original, how, wants_dump):
@@ -626,6 +626,14 @@ class Recorder:
         if wants_dump:  # planned now, so that a later boundary of this tensor can share it
             index = len(self.boundaries) - 1
             entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
+        elif (axes is None and t.is_cpu and not self._device_path_on_cpu
+              and t.dtype not in _SPECIAL and t.is_contiguous()):  # fmt: skip
+            # the common case: a small host tensor, hashed in one call on its own memory
+            arr = t.numpy()
+            if (self._pool is None or arr.nbytes <= INLINE_BYTES) and self._hash_in_place(
+                entry, arr, k
+            ):
+                return name
         self._digest(entry, t, k, axes)
         return name
 
@@ -1168,8 +1176,8 @@ class Recorder:
             return
         # the row map's text is made once per row map; the keys in manifest()'s order
         row_map = "null" if self.row_map is None else self.row_map.json_text()
-        contents = _COMPACT.encode(self._contents(error))[1:-1]
-        head = f'{_COMPACT.encode(self._settings(complete))[:-1]},"row_map":{row_map},{contents}'
+        contents = _encode_compact(self._contents(error))[1:-1]
+        head = f'{_encode_compact(self._settings(complete))[:-1]},"row_map":{row_map},{contents}'
         boundaries = self.boundaries
         # one boundary per line: compact, yet diffable and readable with grep
         lines = ",\n".join(map(_encode_compact, boundaries))

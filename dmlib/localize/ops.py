@@ -57,8 +57,16 @@ UNINITIALISED = {
 }  # fmt: skip
 
 
-_QUIET = threading.local()
+class _QuietState(threading.local):
+    """Per thread: quiet() blocks open (``n``) and trackers' modes on (``modes``)."""
+
+    n = 0
+    modes = 0
+
+
+_QUIET = _QuietState()
 _NAMES: dict[Any, str] = {}  # op -> op_name(op), looked up once
+_OVERLOADS: dict[Any, str] = {}  # op -> str(op) (``aten.addmm.default``), once
 
 
 class _Quiet:
@@ -68,9 +76,9 @@ class _Quiet:
     __slots__ = ("guard",)
 
     def __enter__(self) -> None:
-        _QUIET.n = getattr(_QUIET, "n", 0) + 1
+        _QUIET.n += 1
         self.guard = None
-        if getattr(_QUIET, "modes", 0) and _NO_DISPATCH is not None:
+        if _QUIET.modes and _NO_DISPATCH is not None:
             guard = _NO_DISPATCH()
             guard.__enter__()
             self.guard = guard
@@ -96,7 +104,7 @@ def quiet() -> contextlib.AbstractContextManager[None]:
     With no tracker's mode on in this thread, no tracker can see an op, and the block is
     a shared no-op (a capture without ops enters one per hook).
     """
-    if not getattr(_QUIET, "modes", 0):
+    if not _QUIET.modes:
         return _NOTHING
     return _Quiet()
 
@@ -159,7 +167,7 @@ class ModuleStack:
         if self._open and self._mode is None:
             self._mode = _Mode(self)
             self._mode.__enter__()
-            _QUIET.modes = getattr(_QUIET, "modes", 0) + 1
+            _QUIET.modes += 1
 
     def _mode_off(self, *exc: Any) -> None:
         if self._mode is not None:
@@ -169,7 +177,7 @@ class ModuleStack:
 
     def next_id(self, func: Any) -> str | None:
         """The id of this op call, or None when no selected module runs (or in quiet())."""
-        if getattr(_QUIET, "n", 0) or not self.stack:
+        if _QUIET.n or not self.stack:
             return None
         owner = self.stack[-1]
         name = _NAMES.get(func) or _NAMES.setdefault(func, op_name(func))
@@ -216,12 +224,22 @@ def _storage(t: Any) -> int | None:
         return None
 
 
+# dtypes whose tensors are not hashed: complex, and quantized (their values are not their bytes)
+_UNHASHED = (
+    set()
+    if torch is None
+    else {getattr(torch, n) for n in ("complex32", "complex64", "complex128", "quint8", "qint8",
+                                      "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+)  # fmt: skip
+_HASHED_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
+
+
 def _recordable(t: Any) -> bool:
     return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
+        type(t) in _HASHED_TYPES
         and t.layout == torch.strided
-        and t.device.type != "meta"
-        and not t.is_complex()
+        and not t.is_meta
+        and t.dtype not in _UNHASHED
         and not t.is_quantized
     )
 
@@ -247,7 +265,7 @@ class OpRecorder(ModuleStack):
             return func(*args, **kwargs)
         info: dict[str, Any] = {
             "id": oid,
-            "op": str(func),
+            "op": _OVERLOADS.get(func) or _OVERLOADS.setdefault(func, str(func)),
             "owner": oid.rpartition("/")[0],
             "inputs": [],
             "outputs": [],
@@ -258,9 +276,10 @@ class OpRecorder(ModuleStack):
             (f"input.{k}", v) for k, v in kwargs.items()
         ]
         inputs: dict[int, tuple[Any, dict[str, Any]]] = {}  # address -> (tensor, entry)
-        for top, value in slots:
-            for slot, t in _flat(value, top):
-                names[id(t)] = self._record(info, oid, "input", slot, t, inputs=inputs)
+        with quiet():  # the recorder's own tensor calls are not the model's ops
+            for top, value in slots:
+                for slot, t in _flat(value, top):
+                    names[id(t)] = self._record(info, oid, "input", slot, t, inputs=inputs)
         info["args"] = [_encode(a, names) for a in args]
         info["kwargs"] = {k: _encode(v, names) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
@@ -271,9 +290,10 @@ class OpRecorder(ModuleStack):
             info["skipped"].append("output: uninitialised memory, not hashed")
         else:
             results = out if isinstance(out, (tuple, list)) else (out,)
-            for i, r in enumerate(results):
-                for slot, t in _flat(r, f"output{i}"):
-                    self._record(info, oid, "output", slot, t, inputs=inputs, fresh=writes)
+            with quiet():
+                for i, r in enumerate(results):
+                    for slot, t in _flat(r, f"output{i}"):
+                        self._record(info, oid, "output", slot, t, inputs=inputs, fresh=writes)
         self.rec.ops.append(info)
         return out
 
@@ -300,15 +320,16 @@ class OpRecorder(ModuleStack):
         if not _recordable(t):
             info["skipped"].append(f"{slot}: {type(t).__name__} {t.layout} {t.dtype} not hashed")
             return None
-        ptr = _storage(t)
-        param = self.params.get(ptr) if kind == "input" and ptr is not None else None
+        ptr = _storage(t) if kind == "input" else None
+        param = self.params.get(ptr) if ptr is not None else None
         extra = {"op": oid} if param is None else {"op": oid, "param": param}
-        alias = inputs.get(t.data_ptr()) if kind == "output" else None
-        with quiet():
-            name = self.rec.record(oid, 0, kind, slot, t, row_mapped=param is None, extra=extra,
-                                   alias=alias, fresh=fresh)  # fmt: skip
+        address = t.data_ptr()
+        alias = inputs.get(address) if kind == "output" else None
+        # (the caller holds quiet(): the recorder's tensor calls reach no tracker)
+        name = self.rec.record(oid, 0, kind, slot, t, row_mapped=param is None, extra=extra,
+                               alias=alias, fresh=fresh)  # fmt: skip
         if kind == "input":
-            inputs.setdefault(t.data_ptr(), (t, self.rec.boundaries[-1]))
+            inputs.setdefault(address, (t, self.rec.boundaries[-1]))
         info["inputs" if kind == "input" else "outputs"].append(name)
         return name
 
