@@ -18,10 +18,17 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
   blocks' digests (a hash tree, since format version 3), so each byte is hashed twice
   (whole tensor, blocks), no longer three times; the whole tensor stays a plain digest,
   comparable whatever the row maps.
-- Every request's blocks and tree digest of one boundary are hashed in one call into the
-  compiled module (:func:`dmlib.kernels.treehash.request_blocks`; the Python loop where it
-  is not built): per block, the interpreter's slice, hash object and hex string cost more
-  than hashing a few KiB.
+- Every digest of one boundary (whole, per index of axis 0, each request's blocks and tree
+  digest, the requests' dicts) comes from one call into the compiled module on the
+  tensor's own memory (:func:`dmlib.kernels.treehash.hash_boundary`; the Python loop where
+  it is not built): per block, the interpreter's slice, hash object and hex string cost
+  more than hashing a few KiB. XXH3-128 is called there without a Python call per digest
+  (the xxhash package's exported ``XXH3_128bits``, checked against its own function first).
+- How a tensor of a given shape is read (row dims, row axes, per-index digests) is worked
+  out once per capture; the row map's JSON text once per row map; the manifest's entries
+  are written by the compiled JSON writer (:func:`dmlib.kernels.jsonenc.compact`, the text
+  ``json.dumps`` writes); a manifest is replaced after the old one is removed (ext4 writes
+  out a file renamed over another at once: 0.3 ms a manifest).
 - An op's output over the memory of one of its inputs (a view, ``_unsafe_view``) takes the
   input's digests when the op writes nothing (its ATen schema says so); the output of an
   op that may write is always hashed (inside the dispatch, torch has not yet bumped the
