@@ -34,7 +34,7 @@ from dmlib.kernels import treehash
 from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG, RowMap
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from _support.twolinear import Tiny  # noqa: E402
 
 import dmlib  # noqa: E402
 
@@ -182,17 +182,6 @@ def test_direct_xxh3_gives_the_xxhash_digests_and_only_for_that_function(monkeyp
             leaf(data), None, None)  # fmt: skip
     # a failed check of another function leaves XXH3's registration as it was
     assert treehash.direct_xxh3(digest) is True
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
 
 
 #: two batch rows of 8 positions: quoted, non-ASCII and </script> ids, padding, a gap in rows

@@ -33,6 +33,7 @@ from dmlib.kernels import treehash
 from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG
 
 torch = pytest.importorskip("torch")
+from _support.twolinear import Tiny  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import (  # noqa: E402
     TorchDispatchMode,
@@ -96,17 +97,6 @@ def test_compiled_request_blocks_refuse_a_span_outside_the_buffer_and_defer_big_
         treehash.request_blocks(b3, buf.data, 4, [(-1, 2)], 4, TREE_REQUEST_TAG, hashing.PIECE)
     # a block of more bytes than one piece: not computed here (the caller's piece logic)
     assert treehash.request_blocks(b3, buf.data, 4, [(0, 10)], 4, TREE_REQUEST_TAG, 15) is None
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
 
 
 def _rows() -> list[list[tuple[str, int] | None]]:

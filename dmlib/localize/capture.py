@@ -880,7 +880,6 @@ class Recorder:
         """:meth:`_hash`'s digests (whole, per index of axis 0, per request) in one call into
         the compiled module; False (nothing set) where it cannot: the Python loop then."""
         arr = np.ascontiguousarray(arr)
-        n_lead = int(arr.shape[0]) if entry["leading"] is not None else -1
         buf, row_bytes, spans = None, 0, cast("list[tuple[str, int, int]]", [])
         if rows is not None and self.row_map is not None:
             if not rows.size:
@@ -889,14 +888,11 @@ class Recorder:
             row_bytes = rows.nbytes // rows.shape[0]
             buf = rows.reshape(-1).view(np.uint8)
             spans = self._consecutive()
-        hasher, tag, piece, size = self._tree_args
-        got = treehash.hash_boundary(hasher, arr.reshape(-1).view(np.uint8), n_lead, buf,
-                                     row_bytes, spans, self.block_rows, tag, piece, size)  # fmt: skip
-        if got is None:
+        n_lead = int(arr.shape[0]) if entry["leading"] is not None else -1
+        done, requests = self._boundary_call(entry, arr.reshape(-1).view(np.uint8), n_lead, buf,
+                                             row_bytes, spans)  # fmt: skip
+        if not done:
             return False
-        entry["digest"], leading, requests = got
-        if leading is not None:
-            entry["leading"] = leading
         if requests is not None:
             if self._gathered:  # rows not consecutive: gathered (a copy), in row-map order
                 for rid, idx in self._gathered:
@@ -914,27 +910,44 @@ class Recorder:
         (nothing set): :meth:`_hash` then."""
         if not arr.ndim or not arr.size or entry["hash"] != self.scheme:
             return False
-        n_lead = int(arr.shape[0]) if entry["leading"] is not None else -1
         rows, row_bytes, spans = None, 0, cast("list[tuple[str, int, int]]", [])
         if k is not None and self.row_map is not None:
             spans = self._consecutive()
             if self._gathered or not arr.flags.c_contiguous:
                 return False
             rows, row_bytes = arr, arr.nbytes // len(self.row_map)
-        hasher, tag, piece, size = self._tree_args
+        n_lead = int(arr.shape[0]) if entry["leading"] is not None else -1
         try:
-            got = treehash.hash_boundary(hasher, arr, n_lead, rows, row_bytes, spans,
-                                         self.block_rows, tag, piece, size)  # fmt: skip
+            done, requests = self._boundary_call(entry, arr, n_lead, rows, row_bytes, spans)
         except (ValueError, BufferError):  # not one contiguous buffer: the general path
             return False
-        if got is None:
+        if not done:
             return False
-        entry["digest"], leading, requests = got
-        if leading is not None:
-            entry["leading"] = leading
         if requests is not None:
             entry["requests"] = requests
         return True
+
+    def _boundary_call(
+        self,
+        entry: dict[str, Any],
+        whole: Any,
+        n_lead: int,
+        rows: Any,
+        row_bytes: int,
+        spans: list[tuple[str, int, int]],
+    ) -> tuple[bool, dict[str, dict[str, Any]] | None]:
+        """:func:`treehash.hash_boundary` for ``entry``: sets its whole digest and, with
+        ``n_lead >= 0``, that many per-index digests; returns (computed, the requests'
+        digests or None where not row-mapped); (False, None): nothing set."""
+        hasher, tag, piece, size = self._tree_args
+        got = treehash.hash_boundary(hasher, whole, n_lead, rows, row_bytes, spans,
+                                     self.block_rows, tag, piece, size)  # fmt: skip
+        if got is None:
+            return False, None
+        entry["digest"], leading, requests = got
+        if leading is not None:
+            entry["leading"] = leading
+        return True, requests
 
     def _consecutive(self) -> list[tuple[str, int, int]]:
         """(request, first row, rows) of each request on consecutive rows, once; the others
