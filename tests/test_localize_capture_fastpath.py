@@ -35,6 +35,7 @@ from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG, RowMap
 
 torch = pytest.importorskip("torch")
 from _support.twolinear import Tiny  # noqa: E402
+from torch import nn  # noqa: E402
 
 import dmlib  # noqa: E402
 
@@ -293,3 +294,73 @@ def test_another_temporary_file_is_not_a_capture(tmp_path):
             model(_x(1))
     assert sorted(os.listdir(folder)) == ["manifest.json.tmp"]
     assert (folder / "manifest.json.tmp").read_text() == "hello"
+
+
+class Tile(nn.Module):
+    def forward(self, x):
+        return x.repeat(1, 1, 8192)  # (2, 8, 49152) float32: 3 MiB, hashed on a worker
+
+
+class Mixed(nn.Module):
+    """Boundaries of every kind the capture's paths tell apart: a bfloat16 layer, a tensor
+    over 1 MiB (hashed on a worker from a copy), a non-contiguous output, a pooled head
+    (one row per sequence: per-index digests) and, with the row map below, a request on
+    rows that are not consecutive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.tile = Tile()
+        self.bf16 = nn.Linear(6, 6).to(torch.bfloat16)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        big = self.tile(x)
+        h = self.bf16(x.to(torch.bfloat16)).float()
+        mixed = (big[:, :, :6] + h).transpose(0, 1).contiguous().transpose(0, 1)
+        return self.head(h.mean(dim=1)), mixed
+
+
+def test_every_path_gives_the_oracles_digests_with_and_without_the_compiled_module(
+    tmp_path, monkeypatch
+):
+    model = Mixed().eval()
+    x = torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(4))
+    rows = [
+        [("r0", j) for j in range(7)] + [None],
+        [("r1", j) for j in range(3)] + [("g", 0), None, ("g", 1), ("g", 2), None],
+    ]
+    where = {"r0": [(0, j) for j in range(7)], "r1": [(1, j) for j in range(3)],
+             "g": [(1, 3), (1, 5), (1, 6)]}  # fmt: skip
+    manifests = []
+    for use in (True, False):
+        monkeypatch.setattr(treehash, "USE_COMPILED", use and treehash.USE_COMPILED)
+        with torch.no_grad(), dmlib.capture(model, tmp_path / str(use), row_map=rows,
+                                            block_rows=2, modules=["", "*"]):  # fmt: skip
+            model(x)
+        manifests.append(json.loads((tmp_path / str(use) / "manifest.json").read_text()))
+    assert manifests[0] == manifests[1]  # compiled and Python paths: the same manifest
+    by_name = {b["name"]: b for b in manifests[0]["boundaries"]}
+    with torch.no_grad():  # the test's own forward, piece by piece
+        tile = x.repeat(1, 1, 8192).numpy()
+        half_t = model.bf16(x.to(torch.bfloat16))
+        half = half_t.view(torch.int16).numpy()  # bfloat16 as its bits
+        head = model.head(half_t.float().mean(dim=1)).numpy()
+        mixed = (torch.from_numpy(tile[:, :, :6]) + half_t.float()).numpy()
+
+    def check(name: str, arr: np.ndarray, dtype: str) -> None:
+        b = by_name[name]
+        assert b["dtype"] == dtype and b["digest"] == leaf(arr), name
+        for rid, pos in where.items():
+            mine = np.stack([arr[r, j] for r, j in pos])
+            got = b["requests"][rid]
+            assert (got["digest"], got["blocks"]) == oracle_tree(mine, 2), (name, rid)
+
+    check("tile", tile, "float32")  # 3 MiB: a worker's copy
+    check("bf16", half, "bfloat16")
+    with torch.no_grad():
+        assert not model(x)[1].is_contiguous()
+    check("(model):output1", mixed, "float32")  # non-contiguous: made contiguous first
+    assert by_name["tile"]["shape"] == [2, 8, 49152]
+    b = by_name["(model)"]  # the pooled head's logits, (2, 3): one digest per sequence
+    assert b["row_dims"] is None and b["leading"] == [leaf(head[0]), leaf(head[1])]

@@ -637,9 +637,9 @@ class Recorder:
               and t.dtype not in _SPECIAL and t.is_contiguous()):  # fmt: skip
             # the common case: a small host tensor, hashed in one call on its own memory
             arr = t.numpy()
-            if (self._pool is None or arr.nbytes <= INLINE_BYTES) and self._hash_in_place(
-                entry, arr, k
-            ):
+            if self._pool is None or arr.nbytes <= INLINE_BYTES:
+                if not self._hash_in_place(entry, arr, k):
+                    self._hash(entry, arr, self._rows(arr, k, axes))
                 return name
         self._digest(entry, t, k, axes)
         return name
