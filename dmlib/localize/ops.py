@@ -214,7 +214,10 @@ def _flat(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
         yield prefix, obj
     elif isinstance(obj, (tuple, list)):
         for i, o in enumerate(obj):
-            yield from _flat(o, f"{prefix}.{i}")
+            if torch.is_tensor(o):
+                yield f"{prefix}.{i}", o
+            elif isinstance(o, (tuple, list)):  # (a size list's ints need no walk)
+                yield from _flat(o, f"{prefix}.{i}")
 
 
 def _storage(t: Any) -> int | None:
@@ -272,8 +275,9 @@ class OpRecorder(ModuleStack):
             "skipped": [],
         }
         names: dict[int, str | None] = {}
-        slots = [(f"input{i}", a) for i, a in enumerate(args)] + [
-            (f"input.{k}", v) for k, v in kwargs.items()
+        walk = (torch.Tensor, tuple, list)  # the arguments that may hold tensors
+        slots = [(f"input{i}", a) for i, a in enumerate(args) if isinstance(a, walk)] + [
+            (f"input.{k}", v) for k, v in kwargs.items() if isinstance(v, walk)
         ]
         inputs: dict[int, tuple[Any, dict[str, Any]]] = {}  # address -> (tensor, entry)
         with quiet():  # the recorder's own tensor calls are not the model's ops
