@@ -7,7 +7,10 @@ interleaved N times (median and best of N reported; wall clock around
 ``with capture(...): model(**batch)``, manifest written included):
 
 - ``plain``: ``model(**batch)`` under ``torch.no_grad()``;
-- ``capture``: the default modules, hashes only;
+- ``capture``: the default modules, hashes only (the same row map every time, as in
+  repeat captures: what dmlib works out from a row map is kept for the next capture);
+- ``capture_new_rows``: the same with a row map of new request ids every time (a layout
+  captured for the first time: the row map's work is done anew, its time included);
 - ``ops_layer``: ``ops=True`` with ``op_modules="model.layers.0"`` (one layer's ops);
 
 and, in fresh interpreters, the first capture of a process against the second
@@ -90,9 +93,18 @@ def time_variants(
 
         return go
 
+    fresh = iter(range(10**9))
+
+    def cap_new_rows() -> None:  # a row map never seen before: nothing shared with the last
+        k = next(fresh)
+        new = [[(f"{k}.{b}", j) for j in range(80)] for b in range(5)]
+        with dmlib.capture(model, work / "c", row_map=new, overwrite=True):
+            model(input_ids=x)
+
     variants = {
         "plain": plain,
         "capture": cap(),
+        "capture_new_rows": cap_new_rows,
         "ops_layer": cap(ops=True, op_modules="model.layers.0"),
     }
     if baseline is not None:

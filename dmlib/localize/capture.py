@@ -555,10 +555,12 @@ class Recorder:
     def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
         """(entry per flattened (batch, position) row, request -> its rows in order), once
         per shape and layout."""
-        key = (shape, self.row_map.batch if self.row_map else None, self.layout)
-        if key not in self._cache_plans:
-            self._cache_plans[key] = self._cache_rows_of(shape)
-        return cast("tuple[list[Any], dict[str, list[int]]] | None", self._cache_plans[key])
+        key = ("cache", shape, self.row_map.batch if self.row_map else None, self.layout)
+        # kept with the row map: what a shape's rows are follows from it, batch and layout
+        plans = self._cache_plans if self.row_map is None else self.row_map._memo
+        if key not in plans:
+            plans[key] = self._cache_rows_of(shape)
+        return cast("tuple[list[Any], dict[str, list[int]]] | None", plans[key])
 
     def _cache_rows_of(
         self, shape: tuple[int, ...]
@@ -695,8 +697,7 @@ class Recorder:
             entry["row_dims"] = k
             if axes is not None:
                 entry["row_axes"] = list(axes)
-            # filled by _hash, in row-map order
-            entry["requests"] = dict.fromkeys(cast(RowMap, self.row_map).requests)
+            entry["requests"] = {}  # filled by _hash, in row-map order
         elif self.row_map is not None:
             self.whole_only.append(entry["name"])
             if leading:
@@ -899,7 +900,7 @@ class Recorder:
                     digest, blocks = request_hashes(cast(np.ndarray, rows)[idx], self.block_rows,
                                                     self.scheme)  # fmt: skip
                     requests[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
-                requests = {rid: requests[rid] for rid in entry["requests"]}
+                requests = {rid: requests[rid] for rid in cast(RowMap, self.row_map).requests}
             entry["requests"] = requests
         return True
 
@@ -1362,7 +1363,7 @@ def _new_recorder(
     _prepare_dir(path, overwrite)
     return Recorder(
         path,
-        row_map=None if row_map is None else RowMap(list(row_map), path=path),
+        row_map=None if row_map is None else RowMap.shared(row_map, path=path),
         block_rows=int(block_rows),
         dump=[] if dump is None else ([dump] if isinstance(dump, str) else list(dump)),
         dump_requests=None if dump_requests is None else {str(r) for r in dump_requests},

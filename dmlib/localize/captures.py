@@ -23,12 +23,14 @@ boundary is not judged (:func:`same_scheme`).
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import hashlib
 import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,7 +295,45 @@ class RowMap:
             for k, v in self.requests.items()
             if len(v) and int(v[-1]) - int(v[0]) == len(v) - 1
         }
-        self._json: str | None = None
+        self._batch0 = self.batch  # what a copy starts from (a capture may learn the batch)
+        # what is worked out from the entries alone (its JSON text, KV-cache row plans):
+        # one dict shared by every copy of this row map
+        self._memo: dict[Any, Any] = {}
+
+    @classmethod
+    def shared(
+        cls, entries: Sequence[Any], *, path: str | os.PathLike[str] | None = None
+    ) -> RowMap:
+        """``RowMap(entries)``; where one of the last few row maps built this way had equal
+        entries (a repeat capture, the same layout again), a copy of it that shares what
+        was worked out from them instead of working it out anew.
+
+        Only entries of exactly these types are shared (two lists that compare equal then
+        make the same row map): None, or a ``(request, position)`` tuple with a ``str`` or
+        ``int`` request and an ``int`` position; flat, or one list of them per batch row.
+        """
+        entries = list(entries)
+        key = _shared_key(entries)
+        if key is None:
+            return cls(entries, path=path)
+        with _SHARED_LOCK:
+            hit = _SHARED.get(key)
+            if hit is not None:
+                _SHARED.move_to_end(key)
+                return hit._copy()
+        made = cls(entries, path=path)
+        with _SHARED_LOCK:
+            _SHARED[key] = made
+            while len(_SHARED) > _SHARED_MAX:
+                _SHARED.popitem(last=False)
+        return made._copy()
+
+    def _copy(self) -> RowMap:
+        """This row map, its batch size as built, everything else shared (never changed)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.batch = self._batch0
+        return new
 
     def sequence_row(self, request: str, batch: int | None = None) -> tuple[int | None, str]:
         """The batch row that request ``request`` alone fills, or (None, why not).
@@ -339,14 +379,39 @@ class RowMap:
     def json_text(self) -> str:
         """:meth:`to_json` as compact JSON text (what ``json.dumps(..., separators=(",",
         ":"))`` writes), made once: a capture writes it into every manifest it writes."""
-        if self._json is None:
-            self._json = jsonenc.compact(self.to_json())
-        if self._json is None:  # not compiled
+        text = self._memo.get("json")
+        if text is None:
+            text = jsonenc.compact(self.to_json())
+        if text is None:  # not compiled
             keys = {k: json.dumps(k) for k in self.requests}  # each request id encoded once
-            self._json = "[" + ",".join(
+            text = "[" + ",".join(
                 "null" if e is None else f"[{keys[e[0]]},{e[1]}]" for e in self.entries
             ) + "]"  # fmt: skip
-        return self._json
+        self._memo["json"] = text
+        return cast(str, text)
+
+
+_SHARED: collections.OrderedDict[tuple[Any, ...], RowMap] = collections.OrderedDict()
+_SHARED_MAX = 8  # row maps kept for RowMap.shared (a few layouts captured in turn)
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_key(entries: list[Any]) -> tuple[Any, ...] | None:
+    """A hashable key of ``entries``, equal for two lists only when they make the same row
+    map; None where an entry is of another type (not shared)."""
+    if not entries:
+        return None
+    nested = type(entries[0]) is list
+    rows = entries if nested else [entries]
+    if nested and any(type(r) is not list for r in rows):
+        return None
+    for row in rows:
+        pairs = [e for e in row if e is not None]
+        if {type(e) for e in pairs} - {tuple} or any(len(e) != 2 for e in pairs):
+            return None
+        if {type(e[1]) for e in pairs} - {int} or {type(e[0]) for e in pairs} - {str, int}:
+            return None
+    return (nested, tuple(map(tuple, rows)) if nested else tuple(entries))
 
 
 @dataclass(frozen=True)
