@@ -364,3 +364,66 @@ def test_every_path_gives_the_oracles_digests_with_and_without_the_compiled_modu
     assert by_name["tile"]["shape"] == [2, 8, 49152]
     b = by_name["(model)"]  # the pooled head's logits, (2, 3): one digest per sequence
     assert b["row_dims"] is None and b["leading"] == [leaf(head[0]), leaf(head[1])]
+
+
+class Embed(nn.Module):
+    """(batch, seq) token ids -> (batch, seq, 4): a row-mapped output of any layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb = nn.Embedding(50, 4)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+def test_a_row_map_seen_before_is_shared_but_its_batch_is_each_captures_own(tmp_path):
+    from dmlib.localize import captures as captures_mod
+
+    flat = [("r", j) for j in range(400)]  # no batch size given: each capture learns its own
+    a, b = RowMap.shared(list(flat)), RowMap.shared(list(flat))
+    assert a is not b and a._memo is b._memo and a.requests is b.requests
+    a.batch = 5
+    assert RowMap.shared(list(flat)).batch is None and b.batch is None
+    model = Embed().eval()
+    ids = torch.arange(400).reshape(5, 80) % 50
+    with torch.no_grad():
+        with dmlib.capture(model, tmp_path / "five", row_map=flat):
+            model(ids)
+        with dmlib.capture(model, tmp_path / "four", row_map=flat):  # (4, 100): another batch
+            model(ids.reshape(4, 100))
+    for name, batch in (("five", 5), ("four", 4)):
+        man = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert man["batch"] == batch
+        (emb,) = [x for x in man["boundaries"] if x["name"] == "emb"]
+        out = model.emb(ids.reshape(batch, -1)).detach().numpy()
+        assert emb["requests"]["r"]["digest"] == oracle_tree(out.reshape(400, 4), 64)[0]
+    assert captures_mod._SHARED  # (the capture took its row maps through RowMap.shared)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        [(3.0, 0), (3.0, 1)],  # equal to (3, 0) as Python values, but request "3.0"
+        [(True, 0), (True, 1)],  # equal to (1, 0), but request "True"
+        [[3, 0], [3, 1]],  # JSON-style pairs: not shared, built as they are
+    ],
+)
+def test_only_entries_of_exact_types_are_shared(other):
+    first = RowMap.shared([(3, 0), (3, 1)] if other[0][0] != 1 else [(1, 0), (1, 1)])
+    again = RowMap.shared(other)
+    assert list(again.requests) == [str(other[0][0])]
+    assert again._memo is not first._memo
+
+
+def test_a_shared_row_map_is_not_changed_by_the_callers_list_nor_kept_forever():
+    from dmlib.localize import captures as captures_mod
+
+    rows = [[("a", 0), ("a", 1)], [("b", 0), None]]
+    first = RowMap.shared(rows)
+    rows[0][0], rows[0][1] = ("z", 0), ("z", 1)  # the caller's lists change afterwards
+    assert first.entries[0] == ("a", 0) and list(RowMap.shared(rows).requests) == ["z", "b"]
+    for k in range(captures_mod._SHARED_MAX + 1):  # as many other layouts: the first is dropped
+        RowMap.shared([(f"x{k}", 0)])
+    assert RowMap.shared([[("a", 0), ("a", 1)], [("b", 0), None]])._memo is not first._memo
