@@ -25,7 +25,8 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
   more than hashing a few KiB. XXH3-128 is called there without a Python call per digest
   (the xxhash package's exported ``XXH3_128bits``, checked against its own function first).
 - How a tensor of a given shape is read (row dims, row axes, per-index digests) is worked
-  out once per capture; the row map's JSON text once per row map; the manifest's entries
+  out once per capture; a row map's requests, JSON text and KV-cache row plans once per row
+  map, kept for the next captures of that layout (:meth:`RowMap.shared`); the manifest's entries
   are written by the compiled JSON writer (:func:`dmlib.kernels.jsonenc.compact`, the text
   ``json.dumps`` writes); a manifest is replaced after the old one is removed (ext4 writes
   out a file renamed over another at once: 0.3 ms a manifest).
