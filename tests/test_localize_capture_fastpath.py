@@ -427,3 +427,22 @@ def test_a_shared_row_map_is_not_changed_by_the_callers_list_nor_kept_forever():
     for k in range(captures_mod._SHARED_MAX + 1):  # as many other layouts: the first is dropped
         RowMap.shared([(f"x{k}", 0)])
     assert RowMap.shared([[("a", 0), ("a", 1)], [("b", 0), None]])._memo is not first._memo
+
+
+def test_the_kv_cache_row_plans_kept_with_a_row_map_are_bounded(tmp_path):
+    from dmlib.localize import capture as capture_mod
+
+    rows = [[("a", j) for j in range(4)], [("b", j) for j in range(4)]]
+    rm = RowMap.shared(rows)
+    rec = capture_mod.Recorder(tmp_path, row_map=rm, block_rows=2, dump=[], dump_requests=None,
+                               metadata={})  # fmt: skip
+    # a long generate(): the cache grows by one position a decode step, one plan per length
+    plans = {n: rec._cache_rows((2, 1, n, 3)) for n in range(4, 4 + 3 * capture_mod._MEMO_PLANS)}
+    kept = [k for k in rm._memo if k[0] == "cache"]
+    assert len(kept) == capture_mod._MEMO_PLANS
+    # every plan is right, kept with the row map or not: request "a" holds batch row 0's
+    # prompt positions, then the tokens generated after it, in position order
+    for n, (entries, mine) in plans.items():
+        assert len(entries) == 2 * n
+        assert mine["a"] == list(range(n)) and mine["b"] == list(range(n, 2 * n))
+    assert RowMap.shared(rows)._memo is rm._memo  # a later capture of the layout reuses them

@@ -92,6 +92,8 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 
 
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
+_MEMO_PLANS = 32  # KV-cache row plans kept with a row map between captures, at most
+_UNSET: Any = object()
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
 # json.dumps(..., separators=...) without building an encoder per call
@@ -557,11 +559,15 @@ class Recorder:
         """(entry per flattened (batch, position) row, request -> its rows in order), once
         per shape and layout."""
         key = ("cache", shape, self.row_map.batch if self.row_map else None, self.layout)
-        # kept with the row map: what a shape's rows are follows from it, batch and layout
-        plans = self._cache_plans if self.row_map is None else self.row_map._memo
-        if key not in plans:
-            plans[key] = self._cache_rows_of(shape)
-        return cast("tuple[list[Any], dict[str, list[int]]] | None", plans[key])
+        # kept with the row map (what a shape's rows are follows from it, the batch and the
+        # layout), a few dozen at most: a long generate() makes one per decode step, kept
+        # only for this capture
+        memo = {} if self.row_map is None else self.row_map._memo
+        plan = memo.get(key, self._cache_plans.get(key, _UNSET))
+        if plan is _UNSET:
+            plan = self._cache_rows_of(shape)
+            (memo if len(memo) < _MEMO_PLANS else self._cache_plans)[key] = plan
+        return cast("tuple[list[Any], dict[str, list[int]]] | None", plan)
 
     def _cache_rows_of(
         self, shape: tuple[int, ...]
