@@ -631,7 +631,7 @@ class Recorder:
         entry = self._entry(module, call, kind, slot, t.dtype, shape, extra)
         name = entry["name"]
         k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
-        wants_dump = bool(self.dump) and self._wants_dump(name)
+        wants_dump = self._wants_dump(name)
         self.boundaries.append(entry)
         how = (k, axes, entry["leading"] is not None)
         if not fresh and self._share(entry, original, how, wants_dump):
@@ -704,7 +704,6 @@ class Recorder:
             entry["row_dims"] = k
             if axes is not None:
                 entry["row_axes"] = list(axes)
-            entry["requests"] = {}  # filled by _hash, in row-map order
         elif self.row_map is not None:
             self.whole_only.append(entry["name"])
             if leading:
