@@ -94,3 +94,48 @@ def test_sixty_four_levels_are_written():
 def test_off_with_the_numpy_kernels(monkeypatch):
     monkeypatch.setattr(treehash, "USE_COMPILED", False)
     assert jsonenc.compact({"a": 1}) is None
+    assert jsonenc.compact_lines([{"a": 1}]) is None
+
+
+def _lines(items: list) -> str:
+    return ",\n".join(_dumps(x) for x in items)
+
+
+lines_compiled = pytest.mark.skipif(
+    jsonenc._LINES is None or not treehash.USE_COMPILED,
+    reason="dmlib.kernels._fused not built (or built before encode_json_lines)",
+)
+
+
+@lines_compiled
+@settings(max_examples=300, deadline=None)
+@given(st.lists(plain, max_size=6), st.lists(st.integers(0, 30), max_size=12))
+def test_compact_lines_writes_the_joined_dumps_with_shared_dicts(items, picks):
+    """Items that hold the same dict objects several times, at several depths (a capture's
+    boundaries share one tensor's digests): the copied text is what writing them gives."""
+    dicts = [d for d in _walk(items) if type(d) is dict]
+    shared = [dicts[i % len(dicts)] for i in picks] if dicts else []
+    built = items + [{"again": d, "nested": [d, {"x": d}]} for d in shared] + shared
+    assert jsonenc.compact_lines(built) == _lines(built)
+
+
+def _walk(obj):
+    yield obj
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _walk(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _walk(x)
+
+
+@lines_compiled
+def test_compact_lines_edges():
+    d = {"digest": "ab", "blocks": ["ab", "cd"], "n_rows": 2}
+    req = {"r0": d, "r1": d}
+    items = [{"requests": req}, {"requests": req, "leading": [d, d]}, req, d, [], {}]
+    assert jsonenc.compact_lines(items) == _lines(items)
+    assert jsonenc.compact_lines([]) == ""
+    assert jsonenc.compact_lines([{"a": Str("x")}, {"b": 1}]) is None  # one item not plain
+    assert jsonenc.compact_lines([req, {"k": {1: 2}}]) is None
+    assert jsonenc.compact_lines(({"a": 1},)) is None  # a list only

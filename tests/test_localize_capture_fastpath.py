@@ -446,3 +446,102 @@ def test_the_kv_cache_row_plans_kept_with_a_row_map_are_bounded(tmp_path):
         assert len(entries) == 2 * n
         assert mine["a"] == list(range(n)) and mine["b"] == list(range(n, 2 * n))
     assert RowMap.shared(rows)._memo is rm._memo  # a later capture of the layout reuses them
+
+
+class Attention(nn.Module):
+    """Op tensors read per request by row axes, in every memory layout an attention block
+    makes: a ``transpose(1, 2)`` view of ``(batch, positions, heads, head_dim)`` (its rows
+    lie in C order: no copy), the same made contiguous (rows gathered), grouped-KV heads
+    repeated (``kv_repeat``), ``(batch, head_dim, positions)`` (axes 0 and 2 of 3 dims) and
+    K transposed (``(batch, heads, head_dim, positions)``: axes 0 and 3)."""
+
+    def forward(self, x):
+        b, s, f = x.shape  # f = 8: 4 heads of 2, or 2 KV heads of 2 repeated twice
+        q = x.view(b, s, 4, 2).transpose(1, 2)
+        k = (x[..., :4] * 2.0).view(b, s, 2, 2).transpose(1, 2).contiguous()
+        kk = k.repeat_interleave(2, dim=1)  # (b, 4, s, 2): heads 0,0,1,1
+        kt = kk.transpose(-1, -2) * 1.0  # (b, 4, 2, s)
+        y = q * 0.5 + kk
+        z = x.transpose(1, 2) - 1.0  # (b, 8, s)
+        return y.transpose(1, 2).reshape(b, s, f) + z.transpose(1, 2) + kt.sum() * 0.0
+
+
+def _row_axes_oracle(arr: np.ndarray, axes, row_map: RowMap, block: int) -> dict:
+    """Per-request digests of ``arr`` read by ``axes``, from the test's own moveaxis."""
+    rows = np.moveaxis(arr, axes, (0, 1)).reshape(len(row_map), -1)
+    out = {}
+    for rid, idx in row_map.requests.items():
+        digest, blocks = oracle_tree(rows[idx], block)
+        out[rid] = {"digest": digest, "n_rows": len(idx), "blocks": blocks}
+    return out
+
+
+@pytest.mark.parametrize("use_compiled", [True, False])
+def test_row_axes_op_tensors_give_the_oracles_digests(tmp_path, monkeypatch, use_compiled):
+    """Every op boundary's digests (whole, per request, kv_repeat) against the test's oracle
+    applied to the tensor the same forward dumped (the dump is written by another path)."""
+    monkeypatch.setattr(treehash, "USE_COMPILED", use_compiled and treehash.USE_COMPILED)
+    b, s = 3, 7
+    x = torch.randn(b, s, 8, generator=torch.Generator().manual_seed(6))
+    rows = [[("a", j) for j in range(7)],
+            [("b", j) for j in range(5)] + [None, None],
+            [None] + [("c", j) for j in range(6)]]  # fmt: skip
+    m = Attention().eval()
+    for name, dump in (("hashed", None), ("dumped", "*")):
+        with torch.no_grad(), dmlib.capture(m, tmp_path / name, modules="", row_map=rows,
+                                            ops=True, block_rows=4, dump=dump):  # fmt: skip
+            m(x)
+    hashed = json.loads((tmp_path / "hashed" / "manifest.json").read_text())["boundaries"]
+    dumped = dmlib.open_capture(tmp_path / "dumped")
+    rm = RowMap(rows)
+    seen = set()
+    for entry in hashed:
+        arr = dumped.tensor(entry["name"])
+        assert entry["digest"] == leaf(arr), entry["name"]
+        axes = entry.get("row_axes")
+        if axes is None:
+            continue
+        seen.add((tuple(entry["shape"]), tuple(axes)))
+        assert entry["requests"] == _row_axes_oracle(arr, tuple(axes), rm, 4), entry["name"]
+        if len(axes) == 2 and axes == [0, 2] and arr.ndim == 4:
+            kv = entry["kv_repeat"]
+            heads = arr.shape[1]
+            g = 2 if np.array_equal(arr[:, 0::2], arr[:, 1::2]) and heads == 4 else 1
+            assert kv["groups"] == g, entry["name"]
+            if g == 2:
+                assert kv["requests"] == {
+                    rid: {k: v for k, v in d.items()}
+                    for rid, d in _row_axes_oracle(
+                        np.ascontiguousarray(arr[:, 0::2]), (0, 2), rm, 4
+                    ).items()
+                }
+    # the layouts named in the docstring were all read by rows
+    assert {((3, 4, 7, 2), (0, 2)), ((3, 2, 7, 2), (0, 2)), ((3, 8, 7), (0, 2)),
+            ((3, 4, 2, 7), (0, 3))} <= seen  # fmt: skip
+    kvs = [e for e in hashed if e.get("kv_repeat", {}).get("groups") == 2]
+    assert kvs  # the repeated heads were recognised
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "order", "step"),
+    [((3, 4, 7, 2), "float32", (0, 2, 1, 3), 1), ((64, 64), "float32", (1, 0), 1),
+     ((5, 6), "float64", (1, 0), 2), ((4, 3, 5), "uint8", (2, 0, 1), 1),
+     ((2, 3, 4, 5, 6), "float16", (4, 1, 3, 0, 2), 1), ((7,), "int64", (0,), 3),
+     ((3, 1, 4), "complex128", (2, 1, 0), 1), ((0, 4), "float32", (1, 0), 1),
+     ((2, 3), "bool", (1, 0), 1)],
+)  # fmt: skip
+def test_contiguous_copies_as_numpy_does(shape, dtype, order, step):
+    base = np.arange(int(np.prod(shape)) * step ** len(shape), dtype=np.int64)
+    base = (base * 7919 % 251).astype(dtype).reshape(tuple(n * step for n in shape))
+    view = base[tuple(slice(None, None, step) for _ in shape)].transpose(order)
+    got = treehash.contiguous(view)
+    want = np.ascontiguousarray(view)
+    assert got.flags.c_contiguous and got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+    assert treehash.contiguous(want) is want  # already C order: no copy
+
+
+@compiled
+def test_gather_refuses_buffers_of_another_size():
+    with pytest.raises(ValueError, match="differ in size"):
+        treehash._fused.gather(np.zeros((3, 4), np.float32).T, np.zeros(11, np.float32))

@@ -184,6 +184,98 @@ static PyObject *py_same(PyObject *self, PyObject *args) {
     return PyBool_FromLong(equal);
 }
 
+/* gather(src, dst): copy the array src (any strides, as numpy exports them) into dst, a
+ * C-contiguous writable buffer of as many bytes, in src's C order: what
+ * numpy.ascontiguousarray does, at memory speed for the small tensors a capture reads
+ * (numpy and torch spend ~10 us on the strided copy of a 25 KB attention tensor). Dims
+ * whose strides chain are merged; the innermost is one memcpy where its items are
+ * adjacent, else a loop over items of 1, 2, 4 or 8 bytes. Returns None. */
+#define GATHER_MAX_DIMS 16
+static PyObject *py_gather(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *dst_obj;
+    if (!PyArg_ParseTuple(args, "OO", &src_obj, &dst_obj)) return NULL;
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_STRIDES) < 0) return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t isz = src.itemsize, nd = 0;
+    Py_ssize_t shape[GATHER_MAX_DIMS], strides[GATHER_MAX_DIMS];
+    if (src.len != dst.len || src.ndim > GATHER_MAX_DIMS || isz <= 0) {
+        PyErr_SetString(PyExc_ValueError, "gather: the buffers differ in size (or over 16 dims)");
+        goto done;
+    }
+    if (!src.len) goto ok;
+    /* drop dims of size 1, then merge a dim into the one inside it where it steps over it */
+    for (int i = 0; i < src.ndim; i++) {
+        if (src.shape[i] == 1) continue;
+        if (nd && strides[nd - 1] == src.strides[i] * src.shape[i]) {
+            strides[nd - 1] = src.strides[i];
+            shape[nd - 1] *= src.shape[i];
+        } else {
+            shape[nd] = src.shape[i];
+            strides[nd] = src.strides[i];
+            nd++;
+        }
+    }
+    if (!nd) { /* one item */
+        memcpy(dst.buf, src.buf, (size_t)isz);
+        goto ok;
+    }
+    {
+        Py_ssize_t n = shape[nd - 1], st = strides[nd - 1], run = n * isz;
+        Py_ssize_t idx[GATHER_MAX_DIMS] = {0};
+        const char *base = (const char *)src.buf;
+        char *out = (char *)dst.buf, *end = out + dst.len;
+        if (st != isz && isz != 1 && isz != 2 && isz != 4 && isz != 8) {
+            PyErr_SetString(PyExc_ValueError, "gather: strided items of an odd size");
+            goto done;
+        }
+        /* the dim outside the innermost stepped by pointer, the rest by an odometer */
+        Py_ssize_t m = nd >= 2 ? shape[nd - 2] : 1, mst = nd >= 2 ? strides[nd - 2] : 0;
+        int outer = nd >= 2 ? (int)nd - 2 : 0;
+        Py_BEGIN_ALLOW_THREADS
+        while (out < end) {
+            Py_ssize_t off = 0;
+            for (int d = 0; d < outer; d++) off += idx[d] * strides[d];
+            const char *p = base + off;
+            for (Py_ssize_t k = 0; k < m; k++, p += mst, out += run) {
+                if (st == isz) {
+                    switch (run) { /* fixed sizes inline: a head's row is most often one */
+                    case 32: memcpy(out, p, 32); break;
+                    case 64: memcpy(out, p, 64); break;
+                    case 128: memcpy(out, p, 128); break;
+                    case 256: memcpy(out, p, 256); break;
+                    default: memcpy(out, p, (size_t)run);
+                    }
+                } else if (isz == 4) {
+                    for (Py_ssize_t j = 0; j < n; j++) memcpy(out + 4 * j, p + j * st, 4);
+                } else if (isz == 8) {
+                    for (Py_ssize_t j = 0; j < n; j++) memcpy(out + 8 * j, p + j * st, 8);
+                } else if (isz == 2) {
+                    for (Py_ssize_t j = 0; j < n; j++) memcpy(out + 2 * j, p + j * st, 2);
+                } else {
+                    for (Py_ssize_t j = 0; j < n; j++) out[j] = p[j * st];
+                }
+            }
+            for (int d = outer - 1; d >= 0; d--) { /* the next index, last dim fastest */
+                if (++idx[d] < shape[d]) break;
+                idx[d] = 0;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+ok:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 /* exit_on_sigbus(message): until restore_sigbus(), a SIGBUS (a memory-mapped file that
  * shrank under a read: the residual window of the "changed while reading" guards) writes
  * `message` to stderr and ends the process with exit status 2 instead of a crash. Only
@@ -572,12 +664,44 @@ static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
  * and None, each of exactly that type, nested at most 64 deep; None for anything else (the
  * caller's json encoder then writes it). A capture's manifest is thousands of small dicts
  * of hex digests, where the json module's encoder spends its time on string fragments. */
+typedef struct { /* a dict written before in this call: where its text lies in the buffer */
+    PyObject *key;
+    Py_ssize_t start, len;
+} jmemo_slot;
+
 typedef struct {
     char *p;
     Py_ssize_t n, cap;
+    jmemo_slot *memo; /* encode_json_lines only: open addressing by address, or NULL */
+    Py_ssize_t memo_cap, memo_used;
 } jbuf;
 
-static int jb_put(jbuf *b, const char *s, Py_ssize_t n) {
+static jmemo_slot *memo_find(jbuf *b, PyObject *key) { /* its slot, or the empty one it takes */
+    size_t mask = (size_t)b->memo_cap - 1, i = (((uintptr_t)key >> 4) * 0x9E3779B97F4A7C15ULL) & mask;
+    while (b->memo[i].key && b->memo[i].key != key) i = (i + 1) & mask;
+    return &b->memo[i];
+}
+
+static void memo_add(jbuf *b, PyObject *key, Py_ssize_t start) { /* best effort: no room, no memo */
+    if (2 * (b->memo_used + 1) > b->memo_cap) {
+        Py_ssize_t cap = b->memo_cap ? 2 * b->memo_cap : 256;
+        jmemo_slot *old = b->memo, *fresh = PyMem_Calloc((size_t)cap, sizeof *fresh);
+        if (!fresh) return;
+        Py_ssize_t old_cap = b->memo_cap;
+        b->memo = fresh;
+        b->memo_cap = cap;
+        for (Py_ssize_t i = 0; i < old_cap; i++)
+            if (old[i].key) *memo_find(b, old[i].key) = old[i];
+        PyMem_Free(old);
+    }
+    jmemo_slot *slot = memo_find(b, key);
+    slot->key = key;
+    slot->start = start;
+    slot->len = b->n - start;
+    b->memo_used++;
+}
+
+static int jb_reserve(jbuf *b, Py_ssize_t n) { /* room for n more bytes */
     if (b->n + n > b->cap) {
         Py_ssize_t cap = b->cap ? b->cap : 256;
         while (cap < b->n + n) cap *= 2;
@@ -589,9 +713,25 @@ static int jb_put(jbuf *b, const char *s, Py_ssize_t n) {
         b->p = q;
         b->cap = cap;
     }
+    return 0;
+}
+
+static int jb_put(jbuf *b, const char *s, Py_ssize_t n) {
+    if (jb_reserve(b, n) < 0) return -1;
     memcpy(b->p + b->n, s, (size_t)n);
     b->n += n;
     return 0;
+}
+
+/* whether any of the 8 ASCII bytes in v is below ' ', '"', '\\' or DEL (ensure_ascii escapes
+ * them); exact for bytes under 0x80 (an ASCII str has no others): a byte x has its high bit
+ * set in (x - c) & ~x & 0x80 for c = 0x01 exactly when x == 0, and for c = 0x20 when x < 0x20 */
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+static inline uint64_t zero8(uint64_t v) { return (v - ONES) & ~v & HIGHS; }
+static inline int needs_escape8(uint64_t v) {
+    uint64_t low = (v - ONES * 0x20) & ~v & HIGHS;
+    return (low | zero8(v ^ (ONES * '"')) | zero8(v ^ (ONES * '\\')) | zero8(v ^ (ONES * 0x7f))) != 0;
 }
 
 static int jb_str(jbuf *b, PyObject *o) { /* a str, escaped as ensure_ascii does */
@@ -599,6 +739,24 @@ static int jb_str(jbuf *b, PyObject *o) { /* a str, escaped as ensure_ascii does
     Py_ssize_t len = PyUnicode_GET_LENGTH(o);
     int kind = PyUnicode_KIND(o);
     const void *data = PyUnicode_DATA(o);
+    if (PyUnicode_IS_ASCII(o)) { /* most often nothing to escape (hex digests, names): one copy */
+        const unsigned char *a = (const unsigned char *)data;
+        Py_ssize_t i = 0;
+        for (; i + 8 <= len; i += 8) { /* 8 bytes at a time: any that needs escaping? */
+            uint64_t v;
+            memcpy(&v, a + i, 8);
+            if (needs_escape8(v)) break;
+        }
+        while (i < len && a[i] >= ' ' && a[i] <= '~' && a[i] != '\\' && a[i] != '"') i++;
+        if (i == len) {
+            if (jb_reserve(b, len + 2) < 0) return -1;
+            b->p[b->n] = '"';
+            memcpy(b->p + b->n + 1, a, (size_t)len);
+            b->p[b->n + 1 + len] = '"';
+            b->n += len + 2;
+            return 0;
+        }
+    }
     if (jb_put(b, "\"", 1) < 0) return -1;
     for (Py_ssize_t i = 0; i < len; i++) {
         Py_UCS4 c = PyUnicode_READ(kind, data, i);
@@ -652,7 +810,17 @@ static int jb_value(jbuf *b, PyObject *o, int depth) {
     if (o == Py_True) return jb_put(b, "true", 4);
     if (o == Py_False) return jb_put(b, "false", 5);
     if (PyUnicode_CheckExact(o)) return jb_str(b, o);
-    if (PyLong_CheckExact(o)) return jb_text(b, PyLong_Type.tp_repr(o));
+    if (PyLong_CheckExact(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) { /* over 64 bits: Python's digits */
+            PyErr_Clear();
+            return jb_text(b, PyLong_Type.tp_repr(o));
+        }
+        char d[24];
+        int k = snprintf(d, sizeof d, "%lld", v);
+        return jb_put(b, d, k);
+    }
     if (PyFloat_CheckExact(o)) {
         double d = PyFloat_AS_DOUBLE(o);
         if (Py_IS_NAN(d)) return jb_put(b, "NaN", 3);
@@ -677,7 +845,20 @@ static int jb_value(jbuf *b, PyObject *o, int depth) {
     }
     if (PyDict_CheckExact(o)) {
         PyObject *key, *value;
-        Py_ssize_t pos = 0, first = 1;
+        Py_ssize_t pos = 0, first = 1, start = b->n;
+        /* a dict inside an item (a request's digests shared by several boundaries), written
+         * before in this call: its text copied. Nothing can change it meanwhile (no Python
+         * code runs here) and the items hold it alive, so its address names it. */
+        int memo = b->memo_cap && depth >= 2 && PyDict_GET_SIZE(o) >= 2;
+        if (memo) {
+            jmemo_slot *slot = memo_find(b, o);
+            if (slot->key) {
+                if (jb_reserve(b, slot->len) < 0) return -1;
+                memcpy(b->p + b->n, b->p + slot->start, (size_t)slot->len);
+                b->n += slot->len;
+                return 0;
+            }
+        }
         if (jb_put(b, "{", 1) < 0) return -1;
         while (PyDict_Next(o, &pos, &key, &value)) {
             if (!PyUnicode_CheckExact(key)) return 1;
@@ -692,24 +873,52 @@ static int jb_value(jbuf *b, PyObject *o, int depth) {
             Py_DECREF(value);
             if (r) return r;
         }
-        return jb_put(b, "}", 1);
+        if (jb_put(b, "}", 1) < 0) return -1;
+        if (memo) memo_add(b, o, start);
+        return 0;
     }
     return 1;
 }
 
-static PyObject *py_encode_json(PyObject *self, PyObject *obj) {
-    jbuf b = {NULL, 0, 0};
-    int r = jb_value(&b, obj, 0);
+static PyObject *jb_result(jbuf *b, int r) {
     PyObject *out = NULL;
     if (r == 0) {
-        out = PyUnicode_New(b.n, 127);
-        if (out) memcpy(PyUnicode_1BYTE_DATA(out), b.p, (size_t)b.n);
+        out = PyUnicode_New(b->n, 127);
+        if (out) memcpy(PyUnicode_1BYTE_DATA(out), b->p, (size_t)b->n);
     } else if (r == 1) {
         out = Py_None;
         Py_INCREF(out);
     }
-    PyMem_Free(b.p);
+    PyMem_Free(b->p);
+    PyMem_Free(b->memo);
     return out;
+}
+
+/* encode_json_lines(list): the items of a list, each as encode_json writes it, joined by
+ * ",\n" (a manifest's boundaries, one per line); None where an item is not plain data. A
+ * dict met again inside the items (the same object) is written once and its text copied. */
+static PyObject *py_encode_json_lines(PyObject *self, PyObject *obj) {
+    if (!PyList_CheckExact(obj)) Py_RETURN_NONE;
+    jbuf b = {NULL, 0, 0, NULL, 0, 0};
+    b.memo = PyMem_Calloc(256, sizeof *b.memo);
+    if (!b.memo) return PyErr_NoMemory();
+    b.memo_cap = 256;
+    int r = 0;
+    for (Py_ssize_t i = 0; !r && i < PyList_GET_SIZE(obj); i++) {
+        if (i) r = jb_put(&b, ",\n", 2);
+        if (r) break;
+        PyObject *item = PyList_GET_ITEM(obj, i);
+        Py_INCREF(item);
+        r = jb_value(&b, item, 1);
+        Py_DECREF(item);
+    }
+    return jb_result(&b, r);
+}
+
+static PyObject *py_encode_json(PyObject *self, PyObject *obj) {
+    jbuf b = {NULL, 0, 0, NULL, 0, 0};
+    int r = jb_value(&b, obj, 0);
+    return jb_result(&b, r);
 }
 
 static PyObject *py_f32(PyObject *self, PyObject *args) { return call(args, 4, 0); }
@@ -717,6 +926,7 @@ static PyObject *py_f64(PyObject *self, PyObject *args) { return call(args, 8, 1
 
 static PyMethodDef methods[] = {
     {"same", py_same, METH_VARARGS, "True when two buffers hold the same bytes (memcmp)"},
+    {"gather", py_gather, METH_VARARGS, "copy a strided array into a C-contiguous buffer"},
     {"f32", py_f32, METH_VARARGS, "statistics of a float32 chunk pair (see the source)"},
     {"f64", py_f64, METH_VARARGS, "statistics of a float64 chunk pair (see the source)"},
     {"exit_on_sigbus", py_exit_on_sigbus, METH_VARARGS,
@@ -726,6 +936,8 @@ static PyMethodDef methods[] = {
      "tree digests of requests on consecutive rows (see the source)"},
     {"encode_json", py_encode_json, METH_O,
      "json.dumps(obj, separators=(',', ':')) for plain data, else None (see the source)"},
+    {"encode_json_lines", py_encode_json_lines, METH_O,
+     "a list's items as encode_json writes them, joined by ',\\n' (see the source)"},
     {"use_xxh3", py_use_xxh3, METH_VARARGS,
      "call XXH3_128bits of the xxhash package's module directly (see the source)"},
     {"hash_boundary", py_hash_boundary, METH_VARARGS,

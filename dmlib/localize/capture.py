@@ -94,6 +94,7 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 _MEMO_PLANS = 32  # KV-cache row plans kept with a row map between captures, at most
 _UNSET: Any = object()
+_PERMS: dict[tuple[int, tuple[int, int]], tuple[int, ...]] = {}  # (ndim, row axes) -> order
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
 # json.dumps(..., separators=...) without building an encoder per call
@@ -642,14 +643,21 @@ class Recorder:
         if wants_dump:  # planned now, so that a later boundary of this tensor can share it
             index = len(self.boundaries) - 1
             entry["dump"] = self._dump_plan(index, k is not None or axes is not None)
-        elif (axes is None and t.is_cpu and not self._device_path_on_cpu
-              and t.dtype not in _SPECIAL and t.is_contiguous()):  # fmt: skip
-            # the common case: a small host tensor, hashed in one call on its own memory
-            arr = t.numpy()
-            if self._pool is None or arr.nbytes <= INLINE_BYTES:
-                if not self._hash_in_place(entry, arr, k):
-                    self._hash(entry, arr, self._rows(arr, k, axes))
-                return name
+        elif t.is_cpu and not self._device_path_on_cpu and t.dtype not in _SPECIAL:
+            # the common case: a small host tensor, hashed in one compiled call on its own
+            # memory (or on one contiguous copy of it)
+            try:
+                arr = t.numpy()  # a view with the tensor's strides
+            except (RuntimeError, TypeError):  # (a tensor with its negative bit set, say)
+                arr = None
+            if arr is not None and (self._pool is None or arr.nbytes <= INLINE_BYTES):
+                if axes is None:
+                    arr = treehash.contiguous(arr)
+                    if not self._hash_in_place(entry, arr, k):
+                        self._hash(entry, arr, self._rows(arr, k, axes))
+                    return name
+                if self._hash_axes(entry, arr, axes):
+                    return name
         self._digest(entry, t, k, axes)
         return name
 
@@ -934,6 +942,40 @@ class Recorder:
             entry["requests"] = requests
         return True
 
+    def _hash_axes(self, entry: dict[str, Any], arr: np.ndarray, axes: tuple[int, int]) -> bool:
+        """:meth:`_hash` of a host tensor read per request by row ``axes`` (an op's
+        ``(batch, heads, positions, head_dim)``, say), in one compiled call: the rows are
+        ``arr`` with ``axes`` moved to the front, copied only where that is not already
+        C order (a ``transpose(1, 2)`` view of ``(batch, positions, heads, head_dim)`` is);
+        the whole digest from ``arr`` itself or one contiguous copy. False (nothing set):
+        the general path then (requests on rows that are not consecutive, say)."""
+        rm = self.row_map
+        if (rm is None or not arr.size or entry["hash"] != self.scheme
+                or arr.shape[0] * arr.shape[axes[1]] != len(rm)):  # fmt: skip
+            return False
+        spans = self._consecutive()
+        if self._gathered:
+            return False
+        perm = _PERMS.get((arr.ndim, axes))
+        if perm is None:
+            perm = _PERMS[(arr.ndim, axes)] = (
+                *axes,
+                *(i for i in range(arr.ndim) if i not in axes),
+            )
+        whole = treehash.contiguous(arr)
+        rows = treehash.contiguous(arr.transpose(perm))
+        try:
+            done, requests = self._boundary_call(entry, whole, -1, rows, rows.nbytes // len(rm),
+                                                 spans)  # fmt: skip
+        except (ValueError, BufferError):
+            return False
+        if not done:
+            return False
+        entry["requests"] = requests
+        if axes == (0, 2) and arr.ndim == 4:
+            self._kv_repeat(entry, whole, self.scheme)
+        return True
+
     def _boundary_call(
         self,
         entry: dict[str, Any],
@@ -979,11 +1021,10 @@ class Recorder:
         size = arr.dtype.itemsize
         if not arr.size or size not in (1, 2, 4, 8):
             return  # not checked: the comparison leaves a head-count change unjudged
-        bits = arr.view(np.dtype(f"u{size}"))
         # two heads whose first rows differ are not copies: most attention tensors end here,
         # without the whole-head comparison
-        distinct = h < 2 or bits[0, 0, 0].tobytes() != bits[0, 1, 0].tobytes()
-        g = 1 if distinct else _repeat_groups(bits, np.array_equal)
+        distinct = h < 2 or arr[0, 0, 0].tobytes() != arr[0, 1, 0].tobytes()
+        g = 1 if distinct else _repeat_groups(arr.view(np.dtype(f"u{size}")), np.array_equal)
         kv: dict[str, Any] = {"groups": g, "requests": {}}  # groups 1: checked, no repeats
         if g > 1:
             one = arr.reshape(b, h // g, g, s, d)[:, :, 0]
@@ -1211,7 +1252,9 @@ class Recorder:
         head = f'{_encode_compact(self._settings(complete))[:-1]},"row_map":{row_map},{contents}'
         boundaries = self.boundaries
         # one boundary per line: compact, yet diffable and readable with grep
-        lines = ",\n".join(map(_encode_compact, boundaries))
+        lines = jsonenc.compact_lines(boundaries)
+        if lines is None:
+            lines = ",\n".join(map(_encode_compact, boundaries))
         text = f'{head},"boundaries":[\n{lines}\n]}}\n'
         if any(b["dump"] for b in boundaries) or (self.path / TENSOR_DIR).is_dir():
             _atomic.atomic_write_text(self.path / MANIFEST, text)
