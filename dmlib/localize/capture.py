@@ -52,6 +52,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import stat
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -145,6 +146,17 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
         view, name = _SPECIAL[t.dtype]
         return t.view(view).numpy().view(getattr(dtypes, name))
     return t.numpy()
+
+
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as numpy: a view with its strides for a host tensor of a numpy
+    dtype (no copy), else :func:`_to_numpy`'s contiguous copy."""
+    if t.is_cpu and t.dtype not in _SPECIAL and not t.requires_grad:
+        try:
+            return t.numpy()
+        except (RuntimeError, TypeError):  # (a tensor with its negative bit set, say)
+            pass
+    return _to_numpy(t)
 
 
 _SPECIAL: dict[Any, tuple[Any, str]] = (
@@ -433,8 +445,9 @@ class Recorder:
         # the tensor, taken in the hook, because a later in-place op may change the
         # module's output after the hook returns.
         # writing a dump mostly waits on the disk (fsync): two more threads hide that wait
-        workers = hash_threads + (2 if dump else 0)
-        self._pool = ThreadPoolExecutor(max_workers=workers) if hash_threads > 0 else None
+        # (made at the first tensor handed over: most captures hash every tensor in the hook)
+        self._workers = hash_threads + (2 if dump else 0) if hash_threads > 0 else 0
+        self._pool: ThreadPoolExecutor | None = None
         self._pending: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._pending_bytes = 0
         self.row_map = row_map
@@ -509,8 +522,9 @@ class Recorder:
             same = first[1]
             entry = dict(same, name=name, module=module, call=call, slot=slot)
         else:
-            arr = _to_numpy(t)
-            flat = np.ascontiguousarray(np.moveaxis(arr, 2, 1)).reshape(len(rows[0]), -1)
+            arr = treehash.contiguous(_host_view(t))
+            # (batch, positions, heads, head_dim): one row per (batch row, position)
+            flat = treehash.contiguous(arr.transpose(0, 2, 1, 3)).reshape(len(rows[0]), -1)
             requests = self._row_set_digests(flat, rows[1])
             entry = {
                 "name": name, "module": module, "call": call, "kind": "input", "slot": slot,
@@ -650,7 +664,7 @@ class Recorder:
                 arr = t.numpy()  # a view with the tensor's strides
             except (RuntimeError, TypeError):  # (a tensor with its negative bit set, say)
                 arr = None
-            if arr is not None and (self._pool is None or arr.nbytes <= INLINE_BYTES):
+            if arr is not None and (not self._workers or arr.nbytes <= INLINE_BYTES):
                 if axes is None:
                     arr = treehash.contiguous(arr)
                     if not self._hash_in_place(entry, arr, k):
@@ -801,7 +815,7 @@ class Recorder:
         # t is detached; on the CPU here, and most often contiguous and of a numpy dtype
         plain = not on_device and t.dtype not in _SPECIAL and t.is_contiguous()
         arr = t.numpy() if plain else _to_numpy(t)
-        if self._pool is None or arr.nbytes <= INLINE_BYTES:
+        if not self._workers or arr.nbytes <= INLINE_BYTES:
             # no worker for a small tensor: handing it over costs more than hashing it
             if axes is None and entry["dump"] is None and self._hash_in_place(entry, arr, k):
                 return
@@ -809,6 +823,8 @@ class Recorder:
             return
         arr = np.array(arr, copy=True)
         rows = self._rows(arr, k, axes)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._workers)
         fut = self._pool.submit(self._hash, entry, arr, rows)
         self._pending.append((fut, arr.nbytes))
         self._pending_bytes += arr.nbytes
@@ -1126,6 +1142,7 @@ class Recorder:
             while self._pending:
                 self._wait_oldest()
         finally:
+            self._workers = 0  # (nothing is handed over after this)
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
@@ -1256,7 +1273,7 @@ class Recorder:
         if lines is None:
             lines = ",\n".join(map(_encode_compact, boundaries))
         text = f'{head},"boundaries":[\n{lines}\n]}}\n'
-        if any(b["dump"] for b in boundaries) or (self.path / TENSOR_DIR).is_dir():
+        if any(b["dump"] for b in boundaries) or os.path.isdir(os.path.join(self.path, TENSOR_DIR)):
             _atomic.atomic_write_text(self.path / MANIFEST, text)
         else:
             _replace(self.path, text)
@@ -1272,11 +1289,18 @@ def _replace(folder: Path, text: str) -> None:
     manifest and an unfinished one (both are refused). A run stopped between the two
     steps leaves the temporary file, which :func:`_prepare_dir` recognises as a capture.
     """
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(text)
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    data = memoryview(text.encode())  # (ASCII: the JSON is written with ensure_ascii)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+    final = os.path.join(folder, MANIFEST)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(folder / MANIFEST)
-    os.replace(tmp, folder / MANIFEST)
+        os.unlink(final)
+    os.replace(tmp, final)
 
 
 @contextlib.contextmanager
@@ -1483,7 +1507,13 @@ def _prepare_dir(path: Path, overwrite: bool) -> None:
     folder whose only manifest is dmlib's temporary one (a run stopped between the two
     steps of :func:`_replace`) counts as a capture.
     """
-    if path.exists() and not path.is_dir():
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        is_dir = None  # nothing there
+    except OSError as err:
+        raise CaptureError(f"cannot be read ({err.strerror})", path=path) from None
+    if is_dir is False:
         raise CaptureError("exists and is not a folder; expected a capture folder", path=path)
     manifest = path / MANIFEST
     # a run stopped inside _replace leaves its manifest under the temporary name alone
@@ -1499,7 +1529,7 @@ def _prepare_dir(path: Path, overwrite: bool) -> None:
             "a capture already exists here; pass overwrite=True to replace it", path=path
         )
     tensors = path / TENSOR_DIR
-    if not is_capture and path.is_dir():
+    if not is_capture and is_dir:
         if overwrite and any(path.iterdir()):
             raise CaptureError(
                 f"overwrite=True replaces only a capture (a folder holding a {FORMAT} "
@@ -1512,7 +1542,8 @@ def _prepare_dir(path: Path, overwrite: bool) -> None:
                 "no dump over files it did not write",
                 path=path,
             )
-    path.mkdir(parents=True, exist_ok=True)
+    if not is_dir:
+        path.mkdir(parents=True, exist_ok=True)
     if is_capture and tensors.is_dir() and not tensors.is_symlink():
         for f in tensors.glob("*.safetensors"):  # a capture's own dumps
             if f.is_file() or f.is_symlink():
@@ -1527,17 +1558,23 @@ def _holds_capture(manifest: Path) -> bool:
     (a capture's manifest is often megabytes; re-capturing into a folder is common);
     any other file is parsed whole, as before.
     """
-    if manifest.is_symlink() or not manifest.is_file():
+    try:
+        # not through a symbolic link (ELOOP), and without waiting on a FIFO (O_NONBLOCK)
+        fd = os.open(manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return False
     try:
-        with open(manifest, "rb") as f:
-            head = f.read(len(_HEAD) + 64)
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8))
-            tail = f.read()
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        head = os.pread(fd, len(_HEAD) + 64, 0)
+        tail = os.pread(fd, 8, max(0, st.st_size - 8))
         if head.startswith(_HEAD) and tail.rstrip().endswith(b"}"):
             return True
     except OSError:
         return False
+    finally:
+        os.close(fd)
     try:
         # only the top-level "format" is read: a plain parse, too deep a nesting refused
         # (RecursionError); no walk of the whole document (milliseconds on a big manifest)
