@@ -119,3 +119,38 @@ def test_study_lists_only_the_manifest_and_its_dumps(tmp_path: Path) -> None:
     assert {n for n in names if n.startswith("a2/")} == expected
     assert "a2/id_rsa" not in names
     assert np.all([p.is_file() for p in files])
+
+
+def test_overwrite_refuses_a_manifest_that_is_a_link_or_a_fifo(tmp_path: Path) -> None:
+    """A ``manifest.json`` that is a symbolic link (even to a real capture's manifest) or a
+    FIFO is not a capture: refused without following the link or waiting on the FIFO, and
+    left as it was."""
+    import signal
+
+    _run(tmp_path / "real")
+    target = tmp_path / "real" / "manifest.json"
+    before = target.read_bytes()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "manifest.json").symlink_to(target)
+    with pytest.raises(CaptureError, match="not a dmlib-capture manifest"):
+        _run(linked, overwrite=True)
+    assert (linked / "manifest.json").is_symlink() and target.read_bytes() == before
+    if not hasattr(os, "mkfifo"):
+        return
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    os.mkfifo(piped / "manifest.json")
+
+    def stuck(*_: object) -> None:
+        raise AssertionError("waited on the FIFO")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(20)
+    try:
+        with pytest.raises(CaptureError, match="not a dmlib-capture manifest"):
+            _run(piped, overwrite=True)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert sorted(os.listdir(piped)) == ["manifest.json"]
