@@ -850,7 +850,8 @@ class Recorder:
             version = t._version  # inference tensors have no version counter
         except (RuntimeError, AttributeError):
             return None
-        return (id(t), version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
+        # (torch.Size is a tuple and stride() returns one: hashed and compared as tuples)
+        return (id(t), version, t.data_ptr(), t.shape, t.stride(), t.dtype,
                 True if t.is_cpu else t.device, how)  # fmt: skip
 
     def _rows(
@@ -1039,7 +1040,13 @@ class Recorder:
             return  # not checked: the comparison leaves a head-count change unjudged
         # two heads whose first rows differ are not copies: most attention tensors end here,
         # without the whole-head comparison
-        distinct = h < 2 or arr[0, 0, 0].tobytes() != arr[0, 1, 0].tobytes()
+        if h < 2:
+            distinct = True
+        elif arr.flags.c_contiguous:  # the two rows' bytes, by offset
+            mv, rb = arr.reshape(-1).view(np.uint8).data, d * size
+            distinct = mv[:rb] != mv[s * rb : s * rb + rb]
+        else:
+            distinct = arr[0, 0, 0].tobytes() != arr[0, 1, 0].tobytes()
         g = 1 if distinct else _repeat_groups(arr.view(np.dtype(f"u{size}")), np.array_equal)
         kv: dict[str, Any] = {"groups": g, "requests": {}}  # groups 1: checked, no repeats
         if g > 1:

@@ -109,6 +109,14 @@ def quiet() -> contextlib.AbstractContextManager[None]:
     return _Quiet()
 
 
+def _silent() -> Any:
+    """:func:`quiet` inside the dispatch mode's own call, where this tracker's mode is off
+    already: only the other modes are to be kept from seeing the recorder's tensor calls,
+    which torch's C guard does alone (one C call; ``quiet()``'s Python block cost ~2 us,
+    twice per op)."""
+    return _NO_DISPATCH() if _NO_DISPATCH is not None else quiet()
+
+
 def op_name(func: Any) -> str:
     """``aten.addmm`` for ``aten.addmm.default``; custom ops as ``namespace.name``."""
     packet = getattr(func, "overloadpacket", None)
@@ -238,12 +246,12 @@ _HASHED_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
 
 
 def _recordable(t: Any) -> bool:
+    # (a quantized tensor has a quantized dtype: in _UNHASHED)
     return (
         type(t) in _HASHED_TYPES
-        and t.layout == torch.strided
-        and not t.is_meta
         and t.dtype not in _UNHASHED
-        and not t.is_quantized
+        and t.layout is torch.strided
+        and not t.is_meta
     )
 
 
@@ -280,7 +288,7 @@ class OpRecorder(ModuleStack):
             (f"input.{k}", v) for k, v in kwargs.items() if isinstance(v, walk)
         ]
         inputs: dict[int, tuple[Any, dict[str, Any]]] = {}  # address -> (tensor, entry)
-        with quiet():  # the recorder's own tensor calls are not the model's ops
+        with _silent():  # the recorder's own tensor calls are not the model's ops
             for top, value in slots:
                 for slot, t in _flat(value, top):
                     names[id(t)] = self._record(info, oid, "input", slot, t, inputs=inputs)
@@ -294,7 +302,7 @@ class OpRecorder(ModuleStack):
             info["skipped"].append("output: uninitialised memory, not hashed")
         else:
             results = out if isinstance(out, (tuple, list)) else (out,)
-            with quiet():
+            with _silent():
                 for i, r in enumerate(results):
                     for slot, t in _flat(r, f"output{i}"):
                         self._record(info, oid, "output", slot, t, inputs=inputs, fresh=writes)
@@ -361,8 +369,18 @@ def _writes_nothing(func: Any) -> bool:
     )
 
 
+_AS_IS = {type(None), bool, int, str}
+
+
 def _encode(v: Any, names: dict[int, str | None]) -> Any:
     """JSON form of an op argument; tensors become ``{"tensor": boundary name}``."""
+    kind = type(v)
+    if kind in _AS_IS:  # (exact types: a subclass of int, say, takes the checks below)
+        return v
+    if kind is list or kind is tuple:
+        if all(type(x) is int for x in v):  # a size or a dim list
+            return list(v)
+        return [_encode(x, names) for x in v]
     if torch.is_tensor(v):
         return {"tensor": names.get(id(v))}
     if v is None or isinstance(v, (bool, int, str)):
