@@ -125,10 +125,11 @@ _DIRECT: list[tuple[Any, bool]] = []  # (an XXH3-128 digest function, called dir
 
 def direct_xxh3(digest: Any) -> bool:
     """Let the compiled loop compute ``digest`` (``xxhash.xxh3_128_digest``) without a
-    Python call per block: through ``XXH3_128bits``, which the xxhash package's compiled
-    module exports, once its digests were found equal to ``digest``'s on every code path
-    (lengths 0 to 300 and larger). False (the Python call stays): not found, not equal, or
-    no compiled module. Checked once per process.
+    Python call per block: through ``XXH3_128bits_dispatch`` (the entry that picks AVX2 or
+    AVX-512 at run time) or else ``XXH3_128bits``, which the xxhash package's compiled module
+    exports, once its digests were found equal to ``digest``'s on every code path (lengths 0
+    to 300 and larger). False (the Python call stays): not found, not equal, or no compiled
+    module. Checked once per process.
     """
     for known, ok in _DIRECT:
         if known is digest:

@@ -28,6 +28,7 @@ import fnmatch
 import hashlib
 import json
 import math
+import operator
 import os
 import struct
 import threading
@@ -270,7 +271,7 @@ class RowMap:
                 ) from None
             if pos < 0:
                 raise CaptureError(f"row map entry {i} has negative position {pos}", path=path)
-            key = request_key(rid)
+            key = rid if type(rid) is str else request_key(rid)  # (a str is its own key)
             append((key, pos))
             mine = rows.get(key)
             if mine is None:
@@ -380,8 +381,8 @@ class RowMap:
         """:meth:`to_json` as compact JSON text (what ``json.dumps(..., separators=(",",
         ":"))`` writes), made once: a capture writes it into every manifest it writes."""
         text = self._memo.get("json")
-        if text is None:
-            text = jsonenc.compact(self.to_json())
+        if text is None:  # (the entries' tuples are written as the lists to_json() makes)
+            text = jsonenc.compact(self.entries)
         if text is None:  # not compiled
             keys = {k: json.dumps(k) for k in self.requests}  # each request id encoded once
             text = "[" + ",".join(
@@ -396,6 +397,9 @@ _SHARED_MAX = 8  # row maps kept for RowMap.shared (a few layouts captured in tu
 _SHARED_LOCK = threading.Lock()
 
 
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def _shared_key(entries: list[Any]) -> tuple[Any, ...] | None:
     """A hashable key of ``entries``, equal for two lists only when they make the same row
     map; None where an entry is of another type (not shared)."""
@@ -405,11 +409,15 @@ def _shared_key(entries: list[Any]) -> tuple[Any, ...] | None:
     rows = entries if nested else [entries]
     if nested and any(type(r) is not list for r in rows):
         return None
-    for row in rows:
+    for row in rows:  # (each check one pass in C: map and set)
         pairs = [e for e in row if e is not None]
-        if {type(e) for e in pairs} - {tuple} or any(len(e) != 2 for e in pairs):
+        if not pairs:
+            continue
+        if set(map(type, pairs)) != {tuple} or set(map(len, pairs)) != {2}:
             return None
-        if {type(e[1]) for e in pairs} - {int} or {type(e[0]) for e in pairs} - {str, int}:
+        if set(map(type, map(_SECOND, pairs))) != {int}:
+            return None
+        if not set(map(type, map(_FIRST, pairs))) <= {str, int}:
             return None
     return (nested, tuple(map(tuple, rows)) if nested else tuple(entries))
 
