@@ -321,9 +321,22 @@ class Mixed(nn.Module):
         return self.head(h.mean(dim=1)), mixed
 
 
+@pytest.mark.parametrize("scheme", ["xxh3", "blake3"])
 def test_every_path_gives_the_oracles_digests_with_and_without_the_compiled_module(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, scheme
 ):
+    """With XXH3 the 3 MiB tensor is hashed in the hook (no worker is started); with BLAKE3
+    it is copied and hashed on a worker. Both against the oracles."""
+    from dmlib.localize import capture as capture_mod
+
+    pools = []
+
+    class Counted(capture_mod.ThreadPoolExecutor):
+        def submit(self, *a, **k):
+            pools.append(self)
+            return super().submit(*a, **k)
+
+    monkeypatch.setattr(capture_mod, "ThreadPoolExecutor", Counted)
     model = Mixed().eval()
     x = torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(4))
     rows = [
@@ -336,10 +349,11 @@ def test_every_path_gives_the_oracles_digests_with_and_without_the_compiled_modu
     for use in (True, False):
         monkeypatch.setattr(treehash, "USE_COMPILED", use and treehash.USE_COMPILED)
         with torch.no_grad(), dmlib.capture(model, tmp_path / str(use), row_map=rows,
-                                            block_rows=2, modules=["", "*"]):  # fmt: skip
+                                            block_rows=2, modules=["", "*"], hash=scheme):  # fmt: skip
             model(x)
         manifests.append(json.loads((tmp_path / str(use) / "manifest.json").read_text()))
     assert manifests[0] == manifests[1]  # compiled and Python paths: the same manifest
+    assert bool(pools) == (scheme == "blake3")  # the worker: only where hashing is slow
     by_name = {b["name"]: b for b in manifests[0]["boundaries"]}
     with torch.no_grad():  # the test's own forward, piece by piece
         tile = x.repeat(1, 1, 8192).numpy()
@@ -350,20 +364,20 @@ def test_every_path_gives_the_oracles_digests_with_and_without_the_compiled_modu
 
     def check(name: str, arr: np.ndarray, dtype: str) -> None:
         b = by_name[name]
-        assert b["dtype"] == dtype and b["digest"] == leaf(arr), name
+        assert b["dtype"] == dtype and b["digest"] == leaf(arr, scheme), name
         for rid, pos in where.items():
             mine = np.stack([arr[r, j] for r, j in pos])
             got = b["requests"][rid]
-            assert (got["digest"], got["blocks"]) == oracle_tree(mine, 2), (name, rid)
+            assert (got["digest"], got["blocks"]) == oracle_tree(mine, 2, scheme), (name, rid)
 
-    check("tile", tile, "float32")  # 3 MiB: a worker's copy
+    check("tile", tile, "float32")  # 3 MiB: in the hook (xxh3), a worker's copy (blake3)
     check("bf16", half, "bfloat16")
     with torch.no_grad():
         assert not model(x)[1].is_contiguous()
     check("(model):output1", mixed, "float32")  # non-contiguous: made contiguous first
     assert by_name["tile"]["shape"] == [2, 8, 49152]
     b = by_name["(model)"]  # the pooled head's logits, (2, 3): one digest per sequence
-    assert b["row_dims"] is None and b["leading"] == [leaf(head[0]), leaf(head[1])]
+    assert b["row_dims"] is None and b["leading"] == [leaf(head[0], scheme), leaf(head[1], scheme)]
 
 
 class Embed(nn.Module):

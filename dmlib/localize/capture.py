@@ -9,9 +9,10 @@ model's outputs are unchanged.
 Where the time goes, and what is done about it (``benchmarks/bench_capture.py``):
 
 - Host tensors are hashed with XXH3-128 (``xxh3-128-tree-v1``, format version 4: about
-  ten times BLAKE3's speed, which ``hash="blake3"`` keeps) on worker threads, each from a
-  private copy taken in the hook (a later in-place op may change the memory); tensors up
-  to 1 MiB are hashed in the hook (handing them to a worker costs more). A request that
+  ten times BLAKE3's speed, which ``hash="blake3"`` keeps) in the hook, on the tensor's
+  own memory: at 55 GB/s hashing costs less than the private copy a worker thread would
+  need (a later in-place op may change the memory). With BLAKE3, tensors over 1 MiB are
+  copied and hashed on worker threads while the forward pass goes on. A request that
   fits in one block is hashed once: its block's bytes are all of its bytes. A tensor is
   made contiguous once and every digest (whole, per batch row, per request and block) is
   taken from byte offsets into that buffer. A request's digest is derived from its
@@ -23,13 +24,17 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
   tensor's own memory (:func:`dmlib.kernels.treehash.hash_boundary`; the Python loop where
   it is not built): per block, the interpreter's slice, hash object and hex string cost
   more than hashing a few KiB. XXH3-128 is called there without a Python call per digest
-  (the xxhash package's exported ``XXH3_128bits``, checked against its own function first).
+  (the xxhash package's exported ``XXH3_128bits_dispatch``, its AVX2/AVX-512 entry, checked
+  against its own function first). An op's tensor read by row axes (attention's ``(batch,
+  heads, positions, head_dim)``) is hashed on a view whose rows are in C order where they
+  are (a ``transpose(1, 2)`` of ``(batch, positions, ...)``), else on one copy gathered in C.
 - How a tensor of a given shape is read (row dims, row axes, per-index digests) is worked
   out once per capture; a row map's requests, JSON text and KV-cache row plans once per row
   map, kept for the next captures of that layout (:meth:`RowMap.shared`); the manifest's entries
-  are written by the compiled JSON writer (:func:`dmlib.kernels.jsonenc.compact`, the text
-  ``json.dumps`` writes); a manifest is replaced after the old one is removed (ext4 writes
-  out a file renamed over another at once: 0.3 ms a manifest).
+  are written by the compiled JSON writer in one call (:func:`dmlib.kernels.jsonenc.
+  compact_lines`, the text ``json.dumps`` writes; the digests several boundaries share are
+  written once and copied); a manifest is replaced after the old one is removed (ext4
+  writes out a file renamed over another at once: 0.3 ms a manifest).
 - An op's output over the memory of one of its inputs (a view, ``_unsafe_view``) takes the
   input's digests when the op writes nothing (its ATen schema says so); the output of an
   op that may write is always hashed (inside the dispatch, torch has not yet bumped the
@@ -97,6 +102,10 @@ _MEMO_PLANS = 32  # KV-cache row plans kept with a row map between captures, at 
 _UNSET: Any = object()
 _PERMS: dict[tuple[int, tuple[int, int]], tuple[int, ...]] = {}  # (ndim, row axes) -> order
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
+# ... of any size with XXH3: it reads 55 GB/s (two passes: whole and blocks), a private copy
+# for a worker is made at a few GB/s (a 2.2 MiB MLP activation: ~80 us hashed in place,
+# 200-500 us copied, measured), so the copy costs more than the hashing it hands over
+INLINE_BYTES_XXH3 = sys.maxsize
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
 # json.dumps(..., separators=...) without building an encoder per call
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
@@ -447,6 +456,7 @@ class Recorder:
         # writing a dump mostly waits on the disk (fsync): two more threads hide that wait
         # (made at the first tensor handed over: most captures hash every tensor in the hook)
         self._workers = hash_threads + (2 if dump else 0) if hash_threads > 0 else 0
+        self._inline = INLINE_BYTES_XXH3 if scheme == XXH_TREE else INLINE_BYTES
         self._pool: ThreadPoolExecutor | None = None
         self._pending: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._pending_bytes = 0
@@ -664,7 +674,7 @@ class Recorder:
                 arr = t.numpy()  # a view with the tensor's strides
             except (RuntimeError, TypeError):  # (a tensor with its negative bit set, say)
                 arr = None
-            if arr is not None and (not self._workers or arr.nbytes <= INLINE_BYTES):
+            if arr is not None and (not self._workers or arr.nbytes <= self._inline):
                 if axes is None:
                     arr = treehash.contiguous(arr)
                     if not self._hash_in_place(entry, arr, k):
@@ -815,7 +825,9 @@ class Recorder:
         # t is detached; on the CPU here, and most often contiguous and of a numpy dtype
         plain = not on_device and t.dtype not in _SPECIAL and t.is_contiguous()
         arr = t.numpy() if plain else _to_numpy(t)
-        if not self._workers or arr.nbytes <= INLINE_BYTES:
+        # a dump over 1 MiB is written by a worker (mostly waiting on the disk)
+        inline = self._inline if entry["dump"] is None else INLINE_BYTES
+        if not self._workers or arr.nbytes <= inline:
             # no worker for a small tensor: handing it over costs more than hashing it
             if axes is None and entry["dump"] is None and self._hash_in_place(entry, arr, k):
                 return
@@ -1367,8 +1379,10 @@ def capture(
     hash_threads
         Worker threads that hash (and dump) host tensors while the forward pass runs
         (0: hash and write in the hook itself, with no copy of the tensor; with ``dump``,
-        two more threads, which mostly wait on the disk); tensors up to 1 MiB are
-        hashed in the hook.
+        two more threads, which mostly wait on the disk). With ``hash="xxh3"`` (the
+        default) host tensors are hashed in the hook whatever their size (hashing costs
+        less than the copy a worker needs); with ``"blake3"``, those over 1 MiB are
+        copied and hashed by the workers. Dumps over 1 MiB are written by the workers.
     device_hash
         Checksum tensors on a GPU (any non-CPU device) where they live, with torch ops
         (``cksum4-v1``, bit-exact with :func:`dmlib.hashing.checksum_host`); False: copy
