@@ -53,6 +53,7 @@ def test_compact_writes_what_json_dumps_writes(obj):
     [
         "\u2028\ud800\udfff\x00\x1f\x7f\"\\/</script>", "\U0001f600", 2**200, -(2**70),
         float("nan"), -float("inf"), -0.0, 5e-324, 1e16, [[], {}, ()], {"": None},
+        [0, -1, 9, 10, -10, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 2**64],
     ],
 )  # fmt: skip
 def test_hand_picked_edges(obj):

@@ -462,6 +462,23 @@ def test_the_kv_cache_row_plans_kept_with_a_row_map_are_bounded(tmp_path):
     assert RowMap.shared(rows)._memo is rm._memo  # a later capture of the layout reuses them
 
 
+def test_a_prompt_cache_is_read_by_the_row_maps_own_rows(tmp_path):
+    """A cache of the prompt's length (prefill): packed rows, padding and positions out of
+    order; each request's rows worked out by hand, in position order."""
+    from dmlib.localize import capture as capture_mod
+
+    rows = [[("p", 1), ("p", 0), ("q", 0), None],  # batch row 0: p then q, packed
+            [None, ("r", 0), ("r", 2), ("r", 1)],
+            [("q", 1), ("s", 0), None, None]]  # fmt: skip
+    rec = capture_mod.Recorder(tmp_path, row_map=RowMap(rows), block_rows=2, dump=[],
+                               dump_requests=None, metadata={})  # fmt: skip
+    entries, mine = rec._cache_rows((3, 2, 4, 5))
+    assert entries == [e for row in rows for e in row]
+    assert mine == {"p": [1, 0], "q": [2, 8], "r": [5, 7, 6], "s": [9]}
+    assert list(mine) == ["p", "q", "r", "s"]  # first seen first
+    assert rec._cache_rows((3, 2, 4)) is None and rec._cache_rows((2, 2, 4, 5)) is None
+
+
 class Attention(nn.Module):
     """Op tensors read per request by row axes, in every memory layout an attention block
     makes: a ``transpose(1, 2)`` view of ``(batch, positions, heads, head_dim)`` (its rows

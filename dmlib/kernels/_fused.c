@@ -829,9 +829,14 @@ static int jb_value(jbuf *b, PyObject *o, int depth) {
             PyErr_Clear();
             return jb_text(b, PyLong_Type.tp_repr(o));
         }
-        char d[24];
-        int k = snprintf(d, sizeof d, "%lld", v);
-        return jb_put(b, d, k);
+        char d[24], *q = d + sizeof d; /* digits from the right (snprintf: 3x the time) */
+        unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+        do {
+            *--q = (char)('0' + u % 10);
+            u /= 10;
+        } while (u);
+        if (v < 0) *--q = '-';
+        return jb_put(b, q, d + sizeof d - q);
     }
     if (PyFloat_CheckExact(o)) {
         double d = PyFloat_AS_DOUBLE(o);

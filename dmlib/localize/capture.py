@@ -604,6 +604,8 @@ class Recorder:
         if not batch or shape[0] != batch or len(rm) % batch:
             return None
         seq = len(rm) // batch
+        if shape[2] == seq:  # the prompt's positions only: the row map's own rows
+            return list(rm.entries), {rid: idx.tolist() for rid, idx in rm.requests.items()}
         entries: list[Any] = []
         for r in range(batch):
             row = rm.entries[r * seq : (r + 1) * seq]

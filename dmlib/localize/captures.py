@@ -419,6 +419,12 @@ def _shared_key(entries: list[Any]) -> tuple[Any, ...] | None:
             return None
         if not set(map(type, map(_FIRST, pairs))) <= {str, int}:
             return None
+    # the entries' JSON text where the compiled writer makes it: one string, hashed once and
+    # compared by memcmp (a tuple of 400 pairs is hashed anew at every lookup); for entries
+    # of these exact types, equal texts are equal entries, nested or flat alike
+    text = jsonenc.compact(entries)
+    if text is not None:
+        return (text,)
     return (nested, tuple(map(tuple, rows)) if nested else tuple(entries))
 
 
