@@ -148,6 +148,8 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
+    if t.is_conj() or t.is_neg():  # a lazy view (x.conj(), its .imag): its values, made
+        t = t.resolve_conj().resolve_neg()
     t = t.contiguous()
     if t.dtype in _SPECIAL:
         from dmlib import dtypes
@@ -824,9 +826,8 @@ class Recorder:
                 self._write_dump(entry["dump"], arr, self._rows(arr, k, axes))
             return
         entry["hash"] = self.scheme  # (a failed device checksum falls back to the host)
-        # t is detached; on the CPU here, and most often contiguous and of a numpy dtype
-        plain = not on_device and t.dtype not in _SPECIAL and t.is_contiguous()
-        arr = t.numpy() if plain else _to_numpy(t)
+        # t is detached; on the CPU here, and most often of a numpy dtype
+        arr = _to_numpy(t) if on_device else treehash.contiguous(_host_view(t))
         # a dump over 1 MiB is written by a worker (mostly waiting on the disk)
         inline = self._inline if entry["dump"] is None else INLINE_BYTES
         if not self._workers or arr.nbytes <= inline:
