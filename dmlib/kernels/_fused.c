@@ -381,14 +381,16 @@ static void canonical128(xxh128_t h, unsigned char *out) { /* big-endian high, t
 static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned char *out,
                      Py_ssize_t size) {
     if (direct128 && hasher == direct_for && size == 16) {
+        /* read once, under the lock: use_xxh3 may change it while the lock is released */
+        xxh3_128_fn fn = direct128;
         xxh128_t h;
         if (n >= (1 << 20)) { /* a long read: other threads run meanwhile (the caller holds
                                  the buffer, so its memory stays) */
             Py_BEGIN_ALLOW_THREADS
-            h = direct128(p, (size_t)n);
+            h = fn(p, (size_t)n);
             Py_END_ALLOW_THREADS
         } else {
-            h = direct128(p, (size_t)n);
+            h = fn(p, (size_t)n);
         }
         canonical128(h, out);
         return 0;
