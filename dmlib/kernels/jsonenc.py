@@ -35,7 +35,7 @@ def compact(obj: Any) -> str | None:
 
 
 def compact_lines(items: list[Any]) -> str | None:
-    """``",\n".join(compact(x) for x in items)`` in one compiled call, or None where an item
+    r"""``",\n".join(compact(x) for x in items)`` in one compiled call, or None where an item
     is not plain data (or the compiled module is not there).
 
     A dict met again inside the items (the same object: a capture's boundaries share the
