@@ -572,6 +572,19 @@ def test_contiguous_copies_as_numpy_does(shape, dtype, order, step):
     assert treehash.contiguous(want) is want  # already C order: no copy
 
 
+@pytest.mark.parametrize(
+    ("shape", "to", "order"),
+    [((1, 4), (3, 4), (0, 1)), ((3, 1), (3, 5), (1, 0)), ((1, 1), (2, 3), (0, 1)),
+     ((2, 1, 3), (2, 4, 3), (1, 2, 0))],
+)  # fmt: skip
+def test_contiguous_copies_broadcast_views(shape, to, order):
+    """Views with zero strides (numpy.broadcast_to): every repeated item copied."""
+    base = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) * 1.5
+    view = np.broadcast_to(base, to).transpose(order)
+    got = treehash.contiguous(view)
+    assert got.flags.c_contiguous and got.tobytes() == np.ascontiguousarray(view).tobytes()
+
+
 @compiled
 def test_gather_refuses_buffers_of_another_size():
     with pytest.raises(ValueError, match="differ in size"):
