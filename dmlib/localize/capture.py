@@ -101,6 +101,17 @@ MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 _MEMO_PLANS = 32  # KV-cache row plans kept with a row map between captures, at most
 _UNSET: Any = object()
 _PERMS: dict[tuple[int, tuple[int, int]], tuple[int, ...]] = {}  # (ndim, row axes) -> order
+
+
+def _axes_first(ndim: int, axes: tuple[int, int]) -> tuple[int, ...]:
+    """The transpose that moves ``axes`` to the front, the other axes after them in order
+    (``np.moveaxis(x, axes, (0, 1))``), worked out once per (ndim, axes)."""
+    order = _PERMS.get((ndim, axes))
+    if order is None:
+        order = _PERMS[(ndim, axes)] = (*axes, *(i for i in range(ndim) if i not in axes))
+    return order
+
+
 INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, uncopied
 # ... of any size with XXH3: it reads 55 GB/s (two passes: whole and blocks), a private copy
 # for a worker is made at a few GB/s (a 2.2 MiB MLP activation: ~80 us hashed in place,
@@ -875,8 +886,8 @@ class Recorder:
         """The tensor as (physical row, ...) when it is read per request, else None."""
         if self.row_map is None:
             return None
-        if axes is not None:
-            moved = np.moveaxis(arr, axes, (0, 1))
+        if axes is not None:  # (a view already in C order is not copied; else one gather)
+            moved = treehash.contiguous(arr.transpose(_axes_first(arr.ndim, axes)))
             return moved.reshape((len(self.row_map), *moved.shape[2:]))
         if k is not None:
             return arr.reshape((len(self.row_map), *arr.shape[k:]))
@@ -988,14 +999,8 @@ class Recorder:
         spans = self._consecutive()
         if self._gathered:
             return False
-        perm = _PERMS.get((arr.ndim, axes))
-        if perm is None:
-            perm = _PERMS[(arr.ndim, axes)] = (
-                *axes,
-                *(i for i in range(arr.ndim) if i not in axes),
-            )
         whole = treehash.contiguous(arr)
-        rows = treehash.contiguous(arr.transpose(perm))
+        rows = cast(np.ndarray, self._rows(arr, None, axes))
         try:
             done, requests = self._boundary_call(entry, whole, -1, rows, rows.nbytes // len(rm),
                                                  spans)  # fmt: skip
@@ -1066,10 +1071,8 @@ class Recorder:
         kv: dict[str, Any] = {"groups": g, "requests": {}}  # groups 1: checked, no repeats
         if g > 1:
             one = arr.reshape(b, h // g, g, s, d)[:, :, 0]
-            n = len(cast(RowMap, self.row_map))
-            kv["requests"] = self._request_digests(
-                np.moveaxis(one, (0, 2), (0, 1)).reshape(n, h // g, d), scheme
-            )
+            kv["requests"] = self._request_digests(cast(np.ndarray, self._rows(one, None, (0, 2))),
+                                                   scheme)  # fmt: skip
         entry["kv_repeat"] = kv
 
     def _kv_repeat_device(self, entry: dict[str, Any], t: Any) -> None:
