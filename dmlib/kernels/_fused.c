@@ -637,7 +637,7 @@ static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
 #else
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (!lib) Py_RETURN_FALSE;
-    /* the runtime-dispatched entry (AVX2/AVX-512 where the CPU has them: 60 GB/s here, where
+    /* the runtime-dispatched entry (AVX2/AVX-512 where the CPU has them: 55 GB/s here, where
      * the plain one, built for any x86-64, gives 29 GB/s; measured) where the module has it */
     xxh3_128_fn fn = (xxh3_128_fn)dlsym(lib, "XXH3_128bits_dispatch");
     if (!fn) fn = (xxh3_128_fn)dlsym(lib, "XXH3_128bits");
