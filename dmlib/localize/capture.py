@@ -685,11 +685,8 @@ class Recorder:
         elif t.is_cpu and not self._device_path_on_cpu and t.dtype not in _SPECIAL:
             # the common case: a small host tensor, hashed in one compiled call on its own
             # memory (or on one contiguous copy of it)
-            try:
-                arr = t.numpy()  # a view with the tensor's strides
-            except (RuntimeError, TypeError):  # (a tensor with its negative bit set, say)
-                arr = None
-            if arr is not None and (not self._workers or arr.nbytes <= self._inline):
+            arr = _host_view(t)  # a view with the tensor's strides, where numpy can take one
+            if not self._workers or arr.nbytes <= self._inline:
                 if axes is None:
                     arr = treehash.contiguous(arr)
                     if not self._hash_in_place(entry, arr, k):
