@@ -377,9 +377,45 @@ static void canonical128(xxh128_t h, unsigned char *out) { /* big-endian high, t
     }
 }
 
-/* the `size`-byte digest of `n` bytes at `p`, into `out`; -1 with an exception set */
-static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned char *out,
-                     Py_ssize_t size) {
+/* Where the bytes a hasher reads come from. A memoryview handed to a Python hasher must
+ * not outlive its memory (a hasher may keep it): with `obj` (the exporter of the caller's
+ * buffer, whose bytes start at `base`) each block is a slice of one memoryview over `obj`,
+ * made at the first call, which keeps the exporter's buffer alive as long as any slice
+ * lives; without (memory of this call's own), the hasher gets a bytes copy it owns. */
+typedef struct {
+    PyObject *obj;
+    const char *base;
+    PyObject *view; /* memoryview over obj cast to bytes, made when first needed */
+} src_t;
+
+static PyObject *view_of(src_t *s, const char *p, Py_ssize_t n) {
+    if (!s || !s->obj) return PyBytes_FromStringAndSize(p, n);
+    if (!s->view) {
+        PyObject *mv = PyMemoryView_FromObject(s->obj);
+        if (!mv) return NULL;
+        s->view = PyObject_CallMethod(mv, "cast", "s", "B");
+        Py_DECREF(mv);
+        if (!s->view) return NULL;
+    }
+    Py_ssize_t at = (Py_ssize_t)(p - s->base);
+    if (at < 0 || n < 0 || at > PyMemoryView_GET_BUFFER(s->view)->len - n) {
+        PyErr_SetString(PyExc_ValueError, "a block outside its buffer");
+        return NULL;
+    }
+    PyObject *lo = PyLong_FromSsize_t(at), *hi = PyLong_FromSsize_t(at + n);
+    PyObject *sl = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    if (!sl) return NULL;
+    PyObject *out = PyObject_GetItem(s->view, sl);
+    Py_DECREF(sl);
+    return out;
+}
+
+/* the `size`-byte digest of `n` bytes at `p` (inside `src`'s buffer, or with src NULL
+ * memory of the caller's own), into `out`; -1 with an exception set */
+static int digest_of(PyObject *hasher, src_t *src, const char *p, Py_ssize_t n,
+                     unsigned char *out, Py_ssize_t size) {
     if (direct128 && hasher == direct_for && size == 16) {
         /* read once, under the lock: use_xxh3 may change it while the lock is released */
         xxh3_128_fn fn = direct128;
@@ -395,7 +431,7 @@ static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned cha
         canonical128(h, out);
         return 0;
     }
-    PyObject *mv = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
+    PyObject *mv = view_of(src, p, n);
     if (!mv) return -1;
     PyObject *h = PyObject_CallOneArg(hasher, mv);
     Py_DECREF(mv);
@@ -416,7 +452,7 @@ static int digest_of(PyObject *hasher, const char *p, Py_ssize_t n, unsigned cha
     return 0;
 }
 
-static PyObject *one_span(PyObject *hasher, const char *base, Py_ssize_t start, Py_ssize_t rows,
+static PyObject *one_span(PyObject *hasher, src_t *src, Py_ssize_t start, Py_ssize_t rows,
                           Py_ssize_t row_bytes, Py_ssize_t block_rows, const char *tag,
                           Py_ssize_t tag_len, Py_ssize_t size) {
     Py_ssize_t n_blocks = rows ? (rows + block_rows - 1) / block_rows : 0;
@@ -427,8 +463,8 @@ static PyObject *one_span(PyObject *hasher, const char *base, Py_ssize_t start, 
     for (Py_ssize_t i = 0; i < n_blocks; i++) {
         Py_ssize_t r0 = i * block_rows, r1 = r0 + block_rows < rows ? r0 + block_rows : rows;
         unsigned char *d = all + head + size * i;
-        if (digest_of(hasher, base + (start + r0) * row_bytes, (r1 - r0) * row_bytes, d, size) <
-            0)
+        if (digest_of(hasher, src, src->base + (start + r0) * row_bytes, (r1 - r0) * row_bytes,
+                      d, size) < 0)
             goto done;
         PyObject *hx = hex_of(d, size);
         if (!hx) goto done;
@@ -442,7 +478,8 @@ static PyObject *one_span(PyObject *hasher, const char *base, Py_ssize_t start, 
         memcpy(all, tag, (size_t)tag_len);
         put_u64(all + tag_len, (uint64_t)rows);
         put_u64(all + tag_len + 8, (uint64_t)block_rows);
-        if (digest_of(hasher, (const char *)all, head + size * n_blocks, d, size) < 0) goto done;
+        if (digest_of(hasher, NULL, (const char *)all, head + size * n_blocks, d, size) < 0)
+            goto done;
         digest = hex_of(d, size);
         if (!digest) goto done;
     }
@@ -464,6 +501,7 @@ static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
                           &tag, &tag_len, &piece, &size))
         return NULL;
     PyObject *seq = NULL, *out = NULL;
+    src_t src = {buf.obj, (const char *)buf.buf, NULL};
     if (row_bytes < 1 || block_rows < 1 || block_rows > PY_SSIZE_T_MAX / row_bytes) {
         PyErr_SetString(PyExc_ValueError, "row_bytes and block_rows must be positive");
         goto done;
@@ -477,14 +515,15 @@ static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
         Py_INCREF(out);
         goto done;
     }
-    seq = PySequence_Fast(spans, "spans must be a sequence of (start, rows)");
+    /* a copy: the hasher runs Python code, which may change the caller's list meanwhile */
+    seq = PySequence_Tuple(spans);
     if (!seq) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = buf.len / row_bytes;
+    Py_ssize_t n = PyTuple_GET_SIZE(seq), total = buf.len / row_bytes;
     out = PyList_New(n);
     if (!out) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t start, rows;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nn", &start, &rows)) {
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "nn", &start, &rows)) {
             Py_CLEAR(out);
             goto done;
         }
@@ -494,8 +533,8 @@ static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
             Py_CLEAR(out);
             goto done;
         }
-        PyObject *r = one_span(hasher, (const char *)buf.buf, start, rows, row_bytes,
-                               block_rows, tag, tag_len, size);
+        PyObject *r = one_span(hasher, &src, start, rows, row_bytes, block_rows, tag, tag_len,
+                               size);
         if (!r) {
             Py_CLEAR(out);
             goto done;
@@ -504,6 +543,7 @@ static PyObject *py_request_blocks(PyObject *self, PyObject *args) {
     }
 done:
     Py_XDECREF(seq);
+    Py_XDECREF(src.view);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -534,17 +574,17 @@ static PyObject *request_entry(PyObject *pair, Py_ssize_t rows) {
     return d;
 }
 
-static PyObject *hash_requests(PyObject *hasher, Py_buffer *rows, Py_ssize_t row_bytes,
+static PyObject *hash_requests(PyObject *hasher, src_t *src, Py_ssize_t len, Py_ssize_t row_bytes,
                                PyObject *spans, Py_ssize_t block_rows, const char *tag,
                                Py_ssize_t tag_len, Py_ssize_t size) {
-    PyObject *seq = PySequence_Fast(spans, "spans must be a sequence of (id, start, rows)");
+    PyObject *seq = PySequence_Tuple(spans);  /* a copy: the hasher may change the list */
     if (!seq) return NULL;
     PyObject *out = PyDict_New();
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = rows->len / row_bytes;
+    Py_ssize_t n = PyTuple_GET_SIZE(seq), total = len / row_bytes;
     for (Py_ssize_t i = 0; out && i < n; i++) {
         PyObject *rid;
         Py_ssize_t start, count;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Onn", &rid, &start, &count)) {
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "Onn", &rid, &start, &count)) {
             Py_CLEAR(out);
             break;
         }
@@ -554,8 +594,8 @@ static PyObject *hash_requests(PyObject *hasher, Py_buffer *rows, Py_ssize_t row
             Py_CLEAR(out);
             break;
         }
-        PyObject *pair = one_span(hasher, (const char *)rows->buf, start, count, row_bytes,
-                                  block_rows, tag, tag_len, size);
+        PyObject *pair = one_span(hasher, src, start, count, row_bytes, block_rows, tag, tag_len,
+                                  size);
         PyObject *entry = pair ? request_entry(pair, count) : NULL;
         Py_XDECREF(pair);
         if (!entry || PyDict_SetItem(out, rid, entry) < 0) Py_CLEAR(out);
@@ -574,6 +614,7 @@ static PyObject *py_hash_boundary(PyObject *self, PyObject *args) {
                           &spans, &block_rows, &tag, &tag_len, &piece, &size))
         return NULL;
     PyObject *digest = NULL, *lead = Py_None, *reqs = Py_None, *out = NULL;
+    src_t wsrc = {whole.obj, (const char *)whole.buf, NULL};
     Py_INCREF(lead);
     Py_INCREF(reqs);
     int have_rows = rows_obj != Py_None;
@@ -593,7 +634,7 @@ static PyObject *py_hash_boundary(PyObject *self, PyObject *args) {
         goto done;
     }
     unsigned char d[64];
-    if (digest_of(hasher, (const char *)whole.buf, whole.len, d, size) < 0) goto done;
+    if (digest_of(hasher, &wsrc, (const char *)whole.buf, whole.len, d, size) < 0) goto done;
     if (!(digest = hex_of(d, size))) goto done;
     if (n_lead >= 0) {
         Py_ssize_t rb = n_lead ? whole.len / n_lead : 0;
@@ -601,15 +642,17 @@ static PyObject *py_hash_boundary(PyObject *self, PyObject *args) {
         if (!lead) goto done;
         for (Py_ssize_t i = 0; i < n_lead; i++) {
             PyObject *hx = NULL;
-            if (digest_of(hasher, (const char *)whole.buf + i * rb, rb, d, size) < 0 ||
+            if (digest_of(hasher, &wsrc, (const char *)whole.buf + i * rb, rb, d, size) < 0 ||
                 !(hx = hex_of(d, size)))
                 goto done;
             PyList_SET_ITEM(lead, i, hx);
         }
     }
     if (have_rows) {
-        Py_SETREF(reqs, hash_requests(hasher, &rows, row_bytes, spans, block_rows, tag, tag_len,
-                                      size));
+        src_t rsrc = {rows.obj, (const char *)rows.buf, NULL};
+        Py_SETREF(reqs, hash_requests(hasher, &rsrc, rows.len, row_bytes, spans, block_rows, tag,
+                                      tag_len, size));
+        Py_XDECREF(rsrc.view);
         if (!reqs) goto done;
     }
     out = PyTuple_Pack(3, digest, lead, reqs);
@@ -618,6 +661,7 @@ done:
     Py_XDECREF(lead);
     Py_XDECREF(reqs);
     if (have_rows) PyBuffer_Release(&rows);
+    Py_XDECREF(wsrc.view);
     PyBuffer_Release(&whole);
     return out;
 }
@@ -653,7 +697,7 @@ static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; ok && k < 301 + 4; k++) {
         Py_ssize_t n = k < 301 ? k : lengths[k - 301];
         unsigned char want[16], got[16];
-        if (digest_of(hasher, (const char *)buf + (k % 7), n, want, 16) < 0) {
+        if (digest_of(hasher, NULL, (const char *)buf + (k % 7), n, want, 16) < 0) {
             direct128 = before;
             PyMem_Free(buf);
             return NULL;
