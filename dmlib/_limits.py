@@ -29,6 +29,7 @@ from dmlib.errors import DmlibError
 __all__ = [
     "DEFLATE_MAX_RATIO",
     "MAX_RATIO",
+    "MAX_TREE_NODE",
     "allowed_output",
     "human",
     "limit_hint",
@@ -45,6 +46,11 @@ MAX_RATIO = 200
 #: Deflate cannot inflate one byte to more than about 1032 (RFC 1951: a 258-byte match
 #: per 2-bit code at best): more than that from one archive means members that overlap.
 DEFLATE_MAX_RATIO = 1032
+
+#: The most bytes one decoded OCDBT B+tree node may take, whatever the database's manifest
+#: declares (tensorstore's default ``max_decoded_node_bytes`` is 8 MiB; a node is parsed
+#: into Python objects, so its bound is fixed here rather than scaled with memory).
+MAX_TREE_NODE = 64 << 20
 
 _FALLBACK_MEMORY = 8 << 30
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
