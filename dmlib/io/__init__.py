@@ -83,6 +83,12 @@ REGISTRY: tuple[Format, ...] = (
     Format("hf-trainer", "hf_trainer", "open_trainer",
            "a Hugging Face Trainer checkpoint-N/ or Accelerate state folder", rank=0,
            folder=True, folder_sniff="can_open"),
+    Format("hf-model", "hf_pretrained", "open_model",
+           "a transformers save_pretrained folder (config.json + weights)", rank=3,
+           folder=True, folder_sniff="can_open_model"),
+    Format("peft-adapter", "hf_pretrained", "open_adapter",
+           "a PEFT save_pretrained adapter folder (adapter_config.json + weights)", rank=4,
+           folder=True, folder_sniff="can_open_adapter"),
 )  # fmt: skip
 
 FORMATS = tuple(f.name for f in REGISTRY)
@@ -168,9 +174,14 @@ def _check_file(path: str) -> None:
                 "dmlib ladder LABEL=FOLDER",
                 path=path,
             )
+        pretrained = _reader("hf_pretrained")
+        why = pretrained.near_miss(path)
+        if why:
+            raise FormatError(f"is a directory that {why}", path=path)
         raise FormatError(
-            "is a directory, not a checkpoint file or a training checkpoint folder (for a "
-            "capture use dmlib.open_capture)",
+            f"is a directory no folder format takes (looked for {pretrained.looked_for()}, "
+            "trainer_state.json (Trainer), .metadata (DCP), _METADATA (Orbax); a capture: "
+            "dmlib.open_capture)",
             path=path,
         )
     if not os.path.isfile(path):
@@ -265,7 +276,9 @@ def open_tensors(
         or a Burn named MessagePack record (``.mpk``, ``.mpk.gz``), or an Orbax step or
         item folder (JAX; see :mod:`dmlib.io.orbax`), or a flax msgpack file, or a Hugging
         Face training checkpoint folder (a Trainer ``checkpoint-N/``, an Accelerate
-        ``save_state`` folder: :mod:`dmlib.io.hf_trainer`).
+        ``save_state`` folder: :mod:`dmlib.io.hf_trainer`), or a ``save_pretrained``
+        folder: a transformers model (``config.json`` + weights) or a PEFT adapter
+        (``adapter_config.json`` + weights; :mod:`dmlib.io.hf_pretrained`).
     format
         Skip detection and read as this format.
     record
