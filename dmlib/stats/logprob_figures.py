@@ -1,0 +1,362 @@
+"""The numbers of a log-prob comparison, token by token, summed per sequence.
+
+Everything is computed in float64 from the stored values, over the counted tokens of a
+block of sequences at a time (flat arrays), and reduced per sequence with ``bincount``;
+:class:`Sums` holds one block's per-sequence sums and maxima, and :func:`combine` the
+overall figures from all blocks. The definitions (``docs/logprobs.md``), with
+``x = log p_A``, ``y = log p_B`` of the sampled token, ``d = y - x = log r``,
+``r = p_B / p_A``:
+
+- ``mean_abs_dlogprob``, ``max_abs_dlogprob``: mean and max of ``|d|``;
+- ``k1 = -d``, ``k2 = d**2 / 2``, ``k3 = (r - 1) - d``: Schulman's estimators of
+  ``KL(A || B)`` from tokens sampled by A (their means);
+- ``chi2 = (r - 1)**2`` (mean): estimates the chi-square divergence ``E_A[(r - 1)**2]``;
+- ``mean_abs_dp``: mean ``|exp(y) - exp(x)|``;
+- ``pearson_r`` of ``x`` and ``y``; ``frac_over_ln2``: share of tokens with ``|d| > ln 2``;
+- ``max_ulp``: largest ULP distance where both sides hold one float dtype.
+
+Only tokens where both log-probs are finite enter the figures; ``n_nonfinite`` counts
+the others (and ``n_diff`` counts those of them whose values differ).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dmlib.kernels.ulp import ulp_distance
+
+__all__ = ["LN2", "Sums", "block_sums", "combine", "per_sequence", "topk_kl", "full_kl"]
+
+LN2 = math.log(2.0)
+
+_SUMS = ("k1", "k2", "k3", "chi2", "abs_dp", "abs_d", "over")
+
+
+@dataclass
+class Sums:
+    """One block of sequences: per-sequence counts, sums, maxima and centred moments."""
+
+    n: np.ndarray
+    n_finite: np.ndarray
+    n_diff: np.ndarray
+    n_nonfinite: np.ndarray
+    sums: dict[str, np.ndarray]
+    max_abs: np.ndarray
+    worst: np.ndarray  # position of the largest |d| in its sequence (-1: none)
+    mean_x: np.ndarray
+    mean_y: np.ndarray
+    m2x: np.ndarray
+    m2y: np.ndarray
+    cxy: np.ndarray
+    max_ulp: np.ndarray | None
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # kl sums, overlap sums
+    extra_n: dict[str, np.ndarray] = field(default_factory=dict)
+    extra_max: dict[str, np.ndarray] = field(default_factory=dict)
+    top: list[tuple[float, int, int, float, float]] = field(default_factory=list)
+
+
+def _seq_ids(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    return seq, starts
+
+
+def _seg_max(values: np.ndarray, lengths: np.ndarray, starts: np.ndarray, fill: Any) -> np.ndarray:
+    """Per-sequence maximum (``fill`` for an empty sequence)."""
+    out = np.full(len(lengths), fill, dtype=values.dtype)
+    nz = lengths > 0
+    if nz.any():
+        out[nz] = np.maximum.reduceat(values, starts[nz])
+    return out
+
+
+def block_sums(
+    ra: np.ndarray, rb: np.ndarray, lengths: np.ndarray, *, first_seq: int, n_worst: int
+) -> Sums:
+    """The sampled-token figures of one block: ``ra``, ``rb`` the stored log-probs (flat),
+    ``lengths`` the counted tokens per sequence of the block."""
+    x = ra.astype(np.float64)
+    y = rb.astype(np.float64)
+    seq, starts = _seq_ids(lengths)
+    m = len(lengths)
+    fin = np.isfinite(x) & np.isfinite(y)
+    diff = _differs(ra, rb, x, y)
+    d = np.where(fin, y - x, 0.0)
+    ad = np.abs(d)
+    r1 = np.expm1(d)
+    sums = {
+        "k1": -d,
+        "k2": d * d / 2,
+        "k3": r1 - d,
+        "chi2": r1 * r1,
+        "abs_dp": np.where(fin, np.abs(np.exp(y) - np.exp(x)), 0.0),
+        "abs_d": ad,
+        "over": (ad > LN2).astype(np.float64),
+    }
+    count = np.bincount
+    nf = count(seq, weights=fin, minlength=m)
+    out = {k: count(seq, weights=v, minlength=m) for k, v in sums.items()}
+    moments = _moments(x, y, fin, seq, nf, m)
+    # |d| for ranking: a non-finite pair that differs ranks first (inf), an equal one last
+    rank = np.where(fin, ad, np.where(diff, np.inf, -1.0))
+    max_abs = _seg_max(np.where(fin, ad, -np.inf), lengths, starts, -np.inf)
+    worst = _argmax_pos(rank, lengths, starts)
+    ulp = None
+    if ra.dtype == rb.dtype:
+        u = np.where(fin, ulp_distance(ra, rb), 0).astype(np.uint64)
+        ulp = _seg_max(u, lengths, starts, np.uint64(0))
+    pos = np.arange(len(x)) - starts[seq]
+    top = _top(rank, seq + first_seq, pos, x, y, n_worst)
+    return Sums(
+        n=lengths.astype(np.int64),
+        n_finite=nf.astype(np.int64),
+        n_diff=count(seq, weights=diff, minlength=m).astype(np.int64),
+        n_nonfinite=(lengths - nf).astype(np.int64),
+        sums=out,
+        max_abs=max_abs,
+        worst=worst,
+        **moments,
+        max_ulp=ulp,
+        top=top,
+    )
+
+
+def _differs(ra: np.ndarray, rb: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Tokens whose stored bits differ (one dtype) or whose values differ (two dtypes;
+    NaN against NaN is equal)."""
+    if ra.dtype == rb.dtype:
+        u = np.dtype(f"u{ra.dtype.itemsize}")
+        return ra.view(u) != rb.view(u)
+    return (x != y) & ~(np.isnan(x) & np.isnan(y))
+
+
+def _moments(
+    x: np.ndarray, y: np.ndarray, fin: np.ndarray, seq: np.ndarray, nf: np.ndarray, m: int
+) -> dict[str, np.ndarray]:
+    """Per-sequence means and centred second moments (two passes: no cancellation)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mx = np.bincount(seq, weights=np.where(fin, x, 0.0), minlength=m) / nf
+        my = np.bincount(seq, weights=np.where(fin, y, 0.0), minlength=m) / nf
+    mx = np.where(nf > 0, mx, 0.0)
+    my = np.where(nf > 0, my, 0.0)
+    dx = np.where(fin, x - mx[seq], 0.0)
+    dy = np.where(fin, y - my[seq], 0.0)
+    return {
+        "mean_x": mx,
+        "mean_y": my,
+        "m2x": np.bincount(seq, weights=dx * dx, minlength=m),
+        "m2y": np.bincount(seq, weights=dy * dy, minlength=m),
+        "cxy": np.bincount(seq, weights=dx * dy, minlength=m),
+    }
+
+
+def _argmax_pos(rank: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Position (within its sequence) of the first largest ``rank``; -1 for none."""
+    best = _seg_max(rank, lengths, starts, -np.inf)
+    out = np.full(len(lengths), -1, dtype=np.int64)
+    nz = lengths > 0
+    if not nz.any():
+        return out
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    idx = np.where(rank == best[seq], np.arange(len(rank)), len(rank))
+    first = np.minimum.reduceat(idx, starts[nz])
+    out[nz] = first - starts[nz]
+    out[best <= 0] = -1  # nothing differs there: no worst position
+    return out
+
+
+def _top(
+    rank: np.ndarray, seq: np.ndarray, pos: np.ndarray, x: np.ndarray, y: np.ndarray, n: int
+) -> list[tuple[float, int, int, float, float]]:
+    if n <= 0 or not len(rank):
+        return []
+    k = min(n, len(rank))
+    idx = np.argpartition(-rank, k - 1)[:k]
+    return [
+        (float(rank[i]), int(seq[i]), int(pos[i]), float(x[i]), float(y[i]))
+        for i in idx
+        if rank[i] > 0
+    ]
+
+
+# -- whole distributions ---------------------------------------------------------------
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    top = np.max(z, axis=1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    return z - top - np.log(np.sum(np.exp(z - top), axis=1, keepdims=True))
+
+
+def full_kl(za: np.ndarray, zb: np.ndarray, k: int, rows: int = 1 << 22) -> dict[str, np.ndarray]:
+    """Per token: ``kl_ab = sum_v p_A (log p_A - log p_B)``, ``kl_ba`` the other way, and
+    ``topk_overlap``: the share of A's ``k`` most likely ids among B's ``k`` (from logits
+    or log-probs over the whole vocabulary; the softmax is taken in float64)."""
+    n, v = za.shape
+    k = max(1, min(k, v))
+    out = {name: np.empty(n) for name in ("kl_ab", "kl_ba", "topk_overlap")}
+    step = max(1, rows // max(v, 1))
+    for s in range(0, n, step):
+        la, lb = _log_softmax(za[s : s + step]), _log_softmax(zb[s : s + step])
+        pa, pb = np.exp(la), np.exp(lb)
+        with np.errstate(invalid="ignore"):
+            out["kl_ab"][s : s + step] = np.sum(np.where(pa > 0, pa * (la - lb), 0.0), axis=1)
+            out["kl_ba"][s : s + step] = np.sum(np.where(pb > 0, pb * (lb - la), 0.0), axis=1)
+        ia = np.argpartition(-la, k - 1, axis=1)[:, :k]
+        ib = np.argpartition(-lb, k - 1, axis=1)[:, :k]
+        out["topk_overlap"][s : s + step] = _matches(ia, ib)[0].sum(axis=1) / k
+    return out
+
+
+def _matches(ia: np.ndarray, ib: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For id lists ``[n, Ka]`` and ``[n, Kb]`` (distinct ids within a list): a mask of
+    adjacent matched pairs ``[n, Ka + Kb - 1]`` and the column in A and in B of each pair.
+
+    One sort per row: the key holds the id, then the side, then the column, so that an id
+    both lists hold sorts as A's entry followed by B's.
+    """
+    ka = ia.shape[1]
+    cols_a = np.arange(ka, dtype=np.int64)
+    cols_b = np.arange(ib.shape[1], dtype=np.int64) + (1 << 16)
+    key = np.concatenate(
+        [(ia.astype(np.int64) << 17) | cols_a, (ib.astype(np.int64) << 17) | cols_b], axis=1
+    )
+    key.sort(axis=1)
+    ident = key >> 17
+    low = key & ((1 << 17) - 1)
+    match = (ident[:, 1:] == ident[:, :-1]) & (low[:, :-1] < (1 << 16)) & (low[:, 1:] >= (1 << 16))
+    col_a = np.where(match, low[:, :-1], 0)
+    col_b = np.where(match, low[:, 1:] - (1 << 16), 0)
+    return match, col_a, col_b
+
+
+def topk_kl(
+    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Per token, from top-k log-probs with their ids: ``topk_overlap`` (ids both lists
+    hold / the shorter list's length) and ``kl_topk_ab`` / ``kl_topk_ba``: the KL of the
+    two distributions coarsened to the ids both lists hold plus one bucket for the rest of
+    the vocabulary (a lower bound of the whole KL: coarsening never raises a KL)."""
+    match, col_a, col_b = _matches(ia, ib)
+    xa = np.take_along_axis(la.astype(np.float64), col_a, axis=1)
+    xb = np.take_along_axis(lb.astype(np.float64), col_b, axis=1)
+    pa = np.where(match, np.exp(xa), 0.0)
+    pb = np.where(match, np.exp(xb), 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        part_ab = np.sum(np.where(match & (pa > 0), pa * (xa - xb), 0.0), axis=1)
+        part_ba = np.sum(np.where(match & (pb > 0), pb * (xb - xa), 0.0), axis=1)
+    rest_a = np.maximum(1.0 - pa.sum(axis=1), 0.0)
+    rest_b = np.maximum(1.0 - pb.sum(axis=1), 0.0)
+    return {
+        "kl_topk_ab": part_ab + _bucket(rest_a, rest_b),
+        "kl_topk_ba": part_ba + _bucket(rest_b, rest_a),
+        "topk_overlap": match.sum(axis=1) / max(1, min(ia.shape[1], ib.shape[1])),
+    }
+
+
+def _bucket(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``p log(p / q)`` with ``0 log 0 = 0`` and ``inf`` where ``p > 0 = q``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = p * (np.log(p) - np.log(q))
+    return np.where(p > 0, v, 0.0)
+
+
+# -- per sequence and overall ----------------------------------------------------------
+
+
+def per_sequence(s: Sums) -> dict[str, np.ndarray]:
+    """The per-sequence columns of one block (means over the finite tokens)."""
+    nf = s.n_finite.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = {k: np.where(nf > 0, v / nf, np.nan) for k, v in s.sums.items()}
+        r = s.cxy / np.sqrt(s.m2x * s.m2y)
+    cols = {
+        "n_tokens": s.n,
+        "n_diff": s.n_diff,
+        "mean_abs_dlogprob": mean["abs_d"],
+        "max_abs_dlogprob": np.where(np.isfinite(s.max_abs), s.max_abs, np.nan),
+        "worst_position": s.worst,
+        "k1": mean["k1"],
+        "k2": mean["k2"],
+        "k3": mean["k3"],
+        "chi2": mean["chi2"],
+        "mean_abs_dp": mean["abs_dp"],
+        "pearson_r": np.where((s.m2x > 0) & (s.m2y > 0), r, np.nan),
+        "frac_over_ln2": mean["over"],
+        "max_ulp": s.max_ulp,
+        "n_nonfinite": s.n_nonfinite,
+    }
+    for k, v in s.extra.items():
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cols[k] = np.where(s.extra_n[k] > 0, v / s.extra_n[k], np.nan)
+    for k, v in s.extra_max.items():
+        cols[f"max_{k}"] = v
+    return cols
+
+
+def combine(blocks: list[Sums]) -> dict[str, Any]:
+    """The overall figures of every block together (means over all finite tokens; the
+    Pearson r of all tokens from the per-sequence moments, combined exactly)."""
+    cat = {
+        f: np.concatenate([getattr(b, f) for b in blocks]) if blocks else np.zeros(0)
+        for f in ("n", "n_finite", "n_diff", "n_nonfinite", "mean_x", "mean_y", "m2x", "m2y", "cxy")
+    }
+    nf = cat["n_finite"].astype(np.float64)
+    total = float(nf.sum())
+    sums = {k: float(sum(b.sums[k].sum() for b in blocks)) for k in _SUMS}
+
+    def mean(v: float) -> float | None:
+        return v / total if total else None
+
+    out: dict[str, Any] = {
+        "n_tokens": int(cat["n"].sum()),
+        "n_diff": int(cat["n_diff"].sum()),
+        "n_nonfinite": int(cat["n_nonfinite"].sum()),
+        "mean_abs_dlogprob": mean(sums["abs_d"]),
+        "max_abs_dlogprob": _max_of([b.max_abs for b in blocks]),
+        "k1": mean(sums["k1"]),
+        "k2": mean(sums["k2"]),
+        "k3": mean(sums["k3"]),
+        "chi2": mean(sums["chi2"]),
+        "mean_abs_dp": mean(sums["abs_dp"]),
+        "pearson_r": _pooled_r(cat, nf, total),
+        "frac_over_ln2": mean(sums["over"]),
+        "max_ulp": _max_ulp(blocks),
+    }
+    for k in blocks[0].extra if blocks else ():
+        n = float(sum(b.extra_n[k].sum() for b in blocks))
+        out[k] = float(sum(b.extra[k].sum() for b in blocks)) / n if n else None
+    for k in blocks[0].extra_max if blocks else ():
+        out[f"max_{k}"] = _max_of([b.extra_max[k] for b in blocks])
+    return out
+
+
+def _max_of(parts: list[np.ndarray]) -> float | None:
+    vals = np.concatenate(parts) if parts else np.zeros(0)
+    vals = vals[~np.isnan(vals) & (vals > -np.inf)]
+    return float(vals.max()) if len(vals) else None
+
+
+def _max_ulp(blocks: list[Sums]) -> int | None:
+    if not blocks or any(b.max_ulp is None for b in blocks):
+        return None
+    return int(max((int(b.max_ulp.max()) if len(b.max_ulp) else 0) for b in blocks))  # type: ignore[union-attr]
+
+
+def _pooled_r(cat: dict[str, np.ndarray], nf: np.ndarray, total: float) -> float | None:
+    if not total:
+        return None
+    gx = float((nf * cat["mean_x"]).sum() / total)
+    gy = float((nf * cat["mean_y"]).sum() / total)
+    dx, dy = cat["mean_x"] - gx, cat["mean_y"] - gy
+    sxx = float(cat["m2x"].sum() + (nf * dx * dx).sum())
+    syy = float(cat["m2y"].sum() + (nf * dy * dy).sum())
+    sxy = float(cat["cxy"].sum() + (nf * dx * dy).sum())
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
