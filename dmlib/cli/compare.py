@@ -90,10 +90,13 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
         description="Compare every pair of runs (LABEL=PATH) and print one line per pair and the "
         "verdict: same-seed pairs' worst rel_fro and max ULP against the control's, their "
         "separation in orders of magnitude, bit-identical pairs, tensors that never differ. "
-        "Exit status 0 only when every pair (the control's included) is bit-identical.",
+        "Exit status 0 only when every pair (the control's included) is bit-identical. Two "
+        "runs that share no tensor name compare nothing: refused (exit 2) with the --rename "
+        "that would pair them.",
     )
     m.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="at least two runs")
     m.add_argument("--control", metavar="LABEL", help="the run expected to differ (another seed)")
+    add_run_rename(m)
     add_selection(m)
     _add_hash(m, "every distinct content's bytes")
     from dmlib.cli.map import add_run_maps
@@ -101,6 +104,20 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     add_run_maps(m)
     add_common(m, json="print one JSON document (verdict and every row)", format=True, dask=True)
     m.set_defaults(func=run_matrix)
+
+
+RUN_RENAME_HELP = (
+    "map one run's names before comparing, as study.toml's [names]: replace the prefix OLD "
+    "by NEW in run RUN's names (seed1:model.= strips 'model.', seed1:=module. adds it); "
+    "RUN:re:REGEX=REPL replaces every match; repeatable"
+)
+
+
+def add_run_rename(p: argparse.ArgumentParser) -> None:
+    """``--rename RUN:OLD=NEW`` (repeatable): one run's names mapped, as ``[names]`` does."""
+    p.add_argument(
+        "--rename", action="append", default=None, metavar="RUN:OLD=NEW", help=RUN_RENAME_HELP
+    )
 
 
 def _add_hash(p: argparse.ArgumentParser, what: str) -> None:
@@ -310,6 +327,7 @@ def run_matrix(args: argparse.Namespace) -> int:
             hash=_hash_of(args),
             engine=engine,
             mapping=run_maps(args.map),
+            rename=args.rename,
         )
     v = attrs["verdict"]
     code = exit_code(v)
@@ -328,6 +346,9 @@ def run_matrix(args: argparse.Namespace) -> int:
         "worst_rel_fro",
     ]
     print(table(v["pairs"], cols))
+    for at in attrs["pairs"].values():  # a pair sharing few names: said before the verdict
+        if at.get("alignment_hint"):
+            print(f"warning: {at['alignment_hint']['message']}")
     for line in mapped_notes(attrs["mapped"]):
         print(line)
     located = [{"pair": pair, "name": name, **where}

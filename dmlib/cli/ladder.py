@@ -4,12 +4,14 @@ recorded step checked against the claimed one first."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from dmlib.cli._common import ONE_DOCUMENT, add_common, exit_code, print_json
 from dmlib.cli._dask import engine as engine_of
 from dmlib.cli._table import add_selection, fmt, table
+from dmlib.cli.compare import add_run_rename
 from dmlib.cli.map import add_run_maps, located_lines, mapped_notes, run_maps
 from dmlib.cli.structure import add_group, parse_group
 from dmlib.errors import DmlibError
@@ -34,10 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="LABEL:STEP=PATH",
         help="one checkpoint of one run, or LABEL=FOLDER: a Trainer output folder (its "
-        "checkpoint-N/ folders as the steps) or an Orbax CheckpointManager folder (its step "
-        "folders)",
+        "checkpoint-N/ folders as the steps), an Orbax CheckpointManager folder (its step "
+        "folders) or a folder of checkpoints (each one's step: the step it records, else "
+        "trainer_state.json beside it, else the last number of its name), as study.toml's "
+        "[runs] takes them",
     )
     lad.add_argument("--reference", metavar="LABEL", help="compare every run against this one")
+    add_run_rename(lad)
     add_run_maps(lad)
     lad.add_argument(
         "--step-key",
@@ -108,6 +113,9 @@ def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
         if sep and head and not colon and _manager_steps(path):  # LABEL=ORBAX_MANAGER_FOLDER
             ladder.setdefault(head, {}).update(_manager_steps(path))
             continue
+        if sep and head and not colon and os.path.isdir(path):  # a folder of checkpoints
+            _folder_steps(head, path, ladder)
+            continue
         if not sep or not colon or not label or not path or not step.lstrip("-").isdigit():
             raise DmlibError(f"expected LABEL:STEP=PATH (e.g. s5a:5=runs/s5a/m.bpk), got {item!r}")
         steps = ladder.setdefault(label, {})
@@ -115,6 +123,25 @@ def parse_ladder(items: list[str]) -> dict[str, dict[int, str]]:
             raise DmlibError(f"run {label!r} has step {step} twice")
         steps[int(step)] = path
     return ladder
+
+
+def _folder_steps(label: str, path: str, ladder: dict[str, dict[int, str]]) -> None:
+    """``LABEL=FOLDER`` of checkpoint files (or folders a reader opens whole), each at its
+    step as study.toml's ``[runs]`` finds it; refused, saying what was looked for, when the
+    folder holds none or a checkpoint has no step."""
+    from pathlib import Path
+
+    from dmlib.report.study import resolve_runs
+
+    if label in ladder:
+        raise DmlibError(f"run {label!r} is given twice")
+    run = resolve_runs({label: path}, Path.cwd(), Path(path))[label]
+    if not run.steps:
+        raise DmlibError(
+            f"run {label!r}: {len(run.checkpoints)} checkpoint in the folder {path!r} and no "
+            "step for it: a ladder needs a step per checkpoint (LABEL:STEP=PATH)"
+        )
+    ladder[label] = {s: str(run.checkpoints[s]) for s in run.steps}
 
 
 def run_ladder(args: argparse.Namespace) -> int:
@@ -141,11 +168,14 @@ def run_ladder(args: argparse.Namespace) -> int:
                 "excluded": df.attrs["excluded"],
                 "mapped": df.attrs.get("mapped", {}),
                 "located": df.attrs.get("located", []),
+                "name_warnings": df.attrs.get("name_warnings", []),
             }
         )
         return code
     for line in mapped_notes(df.attrs.get("mapped", {})):
         print(line)
+    for w in df.attrs.get("name_warnings", []):
+        print(f"warning: step {w['step']}: {w['message']}")
     for e in df.attrs["excluded"]:
         print(f"excluded: run {e['run']} step {e['step']}: {e['detail']}", file=sys.stderr)
     _print_checks(checks, details=args.details)
@@ -175,6 +205,7 @@ def _step_ladder(args: argparse.Namespace) -> Any:
             keep_flagged=args.keep_flagged,
             engine=engine,
             mapping=run_maps(args.map),
+            rename=args.rename,
         )
 
 

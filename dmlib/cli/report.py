@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dmlib.cli._common import add_common
+from dmlib.cli.compare import add_run_rename
 from dmlib.cli.study import STUDY_HELP, flag_pairs
 from dmlib.errors import DmlibError
 
@@ -91,6 +92,7 @@ def _add_flag_study(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request", metavar="ID", help="with --capture: the request to compare")
     p.add_argument("--title", help="with --run: the report's title")
+    add_run_rename(p)
 
 
 def _flag_study(args: argparse.Namespace) -> Any:
@@ -102,6 +104,15 @@ def _flag_study(args: argparse.Namespace) -> Any:
     }
     if args.control:
         data["control"] = args.control
+    if args.rename:  # RUN:OLD=NEW, as study.toml's [names] says it
+        from dmlib.stats.matrix import run_renames
+
+        run_renames(args.rename, list(data["runs"]))  # checked: a known run, a valid rule
+        names: dict[str, list[str]] = {}
+        for item in args.rename:
+            label, _, rule = item.partition(":")
+            names.setdefault(label, []).append(rule)
+        data["names"] = names
     if args.repeat:
         data["repeats"] = flag_pairs(args.repeat, "--repeat")
     if args.capture:
@@ -122,9 +133,10 @@ def run_report(args: argparse.Namespace) -> int:
         raise DmlibError("give a study file or --run/--capture, not both")
     if not flags and not args.study:
         raise DmlibError("nothing to report: give a study.toml, or runs with --run LABEL=PATH")
-    if not flags and (args.control or args.repeat or args.request or args.title):
+    if not flags and (args.control or args.repeat or args.request or args.title or args.rename):
         raise DmlibError(
-            "--control, --repeat, --request and --title go with --run; a study file says them itself"
+            "--control, --repeat, --request, --title and --rename go with --run; a study file "
+            "says them itself ([names] for --rename)"
         )
     params = dict(parse_param(p) for p in args.param)
     for reserved in ("STUDY", "FIGURE_DIR"):

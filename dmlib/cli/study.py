@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,48 @@ def run_init(args: argparse.Namespace) -> int:
         raise DmlibError("give a folder to scan, or runs with --run LABEL=PATH")
     if target.exists() and not args.force:
         raise DmlibError("exists; pass --force to overwrite it", path=target)
+    text = text + _names_guess(text, target)
     target.write_text(text, encoding="utf-8")
     print(
         f"wrote {target}; check the lines marked 'guessed', then: dmlib report {target} --out report"
     )
     return 0
+
+
+def _names_guess(text: str, target: Path) -> str:
+    """A ``[names]`` section for runs that would compare nothing under their own names (the
+    rename that pairs them, marked guessed and said on stderr); refused when no rename
+    pairs them. Empty when every pair of runs shares names."""
+    import contextlib
+    import itertools
+
+    from dmlib.report.study import from_dict, tomllib
+    from dmlib.sources import opened
+    from dmlib.stats.matrix import pair_problem
+
+    study = from_dict(tomllib.loads(text), root=target.resolve().parent, path=target)
+    files = {label: run.last()[1] for label, run in study.runs.items()}
+    rules: dict[str, str] = {}
+    notes = []
+    with contextlib.ExitStack() as stack:
+        sets = {k: stack.enter_context(opened(v)) for k, v in files.items()}
+        pairs = sorted(itertools.combinations(sets, 2), key=lambda p: study.control not in p)
+        for la, lb in pairs:
+            if la in rules or lb in rules:
+                continue
+            p = pair_problem(la, sets[la], lb, sets[lb])
+            if p is None or p["kind"] == "few_shared":
+                continue
+            if p["kind"] != "no_shared_name" or len(p["rename"]) != 1:
+                raise DmlibError(p["message"])
+            run, _, rule = p["rename"][0].partition(":")
+            rules[run] = rule
+            notes.append(
+                f"# guessed: runs {la} and {lb} share no tensor name; {run}'s rule pairs them"
+            )
+            print(f"warning: {p['message']}; written to [names] as guessed", file=sys.stderr)
+    if not rules:
+        return ""
+    lines = ["", "[names]  # each run's names mapped before any comparison", *notes]
+    lines += [f"{json.dumps(run)} = {json.dumps(rule)}" for run, rule in rules.items()]
+    return "\n".join(lines) + "\n"

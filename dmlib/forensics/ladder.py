@@ -22,6 +22,7 @@ import pandas as pd
 from dmlib.errors import DmlibError
 from dmlib.forensics.factors import FactorGroup, as_groups, layers_of
 from dmlib.sources import Patterns, Source, name_filter, open_source
+from dmlib.stats.matrix import pair_problem, renamed_runs, run_renames
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["check_steps", "growth_rates", "ladder_summary", "small_norm", "step_ladder"]
@@ -405,6 +406,7 @@ def step_ladder(
     keep_flagged: bool = False,
     engine: str = "local",
     mapping: Any = None,
+    rename: Any = None,
 ) -> pd.DataFrame:
     """Divergence of every tensor between runs, at every step of a ladder.
 
@@ -433,6 +435,12 @@ def step_ladder(
         onto the reference's names (``reference``, else the first run without a mapping):
         ``{run: MAP.toml}``, or one mapping for the runs lacking some of the reference's
         names (see :func:`dmlib.matrix`). ``attrs["mapped"]`` says what each did.
+    rename
+        Runs saved under other names, each checkpoint's names mapped first:
+        ``{run: "OLD=NEW"}`` or ``["RUN:OLD=NEW", ...]`` (see :func:`dmlib.matrix`). Two
+        checkpoints of a step that share no tensor name compare nothing: refused with the
+        rename that would pair them; a pair sharing few names is listed in
+        ``attrs["name_warnings"]``.
 
     Returns
     -------
@@ -452,8 +460,11 @@ def step_ladder(
     check_engine(engine)
     if mapping is not None and engine != "local":  # workers read the files, not a chain
         raise DmlibError("a mapping is applied in this process: use engine='local'")
+    renames = run_renames(rename, [str(r) for r in ladder])
     with contextlib.ExitStack() as stack:
         checks, sets = _check_all(ladder, step_key, stack)
+        for (run, step), ts in list(sets.items()):
+            sets[(run, step)] = renamed_runs({run: ts}, renames)[run]
         sets, mapped = _map_steps(sets, mapping, reference, [str(r) for r in ladder])
         df = _ladder(
             ladder, checks, sets, reference, include, exclude, groups, keep_flagged, engine
@@ -540,6 +551,7 @@ def _ladder(
                 if tb is not None and (tb.dtype, tb.shape) == (ta.dtype, ta.shape):
                     together.append((ta, tb))
         shared.pair_row.prepare(together)  # type: ignore[attr-defined]
+    warnings = _check_names(plan, sets, include, exclude)
     located = []
     for step, ra, rb in plan:
         sa, sb = sets[(ra, step)], sets[(rb, step)]
@@ -549,6 +561,7 @@ def _ladder(
         located += _located(step, f"{ra}/{rb}", got, sa, sb)
     df = pd.DataFrame(rows, columns=LADDER_COLUMNS)
     df.attrs["located"] = located
+    df.attrs["name_warnings"] = warnings
     if len(df):
         df["rank"] = (
             df.groupby(["step", "pair"])["rel_fro"]
@@ -560,6 +573,25 @@ def _ladder(
     df.attrs["checks"] = checks.astype(object).where(checks.notna(), None).to_dict("records")
     df.attrs["excluded"] = [c for c, u in zip(df.attrs["checks"], usable, strict=True) if not u]
     return df
+
+
+def _check_names(
+    plan: list[tuple[int, str, str]],
+    sets: dict[tuple[str, int], TensorSet],
+    include: Patterns,
+    exclude: Patterns,
+) -> list[dict[str, Any]]:
+    """Refuse a pair of checkpoints that would compare nothing (no shared name, or none of
+    the same dtype and shape); the pairs sharing few names, one record per run pair."""
+    warnings: dict[str, dict[str, Any]] = {}
+    for step, ra, rb in plan:
+        p = pair_problem(ra, sets[(ra, step)], rb, sets[(rb, step)], include, exclude)
+        if p is None:
+            continue
+        if p["kind"] != "few_shared":
+            raise DmlibError(f"step {step}: {p['message']}")
+        warnings.setdefault(f"{ra}/{rb}", {"pair": f"{ra}/{rb}", "step": step, **p})
+    return list(warnings.values())
 
 
 def _located(

@@ -132,6 +132,9 @@ def build_report(
     t0 = time.perf_counter()
     out = Path(out).resolve()
     check_out(out, study)
+    for warning in check_run_names(study):  # a pair comparing nothing is refused here
+        if log is not None:
+            print(f"warning: {warning}", file=log, flush=True)
     paths = find_notebooks(notebooks, only)
     nbs = {p: read_notebook(p) for p in paths}
     skipped = {p: missing(nbs[p], study) for p in paths}
@@ -171,6 +174,28 @@ def build_report(
             flush=True,
         )
     return ordered
+
+
+def check_run_names(study: Study) -> list[str]:
+    """Refuse a study two of whose runs would compare nothing (no tensor name shared after
+    ``[names]`` and the mappings, or none of the same dtype and shape), naming the
+    ``[names]`` rule that pairs them, the control's pairs first; the warnings for pairs
+    that share few names. Each run's last checkpoint is opened (its header read)."""
+    import contextlib
+
+    from dmlib.sources import opened
+    from dmlib.stats.matrix import check_pairs
+
+    if len(study.runs) < 2:
+        return []
+    files = {label: run.last()[1] for label, run in study.runs.items()}
+    with contextlib.ExitStack() as stack:
+        sets = {k: stack.enter_context(opened(v)) for k, v in study.sources(files).items()}
+        try:
+            hints = check_pairs(sets, None, None, control=study.control)
+        except DmlibError as err:
+            raise DmlibError(err.message, path=study.path) from None
+    return [h["message"] for h in hints.values()]
 
 
 def _new_stage(out: Path) -> Path:

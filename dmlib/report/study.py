@@ -462,9 +462,7 @@ def resolve_runs(spec: Mapping[str, str | list[str]], root: Path, where: Path) -
         elif target.is_dir():
             files = _checkpoints_in(target)
             if not files:
-                raise DmlibError(
-                    f"run {label!r}: no checkpoint file in the folder {text!r}", path=where
-                )
+                raise DmlibError(f"run {label!r}: {empty_folder(target, text)}", path=where)
         elif target.is_file():
             files = [target]
         else:
@@ -497,13 +495,30 @@ def _checkpoints_in(folder: Path) -> list[Path]:
         return [Path(p) for p in orbax]
     out = []
     for p in sorted(folder.iterdir()):
-        if p.is_file() and not p.name.startswith("."):
+        # a file, or a folder a reader takes whole (a checkpoint-N/ or another folder format)
+        if not p.name.startswith(".") and (p.is_file() or p.is_dir()):
             try:
                 detect_format(p)
-            except DmlibError:
+            except (DmlibError, OSError):
                 continue
             out.append(p)
     return out
+
+
+def empty_folder(folder: Path, text: str) -> str:
+    """Why a folder given as a run holds no checkpoint: what was looked for, what it holds."""
+    entries = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    held = (
+        f"it holds {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} none of them read "
+        f"as a checkpoint (e.g. {', '.join(map(repr, entries[:3]))})"
+        if entries
+        else "it is empty"
+    )
+    return (
+        f"no checkpoint in the folder {text!r}: looked for checkpoint-N/ folders (a Trainer "
+        "output), Orbax step folders, and files or folders a dmlib reader opens (by their "
+        f"first bytes, then their suffix: dmlib inspect says what one is); {held}"
+    )
 
 
 def _stepped(label: str, spec: str, files: list[Path], where: Path) -> Run:

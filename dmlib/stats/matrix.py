@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from dmlib.engine.local import Content, group_contents
 from dmlib.errors import DmlibError
-from dmlib.kernels.pair import DEFAULT_CHUNK, NULLABLE_INT, identical_row
+from dmlib.kernels.pair import DEFAULT_CHUNK, NULLABLE_INT, identical_row, same_layout
 from dmlib.sources import Patterns, Source, check_selection, opened, select
 from dmlib.stats.compare import (
     COLUMNS,
@@ -56,6 +56,7 @@ def matrix(
     hash: str | None = None,
     engine: str = "local",
     mapping: Any = None,
+    rename: Any = None,
 ) -> pd.DataFrame:
     """Compare every pair of runs (``n (n-1) / 2`` pairs) into one long-form DataFrame.
 
@@ -80,6 +81,15 @@ def matrix(
         ``attrs["mapped"]`` says what each mapping did (what it leaves out included) and
         ``attrs["pairs"][...]["located"]`` gives each first difference in the sources'
         coordinates too.
+    rename
+        Runs saved under other names, mapped first (as study.toml's ``[names]``):
+        ``{run: "OLD=NEW"}`` (or a list of rules) or ``["RUN:OLD=NEW", ...]``; OLD is a
+        prefix replaced by NEW, ``RUN:re:REGEX=REPL`` a regular expression
+        (:class:`dmlib.names.Rename`).
+
+    Two runs that share no tensor name, or whose shared tensors all differ in dtype or
+    shape, compare nothing: that is refused (:class:`DmlibError`, naming the ``rename``
+    that would pair them), never reported as a pair without differences.
 
     Returns
     -------
@@ -92,20 +102,29 @@ def matrix(
         include=include, exclude=exclude, file_hashes=file_hashes, chunk_bytes=chunk_bytes,
         progress=progress, hash=hash, engine=engine,
     )  # fmt: skip
-    return _frame(*_matrix_rows(runs, control, opts, mapping))
+    return _frame(*_matrix_rows(runs, control, opts, mapping, rename))
 
 
 def matrix_records(
-    runs: Mapping[str, Source], *, control: str | None = None, mapping: Any = None, **kwargs: Any
+    runs: Mapping[str, Source],
+    *,
+    control: str | None = None,
+    mapping: Any = None,
+    rename: Any = None,
+    **kwargs: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """:func:`matrix` as ``(rows, attrs)``: plain dicts (every column, None where null) and
     the attrs, verdict included, without importing pandas (the command line's path).
     ``kwargs``: :func:`matrix`'s comparison settings (:class:`CompareOptions`' fields)."""
-    return _matrix_rows(runs, control, CompareOptions(**kwargs), mapping)
+    return _matrix_rows(runs, control, CompareOptions(**kwargs), mapping, rename)
 
 
 def _matrix_rows(
-    runs: Mapping[str, Source], control: str | None, opts: CompareOptions, mapping: Any = None
+    runs: Mapping[str, Source],
+    control: str | None,
+    opts: CompareOptions,
+    mapping: Any = None,
+    rename: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The matrix's rows and attrs; ``mapping``: :func:`matrix`'s (runs seen through a
     mapping), apart from ``opts.mapping``, compare's single-pair mapping, refused here."""
@@ -114,6 +133,7 @@ def _matrix_rows(
         raise DmlibError(f"matrix needs at least two runs, got {len(labels)}")
     if control is not None and control not in runs:
         raise DmlibError(f"control {control!r} is not one of the runs ({', '.join(labels)})")
+    renames = run_renames(rename, labels)
     for key, off in (("rename", None), ("cross_dtype", False), ("mapping", None)):
         if getattr(opts, key) != off:  # settings of compare that matrix does not apply
             raise DmlibError(f"matrix does not take {key}= (a setting of dmlib.compare only)")
@@ -130,9 +150,11 @@ def _matrix_rows(
     pair_attrs: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         sets = {label: stack.enter_context(opened(src)) for label, src in runs.items()}
+        sets = renamed_runs(sets, renames)
         sets, mapped = map_runs(sets, mapping)
         every = list(dict.fromkeys(n for ts in sets.values() for n in ts))
         check_selection(every, [], include, exclude, f"any of the runs {labels}")
+        hints = check_pairs(sets, include, exclude, control=control)
         selected = []
         for ts in sets.values():
             names = set(select([t.name for t in ts.disk_order()], include, exclude))
@@ -157,6 +179,8 @@ def _matrix_rows(
             attrs["summary"] = summarize_records(rows, attrs)
             if mapped:
                 attrs["located"] = locate_rows(rows, sets[la], sets[lb])
+            if (la, lb) in hints:
+                attrs["alignment_hint"] = hints[(la, lb)]
             pair_attrs[f"{la}/{lb}"] = attrs
             all_rows += [{"a": la, "b": lb, **r} for r in rows]
     attrs = {"runs": labels, "control": control, "pairs": pair_attrs, "mapped": mapped}
@@ -365,3 +389,132 @@ def _never_differ(rows: list[dict[str, Any]], control: str | None) -> list[str]:
         name = str(r["name"])
         worst[name] = max(worst.get(name, 0), int(r["n_diff"]))
     return [n for n, v in worst.items() if v == 0]
+
+
+# -- names: runs saved under other names, and pairs that would compare nothing ----------
+
+
+def run_renames(spec: Any, labels: list[str]) -> dict[str, list[Any]]:
+    """``{run: [Rename...]}`` (each a side-``"a"`` :class:`dmlib.names.Rename`) from
+    ``{run: "OLD=NEW" or [rules]}`` (study.toml's ``[names]``) or ``["RUN:OLD=NEW", ...]``
+    (the command line's ``--rename``); a run that is not one of ``labels`` is refused."""
+    from dmlib.names import Rename
+
+    if spec is None:
+        return {}
+    items: list[tuple[str, str]] = []
+    if isinstance(spec, Mapping):
+        for label, rules in spec.items():
+            items += [(str(label), str(r)) for r in ([rules] if isinstance(rules, str) else rules)]
+    else:
+        for text in [spec] if isinstance(spec, str) else spec:
+            label, colon, rule = str(text).partition(":")
+            if not colon or not label or "=" not in rule:
+                raise DmlibError(
+                    f"--rename {text!r}: expected RUN:OLD=NEW (e.g. seed1:model.= strips "
+                    "'model.' from run seed1's names) or RUN:re:REGEX=REPL"
+                )
+            items.append((label, rule))
+    out: dict[str, list[Any]] = {}
+    for label, rule in items:
+        if label not in labels:
+            raise DmlibError(
+                f"rename {label}:{rule}: no run is labelled {label!r} ({', '.join(labels)})"
+            )
+        try:
+            out.setdefault(label, []).append(Rename.parse(f"a:{rule}"))
+        except DmlibError:
+            raise DmlibError(
+                f"rename {label}:{rule}: expected RUN:OLD=NEW (OLD a prefix, NEW its "
+                "replacement, one may be empty) or RUN:re:REGEX=REPL"
+            ) from None
+    return out
+
+
+def renamed_runs(sets: Mapping[str, Any], renames: Mapping[str, list[Any]]) -> dict[str, Any]:
+    """Each run's open set with its names mapped by its rules (the others as they are)."""
+    from dmlib.names import apply_renames
+
+    out = dict(sets)
+    for label, rules in renames.items():
+        if label not in out:
+            continue
+        try:
+            out[label] = apply_renames(out[label], rules, "a")
+        except DmlibError as err:
+            raise DmlibError(f"run {label!r}: {err.message}", path=err.path) from None
+    return out
+
+
+def pair_problem(
+    la: str, sa: Any, lb: str, sb: Any, include: Patterns = None, exclude: Patterns = None
+) -> dict[str, Any] | None:
+    """What two runs' names leave uncompared: None when they pair well, else a dict with
+    ``kind`` (``"no_shared_name"``: nothing compared; ``"nothing_comparable"``: every
+    shared name differs in dtype or shape; ``"few_shared"``: a rename pairs at least twice
+    as many), ``message`` (one line, the fix included), ``rename`` (``["RUN:OLD=NEW"]``
+    rules that pair more names, or []), ``shared_before`` and ``shared_after``."""
+    from dmlib.names import detect_mapping, suggest_alignment
+
+    names_a = select([t.name for t in sa.disk_order()], include, exclude)
+    names_b = select([t.name for t in sb.disk_order()], include, exclude)
+    in_b = set(names_b)
+    common = [n for n in names_a if n in in_b]
+    found = suggest_alignment(names_a, names_b) or detect_mapping(names_a, names_b)
+    rules = [_run_rule(str(r), la, lb) for r in found["renames"]] if found else []
+    after = found["shared_after"] if found else len(common)
+    fix = (f"--rename {' --rename '.join(rules)} (study.toml: {_as_names(rules)}) pairs "
+           f"{after} of them" if rules else "no prefix rename pairs them (--rename RUN:OLD=NEW)")  # fmt: skip
+    what = f"runs {la!r} ({sa.path or 'in memory'}) and {lb!r} ({sb.path or 'in memory'})"
+    base = {"rename": rules, "shared_before": len(common), "shared_after": after}
+    if not names_a or not names_b:
+        empty = [la] if not names_a else []
+        empty += [lb] if not names_b else []
+        return {**base, "kind": "no_shared_name", "message": f"{what}: nothing would be "
+                f"compared: {' and '.join(map(repr, empty))} holds no tensor"
+                + (" the --include/--exclude patterns keep" if include or exclude else "")}  # fmt: skip
+    if not common:
+        example = f"e.g. {names_a[0]!r} vs {names_b[0]!r}"
+        return {**base, "kind": "no_shared_name", "message": f"{what} share no tensor name "
+                f"({len(names_a)} vs {len(names_b)} names, {example}): nothing would be "
+                f"compared; {fix}"}  # fmt: skip
+    if common and not any(same_layout(sa[n], sb[n]) for n in common):
+        n = common[0]
+        return {**base, "kind": "nothing_comparable", "message": f"{what} compare no tensor: "
+                f"each of the {len(common)} shared names differs in dtype or shape (e.g. "
+                f"{n!r}: {sa[n].dtype_label}{list(sa[n].shape)} vs "
+                f"{sb[n].dtype_label}{list(sb[n].shape)})"}  # fmt: skip
+    if rules and after >= 2 * len(common):
+        return {**base, "kind": "few_shared", "message": f"{what} share only {len(common)} "
+                f"tensor names; {fix}"}  # fmt: skip
+    return None
+
+
+def _run_rule(rule: str, la: str, lb: str) -> str:
+    """A side rule of :mod:`dmlib.names` (``b:model.=``) as a run's (``seed1:model.=``)."""
+    side, _, rest = rule.partition(":")
+    return f"{la if side == 'a' else lb}:{rest}"
+
+
+def _as_names(rules: list[str]) -> str:
+    """Per-run rules as study.toml's ``[names]`` lines, joined by '; '."""
+    return "; ".join(f'[names] {r.partition(":")[0]} = "{r.partition(":")[2]}"' for r in rules)
+
+
+def check_pairs(
+    sets: Mapping[str, Any], include: Patterns, exclude: Patterns, *, control: str | None = None
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Refuse the first pair of runs (the control's first) that would compare nothing;
+    return the pairs that share few names (``{(a, b): pair_problem}``), to be said aloud."""
+    labels = list(sets)
+    pairs = list(itertools.combinations(labels, 2))
+    pairs.sort(key=lambda p: control not in p)  # the control's pairs first
+    hints = {}
+    for la, lb in pairs:
+        problem = pair_problem(la, sets[la], lb, sets[lb], include, exclude)
+        if problem is None:
+            continue
+        if problem["kind"] != "few_shared":
+            raise DmlibError(problem["message"])
+        hints[(la, lb)] = problem
+    return hints
