@@ -5,7 +5,9 @@ may come from someone else. :func:`inside` resolves a relative path against the 
 that names it, symlinks included (``os.path.realpath``), and refuses one that is
 absolute or ends up outside the folder; :func:`regular_file` refuses what is not a plain
 file (a FIFO would block a hash forever, ``/proc`` files change while read);
-:func:`bounded_json` reads JSON nested no deeper than a limit.
+:func:`bounded_json` reads JSON nested no deeper than a limit. A reader of a folder format
+opens each file through :func:`confined_file` (inside the folder, symlinks resolved, a
+regular file) and reads it with :func:`read_regular` (never waits on a FIFO).
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any
 
 from dmlib.errors import DmlibError
 
-__all__ = ["MAX_JSON_DEPTH", "bounded_json", "contained", "inside", "regular_file"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "bounded_json",
+    "confined_file",
+    "contained",
+    "inside",
+    "read_regular",
+    "regular_file",
+]
 
 #: Deepest nesting of lists and objects a manifest may hold (dmlib writes at most 6).
 MAX_JSON_DEPTH = 64
@@ -85,6 +95,75 @@ def regular_file(path: str | os.PathLike[str], *, error: type[DmlibError] = Dmli
         raise error(f"cannot be read ({err.strerror})", path=path) from None
     if not stat.S_ISREG(mode):
         raise error("is not a regular file (a device, FIFO or socket); not read", path=path)
+
+
+def confined_file(
+    top: str,
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    error: type[DmlibError] = DmlibError,
+) -> tuple[str, int] | None:
+    """(real path, size) of ``path`` when it resolves inside the folder ``top`` and is a
+    regular file; None when nothing is there.
+
+    ``top`` must already be a real path (``os.path.realpath``). ``path`` is resolved with
+    every symlink followed: one that leads outside ``top`` is refused naming ``what`` and
+    where it leads, whether or not its target exists; what is there but is not a regular
+    file (a FIFO, a device, a folder) is refused without being opened.
+    """
+    real = os.path.realpath(path)
+    if not (real == top or real.startswith(top.rstrip(os.sep) + os.sep)):
+        raise error(
+            f"{what} leads outside the checkpoint (a symlink to {real}); only files "
+            "inside it are read",
+            path=top,
+        )
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise error(f"{what} cannot be read ({err.strerror})", path=top) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} is not a regular file (a folder, device or FIFO); not read", path=top)
+    return real, st.st_size
+
+
+def read_regular(
+    real: str,
+    offset: int = 0,
+    length: int | None = None,
+    *,
+    what: str,
+    where: str,
+    error: type[DmlibError] = DmlibError,
+) -> bytes:
+    """``length`` bytes (None: to the end) at ``offset`` of the regular file ``real``.
+
+    Opened without following a final symlink and without blocking (a FIFO or device put
+    in its place after :func:`confined_file` looked is refused, not waited on).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as err:
+        raise error(f"{what} cannot be read ({err.strerror})", path=where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} is not a regular file; not read", path=where)
+        want = st.st_size - offset if length is None else length
+        parts, got = [], 0
+        while got < want:
+            chunk = os.pread(fd, min(want - got, 1 << 30), offset + got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def _depth(obj: Any, limit: int) -> int:

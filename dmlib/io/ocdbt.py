@@ -10,10 +10,14 @@ encodings); this module follows that description.
 
 Everything read is checked before it is used: magic numbers, versions, the CRC-32C at
 the end of the manifest and of every node, every (file, offset, length) inside its file
-(and every file path inside the database folder), decoded sizes under the configured
-bound, node heights decreasing by one down the tree, keys strictly increasing, the key
-counts the interior nodes record. The B+tree is read whole when the store is opened
-(nodes are small); values stored out of line are read when asked for.
+(and every file path inside the database folder), decoded sizes under dmlib's own bound
+(:data:`dmlib._limits.MAX_TREE_NODE` and the compression ratio of :mod:`dmlib._limits`; the
+manifest's ``max_decoded_node_bytes`` may lower it, never raise it), node heights
+decreasing by one down the tree, keys strictly increasing, the key counts the interior
+nodes record. Every file read resolves, symlinks followed, inside the checkpoint's folder
+and is a regular file (a symlink leading out, a FIFO or a device is refused naming it).
+The B+tree is read whole when the store is opened (nodes are small); values stored out
+of line are read when asked for.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from dmlib import _limits
 from dmlib.errors import FormatError, MissingDependencyError, TruncatedError, UnsupportedError
+from dmlib.safepaths import confined_file, read_regular
 
 __all__ = ["OcdbtStore", "crc32c", "open_store"]
 
@@ -60,7 +66,9 @@ def zstd_decompress(data: bytes | memoryview, limit: int, what: str, path: str) 
         size = params.content_size
         if size != zstandard.CONTENTSIZE_UNKNOWN and size > limit:
             raise FormatError(
-                f"{what}: zstd frame claims {size} bytes (at most {limit})", path=path
+                f"{what}: zstd frame claims {size} bytes (at most {limit} here; "
+                f"{_limits.limit_hint()})",
+                path=path,
             )
         dctx = zstandard.ZstdDecompressor()
         if size == zstandard.CONTENTSIZE_UNKNOWN:  # read at most limit + 1 bytes
@@ -69,7 +77,10 @@ def zstd_decompress(data: bytes | memoryview, limit: int, what: str, path: str) 
             with dctx.stream_reader(io.BytesIO(bytes(data))) as reader:
                 out = reader.read(limit + 1)
             if len(out) > limit:
-                raise FormatError(f"{what}: decodes to more than {limit} bytes", path=path)
+                raise FormatError(
+                    f"{what}: decodes to more than {limit} bytes ({_limits.limit_hint()})",
+                    path=path,
+                )
             return out
         return dctx.decompress(bytes(data), max_output_size=max(size, 1))
     except zstandard.ZstdError as err:
@@ -203,9 +214,12 @@ class OcdbtStore:
         Height of the B+tree (0: the root is a leaf).
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, top: str | None = None) -> None:
         self.root = os.path.abspath(root)
+        # every file read must resolve inside ``top`` (the checkpoint opened), symlinks followed
+        self.top = os.path.realpath(top if top is not None else root)
         self._sizes: dict[str, int] = {}
+        self._real: dict[str, str] = {}
         self.nodes = 0
         self.keys: dict[str, bytes | Ref] = {}
         self.manifest = self._read_manifest()
@@ -233,10 +247,12 @@ class OcdbtStore:
 
     def _size(self, rel: str) -> int:
         if rel not in self._sizes:
-            full = self._file(rel)
-            if not os.path.isfile(full):
+            found = confined_file(
+                self.top, self._file(rel), what=f"data file {rel}", error=FormatError
+            )
+            if found is None:
                 raise TruncatedError(f"data file {rel} is missing", path=self.root)
-            self._sizes[rel] = os.path.getsize(full)
+            self._real[rel], self._sizes[rel] = found
         return self._sizes[rel]
 
     def check(self, ref: Ref, what: str) -> None:
@@ -252,9 +268,10 @@ class OcdbtStore:
     def read_ref(self, ref: Ref, what: str) -> bytes:
         """The bytes at ``ref`` (checked against the file's size first)."""
         self.check(ref, what)
-        with open(self._file(ref.path), "rb") as f:
-            f.seek(ref.offset)
-            data = f.read(ref.length)
+        data = read_regular(
+            self._real[ref.path], ref.offset, ref.length,
+            what=f"data file {ref.path}", where=self.root, error=FormatError,
+        )  # fmt: skip
         if len(data) != ref.length:
             raise TruncatedError(f"{what}: short read from {ref.path}", path=self.root)
         return data
@@ -268,7 +285,9 @@ class OcdbtStore:
 
     # framing ----------------------------------------------------------------------------
     def _unframe(self, data: bytes, magic: int, what: str, limit: int) -> tuple[bytes, str]:
-        """Check header, length and CRC of an encoded manifest or node; its decoded body."""
+        """Check header, length and CRC of an encoded manifest or node; its decoded body
+        (at most ``limit`` bytes, and no more than :mod:`dmlib._limits` lets its stored size
+        inflate to)."""
         if len(data) < 4 + 8 + 1 + 1 + 4:
             raise TruncatedError(
                 f"{what}: {len(data)} bytes, shorter than its header", path=self.root
@@ -293,18 +312,20 @@ class OcdbtStore:
         if comp == 0:
             return body, "none"
         if comp == 1:
+            limit = min(limit, _limits.allowed_output(len(body)))
             return zstd_decompress(body, limit, what, self.root), "zstd"
         raise UnsupportedError(f"{what}: compression {comp} (0 none, 1 zstd)", path=self.root)
 
     # manifest ---------------------------------------------------------------------------
     def _read_manifest(self) -> Manifest:
         mpath = os.path.join(self.root, MANIFEST)
-        if not os.path.isfile(mpath):
+        rel = os.path.relpath(mpath, self.top)
+        found = confined_file(self.top, mpath, what=rel, error=FormatError)
+        if found is None:
             raise FormatError(f"no {MANIFEST} (not an OCDBT database)", path=self.root)
-        if os.path.getsize(mpath) > _MAX_MANIFEST:
+        if found[1] > _MAX_MANIFEST:
             raise FormatError(f"{MANIFEST} is larger than {_MAX_MANIFEST} bytes", path=self.root)
-        with open(mpath, "rb") as f:
-            data = f.read()
+        data = read_regular(found[0], what=MANIFEST, where=self.root, error=FormatError)
         body, comp = self._unframe(data, MANIFEST_MAGIC, MANIFEST, _MAX_MANIFEST)
         cur = _Cursor(body, MANIFEST, self.root)
         uuid = cur.take(16).hex()
@@ -384,7 +405,9 @@ class OcdbtStore:
     ) -> tuple[int, _Cursor, list[tuple[str, str]], int]:
         data = self.read_ref(ref, what)
         self.nodes += 1
-        body, _ = self._unframe(data, BTREE_MAGIC, what, self.manifest.max_decoded_node_bytes)
+        # dmlib's own bound: a manifest may lower it (max_decoded_node_bytes), never raise it
+        limit = min(self.manifest.max_decoded_node_bytes, _limits.MAX_TREE_NODE)
+        body, _ = self._unframe(data, BTREE_MAGIC, what, limit)
         cur = _Cursor(body, what, self.root)
         height = cur.u8()
         files = _file_table(cur, transitive)
@@ -512,6 +535,9 @@ class OcdbtStore:
         }
 
 
-def open_store(root: str | os.PathLike[str]) -> OcdbtStore:
-    """Open and check the OCDBT database in folder ``root``."""
-    return OcdbtStore(os.fspath(root))
+def open_store(
+    root: str | os.PathLike[str], top: str | os.PathLike[str] | None = None
+) -> OcdbtStore:
+    """Open and check the OCDBT database in folder ``root``; every file it reads must
+    resolve inside ``top`` (default ``root``), symlinks followed."""
+    return OcdbtStore(os.fspath(root), None if top is None else os.fspath(top))

@@ -11,14 +11,16 @@ numbered step folders; dmlib reads it as a step ladder (:func:`step_folders`).
 Tensor names are the leaf key paths joined with ``.`` (``model.l1.kernel.value``: an
 ``nnx.State`` leaf ends in ``value``). Arrays are read, chunk by chunk, when loaded; at
 open, the B+tree and every array's metadata are read and checked, and every stored chunk
-key must belong to its array's chunk grid. The recorded step (``scalars['step']``) is the
+key must belong to its array's chunk grid (the stored keys are checked; the grid itself is
+never enumerated). Every file read (``_METADATA``, zarr metadata and chunks, the OCDBT
+manifest and data files) must resolve, symlinks followed, inside the folder opened and be
+a regular file: a symlink leading out, a FIFO or a device is refused naming it. The recorded step (``scalars['step']``) is the
 0-d ``step`` leaf (flax.nnx ``optimizer.step``), else an optax ``count``, else the
 number in the step folder's name.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -29,6 +31,7 @@ import numpy as np
 
 from dmlib.errors import DmlibError, FormatError, TruncatedError
 from dmlib.io._checks import short_repr
+from dmlib.safepaths import bounded_json, confined_file, read_regular
 from dmlib.tensor import Tensor, TensorSet
 
 __all__ = ["can_open", "kind", "open_orbax", "recorded_step", "step_folders"]
@@ -119,14 +122,26 @@ def step_folders(path: str | os.PathLike[str]) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def _json(path: str, folder: str) -> Any:
-    if os.path.getsize(path) > _MAX_JSON:
-        raise FormatError(f"{os.path.basename(path)} is larger than {_MAX_JSON} bytes", path=folder)
+def _rel(path: str, top: str) -> str:
+    return os.path.relpath(path, top).replace(os.sep, "/")
+
+
+def _json(path: str, folder: str, top: str) -> Any:
+    """The JSON file ``path`` (inside ``top``, a regular file, nested at most
+    :data:`dmlib.safepaths.MAX_JSON_DEPTH` deep), or None when it is not there."""
+    found = confined_file(top, path, what=_rel(path, top), error=FormatError)
+    if found is None:
+        return None
+    name = os.path.basename(path)
+    if found[1] > _MAX_JSON:
+        raise FormatError(f"{name} is larger than {_MAX_JSON} bytes", path=folder)
+    raw = read_regular(found[0], what=name, where=folder, error=FormatError)
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise FormatError(f"{os.path.basename(path)} is not JSON ({err})", path=folder) from None
+        return bounded_json(raw.decode(), where=folder, error=FormatError)
+    except UnicodeDecodeError as err:
+        raise FormatError(f"{name} is not JSON ({err})", path=folder) from None
+    except FormatError as err:  # not JSON, or nested too deeply: say which file
+        raise FormatError(f"{name} {str(err).removeprefix(folder + ': ')}", path=folder) from None
 
 
 def _leaves(md: Any, folder: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -161,18 +176,20 @@ def _safe_name(name: str, folder: str) -> None:
 
 
 class _DirStore:
-    """The no-OCDBT layout: each key ``<leaf>/<rest>`` a file under the item folder."""
+    """The no-OCDBT layout: each key ``<leaf>/<rest>`` a file under the item folder, which
+    must resolve inside ``top`` (the folder opened) and be a regular file."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, top: str) -> None:
         self.root = root
+        self.top = top
 
     def get(self, key: str) -> bytes | None:
         _safe_name(key, self.root)
         full = os.path.join(self.root, *key.split("/"))
-        if not os.path.isfile(full):
+        found = confined_file(self.top, full, what=_rel(full, self.top), error=FormatError)
+        if found is None:
             return None
-        with open(full, "rb") as f:
-            return f.read()
+        return read_regular(found[0], what=key, where=self.root, error=FormatError)
 
     def keys_under(self, leaf: str) -> list[str]:
         base = os.path.join(self.root, *leaf.split("/"))
@@ -186,17 +203,26 @@ class _DirStore:
 class _KvStore:
     """The OCDBT layout, through :class:`dmlib.io.ocdbt.OcdbtStore`."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, top: str) -> None:
         from dmlib.io.ocdbt import open_store
 
         self.root = root
-        self.db = open_store(root)
+        self.db = open_store(root, top)
+        self._sorted = sorted(self.db.keys)
 
     def get(self, key: str) -> bytes | None:
         return self.db.get(key)
 
     def keys_under(self, leaf: str) -> list[str]:
-        return [k for k in self.db.keys if k.startswith(leaf + "/")]
+        from bisect import bisect_left
+
+        lead = leaf + "/"
+        out = []
+        for k in self._sorted[bisect_left(self._sorted, lead) :]:
+            if not k.startswith(lead):
+                break
+            out.append(k)
+        return out
 
 
 def _array_meta(store: Any, name: str, folder: str) -> Any:
@@ -210,12 +236,10 @@ def _array_meta(store: Any, name: str, folder: str) -> Any:
 
 
 def _check_keys(arr: Any, store: Any, folder: str) -> None:
-    """Every stored key of the leaf is its metadata or a chunk of its grid."""
-    from itertools import product
-
-    expect = {arr.chunk_key(i) for i in product(*(range(g) for g in arr.grid()))}
+    """Every stored key of the leaf is its metadata or a chunk of its grid (each key
+    checked; the grid, which may be vast, is not listed)."""
     meta = {f"{arr.name}/.zarray", f"{arr.name}/zarr.json", f"{arr.name}/.zattrs"}
-    stray = [k for k in store.keys_under(arr.name) if k not in expect and k not in meta]
+    stray = [k for k in store.keys_under(arr.name) if k not in meta and arr.chunk_index(k) is None]
     if stray:
         raise FormatError(
             f"leaf {arr.name!r}: stored key {stray[0]!r} is not a chunk of its grid "
@@ -228,7 +252,8 @@ def _loader(arr: Any, store: Any, folder: str, absent_ok: bool) -> Callable[[], 
     def load() -> np.ndarray:
         from dmlib.io.zarr_ import read_array
 
-        out = read_array(arr, store.get, folder, absent_ok=absent_ok)
+        keys = store.keys_under(arr.name)
+        out = read_array(arr, store.get, folder, absent_ok=absent_ok, keys=keys)
         return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
 
     return load
@@ -251,11 +276,13 @@ def recorded_step(ts: TensorSet) -> tuple[int | None, str]:
     return None, "no 0-d step or count leaf"
 
 
-def _open_item(path: str, prefix: str = "") -> tuple[dict[str, Tensor], dict[str, Any]]:
-    mpath = os.path.join(path, TREE_METADATA)
-    md = _json(mpath, path) if os.path.isfile(mpath) else None
-    ocdbt = os.path.isfile(os.path.join(path, "manifest.ocdbt"))
-    store: Any = _KvStore(path) if ocdbt else _DirStore(path)
+def _open_item(
+    path: str, prefix: str = "", top: str | None = None
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    top = os.path.realpath(top if top is not None else path)
+    md = _json(os.path.join(path, TREE_METADATA), path, top)
+    ocdbt = os.path.lexists(os.path.join(path, "manifest.ocdbt"))
+    store: Any = _KvStore(path, top) if ocdbt else _DirStore(path, top)
     if md is not None:
         names, other = _leaves(md, path)
     elif ocdbt:
@@ -324,7 +351,8 @@ def open_orbax(path: str | os.PathLike[str]) -> TensorSet:
                 "Orbax step folder without an item folder (incomplete save?)", path=path
             )
         parts = [
-            _open_item(os.path.join(path, i), "" if len(items) == 1 else f"{i}.") for i in items
+            _open_item(os.path.join(path, i), "" if len(items) == 1 else f"{i}.", path)
+            for i in items
         ]
         tensors = {n: t for p in parts for n, t in p[0].items()}
         layout: dict[str, Any] = (

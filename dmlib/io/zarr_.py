@@ -6,28 +6,36 @@ writes one chunk per array on one device and one per shard for an array sharded 
 devices; with zarr v3 each chunk is a ``sharding_indexed`` shard holding inner chunks and
 an index (offset, length per inner chunk) protected by a CRC-32C.
 
-Reading an array places every chunk's decoded bytes at its position; each chunk must
-decode to exactly its chunk's size, and a chunk that is absent is an error unless the
-writer said absent chunks equal the fill value. Supported codecs: v2 compressor zstd,
+Reading an array places every stored chunk's decoded bytes at its position; each chunk
+must decode to exactly its chunk's size, and a chunk that is absent is an error unless the
+writer said absent chunks equal the fill value. The chunk grid is never enumerated: the
+stored chunks are listed (a key outside the grid is refused), an absent one is found by
+walking the grid only as far as the stored ones reach, and absent chunks hold the fill
+value. Work is bounded by this machine (:mod:`dmlib._limits`), never by what the metadata
+declares: an array larger than one piece may take is refused when read, a chunk inflates
+at most to its own size and no more than its stored size allows, and a nonzero fill value
+covers at most what a stored byte may inflate to. Metadata JSON nested deeper than
+:data:`dmlib.safepaths.MAX_JSON_DEPTH` levels is refused. Supported codecs: v2 compressor zstd,
 zlib, gzip or none (no filters); v3 ``bytes``, ``zstd``, ``gzip``, ``crc32c``,
 ``sharding_indexed``. Others are refused by name.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.errors import FormatError, UnsupportedError
 from dmlib.io._checks import shape_problem, short_repr
 from dmlib.io.ocdbt import crc32c, zstd_decompress
+from dmlib.safepaths import bounded_json
 
 __all__ = ["ZarrArray", "parse_metadata", "read_array"]
 
@@ -112,6 +120,30 @@ class ZarrArray:
         if self.key_prefix:  # default encoding: c/0/0, a 0-d array's chunk is "c"
             return f"{self.name}/c" + (self.separator + tail if idx else "")
         return f"{self.name}/" + (tail if idx else "0")
+
+    def chunk_index(self, key: str) -> tuple[int, ...] | None:
+        """The grid position whose :meth:`chunk_key` is ``key``; None for any other key."""
+        tail = key[len(self.name) + 1 :] if key.startswith(self.name + "/") else None
+        if tail is None:
+            return None
+        if self.zarr_format == 3 and self.key_prefix:
+            tail = (
+                tail[2:] if tail.startswith("c" + self.separator) else "" if tail == "c" else None
+            )
+            if tail is None:
+                return None
+        parts = tail.split(self.separator) if self.shape else []
+        if not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in parts):
+            return None
+        idx = tuple(int(p) for p in parts)
+        grid = self.grid()
+        if len(idx) != len(grid) or any(i >= g for i, g in zip(idx, grid)):
+            return None
+        return idx if self.chunk_key(idx) == key else None
+
+    def nbytes(self) -> int:
+        """The bytes the whole array takes in memory."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def describe(self) -> dict[str, Any]:
         """Layout facts: zarr format, chunk shape, grid and compressor (sharded: the inner chunk
@@ -255,9 +287,12 @@ def _v3(name: str, md: dict[str, Any], path: str) -> ZarrArray:
 def parse_metadata(name: str, raw: bytes, zarr_format: int, path: str) -> ZarrArray:
     """The checked metadata of array ``name`` from its ``.zarray``/``zarr.json`` bytes."""
     try:
-        md = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        md = bounded_json(raw.decode(), where=path, error=FormatError)
+    except UnicodeDecodeError as err:
         raise FormatError(f"{name}: array metadata is not JSON ({err})", path=path) from None
+    except FormatError as err:  # not JSON, or nested too deeply: say which array
+        msg = str(err).removeprefix(f"{path}: ")
+        raise FormatError(f"{name}: array metadata {msg}", path=path) from None
     if not isinstance(md, dict) or md.get("zarr_format") != zarr_format:
         raise FormatError(f"{name}: array metadata is not zarr v{zarr_format}", path=path)
     arr = _v2(name, md, path) if zarr_format == 2 else _v3(name, md, path)
@@ -273,22 +308,36 @@ def parse_metadata(name: str, raw: bytes, zarr_format: int, path: str) -> ZarrAr
     return arr
 
 
-def _decode(data: bytes, codecs: list[dict[str, Any]], limit: int, what: str, path: str) -> bytes:
-    """Undo the compressors (v3 names, or the v2 compressor id), outermost last in the list."""
+def _inflate(data: bytes, name: str, want: int, what: str, path: str) -> bytes:
+    """One compressed stream decoded into at most ``want`` bytes (the chunk's own size) and
+    no more than :func:`dmlib._limits.allowed_output` lets its stored size inflate to."""
+    limit = min(want, _limits.allowed_output(len(data)))
+    if name == "zstd":
+        return zstd_decompress(data, limit, what, path)
+    try:
+        d = zlib.decompressobj(31 if name == "gzip" else 15)
+        out = d.decompress(data, limit + 1)
+    except zlib.error as err:
+        raise FormatError(f"{what}: corrupt {name} data ({err})", path=path) from None
+    if len(out) > limit:
+        raise FormatError(
+            f"{what}: {len(data)} {name} bytes inflate past {limit} bytes ({_limits.limit_hint()})",
+            path=path,
+        )
+    return out
+
+
+def _decode(data: bytes, codecs: list[dict[str, Any]], want: int, what: str, path: str) -> bytes:
+    """Undo the compressors (v3 names, or the v2 compressor id), outermost last in the list;
+    the result is at most ``want`` bytes (see :func:`_inflate`)."""
     for c in reversed(codecs):
         name = c["name"]
         if name == "crc32c":
             if len(data) < 4 or crc32c(data[:-4]) != int.from_bytes(data[-4:], "little"):
                 raise FormatError(f"{what}: CRC-32C mismatch (damaged)", path=path)
             data = data[:-4]
-        elif name == "zstd":
-            data = zstd_decompress(data, limit, what, path)
-        elif name in ("gzip", "zlib"):
-            try:
-                d = zlib.decompressobj(31 if name == "gzip" else 15)
-                data = d.decompress(data, limit + 1)
-            except zlib.error as err:
-                raise FormatError(f"{what}: corrupt {name} data ({err})", path=path) from None
+        elif name in ("zstd", "gzip", "zlib"):
+            data = _inflate(data, name, want, what, path)
     return data
 
 
@@ -320,9 +369,10 @@ def _shard(
     raw: bytes,
     what: str,
     path: str,
-    absent: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    absent_ok: bool,
 ) -> None:
-    """Unpack one ``sharding_indexed`` shard: its index, then each inner chunk."""
+    """Unpack one ``sharding_indexed`` shard: its index, then each inner chunk. The index
+    must lie in the stored shard, so the inner chunks walked are bounded by its bytes."""
     inner = arr.shard or ()
     per = tuple(c // i if i else 0 for c, i in zip(arr.chunks, inner))
     n = math.prod(per)
@@ -335,21 +385,23 @@ def _shard(
             raise FormatError(f"{what}: shard index CRC-32C mismatch (damaged)", path=path)
         index = index[:-4]
     table = np.frombuffer(index, "<u8").reshape(n, 2) if n else np.zeros((0, 2), "<u8")
-    limit = math.prod(inner) * arr.dtype.itemsize
+    want = math.prod(inner) * arr.dtype.itemsize
+    empty = (1 << 64) - 1
     for k, pos in enumerate(product(*(range(p) for p in per))):
         off, length = int(table[k, 0]), int(table[k, 1])
         sub = tuple(o + p * i for o, p, i in zip(origin, pos, inner))
-        if any(s >= dim for s, dim in zip(sub, arr.shape)) and off == length == (1 << 64) - 1:
-            continue
-        if off == length == (1 << 64) - 1:
-            absent.append((sub, inner))
-            continue
+        if off == length == empty:
+            if absent_ok or any(s >= dim for s, dim in zip(sub, arr.shape)):
+                continue  # the fill value is already there (or the chunk lies past the edge)
+            raise FormatError(
+                f"{arr.name}: {what} inner chunk {k} is missing from its shard", path=path
+            )
         if off + length > len(raw):
             raise FormatError(
                 f"{what}: inner chunk {k} [{off}, {off + length}) beyond the shard's {len(raw)} bytes",
                 path=path,
             )
-        data = _decode(raw[off : off + length], arr.inner, limit, f"{what} inner chunk {k}", path)
+        data = _decode(raw[off : off + length], arr.inner, want, f"{what} inner chunk {k}", path)
         _place(out, arr, sub, inner, data, f"{what} inner chunk {k}", path)
 
 
@@ -373,60 +425,106 @@ def _fill_value(arr: ZarrArray, path: str) -> np.ndarray:
         ) from None
 
 
-def _fill_absent(out: np.ndarray, arr: ZarrArray, absent: list, path: str) -> None:
-    """Absent chunks (the writer skipped those equal to the fill value) get the fill value."""
-    if not absent:
-        return
+def _check_size(arr: ZarrArray, path: str) -> int:
+    """The array's bytes and its chunk's, refused when either is more than one piece of an
+    input may take on this machine (:func:`dmlib._limits.max_decompressed`)."""
+    cap = _limits.max_decompressed()
+    total = arr.nbytes()
+    chunk = math.prod(arr.chunks) * arr.dtype.itemsize
+    for what, n in (("the array", total), ("one chunk", chunk)):
+        if n > cap:
+            raise FormatError(
+                f"{arr.name}: refused: {what} declares {_limits.human(n)} "
+                f"({list(arr.shape if what == 'the array' else arr.chunks)} x "
+                f"{arr.dtype.itemsize} bytes), more than the {_limits.human(cap)} one array "
+                f"may take on this machine; {_limits.limit_hint()}",
+                path=path,
+            )
+    return total
+
+
+def _stored(arr: ZarrArray, keys: Iterable[str]) -> list[tuple[tuple[int, ...], str]]:
+    """(grid position, key) of every stored chunk, in grid order (other keys ignored)."""
+    found = []
+    for key in keys:
+        idx = arr.chunk_index(key)
+        if idx is not None:
+            found.append((idx, key))
+    return sorted(found)
+
+
+def _first_missing(arr: ZarrArray, have: set[tuple[int, ...]]) -> str | None:
+    """The key of the first grid position not in ``have``: walks at most ``len(have) + 1``
+    positions, never the whole grid."""
+    if len(have) >= math.prod(arr.grid()):
+        return None
+    for idx in product(*(range(g) for g in arr.grid())):
+        if idx not in have:
+            return arr.chunk_key(idx)
+    return None  # pragma: no cover (fewer stored positions than the grid holds)
+
+
+def _start(arr: ZarrArray, n_stored: int, absent_ok: bool, path: str) -> np.ndarray:
+    """The output before the stored chunks are placed: zeros (pages the system maps only
+    when written), or the fill value where absent chunks take a nonzero one; what that
+    fills may not exceed what :mod:`dmlib._limits` lets absent (zero stored) bytes become."""
+    if not absent_ok:
+        return np.zeros(arr.shape, arr.dtype)
     value = _fill_value(arr, path)
     if not value.tobytes().strip(b"\0"):
-        return  # all zero bits: what the output starts as
-    for origin, box in absent:
-        out[tuple(slice(o, min(o + b, d)) for o, b, d in zip(origin, box, arr.shape))] = value
+        return np.zeros(arr.shape, arr.dtype)
+    covered = n_stored * math.prod(arr.chunks) * arr.dtype.itemsize
+    absent = max(arr.nbytes() - covered, 0)
+    if absent > _limits.allowed_output(0):
+        raise FormatError(
+            f"{arr.name}: refused: absent chunks would fill {_limits.human(absent)} with the "
+            f"fill value {short_repr(arr.fill)}, more than {_limits.human(_limits.allowed_output(0))}"
+            f" that nothing stored may become on this machine; {_limits.limit_hint()}",
+            path=path,
+        )
+    return np.full(arr.shape, value, arr.dtype)
 
 
-def read_array(arr: ZarrArray, get: Get, path: str, *, absent_ok: bool) -> np.ndarray:
-    """The whole array, every chunk of its grid read and placed (C order, stored byte order).
+def read_array(
+    arr: ZarrArray, get: Get, path: str, *, absent_ok: bool, keys: Iterable[str]
+) -> np.ndarray:
+    """The whole array, its stored chunks read and placed (C order, stored byte order).
 
-    ``absent_ok``: a chunk that is not stored holds the fill value (the writer skipped
-    chunks equal to it); otherwise an absent chunk is an error naming its key.
+    ``keys``: the store's keys under the array (only those that are chunk keys of its
+    grid are read). ``absent_ok``: a chunk that is not stored holds the fill value (the
+    writer skipped chunks equal to it); otherwise an absent chunk is an error naming its key.
     """
-    limit = math.prod(arr.chunks) * arr.dtype.itemsize
+    _check_size(arr, path)
+    want = math.prod(arr.chunks) * arr.dtype.itemsize
+    codecs = arr.inner if arr.zarr_format == 3 else [{"name": arr.compressor}]
     if arr.chunks == arr.shape and arr.shard is None and arr.order == "C" and 0 not in arr.shape:
         # one chunk the size of the array (Orbax's layout on one device): no placement copy
         key = arr.chunk_key(tuple(0 for _ in arr.shape))
         raw = get(key)
         if raw is not None:
-            codecs = arr.inner if arr.zarr_format == 3 else [{"name": arr.compressor}]
-            data = _decode(raw, codecs, limit, f"chunk {key}", path)
-            if len(data) != limit:
+            data = _decode(raw, codecs, want, f"chunk {key}", path)
+            if len(data) != want:
                 raise FormatError(
                     f"chunk {key}: decodes to {len(data)} bytes, a chunk of "
-                    f"{list(arr.chunks)} is {limit}",
+                    f"{list(arr.chunks)} is {want}",
                     path=path,
                 )
             return np.frombuffer(data, arr.dtype).reshape(arr.shape)
-    out = np.zeros(arr.shape, arr.dtype)
     if 0 in arr.shape:
-        return out
-    absent: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for idx in product(*(range(g) for g in arr.grid())):
-        key = arr.chunk_key(idx)
+        return np.zeros(arr.shape, arr.dtype)
+    stored = _stored(arr, keys)
+    missing = None if absent_ok else _first_missing(arr, {i for i, _ in stored})
+    if missing is not None:
+        raise FormatError(f"{arr.name}: chunk {missing} is missing", path=path)
+    out = _start(arr, len(stored), absent_ok, path)
+    for idx, key in stored:
         raw = get(key)
         origin = tuple(i * c for i, c in zip(idx, arr.chunks))
-        if raw is None:
-            if not absent_ok:
-                raise FormatError(f"{arr.name}: chunk {key} is missing", path=path)
-            absent.append((origin, arr.chunks))
-            continue
+        if raw is None:  # listed, then gone: the store changed while read
+            raise FormatError(f"{arr.name}: chunk {key} is missing", path=path)
         if arr.shard is not None:
-            _shard(out, arr, origin, raw, f"chunk {key}", path, absent)
+            _shard(out, arr, origin, raw, f"chunk {key}", path, absent_ok)
             continue
-        codecs = arr.inner if arr.zarr_format == 3 else [{"name": arr.compressor}]
-        data = _decode(raw, codecs, limit, f"chunk {key}", path)
+        data = _decode(raw, codecs, want, f"chunk {key}", path)
         _place(out, arr, origin, arr.chunks, data, f"chunk {key}", path)
-    if absent and not absent_ok:
-        raise FormatError(
-            f"{arr.name}: {len(absent)} inner chunks are missing from their shards", path=path
-        )
-    _fill_absent(out, arr, absent, path)
     return out
