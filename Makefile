@@ -39,9 +39,11 @@ report: $(VENV)/.report
 	$(VENV)/bin/dmlib report data/*/study.toml --out reports
 
 # The notebook collection in JupyterLab; each notebook's parameters cell names the lab study it
-# opens on (STUDY = ...): point it at another study.toml to run it on other runs.
+# opens on (STUDY = ...): point it at another study.toml to run it on other runs. As root (a
+# container) Jupyter refuses to start without --allow-root, given then. LAB_ARGS: more options
+# for jupyter lab (e.g. LAB_ARGS="--no-browser --port=8899").
 lab: $(VENV)/.report
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS) notebooks
 
 # The report's browser test wants headless Chromium (Debian's package). Installed when missing and
 # this is root with apt-get; otherwise that one test skips and says why.

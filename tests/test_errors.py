@@ -1173,8 +1173,9 @@ def test_help_documents_exit_codes(command: str, capsys: pytest.CaptureFixture[s
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "exit status:" in out
-    # exit 1 means "a difference" for comparisons; report and study have their own (or none)
-    one = {"report": "1  a notebook failed", "study": None}.get(
+    # exit 1 means "a difference" for comparisons; report, study and notebooks have their
+    # own (or none)
+    one = {"report": "1  a notebook failed", "study": None, "notebooks": None}.get(
         command, "1  a comparison found a difference"
     )
     for line in ("0  success", one, "2  bad input"):

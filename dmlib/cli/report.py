@@ -21,8 +21,50 @@ REPORT_EXIT = """exit status:
   130  interrupted (Ctrl-C): one line; temporary folders removed, nothing left half-written"""
 
 
+NOTEBOOKS_EXIT = """exit status:
+  0  success: the notebooks were written
+  2  bad input: one line on stderr (a study that cannot be read, a notebook that exists
+     without --force); nothing is written"""
+
+
 def register(sub: Any) -> None:
-    """Add ``report``."""
+    """Add ``report`` and ``notebooks``."""
+    _add_report(sub)
+    _add_notebooks(sub)
+
+
+def _add_notebooks(sub: Any) -> None:
+    n = sub.add_parser(
+        "notebooks",
+        help="copy the report notebooks into a folder, pointed at a study, to open in JupyterLab",
+        description="Copy the notebook collection shipped with dmlib into DIR (created if "
+        "needed), each notebook's parameters cell pointed at the study (STUDY, relative to DIR) "
+        "and its figures at DIR/figures; then open them with `jupyter lab DIR`. A notebook "
+        "that already exists in DIR is not overwritten without --force; no other file is "
+        "touched.",
+    )
+    n.add_argument("dir", metavar="DIR", help="the folder to copy the notebooks into")
+    n.add_argument(
+        "--study", required=True, metavar="PATH", help="study.toml (or a folder holding one)"
+    )
+    n.add_argument("--force", action="store_true", help="overwrite notebooks of the same name")
+    add_common(n, epilog=NOTEBOOKS_EXIT)
+    n.set_defaults(func=run_notebooks_copy)
+
+
+def run_notebooks_copy(args: argparse.Namespace) -> int:
+    """``dmlib notebooks DIR --study PATH``: the collection copied, pointed at the study."""
+    from dmlib.report.runner import copy_notebooks
+    from dmlib.report.study import load_study
+
+    study = load_study(args.study)  # a study that cannot be read is refused before writing
+    written = copy_notebooks(args.dir, study.path or args.study, force=args.force)
+    print(f"wrote {len(written)} notebooks into {args.dir} (STUDY = {study.path})")
+    print(f"open them: jupyter lab {args.dir}")
+    return 0
+
+
+def _add_report(sub: Any) -> None:
     p = sub.add_parser(
         "report",
         help="run the report notebooks on a study; write HTML, figures, numbers, one shareable file",

@@ -31,6 +31,7 @@ from dmlib.errors import DmlibError, MissingDependencyError
 
 __all__ = [
     "NotebookResult",
+    "copy_notebooks",
     "find_notebooks",
     "inject_parameters",
     "notebook_parameters",
@@ -218,6 +219,70 @@ def find_notebooks(
     if not found:
         raise DmlibError("no notebooks (*.ipynb) in this folder", path=folder)
     return found
+
+
+def copy_notebooks(
+    dest: str | os.PathLike[str],
+    study: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    folder: str | os.PathLike[str] | None = None,
+) -> list[Path]:
+    """Copy the notebook collection (or ``folder``'s) into ``dest``, each one's parameters
+    cell pointed at ``study`` (``STUDY``, relative to ``dest`` where it can be) and its
+    figures at ``dest/figures``; the written paths.
+
+    Nothing is written when a notebook of that name exists in ``dest`` and ``force`` is
+    False (:class:`DmlibError` naming it); no other file of ``dest`` is touched. The
+    notebooks are JSON edited as data (only the parameters cell's two assignments change).
+    """
+    src = PACKAGE_NOTEBOOKS if folder is None else Path(folder)
+    found = sorted(p for p in src.glob("*.ipynb") if not p.name.startswith("."))
+    if not found:
+        raise DmlibError("no notebooks (*.ipynb) in this folder", path=src)
+    out = Path(dest)
+    if out.exists() and not out.is_dir():
+        raise DmlibError("exists and is not a folder", path=out)
+    taken = [out / p.name for p in found if os.path.lexists(out / p.name)]
+    if taken and not force:
+        more = f" (and {len(taken) - 1} more of the notebooks)" if len(taken) > 1 else ""
+        raise DmlibError(f"exists{more}; pass --force to overwrite the notebooks", path=taken[0])
+    study_path = Path(study).resolve()
+    try:
+        where = os.path.relpath(study_path, out.resolve())
+    except ValueError:  # another drive (Windows): the absolute path
+        where = str(study_path)
+    docs = {p: _pointed(p, where.replace(os.sep, "/")) for p in found}  # all read first
+    out.mkdir(parents=True, exist_ok=True)
+    from dmlib._atomic import atomic_write_text
+
+    for p, doc in docs.items():
+        atomic_write_text(out / p.name, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    return [out / p.name for p in found]
+
+
+def _pointed(path: Path, study: str) -> dict[str, Any]:
+    """A notebook's JSON with its parameters cell's ``STUDY`` and ``FIGURE_DIR`` set."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        cells = doc["cells"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DmlibError(f"cannot read notebook: {err}", path=path) from None
+    values = {"STUDY": repr(study), "FIGURE_DIR": repr("figures")}
+    for cell in cells:
+        if cell.get("cell_type") != "code" or "parameters" not in _tags(cell):
+            continue
+        source = cell["source"]
+        lines = ("".join(source) if isinstance(source, list) else source).split("\n")
+        for i, line in enumerate(lines):
+            name = line.split("=", 1)[0].strip()
+            if name in values and "=" in line:
+                lines[i] = f"{name} = {values.pop(name)}"
+        lines += [f"{k} = {v}" for k, v in values.items()]  # a cell that lacked one
+        text = "\n".join(lines)
+        cell["source"] = [ln + "\n" for ln in text.split("\n")[:-1]] + [text.split("\n")[-1]]
+        return dict(doc)
+    raise DmlibError("no code cell tagged 'parameters' (STUDY cannot be set)", path=path)
 
 
 def read_notebook(path: Path) -> Any:

@@ -48,6 +48,7 @@ CKPT_ARGV: dict[str, Callable[[str, str], list[str]]] = {
         str(Path(good).parent / "report"),
     ],
     "map": lambda bad, good: ["suggest", bad, good, "--out", str(Path(good).parent / "m.toml")],
+    "notebooks": lambda bad, good: [str(Path(good).parent / "nbs"), "--study", bad],
     "study": lambda bad, good: [
         "init",
         "--run",
