@@ -85,9 +85,10 @@ def block_sums(
     m = len(lengths)
     fin = np.isfinite(x) & np.isfinite(y)
     diff = _differs(ra, rb, x, y)
-    d = np.where(fin, y - x, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite pairs: masked out below
+        d = np.where(fin, y - x, 0.0)
+        r1 = np.expm1(d)
     ad = np.abs(d)
-    r1 = np.expm1(d)
     sums = {
         "k1": -d,
         "k2": d * d / 2,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from dmlib.tensor import ArrayTensorSet, TensorSet
 __all__ = [
     "IDENTITY_KEYS",
     "JSONL_MAX_LINES",
+    "JSONL_MAX_LINE_BYTES",
     "JSONL_MAX_TOKENS",
     "KINDS",
     "LogprobSide",
@@ -78,9 +80,11 @@ IDENTITY_KEYS = (
     "repetition_penalty",
 )
 
-#: JSONL bounds: lines (sequences) per file and tokens per line; the file's size is
+#: JSONL bounds: lines (sequences) per file, bytes and tokens per line; the file's size is
 #: bounded by :func:`jsonl_max_bytes` (parsed JSON takes several times its text).
 JSONL_MAX_LINES = 1 << 22
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+JSONL_MAX_LINE_BYTES = 1 << 28
 JSONL_MAX_TOKENS = 1 << 22
 
 
@@ -154,15 +158,9 @@ def _from_arrays(values: Any) -> dict[str, np.ndarray]:
 
 
 def _is_jsonl(path: Any) -> bool:
-    p = os.fspath(path)
-    if p.endswith((".jsonl", ".ndjson")):
-        return True
-    try:
-        with open(p, "rb") as f:
-            head = f.read(1)
-    except OSError:
-        return False
-    return head == b"{"
+    """JSONL is told by its suffix alone (a first byte ``{`` could open a safetensors
+    header length just as well)."""
+    return os.fspath(path).lower().endswith(JSONL_SUFFIXES)
 
 
 # -- tensor sets -------------------------------------------------------------------------
@@ -402,7 +400,13 @@ def read_jsonl(path: str | os.PathLike[str]) -> ArrayTensorSet:
     (:data:`JSONL_MAX_LINES`) and tokens per line (:data:`JSONL_MAX_TOKENS`).
     """
     p = os.fspath(path)
-    size = os.path.getsize(p)
+    try:
+        st = os.stat(p)
+    except OSError as err:
+        raise DmlibError(f"cannot read: {err.strerror or err}", path=p) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DmlibError("is not a regular file (a JSONL file was expected)", path=p)
+    size = st.st_size
     if size > jsonl_max_bytes():
         raise DmlibError(
             f"JSONL file of {human(size)} is over the {human(jsonl_max_bytes())} read "
@@ -412,8 +416,12 @@ def read_jsonl(path: str | os.PathLike[str]) -> ArrayTensorSet:
     arrays: dict[str, np.ndarray] = {}
     meta: dict[str, str] = {}
     n = 0
-    with open(p, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(p, "rb") as f:  # a regular file: opening it cannot block
+        for lineno, line in enumerate(iter(lambda: f.readline(JSONL_MAX_LINE_BYTES + 1), b""), 1):
+            if len(line) > JSONL_MAX_LINE_BYTES:
+                raise DmlibError(
+                    f"line {lineno} is longer than {human(JSONL_MAX_LINE_BYTES)}", path=p
+                )
             if not line.strip():
                 continue
             obj = _json_line(line, lineno, p)

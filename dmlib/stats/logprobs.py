@@ -138,11 +138,14 @@ class LogprobVerdict(Verdict):
                 f"(|dlogprob| {fmt(w['abs_dlogprob'])})"
             )
         if self.control is not None:
-            ratio = self.ratio_to_control
+            ratio, theirs = self.ratio_to_control, self.control.get("mean_abs_dlogprob")
             lines.append(
-                f"control {shown(self.control_label)}: mean |dlogprob| "
-                f"{fmt(self.control.get('mean_abs_dlogprob'))}; the pair's is "
-                f"{'-' if ratio is None else sci(ratio)} times the control's"
+                f"control {shown(self.control_label)}: mean |dlogprob| {fmt(theirs)}; "
+                + (
+                    "the control pair shows no mismatch"
+                    if theirs == 0
+                    else f"the pair's is {'-' if ratio is None else sci(ratio)} times the control's"
+                )
             )
         for u in self.unchecked:
             lines.append(f"not checked: {u}")

@@ -1,0 +1,528 @@
+"""compare_logprobs against numbers worked out by hand and against a plain numpy oracle
+written here (per sequence, token by token, from the definitions in docs/logprobs.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dmlib.errors import DmlibError
+from dmlib.stats import logprob_sides
+from dmlib.stats.logprobs import compare_logprobs, logprob_ladder, logprob_verdict
+
+# -- the oracle -------------------------------------------------------------------------
+
+
+def oracle(xs: list[np.ndarray], ys: list[np.ndarray]) -> dict[str, float]:
+    """The sampled-token figures over all tokens, straight from the definitions."""
+    x = np.concatenate([np.asarray(v, np.float64) for v in xs])
+    y = np.concatenate([np.asarray(v, np.float64) for v in ys])
+    d = y - x
+    r = np.exp(y) / np.exp(x)
+    return {
+        "mean_abs_dlogprob": float(np.mean(np.abs(d))),
+        "max_abs_dlogprob": float(np.max(np.abs(d))),
+        "k1": float(np.mean(-np.log(r))),
+        "k2": float(np.mean(np.log(r) ** 2 / 2)),
+        "k3": float(np.mean((r - 1) - np.log(r))),
+        "chi2": float(np.mean((r - 1) ** 2)),
+        "mean_abs_dp": float(np.mean(np.abs(np.exp(y) - np.exp(x)))),
+        "pearson_r": float(np.corrcoef(x, y)[0, 1]),
+        "frac_over_ln2": float(np.mean(np.abs(d) > math.log(2))),
+    }
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def coarse_kl(pa: dict[int, float], pb: dict[int, float]) -> float:
+    """KL over the ids both top-k lists hold plus one bucket for the rest, by hand."""
+    common = set(pa) & set(pb)
+    total = sum(pa[i] * math.log(pa[i] / pb[i]) for i in common)
+    ra = 1 - sum(pa[i] for i in common)
+    rb = 1 - sum(pb[i] for i in common)
+    if ra > 0:
+        total += ra * math.log(ra / rb)
+    return total
+
+
+def pair(seed: int = 0, s: int = 5, t: int = 9, scale: float = 0.05):
+    rng = np.random.default_rng(seed)
+    a = (-np.abs(rng.normal(2.0, 1.0, (s, t))) - 1e-3).astype(np.float32)
+    b = np.minimum(a + rng.normal(0, scale, (s, t)), -1e-3).astype(np.float32)
+    tokens = rng.integers(0, 1000, (s, t))
+    return a, b, tokens
+
+
+# -- hand-computed ----------------------------------------------------------------------
+
+
+def test_two_tokens_by_hand() -> None:
+    df = compare_logprobs([np.array([-0.5, -1.0])], [np.array([-0.5, -1.25])])
+    row = df.iloc[0]
+    assert row["n_tokens"] == 2 and row["n_diff"] == 1
+    assert row["mean_abs_dlogprob"] == 0.125
+    assert row["max_abs_dlogprob"] == 0.25 and row["worst_position"] == 1
+    assert row["k1"] == pytest.approx(0.125, rel=1e-15)
+    assert row["k2"] == pytest.approx(0.0625 / 2 / 2, rel=1e-15)
+    # exp(-0.25) = 0.7788007830714049; k3 = (0.7788007830714049 - 1 + 0.25) / 2
+    assert row["k3"] == pytest.approx(0.0288007830714049 / 2, rel=1e-12)
+    assert row["chi2"] == pytest.approx(0.2211992169285951**2 / 2, rel=1e-12)
+    # exp(-1.25) = 0.2865047968601901, exp(-1) = 0.36787944117144233
+    assert row["mean_abs_dp"] == pytest.approx((0.36787944117144233 - 0.2865047968601901) / 2)
+    assert row["pearson_r"] == pytest.approx(1.0)
+    assert row["frac_over_ln2"] == 0.0
+    assert row["max_ulp"] == 2**50  # 0.25 apart in [1, 2): 0.25 / 2**-52 float64 steps
+    v = logprob_verdict(df)
+    assert v.status == "differs" and not v
+    assert v.worst[0]["sequence"] == 0 and v.worst[0]["position"] == 1
+
+
+def test_over_ln2_and_direction_by_hand() -> None:
+    # B gives the second token 3x A's probability: log r = ln 3 > ln 2, k1 = -ln 3
+    a = [np.array([math.log(0.1), math.log(0.2)])]
+    b = [np.array([math.log(0.1), math.log(0.6)])]
+    row = compare_logprobs(a, b).iloc[0]
+    assert row["frac_over_ln2"] == 0.5
+    assert row["k1"] == pytest.approx(-math.log(3) / 2)
+    assert row["k3"] == pytest.approx((2 - math.log(3)) / 2)
+    assert row["chi2"] == pytest.approx(4 / 2)
+    assert row["mean_abs_dp"] == pytest.approx(0.4 / 2)
+
+
+def test_identical_and_nothing_compared() -> None:
+    a, _, tok = pair()
+    v = logprob_verdict(
+        compare_logprobs({"logprobs": a, "tokens": tok}, {"logprobs": a.copy(), "tokens": tok})
+    )
+    assert v.status == "identical" and v and v.n_diff == 0 and v.figures["max_ulp"] == 0
+    mask = np.zeros(a.shape, bool)
+    v = logprob_verdict(
+        compare_logprobs({"logprobs": a, "mask": mask}, {"logprobs": a + 1, "mask": mask})
+    )
+    assert v.status == "inconclusive" and not v and v.n_tokens == 0
+
+
+# -- against the oracle -----------------------------------------------------------------
+
+
+def test_figures_match_numpy_per_sequence_and_overall() -> None:
+    a, b, tok = pair(seed=3, s=6, t=40, scale=0.8)
+    df = compare_logprobs({"logprobs": a, "tokens": tok}, {"logprobs": b, "tokens": tok})
+    for s in range(a.shape[0]):
+        row = df[df["sequence"] == s].iloc[0]
+        want = oracle([a[s]], [b[s]])
+        for k, v in want.items():
+            assert row[k] == pytest.approx(v, rel=1e-9, abs=1e-15), (s, k)
+        assert row["worst_position"] == int(np.argmax(np.abs(b[s].astype(float) - a[s])))
+        ulp = np.abs(a[s].view(np.int32).astype(np.int64) - b[s].view(np.int32).astype(np.int64))
+        same_sign = np.sign(a[s]) == np.sign(b[s])
+        assert same_sign.all()  # negative log-probs: the ULP distance is the bit distance
+        assert row["max_ulp"] == ulp.max()
+    v = logprob_verdict(df)
+    want = oracle(list(a), list(b))
+    for k, val in want.items():
+        assert v.figures[k] == pytest.approx(val, rel=1e-9, abs=1e-15), k
+    flat = np.abs(b.astype(float) - a).ravel()
+    order = np.argsort(-flat)[:5]
+    assert [(w["sequence"], w["position"]) for w in v.worst] == [
+        divmod(int(i), a.shape[1]) for i in order
+    ]
+
+
+def test_overall_is_over_tokens_not_a_mean_of_sequences() -> None:
+    xs = [np.array([-1.0]), np.array([-1.0, -2.0, -3.0])]
+    ys = [np.array([-2.0]), np.array([-1.0, -2.0, -3.0])]
+    v = logprob_verdict(compare_logprobs(xs, ys))
+    assert v.figures["mean_abs_dlogprob"] == 0.25  # 1 / 4 tokens (a mean of means: 0.5)
+
+
+def test_padded_mask_counts_only_its_tokens() -> None:
+    # 3 x 8 padded = 24 elements, 17 counted; the padding differs wildly and must not count
+    rng = np.random.default_rng(1)
+    lengths = np.array([8, 5, 4])
+    mask = np.arange(8)[None, :] < lengths[:, None]
+    assert mask.sum() == 17
+    a = rng.normal(-2, 1, (3, 8)).astype(np.float32)
+    b = a.copy()
+    b[~mask] = 0.0
+    b[1, 2] += np.float32(0.5)
+    v = logprob_verdict(
+        compare_logprobs({"logprobs": a, "mask": mask}, {"logprobs": b, "mask": mask})
+    )
+    assert v.n_tokens == 17 and v.n_diff == 1
+    want = oracle([a[i][mask[i]] for i in range(3)], [b[i][mask[i]] for i in range(3)])
+    assert v.figures["mean_abs_dlogprob"] == pytest.approx(want["mean_abs_dlogprob"])
+    assert v.worst[0]["sequence"] == 1 and v.worst[0]["position"] == 2
+    # lengths instead of a mask, and a mask given beside the inputs, count the same
+    v2 = logprob_verdict(
+        compare_logprobs({"logprobs": a, "lengths": lengths}, {"logprobs": b, "lengths": lengths})
+    )
+    v3 = logprob_verdict(compare_logprobs({"logprobs": a}, {"logprobs": b}, mask=mask))
+    assert v2.n_tokens == v3.n_tokens == 17
+    assert v2.figures == v.figures == v3.figures
+
+
+def test_position_is_among_counted_tokens_with_left_padding() -> None:
+    a = np.array([[0.0, 0.0, -1.0, -2.0]], np.float32)
+    b = np.array([[9.0, 9.0, -1.0, -2.5]], np.float32)
+    mask = np.array([[0, 0, 1, 1]])
+    v = logprob_verdict(compare_logprobs({"logprobs": a, "mask": mask}, [np.array([-1.0, -2.5])]))
+    assert v.n_tokens == 2 and v.worst[0]["position"] == 1
+    v = logprob_verdict(
+        compare_logprobs({"logprobs": a, "mask": mask}, {"logprobs": b, "mask": mask})
+    )
+    assert v.n_tokens == 2 and v.n_diff == 1 and v.worst[0]["position"] == 1
+
+
+def test_planted_one_ulp() -> None:
+    a, _, tok = pair(seed=5)
+    b = a.copy()
+    b[3, 4] = np.nextafter(b[3, 4], np.float32(0))
+    v = logprob_verdict(
+        compare_logprobs({"logprobs": a, "tokens": tok}, {"logprobs": b, "tokens": tok})
+    )
+    assert v.n_diff == 1 and v.figures["max_ulp"] == 1
+    assert (v.worst[0]["sequence"], v.worst[0]["position"]) == (3, 4)
+    assert v.figures["max_abs_dlogprob"] == abs(float(b[3, 4]) - float(a[3, 4]))
+
+
+def test_two_dtypes_have_no_ulp_and_compare_values() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = np.array([-1.0, -2.0, -0.5], np.float32)
+    b = a.astype(ml_dtypes.bfloat16)
+    v = logprob_verdict(compare_logprobs([a], [b]))
+    assert v.status == "identical" and v.figures["max_ulp"] is None
+    assert (v.dtype_a, v.dtype_b) == ("float32", "bfloat16")
+
+
+def test_nonfinite_tokens_are_counted_apart() -> None:
+    a = [np.array([-1.0, -np.inf, -np.inf, -2.0])]
+    b = [np.array([-1.5, -np.inf, -3.0, -2.0])]
+    v = logprob_verdict(compare_logprobs(a, b))
+    assert v.n_nonfinite == 2 and v.n_diff == 2  # -1 vs -1.5, and -inf vs -3
+    assert v.figures["mean_abs_dlogprob"] == 0.25  # over the 2 finite tokens
+    assert v.worst[0]["position"] == 2 and v.worst[0]["abs_dlogprob"] == math.inf
+
+
+def test_control_beside() -> None:
+    a, b, tok = pair(seed=7, scale=0.1)
+    c = a.copy()
+    c[0, 0] += np.float32(0.001)
+    df = compare_logprobs(
+        {"logprobs": a, "tokens": tok},
+        {"logprobs": b, "tokens": tok},
+        control={"logprobs": c, "tokens": tok},
+    )
+    v = logprob_verdict(df)
+    want = oracle(list(a), list(c))
+    assert v.control["mean_abs_dlogprob"] == pytest.approx(want["mean_abs_dlogprob"])
+    assert v.ratio_to_control == pytest.approx(
+        oracle(list(a), list(b))["mean_abs_dlogprob"] / want["mean_abs_dlogprob"]
+    )
+    assert set(df["role"]) == {"pair", "control"}
+    with pytest.raises(DmlibError, match="control is not comparable"):
+        compare_logprobs(
+            {"logprobs": a, "tokens": tok},
+            {"logprobs": b, "tokens": tok},
+            control={"logprobs": c, "tokens": tok + 1},
+        )
+
+
+# -- whole distributions ----------------------------------------------------------------
+
+
+def test_full_logits_kl_and_overlap_match_numpy() -> None:
+    rng = np.random.default_rng(11)
+    s, t, vocab = 2, 5, 30
+    za = rng.normal(0, 2, (s, t, vocab))
+    zb = za + rng.normal(0, 0.3, (s, t, vocab))
+    lp = lambda z: np.log(softmax(z))  # noqa: E731
+    tokens = rng.integers(0, vocab, (s, t))
+    side = lambda z: {  # noqa: E731
+        "logprobs": np.take_along_axis(lp(z), tokens[..., None], -1)[..., 0],
+        "tokens": tokens,
+        "logits": z,
+    }
+    v = logprob_verdict(compare_logprobs(side(za), side(zb), top_k=5))
+    pa, pb = softmax(za).reshape(-1, vocab), softmax(zb).reshape(-1, vocab)
+    kl_ab = np.sum(pa * np.log(pa / pb), axis=1)
+    kl_ba = np.sum(pb * np.log(pb / pa), axis=1)
+    overlap = [
+        len(set(np.argsort(-pa[i])[:5]) & set(np.argsort(-pb[i])[:5])) / 5 for i in range(s * t)
+    ]
+    assert v.figures["kl_ab"] == pytest.approx(kl_ab.mean(), rel=1e-9)
+    assert v.figures["kl_ba"] == pytest.approx(kl_ba.mean(), rel=1e-9)
+    assert v.figures["max_kl_ab"] == pytest.approx(kl_ab.max(), rel=1e-9)
+    assert v.figures["topk_overlap"] == pytest.approx(np.mean(overlap))
+
+
+def test_topk_kl_matches_the_hand_rule_and_bounds_the_whole_kl() -> None:
+    rng = np.random.default_rng(12)
+    n, vocab, k = 40, 25, 6
+    za = rng.normal(0, 1.5, (n, vocab))
+    zb = za + rng.normal(0, 0.6, (n, vocab))
+    pa, pb = softmax(za), softmax(zb)
+    ia, ib = np.argsort(-pa, axis=1)[:, :k], np.argsort(-pb, axis=1)[:, :k]
+    ib = ib[:, ::-1].copy()  # the order of a list must not matter
+    la, lb = np.log(np.take_along_axis(pa, ia, 1)), np.log(np.take_along_axis(pb, ib, 1))
+    tokens = ia[:, 0]
+    side = lambda lpk, ids, p: {  # noqa: E731
+        "logprobs": np.log(p[np.arange(n), tokens])[None],
+        "tokens": tokens[None],
+        "top_logprobs": lpk[None],
+        "top_ids": ids[None],
+    }
+    v = logprob_verdict(compare_logprobs(side(la, ia, pa), side(lb, ib, pb)))
+    ab = [
+        coarse_kl(dict(zip(ia[i], pa[i, ia[i]])), dict(zip(ib[i], pb[i, ib[i]]))) for i in range(n)
+    ]
+    ba = [
+        coarse_kl(dict(zip(ib[i], pb[i, ib[i]])), dict(zip(ia[i], pa[i, ia[i]]))) for i in range(n)
+    ]
+    overlap = [len(set(ia[i]) & set(ib[i])) / k for i in range(n)]
+    assert v.figures["kl_topk_ab"] == pytest.approx(np.mean(ab), rel=1e-9)
+    assert v.figures["kl_topk_ba"] == pytest.approx(np.mean(ba), rel=1e-9)
+    assert v.figures["topk_overlap"] == pytest.approx(np.mean(overlap))
+    assert 0 < np.mean(overlap) < 1  # the lists differ somewhere, agree somewhere
+    full = np.sum(pa * np.log(pa / pb), axis=1)
+    assert v.figures["kl_topk_ab"] <= full.mean() + 1e-12
+
+
+def test_topk_by_hand() -> None:
+    # A: ids 1, 2 with p 0.5, 0.3 (rest 0.2); B: ids 2, 3 with 0.4, 0.4 (rest 0.2 -> 0.6
+    # once id 3 goes to the rest). Common: {2}. KL(A||B) = 0.3 ln(0.3/0.4) + 0.7 ln(0.7/0.6)
+    a = {
+        "logprobs": [np.log([0.5])],
+        "top_logprobs.0": np.log([[0.5, 0.3]]),
+        "top_ids.0": np.array([[1, 2]]),
+    }
+    b = {
+        "logprobs": [np.log([0.5])],
+        "top_logprobs.0": np.log([[0.4, 0.4]]),
+        "top_ids.0": np.array([[2, 3]]),
+    }
+    a = {"logprobs.0": a.pop("logprobs")[0], **a}
+    b = {"logprobs.0": b.pop("logprobs")[0], **b}
+    v = logprob_verdict(compare_logprobs(a, b))
+    assert v.figures["kl_topk_ab"] == pytest.approx(
+        0.3 * math.log(0.3 / 0.4) + 0.7 * math.log(0.7 / 0.6)
+    )
+    assert v.figures["kl_topk_ba"] == pytest.approx(
+        0.4 * math.log(0.4 / 0.3) + 0.6 * math.log(0.6 / 0.7)
+    )
+    assert v.figures["topk_overlap"] == 0.5
+
+
+# -- the identity gate ------------------------------------------------------------------
+
+
+def test_misaligned_inputs_are_not_comparable() -> None:
+    # the sampler's log-probs scored one position off: their correlation is poor, but
+    # that is misalignment, not numerics, and must never be reported as a difference
+    rng = np.random.default_rng(13)
+    tok = rng.integers(0, 1000, (4, 12))
+    a = rng.normal(-2, 1, (4, 12)).astype(np.float32)
+    shifted_tok, shifted_a = np.roll(tok, 1, axis=1), np.roll(a, 1, axis=1)
+    assert abs(np.corrcoef(a.ravel(), shifted_a.ravel())[0, 1]) < 0.5
+    df = compare_logprobs(
+        {"logprobs": a, "tokens": tok}, {"logprobs": shifted_a, "tokens": shifted_tok}
+    )
+    v = logprob_verdict(df)
+    assert v.status == "not comparable" and not v and len(df) == 0
+    assert v.reason == f"tokens differ at sequence 0, position 0 (A {tok[0, 0]}, B {tok[0, -1]})"
+    assert v.figures == {} and "not comparable" in str(v).lower()
+
+
+def test_gate_on_counts_positions_masks_and_metadata() -> None:
+    a, b, tok = pair()
+    assert (
+        "5 sequences in A, 4 in B"
+        in logprob_verdict(compare_logprobs({"logprobs": a}, {"logprobs": b[:4]})).reason
+    )
+    ragged = [b[i][: 9 - (i == 2)] for i in range(5)]
+    assert logprob_verdict(compare_logprobs({"logprobs": a}, ragged)).reason == (
+        "sequence 2 has 9 counted tokens in A, 8 in B"
+    )
+    pos = np.tile(np.arange(9), (5, 1))
+    pos_b = pos.copy()
+    pos_b[1, 3] = 7
+    r = logprob_verdict(
+        compare_logprobs({"logprobs": a, "positions": pos}, {"logprobs": b, "positions": pos_b})
+    ).reason
+    assert r == "positions differ at sequence 1, position 3 (A 3, B 7)"
+    m1 = np.ones((5, 9), bool)
+    m1[0, 8] = False
+    m2 = np.ones((5, 9), bool)
+    m2[0, 0] = False
+    assert (
+        "masks differ at sequence 0"
+        in logprob_verdict(
+            compare_logprobs({"logprobs": a, "mask": m1}, {"logprobs": b, "mask": m2})
+        ).reason
+    )
+
+
+def test_gate_on_metadata(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    a, b, tok = pair()
+    save_file(
+        {"logprobs": a, "tokens": tok},
+        tmp_path / "a.safetensors",
+        metadata={"weights_hash": "abc", "temperature": "1.0"},
+    )
+    save_file(
+        {"logprobs": b, "tokens": tok},
+        tmp_path / "b.safetensors",
+        metadata={"weights_hash": "abd", "temperature": "1"},
+    )
+    save_file(
+        {"logprobs": b, "tokens": tok},
+        tmp_path / "c.safetensors",
+        metadata={"weights_hash": "abc", "temperature": "1"},
+    )
+    v = logprob_verdict(compare_logprobs(tmp_path / "a.safetensors", tmp_path / "b.safetensors"))
+    assert v.status == "not comparable" and "metadata 'weights_hash' differs" in v.reason
+    v = logprob_verdict(compare_logprobs(tmp_path / "a.safetensors", tmp_path / "c.safetensors"))
+    assert v.status == "differs"  # 1.0 and 1 are the same temperature
+
+
+# -- layouts and files ------------------------------------------------------------------
+
+
+def test_every_layout_and_format_gives_the_same_figures(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+
+    a, b, tok = pair(seed=21, s=4, t=7, scale=0.2)
+    lengths = np.array([7, 3, 5, 1])
+    keep = [slice(0, n) for n in lengths]
+    want = logprob_verdict(
+        compare_logprobs([a[i][keep[i]] for i in range(4)], [b[i][keep[i]] for i in range(4)])
+    ).figures
+    save_file({"logprobs": a, "lengths": lengths, "tokens": tok}, tmp_path / "a.safetensors")
+    np.savez(tmp_path / "a.npz", logprobs=a, mask=np.arange(7)[None] < lengths[:, None], tokens=tok)
+    torch.save([torch.from_numpy(b[i][keep[i]].copy()) for i in range(4)], tmp_path / "b.pt")
+    with open(tmp_path / "b.jsonl", "w") as f:
+        f.write(json.dumps({"metadata": {"temperature": 1.0}}) + "\n")
+        for i in range(4):
+            f.write(
+                json.dumps(
+                    {
+                        "tokens": tok[i][keep[i]].tolist(),
+                        "logprobs": b[i][keep[i]].astype(float).tolist(),
+                    }
+                )
+                + "\n"
+            )
+    for pa in ("a.safetensors", "a.npz"):
+        for pb in ("b.pt", "b.jsonl"):
+            got = logprob_verdict(compare_logprobs(tmp_path / pa, tmp_path / pb)).figures
+            for k, v in want.items():
+                if k == "max_ulp":
+                    continue  # JSONL holds float64: the dtypes differ
+                assert got[k] == pytest.approx(v, rel=1e-12), (pa, pb, k)
+    v = logprob_verdict(compare_logprobs(tmp_path / "a.npz", tmp_path / "b.jsonl"))
+    assert v.unchecked == [
+        "positions (given by neither side)",
+        "metadata 'temperature' (given by B only)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "line 1: not JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"tokens": [1]}', "no 'logprobs' list"),
+        ('{"logprobs": [-1.0], "tokens": [1.5]}', "'tokens' must hold integers"),
+        ('{"logprobs": ["x"]}', "'logprobs' must hold numbers"),
+        ('{"logprobs": [-1.0], "top_ids": [[1, 2], [3]]}', "lists of integers, all of one length"),
+        ('{"logprobs": [-1.0], "other": 1}', "unknown key"),
+    ],
+)
+def test_jsonl_bad_lines(tmp_path: Path, line: str, message: str) -> None:
+    p = tmp_path / "x.jsonl"
+    p.write_text(line + "\n")
+    with pytest.raises(DmlibError, match=message) as info:
+        compare_logprobs(p, p)
+    assert str(p) in str(info.value)
+
+
+def test_jsonl_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "x.jsonl"
+    p.write_text("".join(json.dumps({"logprobs": [-1.0, -2.0, -3.0]}) + "\n" for _ in range(3)))
+    monkeypatch.setattr(logprob_sides, "JSONL_MAX_LINES", 2)
+    with pytest.raises(DmlibError, match="more than 2 sequences"):
+        compare_logprobs(p, p)
+    monkeypatch.setattr(logprob_sides, "JSONL_MAX_LINES", 10)
+    monkeypatch.setattr(logprob_sides, "JSONL_MAX_TOKENS", 2)
+    with pytest.raises(DmlibError, match="at most 2 entries"):
+        compare_logprobs(p, p)
+    monkeypatch.setattr(logprob_sides, "JSONL_MAX_TOKENS", 10)
+    monkeypatch.setattr(logprob_sides, "JSONL_MAX_LINE_BYTES", 20)
+    with pytest.raises(DmlibError, match="line 1 is longer than"):
+        compare_logprobs(p, p)
+    monkeypatch.setattr(logprob_sides, "jsonl_max_bytes", lambda: 10)
+    with pytest.raises(DmlibError, match="over the"):
+        compare_logprobs(p, p)
+
+
+def test_bad_layouts_name_the_problem(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(
+        {"weight": np.zeros((2, 2), np.float32), "bias": np.zeros(2, np.float32)},
+        tmp_path / "w.safetensors",
+    )
+    with pytest.raises(DmlibError, match="no log-probs found") as info:
+        compare_logprobs(tmp_path / "w.safetensors", tmp_path / "w.safetensors")
+    assert "w.safetensors" in str(info.value)
+    with pytest.raises(DmlibError, match="expected \\[2, 3\\]"):
+        compare_logprobs(
+            {"logprobs": np.zeros((2, 3)), "tokens": np.zeros((2, 4), int)}, [np.zeros(3)]
+        )
+    with pytest.raises(DmlibError, match="booleans or 0/1"):
+        compare_logprobs({"logprobs": np.zeros((1, 2)), "mask": np.array([[0, 2]])}, [np.zeros(2)])
+    with pytest.raises(DmlibError, match="tokens has dtype float"):
+        compare_logprobs({"logprobs": np.zeros((1, 2)), "tokens": np.zeros((1, 2))}, [np.zeros(2)])
+
+
+# -- the ladder -------------------------------------------------------------------------
+
+
+def test_ladder_rows_per_run_and_step() -> None:
+    a, b, tok = pair(seed=30, scale=0.01)
+    drift = {"logprobs": a + np.float32(0.3), "tokens": tok}
+    runs = {
+        "policy": {
+            0: ({"logprobs": a, "tokens": tok}, {"logprobs": b, "tokens": tok}),
+            10: ({"logprobs": a, "tokens": tok}, drift),
+        },
+        "lr0": {
+            0: ({"logprobs": a, "tokens": tok}, {"logprobs": b, "tokens": tok}),
+            10: ({"logprobs": a, "tokens": tok}, {"logprobs": a, "tokens": tok + 1}),
+        },
+    }
+    df = logprob_ladder(runs, control="lr0")
+    assert list(zip(df["run"], df["step"], df["status"], strict=True)) == [
+        ("policy", 0, "differs"),
+        ("policy", 10, "differs"),
+        ("lr0", 0, "differs"),
+        ("lr0", 10, "not comparable"),
+    ]
+    assert df.loc[1, "k3"] == pytest.approx(oracle(list(a), list(a + np.float32(0.3)))["k3"])
+    assert df.loc[0, "mean_abs_dlogprob"] == pytest.approx(
+        oracle(list(a), list(b))["mean_abs_dlogprob"]
+    )
+    assert math.isnan(df.loc[3, "k3"]) and "tokens differ" in df.loc[3, "reason"]
+    assert list(df["is_control"]) == [False, False, True, True]
+    with pytest.raises(DmlibError, match="control run 'x'"):
+        logprob_ladder(runs, control="x")
