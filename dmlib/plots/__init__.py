@@ -9,9 +9,14 @@ JSON output all say the same thing.
 
 from __future__ import annotations
 
-from dmlib.plots._base import LABELS, label
+from dmlib.plots._base import LABELS, label, ulp_bucket_label
 from dmlib.plots.anatomy import layout_map, slot_counts
-from dmlib.plots.divergence import first_column_histogram, run_matrix_heatmap, ulp_histogram
+from dmlib.plots.divergence import (
+    first_column_histogram,
+    run_matrix_heatmap,
+    ulp_histogram,
+    ulp_histogram_by_pair,
+)
 from dmlib.plots.growth import growth_rate_bars, step_growth, step_growth_grid
 from dmlib.plots.localize import block_heatmap, boundary_profile
 
@@ -27,5 +32,7 @@ __all__ = [
     "slot_counts",
     "step_growth",
     "step_growth_grid",
+    "ulp_bucket_label",
     "ulp_histogram",
+    "ulp_histogram_by_pair",
 ]

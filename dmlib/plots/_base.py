@@ -20,6 +20,7 @@ __all__ = [
     "need",
     "palette",
     "sparse_ticks",
+    "ulp_bucket_label",
 ]
 
 
@@ -96,3 +97,23 @@ def sparse_ticks(n: int, keep: Iterable[int] = (), max_labels: int = 30) -> list
     kept = {k for k in keep if 0 <= k < n}
     regular = {i for i in range(0, n, step) if all(abs(i - k) * 2 >= step for k in kept)}
     return sorted(regular | kept)
+
+
+_BUCKET = re.compile(r"ulp_(?:(gt_)?(\d+)(?:_(\d+))?|(nonfinite))")
+
+
+def ulp_bucket_label(bucket: Any) -> str:
+    """A ULP bucket's column name in words: ``ulp_3_4`` -> "3-4 ULP", ``ulp_gt_65536`` ->
+    "> 65,536 ULP", ``ulp_0`` -> "0 ULP (+0 vs -0)", ``ulp_nonfinite`` -> "NaN or inf"; any
+    other name as it is."""
+    m = _BUCKET.fullmatch(str(bucket))
+    if m is None:
+        return str(bucket)
+    gt, lo, hi, nonfinite = m.groups()
+    if nonfinite:
+        return "NaN or inf"
+    if gt:
+        return f"> {int(lo):,} ULP"
+    if hi:
+        return f"{int(lo):,}-{int(hi):,} ULP"
+    return "0 ULP (+0 vs -0)" if lo == "0" else f"{int(lo):,} ULP"

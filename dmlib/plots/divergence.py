@@ -8,9 +8,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dmlib.plots._base import axes_or_current, floats, label, need, palette
+from dmlib.plots._base import (
+    axes_or_current,
+    floats,
+    label,
+    need,
+    palette,
+    ulp_bucket_label,
+)
 
-__all__ = ["first_column_histogram", "run_matrix_heatmap", "ulp_histogram"]
+__all__ = ["first_column_histogram", "run_matrix_heatmap", "ulp_histogram", "ulp_histogram_by_pair"]
 
 
 def ulp_histogram(
@@ -46,12 +53,84 @@ def ulp_histogram(
         ax.bar(xs, floats(sub[y]), width, label=None if g is None else str(g), color=color)
     if log:
         ax.set_yscale("log")
-    ax.set_xticks(range(len(buckets)), [str(b) for b in buckets], rotation=45, ha="right")
+    ax.set_xticks(
+        range(len(buckets)), [ulp_bucket_label(b) for b in buckets], rotation=45, ha="right"
+    )
     ax.set_xlabel(label("ulp"))
     ax.set_ylabel("elements (count)")
     ax.set_title(title or "ULP distance between runs")
     if hue:
         ax.legend(title=hue, fontsize="small")
+    return ax
+
+
+def ulp_histogram_by_pair(
+    df: pd.DataFrame,
+    *,
+    x: str = "bucket",
+    y: str = "count",
+    pair: str = "pair",
+    group: str | None = "group",
+    ax: Any = None,
+    title: str | None = None,
+) -> Any:
+    """One histogram line per pair of runs (element counts per ULP bucket, log y axis),
+    coloured by ``group`` (e.g. pairs with and without the control), so that no pair is
+    pooled with another: a pair whose counts are all zero (bit-identical) draws no line
+    and is named in a box on the axes; zero counts leave gaps.
+
+    ``df``: one row per (pair, bucket), buckets ordered as they first appear, labelled in
+    words ("3-4 ULP", "> 65,536 ULP").
+    """
+    need(df, [x, y, pair] + ([group] if group else []), "ulp_histogram_by_pair")
+    ax = axes_or_current(ax)
+    buckets = list(dict.fromkeys(df[x].tolist()))
+    pos = {b: i for i, b in enumerate(buckets)}
+    pairs = list(dict.fromkeys(df[pair].tolist()))
+    groups = list(dict.fromkeys(df[group].tolist())) if group else [None]
+    colors = dict(zip(groups, palette(len(groups)), strict=True))
+    counts = {g: 0 for g in groups}
+    identical = []
+    for p in pairs:
+        sub = df[df[pair] == p]
+        g = sub[group].iloc[0] if group else None
+        ys = floats(sub[y])
+        counts[g] += 1
+        if not (ys > 0).any():
+            identical.append(str(p))
+            continue
+        ax.plot(
+            [pos[b] for b in sub[x]], np.where(ys > 0, ys, np.nan), marker="o", ms=3, lw=1,
+            alpha=0.8, color=colors[g], label=None if g is None else str(g),
+        )  # fmt: skip
+    handles, names = ax.get_legend_handles_labels()
+    seen = dict(zip(names, handles, strict=True))  # one legend entry per group
+    if seen:
+        ax.legend(
+            list(seen.values()),
+            [f"{n} ({counts.get(n, 0)} pairs, one line each)" for n in seen],
+            fontsize="small",
+        )
+    if identical:
+        shown = ", ".join(identical[:6]) + (
+            f" and {len(identical) - 6} more" if len(identical) > 6 else ""
+        )
+        ax.text(
+            0.99, 0.97, f"bit-identical (no line): {shown}", transform=ax.transAxes,
+            ha="right", va="top", fontsize="small",
+            bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "0.6"},
+        )  # fmt: skip
+    if not (floats(df[y]) > 0).any():
+        ax.text(0.5, 0.5, "no element differs in any pair", transform=ax.transAxes, ha="center")
+    else:
+        ax.set_yscale("log")
+    ax.set_xticks(
+        range(len(buckets)), [ulp_bucket_label(b) for b in buckets], rotation=45, ha="right"
+    )
+    ax.set_xlim(-0.5, len(buckets) - 0.5)
+    ax.set_xlabel(label("ulp"))
+    ax.set_ylabel("elements (count)")
+    ax.set_title(title or "ULP distance between runs, pair by pair")
     return ax
 
 
@@ -79,11 +158,10 @@ def first_column_histogram(
             int(df["n_cols"].max()) if "n_cols" in df and len(df) else int(vals.max(initial=-1)) + 1
         )
     )
-    counts = (
-        np.bincount(vals, minlength=max(width, 1))
-        if vals.size
-        else np.zeros(max(width, 1), dtype=np.int64)
-    )
+    # the axis ends at the last column any pair first diverges at; the columns after it
+    # (none diverges first there) are named in the label instead of drawn as empty space
+    shown = int(vals.max()) + 1 if vals.size else max(width, 1)
+    counts = np.bincount(vals, minlength=shown) if vals.size else np.zeros(shown, dtype=np.int64)
     ax.bar(
         np.arange(counts.size),
         counts,
@@ -91,7 +169,13 @@ def first_column_histogram(
         color=palette(1)[0],
         label=f"diverging pairs ({vals.size})",
     )
-    ax.set_xlabel(label(column))
+    ax.set_xlim(-0.7, counts.size - 0.3)
+    tail = (
+        f"; of {width} columns, none first diverges after column {counts.size - 1}"
+        if width > counts.size
+        else ""
+    )
+    ax.set_xlabel(label(column) + tail)
     ax.set_ylabel("tensor pairs (count)")
     ax.set_title(
         title or f"First divergent column; {n_identical} of {len(df)} tensor pairs bit-identical"
@@ -108,6 +192,7 @@ def run_matrix_heatmap(
     b: str = "b",
     order: Sequence[str] | None = None,
     log: bool = True,
+    compared: str | None = None,
     ax: Any = None,
     title: str | None = None,
     fmt: str = "{:.2g}",
@@ -116,41 +201,94 @@ def run_matrix_heatmap(
 
     Exact zeros (bit-identical pairs) are printed "0" and drawn in the colour for "bad"
     values of a log scale (white); the diagonal is blank, marked "—"; a pair absent from
-    the frame is blank. The image array is the matrix
-    of ``value`` in ``order`` (default: runs as they first appear in ``a`` then ``b``).
-    """
-    need(pairs, [a, b, value], "run_matrix_heatmap")
-    import matplotlib.colors as mcolors
+    the frame is blank. A pair in the frame without a value, or whose ``compared`` column
+    (e.g. ``numel``) is 0, is blank and marked "nothing compared", and a run with no
+    compared pair says so beside its name. The image array is the matrix of ``value`` in
+    ``order`` (default: runs as they first appear in ``a`` then ``b``).
 
+    The log colour scale spans whole decades (10^k to 10^m), so that values a hair apart
+    get nearly the same colour; when every non-zero value prints the same at ``fmt``'s
+    precision, the title says so.
+    """
+    need(pairs, [a, b, value] + ([compared] if compared else []), "run_matrix_heatmap")
     ax = axes_or_current(ax)
     runs = (
         list(order)
         if order is not None
         else list(dict.fromkeys([*pairs[a].tolist(), *pairs[b].tolist()]))
     )
-    idx = {r: i for i, r in enumerate(runs)}
-    mat = np.full((len(runs), len(runs)), np.nan)
-    for ra, rb, v in zip(pairs[a], pairs[b], floats(pairs[value]), strict=True):
-        if ra not in idx or rb not in idx:
-            continue
-        mat[idx[ra], idx[rb]] = mat[idx[rb], idx[ra]] = v
-    pos = mat[np.isfinite(mat) & (mat > 0)]
-    # one distinct value (two runs: one pair) would give a degenerate log scale
-    norm = None
-    if log and pos.size:
-        lo, hi = float(pos.min()), float(pos.max())
-        if hi <= lo:
-            lo, hi = lo / 10, hi * 10
-        norm = mcolors.LogNorm(vmin=lo, vmax=hi)
+    mat, empty = _pair_matrix(pairs, runs, value, a, b, compared)
+    upper = np.triu(np.ones(mat.shape, dtype=bool), k=1)  # each pair once
+    pos = mat[upper & np.isfinite(mat) & (mat > 0)]
+    printed = {fmt.format(v) for v in pos}
     import matplotlib
 
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
-    im = ax.imshow(mat, cmap=cmap, norm=norm)
-    for i in range(len(runs)):
-        for j in range(len(runs)):
+    im = ax.imshow(mat, cmap=cmap, norm=_decade_norm(pos) if log else None)
+    _cell_texts(ax, im, mat, empty, fmt, log)
+    alone = [
+        i for i in range(len(runs)) if all(np.isnan(mat[i, j]) for j in range(len(runs)) if j != i)
+    ]
+    names = [
+        f"{r}\n(nothing compared)" if i in alone and len(runs) > 1 else str(r)
+        for i, r in enumerate(runs)
+    ]
+    ax.set_xticks(range(len(runs)), [str(r) for r in runs], rotation=45, ha="right")
+    ax.set_yticks(range(len(runs)), names)
+    ax.set_xlabel("run b")
+    ax.set_ylabel("run a")
+    ax.figure.colorbar(im, ax=ax, label=label(value))
+    title = title or f"{value} over all pairs of runs"
+    if len(pos) > 1 and len(printed) == 1:
+        title += f"\nall {len(pos)} non-zero pairs equal at the precision shown ({printed.pop()})"
+    ax.set_title(title)
+    return ax
+
+
+def _pair_matrix(
+    pairs: pd.DataFrame, runs: list[Any], value: str, a: str, b: str, compared: str | None
+) -> tuple[np.ndarray, set[tuple[int, int]]]:
+    """The symmetric matrix of ``value`` and the cells of pairs present with nothing compared."""
+    idx = {r: i for i, r in enumerate(runs)}
+    mat = np.full((len(runs), len(runs)), np.nan)
+    empty: set[tuple[int, int]] = set()
+    n_cmp = floats(pairs[compared]) if compared else np.full(len(pairs), np.nan)
+    for ra, rb, v, n in zip(pairs[a], pairs[b], floats(pairs[value]), n_cmp, strict=True):
+        if ra not in idx or rb not in idx:
+            continue
+        i, j = idx[ra], idx[rb]
+        if np.isnan(v) or n == 0:
+            empty |= {(i, j), (j, i)}
+            continue
+        mat[i, j] = mat[j, i] = v
+    return mat, empty
+
+
+def _decade_norm(pos: np.ndarray) -> Any:
+    """A log colour scale from the decade below the smallest positive value to the decade
+    above the largest (None without positive values)."""
+    import matplotlib.colors as mcolors
+
+    if not pos.size:
+        return None
+    lo = 10.0 ** np.floor(np.log10(float(pos.min())))
+    hi = 10.0 ** np.ceil(np.log10(float(pos.max())))
+    return mcolors.LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 10)
+
+
+def _cell_texts(
+    ax: Any, im: Any, mat: np.ndarray, empty: set[tuple[int, int]], fmt: str, log: bool
+) -> None:
+    """Each cell's value written on it, in black or white by the colour under it."""
+    for i in range(mat.shape[0]):
+        for j in range(mat.shape[1]):
             v = mat[i, j]
             if i == j:  # a run against itself: not compared
                 ax.text(j, i, "—", ha="center", va="center", fontsize="x-small", color="0.5")
+                continue
+            if (i, j) in empty:
+                ax.text(j, i, "nothing\ncompared", ha="center", va="center",
+                        fontsize="xx-small", color="tab:red")  # fmt: skip
                 continue
             if np.isnan(v):
                 continue
@@ -166,10 +304,3 @@ def run_matrix_heatmap(
                 fontsize="x-small",
                 color="white" if dark else "black",
             )
-    ax.set_xticks(range(len(runs)), runs, rotation=45, ha="right")
-    ax.set_yticks(range(len(runs)), runs)
-    ax.set_xlabel("run b")
-    ax.set_ylabel("run a")
-    ax.figure.colorbar(im, ax=ax, label=label(value))
-    ax.set_title(title or f"{value} over all pairs of runs")
-    return ax

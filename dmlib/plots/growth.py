@@ -30,6 +30,10 @@ def step_growth(
     draw in colour with a legend entry each; the others are thin grey lines. Zeros
     (bit-identical) are not drawable on a log axis and leave a gap in their line; when
     every value is zero the axes say so in words.
+
+    The y range is the data's own: a few points far below all others (more than
+    ``OUTLIER_GAP`` decades, at most 1% of the points) do not stretch the axis; each is
+    marked by a red triangle on the bottom edge with its value and step.
     """
     need(df, [x, y, hue], "step_growth")
     ax = axes_or_current(ax)
@@ -64,6 +68,7 @@ def step_growth(
             )
             others = True
     values = floats(df[y])
+    ax.set_yscale("log")
     if len(df) and not (values > 0).any():
         ax.text(
             0.5,
@@ -73,17 +78,61 @@ def step_growth(
             ha="center",
             va="center",
         )
+        ax.set_yticks([], minor=True)
+        ax.set_yticks([])
+    else:
+        _fit_y(ax, df, x, y, values)
     if len(df):
         xs = floats(df[x])
         pad = max((np.nanmax(xs) - np.nanmin(xs)) * 0.03, 0.5)
         ax.set_xlim(np.nanmin(xs) - pad, np.nanmax(xs) + pad)
-    ax.set_yscale("log")
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.set_title(title or "Divergence per parameter by step")
     if legend:
         ax.legend(fontsize="x-small")
     return ax
+
+
+OUTLIER_GAP = 4.0  # decades between the lowest points and the rest that make them outliers
+
+
+def low_outliers(values: np.ndarray, gap: float = OUTLIER_GAP) -> np.ndarray:
+    """A mask of the positive ``values`` that lie below the widest gap of more than
+    ``gap`` decades among the lowest 1% of the positive values (at least one value)."""
+    pos = np.isfinite(values) & (values > 0)
+    logs = np.sort(np.log10(values[pos]))
+    cut = None
+    best = gap
+    for k in range(1, min(max(1, logs.size // 100), logs.size - 1) + 1):
+        if logs[k] - logs[k - 1] > best:
+            best, cut = logs[k] - logs[k - 1], logs[k]
+    mask = np.zeros(values.shape, dtype=bool)
+    if cut is not None:
+        mask[pos] = np.log10(values[pos]) < cut
+    return mask
+
+
+def _fit_y(ax: Any, df: pd.DataFrame, x: str, y: str, values: np.ndarray) -> None:
+    """The y range of the positive values without the low outliers, which are marked."""
+    out = low_outliers(values)
+    kept = values[(values > 0) & ~out]
+    lo, hi = np.log10(kept.min()), np.log10(kept.max())
+    pad = max((hi - lo) * 0.08, 0.3)
+    bottom = 10 ** (lo - pad)
+    ax.set_ylim(bottom, 10 ** (hi + pad))
+    if not out.any():
+        return
+    xs = floats(df[x])[out]
+    ax.plot(
+        xs, np.full(xs.size, bottom), ls="none", marker="v", ms=8, color="tab:red",
+        clip_on=False, zorder=5, label=f"below the axis ({int(out.sum())})",
+    )  # fmt: skip
+    for xv, v in list(zip(xs, values[out], strict=True))[:3]:  # more would overlap
+        ax.annotate(
+            f"{v:.1e} at {x} {xv:g}, below the axis", (xv, bottom), xytext=(6, 4),
+            textcoords="offset points", fontsize="x-small", color="tab:red",
+        )  # fmt: skip
 
 
 def growth_rate_bars(
@@ -126,27 +175,33 @@ def step_growth_grid(
     ncols: int = 2,
 ) -> Any:
     """One :func:`step_growth` panel per ``pair`` of a step ladder, in a grid of ``ncols``
-    columns (shared y axis), each titled with its largest ``rel_fro`` and its step; the
-    legend is drawn once, below the panels. Returns the matplotlib Figure."""
+    columns, each titled with its largest ``rel_fro`` and its step and with its own y
+    range (a few far-off low points marked, not stretching it); the legend is drawn once,
+    below the panels. Returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
 
     need(df, ["pair", "step", "rel_fro"], "step_growth_grid")
     pairs = list(dict.fromkeys(df["pair"]))
     ncols = max(min(ncols, len(pairs)), 1)
     nrows = max(-(-len(pairs) // ncols), 1)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(7 * ncols, 4.6 * nrows), sharey=True, squeeze=False
-    )
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 4.6 * nrows), squeeze=False)
     for ax, pair in zip(axes.flat, pairs):
         sub = df[df["pair"].eq(pair)]
         step_growth(sub, highlight=highlight, highlight_label=highlight_label, legend=False,
                     ax=ax, title=f"{pair}: {_worst_note(sub)}")  # fmt: skip
     for ax in axes.flat[len(pairs) :]:
         ax.set_visible(False)
-    handles, names = axes.flat[0].get_legend_handles_labels()
+    handles, names = [], []
+    for ax in axes.flat[: len(pairs)]:  # every line kind once, whichever panel draws it
+        for h, n in zip(*ax.get_legend_handles_labels(), strict=True):
+            if n not in names and not n.startswith("below the axis"):
+                handles.append(h)
+                names.append(n)
     if handles:
         fig.legend(handles, names, loc="lower center", ncol=3, fontsize="small", frameon=False)
-    fig.suptitle(f"rel_fro of each saved parameter against {reference}, by step")
+    fig.suptitle(
+        f"rel_fro of each saved parameter against {reference}, by step (each panel its own y range)"
+    )
     fig.tight_layout(rect=(0, 0.1 if handles else 0, 1, 1))
     return fig
 

@@ -19,6 +19,7 @@ def boundary_profile(
     x: str = "boundary",
     y: str = "rel_fro",
     hue: str | None = "comparison",
+    identical: str | None = "identical",
     first_divergent: Mapping[Any, Any] | None = None,
     max_labels: int = 30,
     ax: Any = None,
@@ -32,6 +33,11 @@ def boundary_profile(
         Long form, e.g. ``compare_captures(...)`` frames concatenated with a column naming
         the comparison. Missing values (boundaries without element statistics) leave
         gaps; markers show every known value.
+    identical
+        The column saying whether a boundary's hashes match (used when the frame has
+        it): a boundary that differs while its ``y`` is missing (hash only, rows not
+        dumped) has a difference of unknown size; it is drawn as a marker in a band at
+        the top of the axes, one row per comparison, labelled so, never at 0.
     first_divergent
         Maps a hue value to its first divergent boundary (an ``x`` value), marked with a
         vertical dashed line and named in the legend; None in the mapping draws nothing.
@@ -62,6 +68,8 @@ def boundary_profile(
             zorder=10 - i,
             label=None if g is None else str(g),
         )
+    if identical and identical in df.columns:
+        _unknown_band(ax, df, x, y, hue, identical, groups, colors, pos)
     marked = []
     for g, boundary in (first_divergent or {}).items():
         if boundary is None or boundary not in pos:
@@ -77,8 +85,10 @@ def boundary_profile(
     values = floats(df[y])
     positive = values[np.isfinite(values) & (values > 0)]
     if positive.size:
-        ax.set_yscale("symlog", linthresh=float(positive.min()))
-        ax.set_ylim(-float(positive.min()), float(positive.max()) * 5)
+        lo, hi = float(positive.min()), float(positive.max())
+        ax.set_yscale("symlog", linthresh=lo)
+        # headroom above the largest value for the band of unknown sizes
+        ax.set_ylim(-lo, hi * 10 ** (0.35 * (np.log10(hi / lo) + 1)))
     else:
         ax.set_yscale("symlog", linthresh=1e-12)
     ticks = sparse_ticks(len(order), marked, max_labels)
@@ -87,8 +97,40 @@ def boundary_profile(
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.set_title(title or f"{y} per boundary")
-    ax.legend(fontsize="x-small")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
+
+
+def _unknown_band(
+    ax: Any,
+    df: pd.DataFrame,
+    x: str,
+    y: str,
+    hue: str | None,
+    identical: str,
+    groups: list[Any],
+    colors: Mapping[Any, Any],
+    pos: Mapping[Any, int],
+) -> None:
+    """Boundaries that differ by hash with no element statistics: markers in a band at the
+    top of the axes (x in data, y in axes coordinates), one row per comparison."""
+    import matplotlib.transforms as mtransforms
+
+    band = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+    row = 0
+    for g in groups:
+        sub = df if g is None else df[df[hue] == g]
+        differs = sub[identical].eq(False).fillna(False).to_numpy(dtype=bool)
+        unknown = differs & np.isnan(floats(sub[y]))
+        if not unknown.any():
+            continue
+        xs = [pos[b] for b in sub[x][unknown]]
+        ax.plot(
+            xs, np.full(len(xs), 0.96 - 0.04 * row), transform=band, ls="none", marker="|",
+            ms=9, mew=1.5, color=colors[g], clip_on=False,
+            label=f"{'' if g is None else f'{g}: '}differs, size unknown (hash only, rows not dumped; {len(xs)})",
+        )  # fmt: skip
+        row += 1
 
 
 BLOCK_STATES = ("same", "differs, inherited", "differs, new here")
