@@ -87,7 +87,8 @@ def test_columns_skipped_with_one_run(stage):
     qc = sections.column_runs(report.load_study(path))
     assert sections.first_columns(qc) is None and sections.column_histogram(qc) is None
     assert _numbers()["skipped"] == [
-        "fewer than two runs besides the control: no pair to compare column by column"
+        "fewer than two runs besides the control: no pair to compare column by column; "
+        "add a run to [runs] in the study.toml"
     ]
     sections.conclude(qc)  # no lines: says nothing, raises nothing
 

@@ -535,7 +535,10 @@ def all_columns_identical(when: str) -> str:
     return f"every factor-tensor pair is bit-identical {when}: no column to draw"
 
 
-FEWER_THAN_TWO_RUNS = "fewer than two runs besides the control: no pair to compare column by column"
+FEWER_THAN_TWO_RUNS = (
+    "fewer than two runs besides the control: no pair to compare column by column; add a "
+    "run to [runs] in the study.toml"
+)
 
 
 def pair_worst_lines(pairs: pd.DataFrame) -> list[str]:
@@ -583,3 +586,65 @@ NO_OP_CAPTURES = (
     "the study declares no op-level captures ([captures.ops]): no first divergent op, "
     "patch test or fp64 arbitration"
 )
+
+
+def ulp_finding(verdict: Mapping[str, Any], when: str) -> str:
+    """``ulp_distributions``' finding: the pairs' distances in ULP (``dmlib.matrix``'s
+    verdict), where ``run_matrix``'s finding speaks in rel_fro."""
+    control = verdict["control"]
+    others = [p for p in verdict["pairs"] if not p["control"]] if control else verdict["pairs"]
+    k, n = len(verdict["identical_pairs"]), len(others)
+    mu, med = verdict.get("same_max_ulp"), verdict.get("same_worst_median_ulp")
+    head = f"{_t(when.capitalize())}: "
+    if n:
+        subject = "pairs without the control" if control else "pairs"
+        head += (
+            f"{k} of {n} {subject} bit-identical; the others differ by at most {fmt(mu)} ULP "
+            f"(the largest per-tensor median {fmt(med)} ULP)"
+            if k < n
+            else f"all {n} {subject} bit-identical (0 ULP)"
+        )
+    if control:
+        head += ("; " if n else "") + (
+            f"every pair with the control {_t(control)} reaches at least "
+            f"{fmt(verdict.get('control_max_ulp'))} ULP in its worst tensor"
+        )
+    return head + "."
+
+
+# what a notebook says when its study lacks the data it reads: what is missing, how to add it
+NO_CAPTURES_HERE = (
+    "this study declares no captures: add a [captures] table to its study.toml (request, "
+    "reference and [captures.folders] naming folders written by dmlib.capture; README, "
+    "'Your runs, your report'), or point STUDY at a study that has one"
+)
+ONLY_REFERENCE_CAPTURE = (
+    "this study's [captures.folders] names only the reference capture: add another "
+    "capture of the same request (another layout) to compare it with"
+)
+NO_LADDER_HERE = (
+    "no run of this study has checkpoints at two or more steps: give a run in [runs] a "
+    "folder or a glob of checkpoints, one per step (each records its step, or has it as the "
+    "last number of its name), or point STUDY at a study that has one"
+)
+NO_CHECKPOINT_HERE = (
+    "this study names no checkpoint: add [runs] (label = a checkpoint file) or "
+    "[anatomy] files = [...] to its study.toml"
+)
+FEWER_THAN_TWO_RUNS_HERE = (
+    "this study has fewer than two runs: add runs to [runs] in its study.toml "
+    '(label = "path/to/checkpoint"), or point STUDY at a study that has them'
+)
+NO_FACTOR_GROUPS_HERE = (
+    "this study declares no factor groups: add [[factor_groups]] to its study.toml "
+    '(kind = "svd" with u, s, v name patterns such as "{prefix}.u", or "lowrank" with a, b)'
+)
+
+
+def no_factor_tensors(patterns: Sequence[str], runs: Sequence[str]) -> str:
+    """Why the column notebook has nothing to compare (plain text, for ``skip``)."""
+    return (
+        f"no tensor of the runs ({', '.join(runs)}) matches the factor groups' patterns "
+        f"({', '.join(patterns) or 'none'}): nothing was compared; check the name patterns in "
+        "[[factor_groups]] against the checkpoint's names (dmlib inspect lists them)"
+    )

@@ -56,6 +56,11 @@ class Captures:
     lines: list[str] = field(default_factory=list)
 
     @property
+    def empty(self) -> bool:
+        """True when nothing was compared (said once, by :func:`captures`)."""
+        return not self.results
+
+    @property
     def main_label(self) -> str:
         """The first comparison's label (the reference against the first other capture)."""
         return next(iter(self.results))
@@ -66,11 +71,18 @@ class Captures:
         return self.results[self.main_label]
 
 
-def captures(study: Any) -> tuple[Captures, pd.DataFrame]:
+def captures(study: Any) -> tuple[Captures, pd.DataFrame | None]:
     """Each capture compared with the reference (:func:`compare_study_captures`); records
     ``reference`` and says what is compared; returns the comparisons and one summary row
-    per comparison."""
+    per comparison.
+
+    A study without captures, or whose captures hold only the reference, gets one line
+    saying what is missing and how to add it, and empty comparisons on which every later
+    cell shows nothing."""
     cap = study.captures
+    if cap is None or not [k for k in cap.folders if k != cap.reference]:
+        skip(prose.NO_CAPTURES_HERE if cap is None else prose.ONLY_REFERENCE_CAPTURE)
+        return Captures(study=study, results={}), None
     ref = cap.reference
     record("reference", ref)
     say(prose.captures_compared(cap.request, ref, [k for k in cap.folders if k != ref]))
@@ -82,6 +94,8 @@ def captures(study: Any) -> tuple[Captures, pd.DataFrame]:
 def boundary_profile(cb: Captures) -> Any:
     """Figure 1: rel_fro at each boundary for each comparison (skipped when no boundary
     was dumped in both captures)."""
+    if cb.empty:
+        return None
     long = pd.concat(
         [df.assign(comparison=label) for label, df in cb.results.items()], ignore_index=True
     )
@@ -103,6 +117,8 @@ def boundary_profile(cb: Captures) -> Any:
 
 def block_heatmap(cb: Captures) -> Any:
     """Figure 2: for the first comparison, which blocks of rows differ at each boundary."""
+    if cb.empty:
+        return None
     import matplotlib.pyplot as plt
 
     from dmlib import plots
@@ -118,9 +134,11 @@ def block_heatmap(cb: Captures) -> Any:
     return fig
 
 
-def culprit(cb: Captures) -> pd.DataFrame:
+def culprit(cb: Captures) -> pd.DataFrame | None:
     """Records the first comparison's verdict and the finding (:func:`prose.captures`);
     returns its culprit, entry and enclosing boundaries and those with element statistics."""
+    if cb.empty:
+        return None
     main, a = cb.main, cb.main.attrs
     for key in ("first_divergent_boundary", "culprit", "n_divergent", "n_boundaries", "valid"):
         record(key, a[key])
@@ -141,6 +159,8 @@ def culprit(cb: Captures) -> pd.DataFrame:
 def op_level(cb: Captures) -> pd.DataFrame | None:
     """The op-level captures (:func:`dmlib.report.oplevel.op_level`): records their numbers,
     says their sentences, returns the arbitration table (skipped when none are declared)."""
+    if cb.empty:
+        return None
     cap = cb.study.captures
     if not cap.ops:
         skip(prose.NO_OP_CAPTURES)

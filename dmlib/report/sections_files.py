@@ -54,7 +54,11 @@ class Anatomy:
 
 def anatomy_files(study: Any) -> Anatomy:
     """The study's ``[anatomy]`` files, else the reference run's last checkpoint; records
-    ``files`` and says which."""
+    ``files`` and says which (one line saying what is missing and how to add it when the
+    study names no checkpoint: every later cell then shows nothing)."""
+    if not study.runs and not study.anatomy:
+        skip(prose.NO_CHECKPOINT_HERE)
+        return Anatomy(study=study, files=[])
     ref_run = study.runs[study.reference or next(iter(study.runs))]
     files = study.anatomy or [ref_run.last()[1]]
     names = [study.rel(p) for p in files]
@@ -79,10 +83,12 @@ def _burnpack_figures(i: int, path: Path, table: pd.DataFrame, c: Any, n_records
     save_figure(fig, f"anatomy_slots_{i}")
 
 
-def census(an: Anatomy) -> pd.DataFrame:
+def census(an: Anatomy) -> pd.DataFrame | None:
     """Opens each file; maps the layout and counts the slots of each burnpack file (two
     figures per file); records ``slots``. One row per file: format, size, records,
     tensors, and for burnpack files the gaps holding non-zero bytes, NaN and huge slots."""
+    if not an.files:
+        return None
     from dmlib.io import open_tensors
     from dmlib.padding import padding_census
 
@@ -109,9 +115,11 @@ def census(an: Anatomy) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def tensors(an: Anatomy, n: int = 20) -> pd.DataFrame:
+def tensors(an: Anatomy, n: int = 20) -> pd.DataFrame | None:
     """The first ``n`` tensors of each file opened by :func:`census`: file, name, dtype,
     shape and bytes."""
+    if not an.files:
+        return None
     cols = ["name", "dtype", "shape", "nbytes"]
     parts = [ts.table()[cols].head(n).assign(file=name) for name, ts in an.opened.items()]
     if not parts:
@@ -128,9 +136,11 @@ def _record_sources(an: Anatomy) -> dict[str, Any]:
     return sources
 
 
-def same_names(an: Anatomy) -> pd.DataFrame:
+def same_names(an: Anatomy) -> pd.DataFrame | None:
     """Sources in different files holding the same tensor names, compared by their named
     tensors and by their file hashes; records ``same_names`` and the finding."""
+    if not an.files:
+        return None
     from dmlib.hashing import hash_file
     from dmlib.stats.compare import compare, summarize
 
@@ -171,8 +181,14 @@ class Columns:
 
 def column_runs(study: Any, small: bool = False) -> Columns:
     """The runs besides the control (three when ``small``) at their last shared step and
-    the factor tensors' name patterns; records ``runs`` and ``factor_patterns``."""
+    the factor tensors' name patterns; records ``runs`` and ``factor_patterns``.
+
+    A study without factor groups gets one line saying what is missing and how to add
+    it; every later cell then shows nothing."""
     labels = [k for k in study.runs if k != study.control]
+    if not study.factor_groups:
+        skip(prose.NO_FACTOR_GROUPS_HERE)
+        return Columns(study=study, runs=[], files={}, when="", patterns=[])
     if small:  # a quick run: three runs
         labels = labels[:3]
     files, when = study.at_last_step(labels)
@@ -188,14 +204,19 @@ def column_runs(study: Any, small: bool = False) -> Columns:
 def first_columns(qc: Columns) -> pd.Series | None:
     """Each pair's first divergent column of each factor tensor, and the negated columns;
     records the summary and the finding (skipped with fewer than two runs)."""
+    if not qc.study.factor_groups:  # said by column_runs
+        return None
     if len(qc.files) < 2:
         skip(prose.FEWER_THAN_TWO_RUNS)
         return None
     from dmlib.forensics.columns import first_divergent_columns, sign_flip_table
 
     sources = qc.study.sources(qc.files)
-    qc.table = first_divergent_columns(sources, include=qc.patterns)
-    qc.summary = qc.table.attrs["summary"]
+    table = first_divergent_columns(sources, include=qc.patterns)
+    if not len(table):  # nothing compared is no finding: say what to fix
+        skip(prose.no_factor_tensors(qc.patterns, list(qc.files)))
+        return None
+    qc.table, qc.summary = table, table.attrs["summary"]
     flips = sign_flip_table(sources, include=qc.patterns)
     for key, value in qc.summary.items():
         record(key, value)

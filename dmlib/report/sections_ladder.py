@@ -45,11 +45,22 @@ class Ladder:
     rates: pd.DataFrame | None = None
     lines: list[str] = field(default_factory=list)
 
+    @property
+    def empty(self) -> bool:
+        """True when the study has no step ladder (said once, by :func:`ladder_runs`)."""
+        return not self.ladder
+
 
 def ladder_runs(study: Any, small: bool = False) -> Ladder:
     """The runs with checkpoints at two or more steps, the reference first (three runs
-    when ``small``); records ``runs`` and ``reference`` and says the steps."""
+    when ``small``); records ``runs`` and ``reference`` and says the steps.
+
+    A study without a step ladder gets one line saying what is missing and how to add
+    it, and an empty :class:`Ladder` on which every later cell shows nothing."""
     ladder = study.ladders()
+    if not ladder:
+        skip(prose.NO_LADDER_HERE)
+        return Ladder(study=study, ladder={}, reference="", repeat_of={})
     reference = study.reference if study.reference in ladder else next(iter(ladder))
     labels = [reference, *[k for k in ladder if k != reference]]
     if small:  # a quick run: the reference and two more runs
@@ -63,9 +74,11 @@ def ladder_runs(study: Any, small: bool = False) -> Ladder:
     return Ladder(study=study, ladder=ladder, reference=reference, repeat_of=repeat_of)
 
 
-def check(sg: Ladder) -> pd.DataFrame:
+def check(sg: Ladder) -> pd.DataFrame | None:
     """:func:`dmlib.check_steps` of every checkpoint (does it record the step it claims?);
     records the counts and the highest verified step."""
+    if sg.empty:
+        return None
     from dmlib.forensics.ladder import check_steps
 
     sg.sources = sg.study.ladder_sources(sg.ladder)  # [names] and mappings applied
@@ -96,6 +109,8 @@ def _repeat_frames(sg: Ladder) -> dict[str, pd.DataFrame]:
 def divergence(sg: Ladder, below: float = 0.1) -> pd.DataFrame | None:
     """:func:`dmlib.step_ladder` against the reference and each repeat pair; records the
     small-norm parameters (norm below ``below``); returns the three largest per pair and step."""
+    if sg.empty:
+        return None
     from dmlib.forensics.ladder import small_norm, step_ladder
 
     if sg.sources is None:
