@@ -9,8 +9,9 @@ result, are in ``dmlib.cli._common``.
 Exit status, for every subcommand: 0 success (for comparisons: nothing differs),
 1 a comparison found a difference, 2 bad input or usage (one line on stderr, no traceback),
 4 an internal error (an exception dmlib did not expect: one line naming the input files;
-never 1, which would read as a found difference; 3 is left to "inconclusive"), 130
-interrupted (Ctrl-C or SIGTERM: one line, no traceback).
+never 1, which would read as a found difference; 3 is left to "inconclusive"), 5 not
+comparable (``logprobs``: the inputs do not score the same tokens), 130
+interrupted (Ctrl-C: one line, no traceback), 143 terminated (SIGTERM: the same, one line).
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from dmlib.cli._common import EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED
+from dmlib.cli._common import (
+    EXIT_BAD_INPUT,
+    EXIT_CODES,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+)
 from dmlib.errors import DmlibError
 from dmlib.textsafe import SafeStream, clip
 
@@ -37,6 +44,7 @@ _COMMAND_MODULES = (
     "dmlib.cli.map",  # map suggest
     "dmlib.cli.structure",  # factors, firstcol
     "dmlib.cli.ladder",  # ladder
+    "dmlib.cli.logprobs",  # logprobs, logprob-ladder
     "dmlib.cli.padding",  # gapcheck
     "dmlib.cli.localize",  # localize, arbitrate, repeats
     "dmlib.cli.report",  # report
@@ -79,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     While it runs, ``sys.stdout`` and ``sys.stderr`` escape control characters
     (:class:`dmlib.textsafe.SafeStream`) and SIGTERM is handled like Ctrl-C, so that
-    ``with`` blocks (temporary folders) are left on either.
+    ``with`` blocks (temporary folders) are left on either (exit 130 for Ctrl-C, 143 for
+    SIGTERM).
     """
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = SafeStream(out), SafeStream(err)
@@ -91,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         command = f"dmlib {args.command}" if getattr(args, "command", None) else "dmlib"
         return _run(parser, args)
+    except _Terminated:  # SIGTERM: 128 + 15, as a shell reports a process it ended
+        _say(f"{command}: terminated")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         _say(f"{command}: interrupted")
         return EXIT_INTERRUPTED

@@ -18,14 +18,18 @@ EXIT_CODES = """exit status:
   1  a comparison found a difference
   2  bad input or usage: one line on stderr naming the file and the problem
   4  internal error (a bug in dmlib): one line on stderr naming the input files
-  130  interrupted (Ctrl-C or SIGTERM): one line on stderr"""
+  5  not comparable (dmlib logprobs: the inputs do not score the same tokens)
+  130  interrupted (Ctrl-C): one line on stderr
+  143  terminated (SIGTERM): one line on stderr"""
 
 EXIT_SAME = 0
 EXIT_DIFFERS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INCONCLUSIVE = 3
 EXIT_INTERNAL = 4
+EXIT_NOT_COMPARABLE = 5  # an identity gate failed: nothing was compared
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 ONE_DOCUMENT = "print one JSON document"  # the help of most commands' --json
 
@@ -96,6 +100,8 @@ def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
     if isinstance(result, Verdict):  # Summary, MatrixVerdict, CaptureVerdict: bool() is "same"
         if result:
             return EXIT_SAME
+        if result.get("status") == "not comparable":  # LogprobVerdict: the identity gate
+            return EXIT_NOT_COMPARABLE
         inconclusive = result.get("status") == "inconclusive"
         if inconclusive and result.get("first_divergent_boundary") is None:
             return EXIT_DIFFERS if getattr(result, "failed_control", False) else EXIT_INCONCLUSIVE
