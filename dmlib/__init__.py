@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.localize.rates import repeat_rates, repeat_study, wilson_interval
     from dmlib.padding import padding_across_runs, padding_census, padding_summary
     from dmlib.stats.compare import compare, summarize, ulp_long
+    from dmlib.stats.logprobs import LogprobVerdict, compare_logprobs, logprob_ladder
     from dmlib.stats.matrix import matrix, verdict
     from dmlib.stats.options import CompareOptions
     from dmlib.stats.verdicts import MatrixVerdict, Summary
@@ -82,6 +83,9 @@ _LAZY: dict[str, str] = {
     "CompareOptions": "dmlib.stats.options",
     "Summary": "dmlib.stats.verdicts",
     "MatrixVerdict": "dmlib.stats.verdicts",
+    "compare_logprobs": "dmlib.stats.logprobs",
+    "logprob_ladder": "dmlib.stats.logprobs",
+    "LogprobVerdict": "dmlib.stats.logprobs",
     # structure-aware forensics
     "first_divergent_column": "dmlib.forensics.columns",
     "column_cosines": "dmlib.forensics.columns",
@@ -125,6 +129,7 @@ __all__ = [
     "CaptureVerdict",
     "CompareOptions",
     "FactorGroup",
+    "LogprobVerdict",
     "MatrixVerdict",
     "Summary",
     "Tensor",
@@ -136,6 +141,7 @@ __all__ = [
     "compare",
     "compare_captures",
     "compare_factors",
+    "compare_logprobs",
     "describe",
     "detect_format",
     "effective_weights",
@@ -144,6 +150,7 @@ __all__ = [
     "first_divergent_columns",
     "growth_rates",
     "load",
+    "logprob_ladder",
     "matrix",
     "open_capture",
     "open_tensors",
