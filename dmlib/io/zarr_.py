@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any
@@ -453,12 +453,29 @@ def _stored(arr: ZarrArray, keys: Iterable[str]) -> list[tuple[tuple[int, ...], 
     return sorted(found)
 
 
+def _positions(grid: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Grid positions in C order, one at a time (``itertools.product`` would first make a
+    tuple of every axis's range: 2**28 integers for a 2**28-chunk axis)."""
+    if 0 in grid:
+        return
+    idx = [0] * len(grid)
+    while True:
+        yield tuple(idx)
+        for ax in reversed(range(len(grid))):
+            idx[ax] += 1
+            if idx[ax] < grid[ax]:
+                break
+            idx[ax] = 0
+        else:
+            return
+
+
 def _first_missing(arr: ZarrArray, have: set[tuple[int, ...]]) -> str | None:
     """The key of the first grid position not in ``have``: walks at most ``len(have) + 1``
     positions, never the whole grid."""
     if len(have) >= math.prod(arr.grid()):
         return None
-    for idx in product(*(range(g) for g in arr.grid())):
+    for idx in _positions(arr.grid()):
         if idx not in have:
             return arr.chunk_key(idx)
     return None  # pragma: no cover (fewer stored positions than the grid holds)
