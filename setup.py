@@ -1,9 +1,11 @@
 """The optional compiled kernel and the package layout (the notebooks/ folder shipped as
 ``dmlib.notebooks``); everything else is declared in pyproject.toml.
 
-``dmlib.kernels._fused`` (dmlib/kernels/_fused.c, the float32/float64 comparison pass) is
-built where a C compiler is; without one the install goes on and dmlib uses its numpy
-kernels (``optional=True``).
+Two optional compiled modules, each built where a C compiler is (``optional=True``: without
+one the install goes on and dmlib takes its Python and numpy paths, which give the same
+results): ``dmlib.kernels._fused`` (dmlib/kernels/_fused.c, the comparison's float32/float64
+pass) and ``dmlib.localize.capture._capture`` (dmlib/localize/capture/_capture.c, the
+capture's digests, strided copy and manifest JSON).
 """
 
 from setuptools import Extension, find_packages, setup
@@ -21,6 +23,12 @@ setup(
             ["dmlib/kernels/_fused.c"],
             optional=True,
             extra_compile_args=["-O3"],
-        )
+        ),
+        Extension(
+            "dmlib.localize.capture._capture",
+            ["dmlib/localize/capture/_capture.c"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        ),
     ],
 )

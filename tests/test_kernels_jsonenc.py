@@ -1,4 +1,4 @@
-"""The compiled JSON writer (dmlib.kernels.jsonenc.compact) against json.dumps itself.
+"""The compiled JSON writer (dmlib.localize.capture.jsonenc.compact) against json.dumps itself.
 
 Hypothesis draws nested plain data (dicts with str keys, lists, tuples, str with any code
 point, ints of any size, floats including NaN, infinities and -0.0, bools, None); the
@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmlib.kernels import jsonenc, treehash
+from dmlib.localize.capture import jsonenc, treehash
 
 compiled = pytest.mark.skipif(
     jsonenc._ENCODE is None or not treehash.USE_COMPILED,
-    reason="dmlib.kernels._fused not built (or built before encode_json)",
+    reason="dmlib.localize.capture._capture not built (or built before encode_json)",
 )
 
 scalars = st.one_of(
@@ -104,7 +104,7 @@ def _lines(items: list) -> str:
 
 lines_compiled = pytest.mark.skipif(
     jsonenc._LINES is None or not treehash.USE_COMPILED,
-    reason="dmlib.kernels._fused not built (or built before encode_json_lines)",
+    reason="dmlib.localize.capture._capture not built (or built before encode_json_lines)",
 )
 
 

@@ -30,7 +30,7 @@ from _support.tree import tree_request as oracle_tree
 
 from dmlib import hashing
 from dmlib.errors import CaptureError
-from dmlib.kernels import treehash
+from dmlib.localize.capture import treehash
 from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG, RowMap
 
 torch = pytest.importorskip("torch")
@@ -142,7 +142,7 @@ def _unaligned(n: int, off: int) -> memoryview:
 
 @compiled
 def test_direct_xxh3_gives_the_xxhash_digests_and_only_for_that_function(monkeypatch):
-    fused = treehash._fused
+    fused = treehash._capture
     if not hasattr(fused, "use_xxh3"):
         pytest.skip("the compiled module has no use_xxh3 (built before the direct XXH3 path)")
     monkeypatch.setattr(treehash, "_DIRECT", [])  # checked afresh, whatever ran before
@@ -327,7 +327,7 @@ def test_every_path_gives_the_oracles_digests_with_and_without_the_compiled_modu
 ):
     """With XXH3 the 3 MiB tensor is hashed in the hook (no worker is started); with BLAKE3
     it is copied and hashed on a worker. Both against the oracles."""
-    from dmlib.localize import capture as capture_mod
+    from dmlib.localize.capture import recorder as capture_mod
 
     pools = []
 
@@ -393,7 +393,7 @@ class Embed(nn.Module):
 
 
 def test_a_row_map_seen_before_is_shared_but_its_batch_is_each_captures_own(tmp_path):
-    from dmlib.localize import captures as captures_mod
+    from dmlib.localize.capture import rowmap as captures_mod
 
     flat = [("r", j) for j in range(400)]  # no batch size given: each capture learns its own
     a, b = RowMap.shared(list(flat)), RowMap.shared(list(flat))
@@ -432,7 +432,7 @@ def test_only_entries_of_exact_types_are_shared(other):
 
 
 def test_a_shared_row_map_is_not_changed_by_the_callers_list_nor_kept_forever():
-    from dmlib.localize import captures as captures_mod
+    from dmlib.localize.capture import rowmap as captures_mod
 
     rows = [[("a", 0), ("a", 1)], [("b", 0), None]]
     first = RowMap.shared(rows)
@@ -444,7 +444,7 @@ def test_a_shared_row_map_is_not_changed_by_the_callers_list_nor_kept_forever():
 
 
 def test_the_kv_cache_row_plans_kept_with_a_row_map_are_bounded(tmp_path):
-    from dmlib.localize import capture as capture_mod
+    from dmlib.localize.capture import recorder as capture_mod
 
     rows = [[("a", j) for j in range(4)], [("b", j) for j in range(4)]]
     rm = RowMap.shared(rows)
@@ -465,7 +465,7 @@ def test_the_kv_cache_row_plans_kept_with_a_row_map_are_bounded(tmp_path):
 def test_a_prompt_cache_is_read_by_the_row_maps_own_rows(tmp_path):
     """A cache of the prompt's length (prefill): packed rows, padding and positions out of
     order; each request's rows worked out by hand, in position order."""
-    from dmlib.localize import capture as capture_mod
+    from dmlib.localize.capture import recorder as capture_mod
 
     rows = [[("p", 1), ("p", 0), ("q", 0), None],  # batch row 0: p then q, packed
             [None, ("r", 0), ("r", 2), ("r", 1)],
@@ -588,7 +588,7 @@ def test_contiguous_copies_broadcast_views(shape, to, order):
 @compiled
 def test_gather_refuses_buffers_of_another_size():
     with pytest.raises(ValueError, match="differ in size"):
-        treehash._fused.gather(np.zeros((3, 4), np.float32).T, np.zeros(11, np.float32))
+        treehash._capture.gather(np.zeros((3, 4), np.float32).T, np.zeros(11, np.float32))
 
 
 class Lazy(nn.Module):

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from dmlib.kernels import treehash
+from dmlib.localize.capture import treehash
 
 pytestmark = pytest.mark.skipif(
     not treehash.USE_COMPILED, reason="the capture's compiled module is not built"
@@ -26,8 +26,8 @@ _PRELUDE = """
 import gc, sys
 import numpy as np
 import xxhash
-from dmlib.kernels import treehash
-mod = treehash._fused
+from dmlib.localize.capture import treehash
+mod = treehash._capture
 sys.path.insert(0, "tests")
 from _support.tree import leaf, tree_request
 """

@@ -1,6 +1,6 @@
 """The capture's fast paths give the digests the format defines, checked against oracles.
 
-- the compiled per-request block loop (``dmlib.kernels.treehash``) against the
+- the compiled per-request block loop (``dmlib.localize.capture.treehash``) against the
   independent ``xxh3-128-tree-v1`` and ``blake3-tree-v1`` oracles of
   tests/_support/tree.py, and a capture made with it against one made with the Python
   loop; ``DMLIB_KERNELS=numpy`` turns it off;
@@ -29,7 +29,7 @@ from _support.tree import leaf
 from _support.tree import tree_request as oracle_tree
 
 from dmlib import hashing
-from dmlib.kernels import treehash
+from dmlib.localize.capture import treehash
 from dmlib.localize.captures import TREE_REQUEST_TAG, XXH_REQUEST_TAG
 
 torch = pytest.importorskip("torch")
@@ -41,9 +41,12 @@ from torch.utils._python_dispatch import (  # noqa: E402
 )
 
 import dmlib  # noqa: E402
-from dmlib.localize import capture as capture_mod  # noqa: E402
+from dmlib.localize.capture import recorder as capture_mod  # noqa: E402
+from dmlib.localize.capture import writer as writer_mod  # noqa: E402
 
-compiled = pytest.mark.skipif(not treehash.USE_COMPILED, reason="dmlib.kernels._fused not built")
+compiled = pytest.mark.skipif(
+    not treehash.USE_COMPILED, reason="dmlib.localize.capture._capture not built"
+)
 
 
 #: scheme -> (hasher, tag, piece, digest size) as the capture passes them
@@ -81,7 +84,7 @@ def test_compiled_request_blocks_refuse_a_digest_of_another_size():
 
 
 def test_dmlib_kernels_numpy_turns_the_compiled_loop_off():
-    code = "from dmlib.kernels import treehash; print(treehash.USE_COMPILED)"
+    code = "from dmlib.localize.capture import treehash; print(treehash.USE_COMPILED)"
     env = dict(os.environ, DMLIB_KERNELS="numpy")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
@@ -286,4 +289,4 @@ def test_the_manifest_encoder_writes_what_json_dumps_writes():
     entry = {"name": 'blk.<script>"\u00e9\u2028', "shape": [2, 3], "x": float("nan"),
              "requests": {"r": {"digest": "ab", "n_rows": 2, "blocks": ["ab"]}}, "dump": None,
              "leading": [], "ok": True, "big": 2**70, "neg": -0.0}  # fmt: skip
-    assert capture_mod._encode_compact(entry) == json.dumps(entry, separators=(",", ":"))
+    assert writer_mod._encode_compact(entry) == json.dumps(entry, separators=(",", ":"))

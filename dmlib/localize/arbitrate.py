@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 
 from dmlib.errors import CaptureError
-from dmlib.localize.captures import Capture, open_capture, request_key
+from dmlib.localize.capture.format import request_key
+from dmlib.localize.capture.reader import Capture, open_capture
 from dmlib.localize.opalign import OpInfo, align, op_table
 
 # aten ops replayed as recorded (in float64); others need a reference callable

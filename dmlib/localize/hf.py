@@ -183,7 +183,8 @@ def compare_generations(
     pass's first divergent boundary (:func:`dmlib.compare_captures`' ``attrs["steps"]``).
     """
     from dmlib.localize.boundaries import compare_captures
-    from dmlib.localize.captures import open_capture, request_key
+    from dmlib.localize.capture.format import request_key
+    from dmlib.localize.capture.reader import open_capture
 
     ca, cb = open_capture(a), open_capture(b)
     for c in (ca, cb):

@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from dmlib.localize.captures import Capture
+from dmlib.localize.capture.reader import Capture
 
 # ----------------------------------------------------------------- reading and aligning
 

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from dmlib.localize.captures import ROOT
+from dmlib.localize.capture.format import ROOT
 from dmlib.localize.opalign import (
     LAYOUT_BOUND_NOTE,
     Alignment,

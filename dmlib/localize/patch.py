@@ -26,7 +26,9 @@ import pandas as pd
 
 from dmlib.errors import CaptureError
 from dmlib.localize.boundaries import compare_captures
-from dmlib.localize.captures import Capture, RowMap, open_capture, request_key, root_label
+from dmlib.localize.capture.format import request_key, root_label
+from dmlib.localize.capture.reader import Capture, open_capture
+from dmlib.localize.capture.rowmap import RowMap
 from dmlib.localize.ops import ModuleStack, op_table
 
 
@@ -237,7 +239,8 @@ def _capture(
     op_patches: dict[str, Callable[[Any], Any]],
 ) -> dict[str, int]:
     """Run ``run()`` under :func:`dmlib.capture` with the patches; returns hits per name."""
-    from dmlib.localize.capture import _select, capture
+    from dmlib.localize.capture import capture
+    from dmlib.localize.capture.tensors import _select
 
     hits: dict[str, int] = {}
     named = dict(model.named_modules())

@@ -60,7 +60,7 @@ def _feed(h: Any, obj: Any) -> None:
     if isinstance(obj, (str, os.PathLike)):
         p = Path(obj)
         if (p / "manifest.json").is_file():
-            from dmlib.localize.captures import open_capture
+            from dmlib.localize.capture.reader import open_capture
 
             c = open_capture(p)
             for b in c.boundaries:
@@ -89,7 +89,7 @@ def _feed(h: Any, obj: Any) -> None:
             _feed(h, o)
         return
     if type(obj).__module__.startswith("torch") and hasattr(obj, "detach"):
-        from dmlib.localize.capture import _to_numpy
+        from dmlib.localize.capture.tensors import _to_numpy
 
         obj = _to_numpy(obj)
     if isinstance(obj, (np.ndarray, np.generic, int, float, bool)):

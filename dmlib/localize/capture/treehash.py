@@ -3,7 +3,7 @@
 A capture hashes every row-mapped boundary per request, in blocks of rows: for a small
 tensor that is a few dozen hashes of a few KiB each, and the interpreter's work per
 block (a slice, a hash object, a hex string) costs more than the hashing.
-:func:`request_blocks` runs that loop in ``dmlib/kernels/_fused.c``; it returns None
+:func:`request_blocks` runs that loop in ``dmlib/localize/capture/_capture.c``; it returns None
 where the compiled module is not there (no C compiler at install), and the caller takes
 its Python loop, which gives the same digests (tests/test_localize_treehash.py). The
 compiled module is used where it is built; ``DMLIB_KERNELS=numpy`` (the switch that
@@ -12,6 +12,7 @@ turns the compiled statistics off) turns it off too.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -19,16 +20,17 @@ from typing import Any, cast
 
 import numpy as np
 
-try:
-    from dmlib.kernels import _fused  # type: ignore[attr-defined]
+_capture: Any
+try:  # (the compiled module has no type information: Any)
+    _capture = importlib.import_module("dmlib.localize.capture._capture")
 except ImportError:  # pragma: no cover - built wherever a C compiler is
-    _fused = None
+    _capture = None
 
 #: False (tests, ``DMLIB_KERNELS=numpy``): take the caller's Python loop even where the
 #: compiled one is built
 USE_COMPILED = (
-    _fused is not None
-    and hasattr(_fused, "request_blocks")
+    _capture is not None
+    and hasattr(_capture, "request_blocks")
     and os.environ.get("DMLIB_KERNELS", "").lower() != "numpy"
 )
 
@@ -60,7 +62,7 @@ def request_blocks(
     """
     if not USE_COMPILED:
         return None
-    out: list[tuple[str, list[str]]] | None = _fused.request_blocks(
+    out: list[tuple[str, list[str]]] | None = _capture.request_blocks(
         hasher, buf, row_bytes, spans, block_rows, tag, piece, digest_size
     )
     return out
@@ -91,14 +93,14 @@ def hash_boundary(
     """
     if not USE_COMPILED or not _BOUNDARY:
         return None
-    out = _fused.hash_boundary(hasher, whole, n_lead, rows, row_bytes, spans, block_rows, tag,
+    out = _capture.hash_boundary(hasher, whole, n_lead, rows, row_bytes, spans, block_rows, tag,
                                piece, digest_size)  # fmt: skip
     return cast("tuple[str, list[str] | None, dict[str, dict[str, Any]] | None] | None", out)
 
 
 # an older build of the module (a checkout updated without a rebuild) lacks it
-_BOUNDARY = _fused is not None and hasattr(_fused, "hash_boundary")
-_GATHER = getattr(_fused, "gather", None)
+_BOUNDARY = _capture is not None and hasattr(_capture, "hash_boundary")
+_GATHER = getattr(_capture, "gather", None)
 
 
 def contiguous(arr: np.ndarray) -> np.ndarray:
@@ -137,9 +139,9 @@ def direct_xxh3(digest: Any) -> bool:
     ok = False
     module = sys.modules.get(getattr(digest, "__module__", "") or "")
     path = getattr(module, "__file__", None)
-    if _fused is not None and hasattr(_fused, "use_xxh3") and path:
+    if _capture is not None and hasattr(_capture, "use_xxh3") and path:
         # one function is called directly at a time: the last one checked and found equal
-        ok = bool(_fused.use_xxh3(path, digest))
+        ok = bool(_capture.use_xxh3(path, digest))
         if ok:
             _DIRECT[:] = [(f, False) for f, _ in _DIRECT]
     _DIRECT.append((digest, ok))

@@ -3,7 +3,7 @@
 A capture's manifest is thousands of small dicts of hex digests; the json module's
 encoder spends its time there building string fragments (about 130 MB/s measured on a
 tiny Llama capture's boundaries). :func:`compact` writes the same text in
-``dmlib/kernels/_fused.c`` for dicts with ``str`` keys, lists, tuples, ``str``, ``int``,
+``dmlib/localize/capture/_capture.c`` for dicts with ``str`` keys, lists, tuples, ``str``, ``int``,
 ``float``, ``bool`` and None (each of exactly that type, nested at most 64 deep), and
 returns None for anything else, where the caller's json encoder writes it. Off with
 ``DMLIB_KERNELS=numpy``, like the other compiled kernels.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmlib.kernels import treehash
+from dmlib.localize.capture import treehash
 
-_ENCODE = getattr(treehash._fused, "encode_json", None)
-_LINES = getattr(treehash._fused, "encode_json_lines", None)
+_ENCODE = getattr(treehash._capture, "encode_json", None)
+_LINES = getattr(treehash._capture, "encode_json_lines", None)
 
 
 def compact(obj: Any) -> str | None:

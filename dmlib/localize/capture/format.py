@@ -1,0 +1,253 @@
+"""The capture's file format: names, versions, hash schemes and the manifest's boundaries.
+
+A capture is a directory::
+
+    manifest.json            written last; "complete": true once the run finished
+    tensors/00012.safetensors  full tensors of the boundaries selected for dumping
+
+``manifest.json`` lists the boundaries (a tensor entering or leaving a named module) in
+execution order with dtype, shape, the digest of the whole physical tensor and, when
+the tensor's leading dimensions match the row map, per logical request: the digest of
+the request's rows in position order and of each block of ``block_rows`` positions.
+Hashing per logical request makes the hashes comparable between layouts that place the
+same request at different physical rows (alone, padded, packed with others).
+
+Every boundary names its hash scheme (``hash``): ``xxh3-128-tree-v1`` (what version 4
+writes for host tensors by default: XXH3-128 leaves, a request's digest derived from its
+blocks, :func:`tree_request`), ``blake3-tree-v1`` (the same tree over BLAKE3 leaves: what
+version 3 wrote, and version 4 with ``capture(hash="blake3")``), ``blake3-64MiB`` (version
+2's host scheme), ``cksum4-v1`` (computed on the device for GPU tensors) or ``sha256``
+(every version-1 capture). Digests of different schemes are never compared: such a
+boundary is not judged (:func:`same_scheme`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlib import dtypes as _dtypes
+from dmlib import hashing
+from dmlib.errors import CaptureError
+
+FORMAT = "dmlib-capture"
+
+
+# 4: host digests as an XXH3-128 hash tree by default ("xxh3-128-tree-v1"); 3: host
+# digests as a BLAKE3 hash tree ("blake3-tree-v1"); 2: digests under a named scheme
+# ("hash"); 1: bare SHA-256 ("sha256" fields)
+VERSION = 4
+
+
+READS = (1, 2, 3, 4)  # manifest versions this reader opens
+
+
+#: The host's scheme of version 3 (and of version 4 with ``hash="blake3"``): whole
+#: tensors, blocks and per-index rows are plain BLAKE3 (``blake3-64MiB``) digests of their
+#: bytes; a request's digest is derived from its blocks' digests (:func:`tree_request`), so
+#: that its bytes are not hashed a second time.
+TREE = "blake3-tree-v1"
+
+
+#: The host's default scheme from version 4: the same tree with XXH3-128 leaves (the
+#: 16-byte digest of the bytes, any length; no pieces). Eleven times BLAKE3's speed on this
+#: project's machine (45 against 4 GB/s on 100 KB): a capture hashes every boundary of the
+#: forward pass. Why a non-cryptographic hash is enough here, and not for file
+#: comparisons: docs/formats.md, "Capture hash schemes".
+XXH_TREE = "xxh3-128-tree-v1"
+
+
+#: Hash schemes a capture may name; the first is what the host writes by default.
+SCHEMES = (XXH_TREE, TREE, hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
+
+
+#: ``capture(hash=...)`` names -> the host scheme they select
+HOST_SCHEMES = {"xxh3": XXH_TREE, XXH_TREE: XXH_TREE, "blake3": TREE, TREE: TREE}
+
+
+MANIFEST = "manifest.json"
+
+
+TENSOR_DIR = "tensors"
+
+
+WHOLE_KEY = "tensor"  # safetensors key of a whole physical tensor
+
+
+REQUEST_PREFIX = "request:"  # safetensors key prefix of one request's rows
+
+
+#: Label of the hooked model itself (``modules=[""]``). A submodule may hold any name but
+#: one with a dot at its ends, so the label is chosen per capture (:func:`root_label`)
+#: and stored in the manifest (``"root"``); captures that store none used ``"model"``.
+ROOT = "(model)"
+
+
+OLD_ROOT = "model"
+
+
+#: Keyword inputs whose values follow the batch layout, not one request's data: never
+#: judged as the request's values (glob patterns on the keyword's name).
+LAYOUT_INPUTS = (
+    "attention_mask", "encoder_attention_mask", "position_ids", "cache_position",
+    "cu_seqlens*", "cu_seq_lens*", "max_seqlen*", "max_length_*", "seq_idx", "seq_lens",
+    "causal_mask", "sliding_window_mask", "mask", "*_mask_mapping", "bias_mask",
+)  # fmt: skip
+
+
+def root_label(module_names: Iterable[str]) -> str:
+    """A root label no submodule takes: ``(model)``, else ``((model))``..."""
+    names = set(module_names)
+    label = ROOT
+    while label in names:
+        label = f"({label})"
+    return label
+
+
+def is_layout_slot(slot: str, patterns: Iterable[str] = LAYOUT_INPUTS) -> bool:
+    """Whether an input slot (``input.attention_mask``, ``input.x.0``) is a layout input."""
+    if not slot.startswith("input."):
+        return False
+    key = slot[len("input.") :].split(".", 1)[0]
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def request_key(request: Any) -> str:
+    """Request ids are kept as strings (JSON object keys); ``3`` and ``"3"`` are one request."""
+    return str(request)
+
+
+@dataclass(frozen=True)
+class RequestHash:
+    """A request's rows at one boundary: digest of all rows, their count, per-block digests."""
+
+    digest: str
+    n_rows: int
+    blocks: list[str]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One recorded tensor: what entered (``kind='input'``) or left a module call."""
+
+    index: int
+    name: str
+    module: str
+    call: int
+    kind: str
+    slot: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str  # of the whole physical tensor, in scheme ``hash``
+    row_dims: int | None
+    requests: dict[str, RequestHash] = field(default_factory=dict)
+    dump: dict[str, Any] | None = None
+    leading: list[str] | None = None  # digest of each x[i] along axis 0 (not row-mapped)
+    # (batch axis, position axis) of a tensor whose rows are not leading, e.g. attention's
+    # (batch, heads, positions, head_dim); row_dims is then None, so older readers that
+    # know only leading rows treat it as hashed whole
+    row_axes: tuple[int, int] | None = None
+    hash: str = hashing.SHA256  # the scheme of every digest of this boundary
+    layout: bool = False  # an input declared (or named) as following the batch layout
+    step: int = 0  # forward pass (decode step, from 0) of a multi-pass capture
+    cache: bool = False  # a KV-cache tensor: per request along its position axis
+    # a sliding-window cache, whose slots roll over instead of following positions: hashed
+    # whole, judged only between captures that place every request on the same rows
+    rolled: bool = False
+    # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
+    kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype (bfloat16 and other ml_dtypes types import ml_dtypes)."""
+        return _dtypes.from_label(self.dtype)
+
+    @property
+    def row_mapped(self) -> bool:
+        """Whether its rows map to requests (leading row dims, or batch and position axes)."""
+        return self.row_dims is not None or self.row_axes is not None
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one row (the dims after the row-mapped leading ones, or the others)."""
+        if self.row_axes is not None:
+            return tuple(d for i, d in enumerate(self.shape) if i not in self.row_axes)
+        return self.shape[self.row_dims :] if self.row_dims is not None else self.shape
+
+    def physical_rows(self, whole: np.ndarray) -> np.ndarray:
+        """The whole tensor as ``(physical row, *row_shape)`` (a copy where axes move)."""
+        if self.row_axes is not None:
+            whole = np.moveaxis(whole, self.row_axes, (0, 1))
+        return whole.reshape((-1, *self.row_shape))
+
+
+def _kv_repeat(d: Any, key: str) -> tuple[int, dict[str, RequestHash]] | None:
+    """A boundary's ``kv_repeat`` entry (repeated heads collapsed), or None."""
+    if d is None:
+        return None
+    reqs = {
+        k: RequestHash(str(v[key]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
+        for k, v in d["requests"].items()
+    }
+    return int(d["groups"]), reqs
+
+
+def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
+    if v is None:
+        return None
+    axes = tuple(int(a) for a in v)
+    if len(axes) != 2 or not 0 <= axes[0] < axes[1] < ndim:
+        raise ValueError(f"row_axes {v!r} for a {ndim}-d tensor")
+    return axes[0], axes[1]
+
+
+def same_scheme(x: Boundary, y: Boundary) -> bool:
+    """Whether the two boundaries' digests are of one scheme, hence comparable at all."""
+    return x.hash == y.hash
+
+
+def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
+    # version 1 stored bare SHA-256 under "sha256"; version 2 names the scheme ("hash")
+    key = "sha256" if version == 1 else "digest"
+    scheme = hashing.SHA256 if version == 1 else d.get("hash")
+    if scheme not in SCHEMES:
+        raise CaptureError(
+            f"boundary {i} of {MANIFEST} names hash {scheme!r}; this dmlib knows "
+            f"{', '.join(SCHEMES)}",
+            path=path,
+        )
+    try:
+        return Boundary(
+            index=i,
+            name=str(d["name"]),
+            module=str(d["module"]),
+            call=int(d["call"]),
+            kind=str(d["kind"]),
+            slot=str(d["slot"]),
+            dtype=str(d["dtype"]),
+            shape=tuple(int(s) for s in d["shape"]),
+            digest=str(d[key]),
+            row_dims=None if d.get("row_dims") is None else int(d["row_dims"]),
+            requests={
+                k: RequestHash(str(v[key]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
+                for k, v in (d.get("requests") or {}).items()
+            },
+            dump=d.get("dump"),
+            leading=None if d.get("leading") is None else [str(h) for h in d["leading"]],
+            row_axes=_axes(d.get("row_axes"), len(d["shape"])),
+            hash=str(scheme),
+            layout=bool(d.get("layout", False)),
+            step=int(d.get("step") or 0),
+            cache=bool(d.get("cache", False)),
+            rolled=bool(d.get("rolled", False)),
+            kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise CaptureError(
+            f"boundary {i} of {MANIFEST} is malformed ({err!r})", path=path
+        ) from None

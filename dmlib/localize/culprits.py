@@ -1,0 +1,393 @@
+"""What a comparison of two captures concludes: each boundary's role (the culprit where
+the divergence enters, the entry, carriers, secondary outputs), the summary of the frame's
+attrs, and :class:`CaptureVerdict`, the typed answer the command line prints and exits on.
+
+:func:`dmlib.localize.boundaries.compare_captures` fills the rows; this room reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from dmlib.kernels.verdict import Verdict
+from dmlib.localize.capture.format import (
+    LAYOUT_INPUTS,
+    Boundary,
+    is_layout_slot,
+)
+from dmlib.localize.capture.reader import Capture
+from dmlib.localize.opalign import Alignment
+
+SECONDARY_NOTE = (
+    "a secondary output of an op whose first output matches (e.g. attention's logsumexp): "
+    "never the culprit"
+)
+
+
+COLUMNS = [
+    "boundary", "module", "kind", "role", "identical", "n_diff", "n_diff_rows", "max_abs",
+    "rel_fro", "max_ulp", "diff_blocks", "new_blocks", "inherited_blocks",
+]  # fmt: skip
+
+
+def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Per forward pass (decode step) of a multi-pass capture: its first divergent boundary."""
+    steps = sorted({r["_step"] for r in rows})
+    if len(steps) < 2:
+        return None
+    out = []
+    for s in steps:
+        mine = [r for r in rows if r["_step"] == s]
+        first = next((r["boundary"] for r in mine if r["identical"] is False), None)
+        culprit = next((r["boundary"] for r in mine if r["role"] == "culprit"), None)
+        out.append({"step": s, "n_boundaries": len(mine), "first_divergent_boundary": first,
+                    "culprit": culprit})  # fmt: skip
+    return out
+
+
+def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, Any]:
+    """First divergent op, culprit op, and where the op sequences part (None: no ops)."""
+    op_rows = [r for r in rows if "/" in r["module"]]  # op boundaries: module/aten.op#k
+    return {
+        "first_divergent_op": next(
+            (r["boundary"] for r in op_rows if r["identical"] is False), None
+        ),
+        "culprit_op": next((r["boundary"] for r in op_rows if r["role"] == "culprit"), None),
+        "op_alignment": alignment.summary(),
+    }
+
+
+def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The rows as the documented columns, with nullable dtypes."""
+    df = pd.DataFrame(rows).drop(columns=["_stats", "call", "_layout", "_slot", "_step"])
+    df["identical"] = df["identical"].astype("boolean")
+    for c in ("n_diff", "n_diff_rows", "max_ulp"):
+        df[c] = df[c].astype("Int64")
+    for c in ("max_abs", "rel_fro"):
+        df[c] = df[c].astype("Float64")
+    return df[[*COLUMNS, "note"]]
+
+
+def _is_layout(x: Boundary, patterns: tuple[str, ...]) -> bool:
+    """A layout input: flagged so by the capture, or an input slot or name the patterns match."""
+    if x.layout:
+        return True
+    if x.kind != "input" or x.cache:
+        return False
+    return is_layout_slot(x.slot, patterns) or any(fnmatch.fnmatchcase(x.name, p) for p in patterns)
+
+
+def _summary(
+    a: Capture,
+    b: Capture,
+    requests: list[str],
+    index: list[tuple[str, int, int, int]],
+    rows: list[dict[str, Any]],
+    paired: set[str] | frozenset[str] = frozenset(),
+    layout_inputs: tuple[str, ...] = LAYOUT_INPUTS,
+) -> dict[str, Any]:
+    """The attrs that summarise a comparison: first divergence, culprits, counts."""
+    stats_missing = [r["boundary"] for r in rows if r["identical"] is False and not r["_stats"]]
+    secondary = [r for r in rows if r["identical"] is False and r["role"] == "secondary"]
+    diverged = [r for r in rows if r["identical"] is False and r["role"] != "secondary"]
+    culprits = [r["boundary"] for r in rows if r["role"] == "culprit"]
+    entries = [r["boundary"] for r in rows if r["role"] == "entry"]
+    layout = [r["boundary"] for r in rows if r["_layout"]]
+    unjudged = [
+        {"boundary": r["boundary"], "reason": (r["note"] or "").removeprefix("not judged: ")}
+        for r in rows
+        if r["identical"] is None and not r["_layout"]
+    ]
+    absent = [
+        x for x in b.boundaries
+        if x.name not in a and x.name not in paired  # an aligned op's partner is judged
+    ]  # fmt: skip
+    layout += [x.name for x in absent if _is_layout(x, layout_inputs)]
+    unjudged += [
+        {"boundary": x.name, "reason": "absent from the first capture"}
+        for x in absent
+        if not _is_layout(x, layout_inputs)
+    ]
+    outputs = [r for r in rows if r["module"] == a.root and r["kind"] == "output"]
+    outputs_match = bool(outputs) and all(r["identical"] is True for r in outputs)
+    if diverged or secondary:
+        status = "different"
+    elif unjudged and not outputs_match:
+        status = "inconclusive"
+    else:
+        status = "identical"
+    return {
+        "a": str(a.path),
+        "b": str(b.path),
+        "requests": requests,
+        "block_rows": a.block_rows,
+        "block_index": [list(t) for t in index],
+        "first_divergent_boundary": (diverged or secondary)[0]["boundary"]
+        if (diverged or secondary)
+        else None,
+        "culprit": culprits[0] if culprits else None,
+        "culprits": culprits,
+        "undetermined": [r["boundary"] for r in rows if r["role"] == "undetermined"],
+        "entry": entries[0] if entries else None,
+        "layout_inputs": layout,
+        "secondary": [r["boundary"] for r in secondary],
+        "n_boundaries": len(rows),
+        "n_comparable": sum(r["identical"] is not None for r in rows),
+        "n_divergent": len(diverged),
+        "status": status,
+        "unjudged": unjudged,
+        "outputs_match": outputs_match,
+        "stats_missing": stats_missing,
+        "stats_note": (
+            f"{len(stats_missing)} divergent boundaries were not dumped in both captures: "
+            "element statistics are null there (hashes only)"
+            if stats_missing
+            else "element statistics available wherever a boundary differs"
+        ),
+    }
+
+
+def _roles(rows: list[dict[str, Any]]) -> None:
+    """Fill role, new_blocks and inherited_blocks (in place).
+
+    ``culprit``: an output whose inputs were all judged and all match while it differs (a
+    module's output, or an op's first output; with an input not judged it is
+    ``undetermined``, the input named in its note); ``entry``: an input that differs before anything
+    recorded does (its producer was not captured); ``carrier``: differs because an input
+    does; ``secondary``: an op's other output differing while its first output matches;
+    ``layout``: a layout input, never judged; ``unjudged`` / ``clean`` as they say.
+    """
+    inputs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    firsts: dict[tuple[str, int], dict[str, Any]] = {}
+    seen_diff: set[int] = set()
+    seen_any = False
+    for r in rows:
+        if r["kind"] == "input" and not r["_layout"]:
+            inputs.setdefault((r["module"], r["call"]), []).append(r)
+        elif r["kind"] == "output" and r["_slot"] == "output0":
+            firsts[(r["module"], r["call"])] = r
+    candidates: list[dict[str, Any]] = []
+    for r in rows:
+        diff = set(r["diff_blocks"])
+        base = seen_diff
+        if r["_layout"]:
+            r["role"] = "layout"
+        elif r["identical"] is None:
+            r["role"] = "unjudged"
+        elif r["identical"]:
+            r["role"] = "clean"
+        elif r["kind"] == "output":
+            ins = [
+                i for i in inputs.get((r["module"], r["call"]), []) if i["identical"] is not None
+            ]
+            first = firsts.get((r["module"], r["call"]))
+            if (
+                "/" in r["module"]
+                and r["_slot"] != "output0"
+                and first is not None
+                and (first["identical"] is True)
+            ):
+                r["role"] = "secondary"
+                r["note"] = r["note"] or SECONDARY_NOTE
+            elif not ins:
+                r["role"] = "undetermined"
+            elif all(i["identical"] for i in ins) and (unknown := _unjudged_inputs(inputs, r)):
+                # identical where judged, but an input was not judged (a rolling KV cache,
+                # a tensor absent from one capture): it may have brought the difference in
+                r["role"] = "undetermined"
+                extra = f"inputs identical where judged; not judged: {', '.join(unknown[:4])}"
+                r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+            elif all(i["identical"] for i in ins):
+                r["role"] = (
+                    "culprit"
+                    if r["_slot"] == "output0" or "/" not in r["module"]
+                    else ("secondary")
+                )
+                base = set()
+                if r["role"] == "culprit":
+                    candidates.append(r)
+            else:
+                r["role"] = "carrier"
+                base = set().union(*(set(i["diff_blocks"]) for i in ins))
+        else:
+            r["role"] = "carrier" if seen_any else "entry"
+        r["new_blocks"] = sorted(diff - base)
+        r["inherited_blocks"] = sorted(diff & base)
+        if r["identical"] is False and r["role"] != "secondary":
+            seen_any = True
+            seen_diff |= diff
+    # a module whose inputs are clean but that contains a recorded culprit only encloses it
+    for r in candidates:
+        inner = (r["module"] + ".", r["module"] + "/")
+        if any(o is not r and o["module"].startswith(inner) for o in candidates):
+            r["role"] = "encloses-culprit"
+
+
+def _unjudged_inputs(
+    inputs: dict[tuple[str, int], list[dict[str, Any]]], r: dict[str, Any]
+) -> list[str]:
+    """The names of output row ``r``'s module-call inputs that were not judged."""
+    return [
+        i["boundary"] for i in inputs.get((r["module"], r["call"]), []) if i["identical"] is None
+    ]
+
+
+def unjudged_line(df: pd.DataFrame, limit: int = 6) -> str:
+    """``name (reason); ...`` for the boundaries that could not be judged, on one line."""
+    return _unjudged_text(df.attrs["unjudged"], limit)
+
+
+def _unjudged_text(items: list[dict[str, Any]], limit: int = 6) -> str:
+    text = "; ".join(f"{u['boundary']} ({u['reason']})" for u in items[:limit])
+    return text + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
+@dataclass(frozen=True, eq=False)
+class CaptureVerdict(Verdict):
+    """The answer of :func:`compare_captures`, read from its frame's attrs.
+
+    True only when ``status`` is ``"identical"`` and no control failed (an inconclusive
+    comparison, a divergence, a repeat that did not hold or a planted change that went
+    unseen are False); ``str()`` is the text the command line prints under the table;
+    ``to_dict()`` holds the attrs it rests on, with their values.
+    """
+
+    status: str
+    n_comparable: int
+    unjudged: list[dict[str, Any]]
+    first_divergent_boundary: str | None
+    culprit: str | None
+    culprits: list[str]
+    undetermined: list[str]
+    entry: str | None
+    culprit_op: str | None
+    op_alignment: dict[str, Any] | None
+    layout_inputs: list[str]
+    stats_missing: list[str]
+    repeat_control: dict[str, Any] | None
+    negative_control: dict[str, Any]
+    valid: bool | None
+
+    @classmethod
+    def of(cls, df: pd.DataFrame) -> CaptureVerdict:
+        """The verdict of a :func:`compare_captures` frame."""
+        at = df.attrs
+        names = [f.name for f in dataclasses.fields(cls)]
+        lists = ("layout_inputs", "undetermined")
+        return cls(**{n: at.get(n, [] if n in lists else None) for n in names})
+
+    @property
+    def failed_control(self) -> bool:
+        """A repeat control that did not hold, or a negative control that failed."""
+        rc, nc = self.repeat_control, self.negative_control
+        return (rc is not None and not rc["held"]) or nc["passed"] is False
+
+    def __bool__(self) -> bool:
+        return self.status == "identical" and not self.failed_control
+
+    def __str__(self) -> str:
+        return "\n".join([*self._answer(), *self._context(), *self._controls()])
+
+    def _answer(self) -> list[str]:
+        """The status, first divergence and culprit lines."""
+        n_un, un = len(self.unjudged), _unjudged_text(self.unjudged)
+        if self.status == "inconclusive":
+            return [
+                f"inconclusive: no difference in {self.n_comparable} judged boundaries, but "
+                f"{n_un} could not be judged and the model's outputs were not shown to match: {un}"
+            ]
+        if self.status == "identical":
+            if n_un:
+                return [
+                    f"identical: the model's outputs match; {n_un} inner boundaries could not "
+                    f"be judged: {un}"
+                ]
+            return [f"identical: all {self.n_comparable} boundaries match"]
+        lines = [f"first divergent boundary: {self.first_divergent_boundary}"]
+        if self.culprit is not None or self.entry is None:
+            lines.append(f"culprit (inputs identical, output differs): {self.culprit}")
+        if self.entry is not None and self.culprit is None:
+            lines.append(
+                f"the difference enters at an input: {self.entry} (the module making it was "
+                "not captured; hook it, or capture with ops=True, to name the culprit)"
+            )
+        if len(self.culprits) > 1:
+            lines.append(f"other entry points: {', '.join(self.culprits[1:6])}")
+        if self.undetermined:
+            more = f" and {len(self.undetermined) - 6} more" if len(self.undetermined) > 6 else ""
+            lines.append(
+                "differs, but an input was not judged (no culprit claimed there): "
+                + ", ".join(self.undetermined[:6])
+                + more
+            )
+        if self.op_alignment is not None:
+            lines.append(f"culprit op (inputs identical, output differs): {self.culprit_op}")
+        if n_un:
+            lines.append(f"not judged ({n_un}): {un}")
+        return lines
+
+    def _context(self) -> list[str]:
+        """Op alignment, layout inputs and missing statistics."""
+        lines = []
+        oa = self.op_alignment
+        if oa is not None:
+            fp = oa["first_parting"]
+            where = (
+                "no parting"
+                if fp is None
+                else f"first parting at {fp['at']} ({oa['n_partings']} in all)"
+            )
+            lines.append(
+                f"op sequences: {oa['n_paired']} of {oa['n_op_boundaries']} op boundaries "
+                f"paired; {where}"
+            )
+        if self.layout_inputs:
+            lay = self.layout_inputs
+            lines.append(
+                f"layout inputs ({len(lay)}, not judged: they follow the batch layout, not the "
+                f"request): {', '.join(lay[:4])}"
+                + (f" and {len(lay) - 4} more" if len(lay) > 4 else "")
+            )
+        if self.stats_missing:
+            lines.append(
+                f"statistics: '-' at {len(self.stats_missing)} differing boundaries: they were "
+                "not dumped in both captures (hashes say where, not by how much; capture with "
+                "dump= matching them for element statistics)"
+            )
+        return lines
+
+    def _controls(self) -> list[str]:
+        """The repeat and negative controls, and validity."""
+        rc = self.repeat_control
+        n_inc = 0 if rc is None else sum(c.get("n_incomparable", 0) for c in rc["checks"])
+        lines = [
+            "repeat control: not run"
+            if rc is None
+            else f"repeat control: {'held' if rc['held'] else 'FAILED'}"
+            + (f" ({n_inc} boundaries hashed with two schemes: not comparable)" if n_inc else "")
+        ]
+        nc = self.negative_control
+        if nc["passed"] is None:
+            why = next((c.get("reason") for c in nc["checks"] if c.get("reason")), None)
+            lines.append(
+                "negative control: not run"
+                + (f" ({why}: the planted one-bit check needs a dumped boundary)" if why else "")
+            )
+        else:
+            lines.append(f"negative control: {'passed' if nc['passed'] else 'FAILED'}")
+        lines.append(f"valid: {self.valid}")
+        return lines
+
+
+def capture_verdict(df: pd.DataFrame) -> str:
+    """A few lines of plain text: the answer, first divergence, culprit, controls, validity
+    (``str()`` of :class:`CaptureVerdict`)."""
+    return str(CaptureVerdict.of(df))
+
+
+__all__ = ["CaptureVerdict", "capture_verdict", "unjudged_line"]
