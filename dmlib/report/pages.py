@@ -61,7 +61,7 @@ def notebook_body(nb: Any) -> str:
     # nbconvert gives an image without alt text a placeholder and logs a warning per page;
     # every image here is a figure the notebook saved, and says so
     exporter.log.setLevel(logging.ERROR)
-    body, _ = exporter.from_notebook_node(_visible_streams(nb))
+    body, _ = exporter.from_notebook_node(parameters_as_run(_visible_streams(nb)))
     return body.replace('alt="No description has been provided for this image"', 'alt="figure"')
 
 
@@ -83,6 +83,75 @@ def _visible_streams(nb: Any) -> Any:
 
 _STREAM_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
+PARAMETERS_HEADER = "# Parameters as this report ran the notebook"
+
+
+def parameters_as_run(nb: Any) -> Any:
+    """``nb`` with its parameters shown once, as the report ran them.
+
+    The parameters cell keeps its defaults and the runner's injected cell after it
+    overrides them (papermill's convention); a reader would see both, defaults first. Here
+    the parameters cell's assignments of injected names take the injected values, its
+    leading comment (how to change them) gives way to one header line, and the injected
+    cell is dropped. Outputs are untouched; ``nb`` is changed in place and returned.
+    """
+    import ast
+
+    from dmlib.report.runner import INJECTED_TAG
+
+    tags = [c.get("metadata", {}).get("tags", []) for c in nb.cells]
+    inj = next((i for i, t in enumerate(tags) if INJECTED_TAG in t), None)
+    par = next(
+        (
+            i
+            for i, (c, t) in enumerate(zip(nb.cells, tags))
+            if c.cell_type == "code" and "parameters" in t
+        ),
+        None,
+    )
+    if inj is None or par is None:
+        return nb
+    try:
+        injected = _assignments(ast.parse(nb.cells[inj].source), nb.cells[inj].source)
+        tree = ast.parse(nb.cells[par].source)
+    except SyntaxError:
+        return nb
+    lines = nb.cells[par].source.splitlines()
+    out = [PARAMETERS_HEADER]
+    first = tree.body[0].lineno if tree.body else len(lines) + 1
+    skip_to = 0
+    starts = {}
+    for node in tree.body:
+        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        if len(names) == 1 and names[0] in injected:
+            starts[node.lineno] = (node.end_lineno or node.lineno, names[0])
+    for n, line in enumerate(lines, start=1):
+        if n < first or n <= skip_to:
+            continue
+        if n in starts:
+            skip_to, name = starts[n]
+            out.append(f"{name} = {injected[name]}")
+            continue
+        out.append(line)
+    nb.cells[par].source = "\n".join(out)
+    del nb.cells[inj]
+    return nb
+
+
+def _assignments(tree: Any, source: str) -> dict[str, str]:
+    """``NAME = value`` statements of a cell: name -> the value's source text."""
+    import ast
+
+    out = {}
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
+            out[node.targets[0].id] = ast.get_source_segment(source, node.value) or ""
+    return out
+
 
 def notebook_page(title: str, body: str) -> str:
     """A notebook's page: :func:`page` with a link back to ``index.html`` above ``body``."""
@@ -102,13 +171,18 @@ def _study_html(summary: Mapping[str, Any]) -> str:
             f"<tr><td>{_esc(r['label'])}</td><td>{_esc(role)}</td><td>{r['n_checkpoints']}</td>"
             f"<td>{_esc(r['steps'])}</td><td><code>{_esc(r['path'])}</code></td></tr>"
         )
-    parts = [
-        "<h2>Runs</h2><table><tr><th>run</th><th>role</th><th>checkpoints</th><th>steps</th>"
-        "<th>path (relative to the study)</th></tr>",
-        *rows,
-        "</table>",
-    ]
+    parts = (
+        [
+            "<h2>Runs</h2><table><tr><th>run</th><th>role</th><th>checkpoints</th><th>steps</th>"
+            "<th>path (relative to the study)</th></tr>",
+            *rows,
+            "</table>",
+        ]
+        if rows  # a study of captures only has no run: no empty table
+        else []
+    )
     if summary.get("captures"):
+        parts.append("<h2>Captures</h2>")
         c = summary["captures"]
         parts.append(
             f"<p>Captures of request <code>{_esc(c['request'])}</code>: "
