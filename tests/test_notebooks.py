@@ -374,3 +374,73 @@ def test_step_growth(executed):
     if index["repeat"] in runs:
         pair = f"{base}/{index['repeat']}"
         assert (n["repeat_n_diff"][pair] == 0) is index["repeat_bit_identical"]
+
+
+# ---------------------------------------------------------------------------
+# a notebook run as a plain notebook (JupyterLab's "run all") on a study without its data
+
+
+def _one_run_study(root: Path) -> Path:
+    import struct
+
+    raw = np.array([1.0, 2.0], dtype="<f4").tobytes()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (root / "a.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw)
+    (root / "study.toml").write_text('title = "one run"\n\n[runs]\na = "a.safetensors"\n')
+    return root / "study.toml"
+
+
+def _markdown_outputs(nb) -> list[str]:
+    return [
+        o["data"]["text/markdown"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "text/markdown" in o.get("data", {})
+    ]
+
+
+@pytest.mark.slow
+def test_notebooks_on_a_study_without_their_data(tmp_path):
+    """capture_boundaries, step_growth and qr_first_divergent_column on one checkpoint
+    alone: each says in one Markdown line what is missing, no cell fails, no finding."""
+    from dmlib.report import prose
+    from dmlib.report.htmlsafe import md_text
+    from dmlib.report.runner import run_notebooks
+
+    study = _one_run_study(tmp_path)
+    names = {
+        "capture_boundaries": prose.NO_CAPTURES_HERE,
+        "step_growth": prose.NO_LADDER_HERE,
+        "qr_first_divergent_column": prose.NO_FACTOR_GROUPS_HERE,
+    }
+    paths = [NOTEBOOKS / f"{n}.ipynb" for n in names]
+    results = run_notebooks(paths, tmp_path, {"STUDY": str(study), "FIGURE_DIR": "figures"}, jobs=2)
+    for res in results:
+        assert res.ok, (res.name, res.failed_cell, res.error)
+        said = _markdown_outputs(res.nb)
+        assert said == [f"> *Skipped: {md_text(names[res.name])}*"], (res.name, said)
+        errors = [
+            o for c in res.nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"
+        ]
+        assert not errors
+    numbers = {p.stem: load_numbers(p) for p in (tmp_path / "numbers").glob("*.json")}
+    assert all("finding" not in n for n in numbers.values())
+
+
+@pytest.mark.slow
+def test_notebook_on_a_study_that_cannot_be_opened(tmp_path):
+    """STUDY naming no file: one Markdown line saying what to set, then the run stops on a
+    one-line error (no traceback, no NameError in the cells after)."""
+    from dmlib.report.runner import run_notebooks
+
+    (res,) = run_notebooks(
+        [NOTEBOOKS / "step_growth.ipynb"], tmp_path, {"STUDY": "nowhere/study.toml"}, jobs=1
+    )
+    assert not res.ok and res.error.startswith("StudyNotOpened")
+    (said,) = _markdown_outputs(res.nb)
+    assert said.startswith("**The study cannot be opened:**") and "`STUDY`" in said
+    (err,) = [
+        o for c in res.nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
+    assert len(err["traceback"]) == 1 and err["traceback"][0].startswith("Stopped: the study")

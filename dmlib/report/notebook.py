@@ -31,6 +31,7 @@ from dmlib.report.htmlsafe import md_code, md_text
 
 __all__ = [
     "DEFAULT_FIGURE_DIR",
+    "StudyNotOpened",
     "compare_study_captures",
     "configure",
     "figure_dir",
@@ -215,7 +216,26 @@ def setup(
 
     pd.set_option("display.width", 160)
     pd.set_option("display.max_columns", 20)
-    return load_study(study)
+    try:
+        return load_study(study)
+    except DmlibError as err:
+        if _ipython() is None:
+            raise
+        # in a notebook: one Markdown line saying what to do, and "Run all" stops there
+        # on a one-line error instead of a traceback (and a NameError in every cell after)
+        _display_markdown(
+            f"**The study cannot be opened:** {md_text(str(err))}. Set `STUDY` in the "
+            "parameters cell to your study.toml (`dmlib study init FOLDER` writes one)."
+        )
+        raise StudyNotOpened(str(err)) from None
+
+
+class StudyNotOpened(DmlibError):
+    """:func:`setup` could not open the study, in a notebook (said above in Markdown):
+    shown as one line, not a traceback."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook for how an error is shown
+        return [f"Stopped: the study could not be opened ({self})."]
 
 
 def runs_at_last_step(study: Any, small: bool = False) -> tuple[list[str], dict[str, Path], str]:
