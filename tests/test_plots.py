@@ -129,6 +129,7 @@ def test_first_column_histogram_counts(ax):
     # hand count: column 0 once, column 2 three times, column 5 once, over 8 columns; the
     # axis ends at column 5, the last where a pair first diverges, and says so
     assert _bar_heights(ax) == [1, 0, 3, 0, 0, 1]
+    assert [t.get_text() for t in ax.texts] == ["1", "", "3", "", "", "1"]  # counts on bars
     assert 5 < ax.get_xlim()[1] < 6
     assert ax.get_xlabel().endswith("of 8 columns, none first diverges after column 5")
     assert "2 of 7" in ax.get_title()
@@ -297,8 +298,8 @@ def test_ulp_histogram_by_pair_keeps_a_bit_identical_pair_apart(ax):
     assert lines[0].get_color() != lines[1].get_color()  # coloured by group
     assert [t.get_text() for t in ax.texts] == ["bit-identical (no line): b/c"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "same (2 pairs, one line each)",
-        "control (1 pairs, one line each)",
+        "same: 1 differing, one line each",
+        "control: 1 differing, one line each",
     ]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1 ULP", "2 ULP", "3-4 ULP"]
 

@@ -186,7 +186,7 @@ def test_prose_matrix_runs_and_ulp_title():
         prose.matrix_runs("T", 2, "at step 5", None) == "T: 2 runs at step 5, no control declared."
     )
     v = {"separation_orders": 2.0, "same_worst_rel_fro": 0.0, "control_rel_fro": 1.0}
-    assert prose.ulp_title(v, "at step 5", None).endswith("without the control 0")
+    assert prose.ulp_title(v, "at step 5", None).endswith("worst rel_fro over the pairs 0")
     assert prose.ulp_title(v, "at step 5", "c").endswith(
         "vs control 1, 2.0 orders of magnitude apart"
     )

@@ -95,10 +95,10 @@ def ulp_histogram_by_pair(
         sub = df[df[pair] == p]
         g = sub[group].iloc[0] if group else None
         ys = floats(sub[y])
-        counts[g] += 1
         if not (ys > 0).any():
             identical.append(str(p))
             continue
+        counts[g] += 1
         ax.plot(
             [pos[b] for b in sub[x]], np.where(ys > 0, ys, np.nan), marker="o", ms=3, lw=1,
             alpha=0.8, color=colors[g], label=None if g is None else str(g),
@@ -108,7 +108,9 @@ def ulp_histogram_by_pair(
     if seen:
         ax.legend(
             list(seen.values()),
-            [f"{n} ({counts.get(n, 0)} pairs, one line each)" for n in seen],
+            [f"{n}: {counts.get(n, 0)} differing, one line each" for n in seen],
+            title="lines that coincide overlap",
+            title_fontsize="x-small",
             fontsize="small",
         )
     if identical:
@@ -162,13 +164,15 @@ def first_column_histogram(
     # (none diverges first there) are named in the label instead of drawn as empty space
     shown = int(vals.max()) + 1 if vals.size else max(width, 1)
     counts = np.bincount(vals, minlength=shown) if vals.size else np.zeros(shown, dtype=np.int64)
-    ax.bar(
+    bars = ax.bar(
         np.arange(counts.size),
         counts,
         width=0.9,
         color=palette(1)[0],
         label=f"diverging pairs ({vals.size})",
     )
+    # each non-zero bar carries its count: a bar of 1 beside one of 90 is otherwise a line
+    ax.bar_label(bars, labels=[str(c) if c else "" for c in counts], fontsize="x-small")
     ax.set_xlim(-0.7, counts.size - 0.3)
     tail = (
         f"; of {width} columns, none first diverges after column {counts.size - 1}"

@@ -497,7 +497,8 @@ def ulp_title(verdict: Mapping[str, Any], when: str, control: str | None) -> str
     """The ULP histogram's title: the worst rel_fro without the control, and against it."""
     sep = verdict["separation_orders"]
     title = (
-        f"ULP distance of differing elements, {when}: worst rel_fro without the control "
+        f"ULP distance of differing elements, {when}: worst rel_fro "
+        f"{'without the control ' if control else 'over the pairs '}"
         f"{fmt(verdict['same_worst_rel_fro'])}"
     )
     if control:
