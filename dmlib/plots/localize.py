@@ -88,7 +88,7 @@ def boundary_profile(
         lo, hi = float(positive.min()), float(positive.max())
         ax.set_yscale("symlog", linthresh=lo)
         # headroom above the largest value for the band of unknown sizes
-        ax.set_ylim(-lo, hi * 10 ** (0.35 * (np.log10(hi / lo) + 1)))
+        ax.set_ylim(-0.2 * lo, hi * 10 ** (0.35 * (np.log10(hi / lo) + 1)))
     else:
         ax.set_yscale("symlog", linthresh=1e-12)
     ticks = sparse_ticks(len(order), marked, max_labels)
