@@ -15,6 +15,12 @@ imported next to today's dmlib; "after" is the same harness with this checkout's
 Defaults keep every "before" under about 2 GB on a shared machine.
 
     python -m benchmarks.bench_bombs [--npz-mib 300] [--mpk-mib 512] [--baseline REV]
+
+``--readers BEFORE_TREE`` measures the small hostile files of the pickle, torch zip, flax
+and TOML readers instead (see :data:`READER_CASES`): each is ``python -m dmlib ...`` run
+once with ``PYTHONPATH=BEFORE_TREE`` (a worktree of the revision before the bounds) and
+once with this checkout, in a child capped at ``--cap-gib`` GiB of address space and
+``--timeout`` seconds, its exit status, wall time and peak RSS (``wait4``) reported.
 """
 
 from __future__ import annotations
@@ -88,12 +94,128 @@ def old_sources(rev: str, into: Path) -> None:
         (into / f"old_{module}.py").write_text(src, encoding="utf-8")
 
 
+# -- the small hostile files of the pickle / torch zip / flax / TOML readers --------------------
+
+# one command in a child: address space capped, killed at the timeout, (status, s, peak KiB)
+_CAPPED = """
+import os, resource, signal, sys, time
+cap, timeout, cmd = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+t = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.execvp(cmd[0], cmd)
+signal.signal(signal.SIGALRM, lambda *_: os.kill(pid, signal.SIGKILL))
+signal.setitimer(signal.ITIMER_REAL, timeout)
+_, status, usage = os.wait4(pid, 0)
+signal.setitimer(signal.ITIMER_REAL, 0)
+dt = time.perf_counter() - t
+code = os.waitstatus_to_exitcode(status)
+print(f"{'timeout' if dt >= timeout else code} {dt:.2f} {usage.ru_maxrss}", file=sys.stderr)
+"""
+
+
+def reader_cases(work: Path) -> dict[str, list[str]]:
+    """name -> the dmlib arguments that open that hostile file (built into ``work``)."""
+    import msgpack
+    import numpy as np
+
+    b = _bombs
+    cases: dict[str, list[str]] = {}
+
+    def torch_file(name: str, pkl: bytes, storages: dict[str, bytes] | None = None) -> None:
+        p = work / f"{name}.pt"
+        b.torch_zip(p, pkl, storages)
+        cases[name] = ["inspect", str(p)]
+
+    torch_file("torch: 20 KB key x 990 levels", b.pickle_long_key_nest(20_000, 990, 180))
+    torch_file("pickle: [x, x] x 40 over []", b.pickle_empty_doubling(40))
+    torch_file("pickle: 9.6M shared leaves", b.pickle_shared_leaves(1_200_000, 8))
+    torch_file("torch: dim 2**40, stride 0", b.pickle_tensor((1 << 40,), (0,)), {"0": bytes(4)})
+    torch_file("torch: stride 2**62", b.pickle_tensor((1, 2), (1 << 62, 1), numel=2),
+               {"0": bytes(8)})  # fmt: skip
+    torch_file("torch: huge int key", b"\x80\x02}" + b.p_int(10**5000) + b.p_int(1) + b"s."
+               )  # fmt: skip
+    p = work / "long.msgpack"
+    p.write_bytes(b.flax_long_key_nest(2000, 50, 15_000))
+    cases["flax: 2 KB keys x 50 levels"] = ["inspect", str(p)]
+    good = work / "good.pt"
+    b.torch_zip(good, b.pickle_tensor((4,), (1,), numel=4), {"0": bytes(16)})
+    p = work / "dup.pt"
+    b.torch_zip_duplicate_storage(p, np.arange(4, dtype="<f4").tobytes(), bytes(16))
+    cases["zip: archive/data/0 twice"] = ["compare", str(good), str(p)]
+    raw = good.read_bytes()
+    for field in ("csize", "method"):
+        p = work / f"local_{field}.pt"
+        p.write_bytes(b.patched_local_header(raw, "archive/data/0", field, 8))
+        cases[f"zip: local header {field} differs"] = ["inspect", str(p)]
+    p = work / "prepended.pt"
+    p.write_bytes(bytes(100) + raw)
+    cases["zip: 100 bytes before the archive"] = ["inspect", str(p)]
+    p = work / "two.pt"
+    b.two_archives(p, bytes(16))
+    cases["zip: two data.pkl (a/, b/)"] = ["inspect", str(p)]
+    npz = work / "dup.npz"
+    np.savez(npz, w=np.zeros(4, np.float32))
+    p = work / "local.npz"
+    p.write_bytes(b.patched_local_header(npz.read_bytes(), "w.npy", "usize", 8))
+    cases["npz: local header size differs"] = ["inspect", str(p)]
+    deep = work / "deep.toml"
+    deep.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
+    cases["mapping TOML nested 5000 deep"] = ["compare", str(good), str(good), "--map", str(deep)]
+    del msgpack
+    return cases
+
+
+def run_readers(before_tree: str, cap_gib: float, timeout: float) -> list[dict[str, object]]:
+    """Every reader case before (``before_tree``) and after (this checkout)."""
+    import os
+
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in reader_cases(Path(tmp)).items():
+            row: dict[str, object] = {"case": name, "file_bytes": Path(args[-1]).stat().st_size}
+            for side, tree in (("before", before_tree), ("after", str(ROOT))):
+                env = {**os.environ, "PYTHONPATH": tree, "DMLIB_KERNELS": "numpy"}
+                cmd = [sys.executable, "-m", "dmlib", *args]
+                proc = subprocess.run(
+                    [sys.executable, "-S", "-c", _CAPPED, str(int(cap_gib * 2**30)),
+                     str(timeout), *cmd],
+                    capture_output=True, text=True, env=env, cwd=tree, check=False,
+                )  # fmt: skip
+                lines = proc.stderr.strip().splitlines()
+                code, secs, kib = lines[-1].split()
+                row[side] = {"exit": code, "s": float(secs), "peak_mib": int(kib) // 1024,
+                             "line": lines[-2][:160] if len(lines) > 1 else ""}  # fmt: skip
+            rows.append(row)
+            bf, af = row["before"], row["after"]
+            assert isinstance(bf, dict) and isinstance(af, dict)
+            print(
+                f"{name:36} {row['file_bytes']:>9} B | before exit {bf['exit']:>7} "
+                f"{bf['s']:6.2f} s {bf['peak_mib']:6} MiB | after exit {af['exit']:>3} "
+                f"{af['s']:6.2f} s {af['peak_mib']:5} MiB",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readers", metavar="BEFORE_TREE", help="measure the reader cases instead")
+    ap.add_argument("--cap-gib", type=float, default=4.0)
+    ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--npz-mib", type=int, default=300)
     ap.add_argument("--mpk-mib", type=int, default=512)
     ap.add_argument("--baseline", default="b6eb418")
     args = ap.parse_args()
+    if args.readers:
+        found = run_readers(args.readers, args.cap_gib, args.timeout)
+        RESULTS.parent.mkdir(exist_ok=True)
+        out = RESULTS.with_name("bombs_readers.json")
+        out.write_text(json.dumps({"rows": found}, indent=1), encoding="utf-8")
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dmlib import _limits
 from dmlib.errors import FormatError, UnsafePickleError
 
 __all__ = [
@@ -41,10 +42,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Limits:
-    """How much a pickle may ask for (each exceeded limit is refused, not truncated)."""
+    """How much a pickle may ask for (each exceeded limit is refused, not truncated).
+
+    ``max_leaves`` and ``max_containers`` default (None) to :func:`dmlib._limits.max_entries`
+    and :func:`dmlib._limits.max_containers`, read when a pickle is checked.
+    """
 
     max_depth: int = 1000  # containers inside containers
-    max_leaves: int = 10_000_000  # values after expanding shared references
+    max_leaves: int | None = None  # values after expanding shared references
+    max_containers: int | None = None  # containers after expanding them, empty ones included
     max_sharing: int = 8  # expanded / stored, once past ``free_leaves``
     free_leaves: int = 100_000
     max_memo: int = 50_000_000  # memo index (the C unpickler preallocates up to it)
@@ -457,12 +463,18 @@ def check_shape(obj: Any, *, what: str, path: str | None, limits: Limits = LIMIT
     """The number of leaves ``obj`` flattens to, refusing cycles, deep nests and bombs.
 
     Each container is visited once (shared ones are counted by reference, not walked
-    again), so the cost is the size of the pickle, whatever it expands to.
+    again), so the cost is the size of the pickle, whatever it expands to. What is
+    bounded is the work of the walk that later flattens ``obj``: its leaves and its
+    containers (empty ones too: ``[x, x]`` nested 40 times over ``[]`` holds no leaf but
+    2**41 lists once expanded), each after shared references are expanded.
     """
-    leaves: dict[int, int] = {}  # id -> expanded leaf count of a finished container
-    depth_of: dict[int, int] = {}
+    bounds = (
+        limits.max_leaves or _limits.max_entries(),
+        limits.max_containers or _limits.max_containers(),
+    )
+    done: dict[int, tuple[int, int, int]] = {}  # id -> (leaves, containers, depth) expanded
     on_path: set[int] = set()
-    stored = 0
+    stored = [0]  # items and containers as stored in the pickle
     stack: list[tuple[Any, int]] = [(obj, 0)]  # (container, state: 0 enter, 1 leave)
     keep: list[Any] = []  # keeps visited containers alive, so their ids stay theirs
     while stack:
@@ -471,46 +483,73 @@ def check_shape(obj: Any, *, what: str, path: str | None, limits: Limits = LIMIT
         if kids is None:
             continue
         key = id(node)
-        if state == 0:
-            if key in leaves:
-                continue
-            if key in on_path:
-                raise FormatError(f"{what} holds a container that contains itself", path=path)
-            on_path.add(key)
-            keep.append(node)
-            stored += len(kids)
-            if len(on_path) > limits.max_depth:
-                raise FormatError(
-                    f"{what} nests containers more than {limits.max_depth} deep", path=path
-                )
-            stack.append((node, 1))
-            for k in kids:
-                if _children(k) is not None and id(k) not in leaves:
-                    stack.append((k, 0))
+        if state == 1:
+            on_path.discard(key)
+            done[key] = _measured(kids, done, stored[0], bounds, limits, what, path)
             continue
-        on_path.discard(key)
-        total, deep = 0, 0
-        for k in kids:
-            if _children(k) is None:
-                total += 1
-            else:
-                total += leaves[id(k)]
-                deep = max(deep, depth_of[id(k)])
-        leaves[key], depth_of[key] = total, deep + 1
-        if total > limits.max_leaves or (
-            total > limits.free_leaves and total > limits.max_sharing * stored
-        ):
-            raise FormatError(
-                f"{what} refers to the same containers so often that it expands to at least "
-                f"{total} entries from {stored} stored ones; refusing to expand it",
-                path=path,
-            )
-        if depth_of[key] > limits.max_depth:
+        if key in done:
+            continue
+        if key in on_path:
+            raise FormatError(f"{what} holds a container that contains itself", path=path)
+        on_path.add(key)
+        keep.append(node)
+        stored[0] += len(kids) + 1
+        if len(on_path) > limits.max_depth:
             raise FormatError(
                 f"{what} nests containers more than {limits.max_depth} deep", path=path
             )
+        stack.append((node, 1))
+        for k in kids:
+            if _children(k) is not None and id(k) not in done:
+                stack.append((k, 0))
     top = _children(obj)
-    return 1 if top is None else leaves[id(obj)]
+    return 1 if top is None else done[id(obj)][0]
+
+
+def _measured(
+    kids: Any,
+    done: dict[int, tuple[int, int, int]],
+    stored: int,
+    bounds: tuple[int, int],
+    limits: Limits,
+    what: str,
+    path: str | None,
+) -> tuple[int, int, int]:
+    """(leaves, containers, depth) of a container whose children are measured, refused
+    past the bounds: more leaves or containers than one file may hold, or more expanded
+    from fewer stored ones than honest sharing explains."""
+    leaves, nodes, deep = 0, 1, 0
+    for k in kids:
+        if _children(k) is None:
+            leaves += 1
+        else:
+            n_leaves, n_nodes, n_deep = done[id(k)]
+            leaves, nodes, deep = leaves + n_leaves, nodes + n_nodes, max(deep, n_deep)
+    if leaves > bounds[0]:
+        raise FormatError(
+            f"{what} flattens to at least {leaves:,} entries (shared references expanded), "
+            f"more than the {bounds[0]:,} one file may hold on this machine; refusing to "
+            "expand it (set DMLIB_MAX_ENTRIES to read a file you trust)",
+            path=path,
+        )
+    if nodes > bounds[1]:
+        raise FormatError(
+            f"{what} holds at least {nodes:,} containers once shared references are "
+            f"expanded (empty ones included), more than the {bounds[1]:,} one file may "
+            "hold on this machine; refusing to expand it",
+            path=path,
+        )
+    work = leaves + nodes
+    if work > limits.free_leaves and work > limits.max_sharing * stored:
+        raise FormatError(
+            f"{what} refers to the same containers so often that it expands to at least "
+            f"{work:,} entries and containers from {stored:,} stored ones; refusing to "
+            "expand it",
+            path=path,
+        )
+    if deep + 1 > limits.max_depth:
+        raise FormatError(f"{what} nests containers more than {limits.max_depth} deep", path=path)
+    return leaves, nodes, deep + 1
 
 
 def vet_globals(

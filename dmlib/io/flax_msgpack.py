@@ -22,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.errors import FormatError, MissingDependencyError, UnsupportedError
 from dmlib.io._checks import shape_problem, short_repr
 from dmlib.tensor import ArrayTensorSet, TensorSet
+from dmlib.textsafe import shown
 
 __all__ = ["can_open", "open_flax_msgpack"]
 
@@ -77,9 +79,16 @@ def _array(ext: _Ext, where: str, path: str) -> Any:
             f"{where}: damaged array payload ({type(err).__name__})", path=path
         ) from None
     if ext.code == 2:
-        if not (isinstance(payload, (list, tuple)) and len(payload) == 2):
-            raise FormatError(f"{where}: complex payload is not (re, im)", path=path)
-        return complex(float(payload[0]), float(payload[1]))
+        if not (
+            isinstance(payload, (list, tuple))
+            and len(payload) == 2
+            and all(type(x) in (int, float) for x in payload)
+        ):
+            raise FormatError(f"{shown(where)}: complex payload is not (re, im)", path=path)
+        try:
+            return complex(float(payload[0]), float(payload[1]))
+        except OverflowError:  # an int past the float range
+            raise FormatError(f"{shown(where)}: complex payload out of range", path=path) from None
     if not (
         isinstance(payload, (list, tuple)) and len(payload) == 3 and isinstance(payload[2], bytes)
     ):
@@ -105,9 +114,12 @@ def _chunked(node: dict[str, Any], where: str, path: str) -> np.ndarray:
         raise FormatError(f"{where}: chunked array without shape and chunks maps", path=path)
     shape = tuple(shape_d.get(str(i)) for i in range(len(shape_d)))
     pieces = [chunks_d.get(str(i)) for i in range(len(chunks_d))]
-    if not all(isinstance(p, np.ndarray) for p in pieces) or not pieces:
+    arrays = [p for p in pieces if isinstance(p, np.ndarray)]
+    if len(arrays) != len(pieces) or not pieces:
         raise FormatError(f"{where}: chunked array pieces are not arrays", path=path)
-    flat = np.concatenate([np.asarray(p).reshape(-1) for p in pieces])
+    if len({p.dtype for p in arrays}) != 1:  # concatenate would convert them silently
+        raise FormatError(f"{shown(where)}: chunked array pieces of different dtypes", path=path)
+    flat = np.concatenate([p.reshape(-1) for p in arrays])
     problem = shape_problem(list(shape), flat.dtype.itemsize)
     if problem or math.prod(shape) != flat.size:  # type: ignore[arg-type]
         raise FormatError(
@@ -118,40 +130,60 @@ def _chunked(node: dict[str, Any], where: str, path: str) -> np.ndarray:
 
 def _flatten(
     node: Any,
-    prefix: str,
-    arrays: dict[str, np.ndarray],
-    scalars: dict[str, Any],
+    prefix: str | None,
+    out: tuple[dict[str, np.ndarray], dict[str, Any]],
+    budget: _limits.Flattening,
     path: str,
     depth: int = 0,
 ) -> None:
+    """Arrays into ``out[0]``, plain values into ``out[1]``, under their key paths joined
+    with ``.`` (``prefix`` None at the top). Names, entries and maps are counted by
+    ``budget`` (a name longer than a few KB is refused before it is made); two entries
+    that flatten to one name are refused, never one hiding the other."""
+    where = prefix or "root"
     if depth > _MAX_DEPTH:
-        raise FormatError(f"{prefix or 'root'}: nested deeper than {_MAX_DEPTH}", path=path)
+        raise FormatError(f"{shown(where)}: nested deeper than {_MAX_DEPTH}", path=path)
     if isinstance(node, _Ext):
         if node.code not in (1, 2, 3):
             raise UnsupportedError(
-                f"{prefix}: msgpack extension type {node.code} (flax uses 1-3)", path=path
+                f"{shown(where)}: msgpack extension type {node.code} (flax uses 1-3)", path=path
             )
-        node = _array(node, prefix, path)
-    if isinstance(node, dict):
-        if node.get("__msgpack_chunked_array__") is True:
-            arrays[prefix] = _chunked(_resolve(node, prefix, path, depth), prefix, path)
-            return
+        node = _array(node, where, path)
+    if isinstance(node, dict) and node.get("__msgpack_chunked_array__") is not True:
+        budget.container()
         for k, v in node.items():
             if not isinstance(k, (str, int)):
-                raise FormatError(f"{prefix}: map key {short_repr(k)} is not a string", path=path)
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), arrays, scalars, path, depth + 1)
-    elif isinstance(node, np.ndarray):
-        arrays[prefix] = node
-    elif isinstance(node, (list, tuple)):
+                raise FormatError(
+                    f"{shown(where)}: map key {short_repr(k)} is not a string", path=path
+                )
+            _flatten(v, budget.name(prefix, k), out, budget, path, depth + 1)
+        return
+    if isinstance(node, (list, tuple)):
+        budget.container()
         for i, v in enumerate(node):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), arrays, scalars, path, depth + 1)
+            _flatten(v, budget.name(prefix, i), out, budget, path, depth + 1)
+        return
+    name = prefix or ""
+    budget.leaf(name)
+    if name in out[0] or name in out[1]:
+        raise UnsupportedError(
+            f"two entries flatten to the name {short_repr(name, 200)}; dmlib names entries by joining "
+            "keys with '.', so one would hide the other",
+            path=path,
+        )
+    if isinstance(node, dict):  # a chunked array
+        out[0][name] = _chunked(_resolve(node, name, path), name, path)
+    elif isinstance(node, np.ndarray):
+        out[0][name] = node
     elif node is None or isinstance(node, (bool, int, float, str, complex)):
-        scalars[prefix] = node if not isinstance(node, complex) else str(node)
+        out[1][name] = node if not isinstance(node, complex) else str(node)
     else:
-        raise FormatError(f"{prefix}: unexpected value of type {type(node).__name__}", path=path)
+        raise FormatError(
+            f"{shown(where)}: unexpected value of type {type(node).__name__}", path=path
+        )
 
 
-def _resolve(node: dict[str, Any], where: str, path: str, depth: int) -> dict[str, Any]:
+def _resolve(node: dict[str, Any], where: str, path: str) -> dict[str, Any]:
     """A chunked-array map with its extension-typed pieces decoded."""
     chunks = node.get("chunks")
     if isinstance(chunks, dict):
@@ -171,8 +203,18 @@ def open_flax_msgpack(path: str | os.PathLike[str]) -> TensorSet:
         raise MissingDependencyError(
             "reading flax msgpack files needs msgpack: pip install 'dmlib[formats]'", path=path
         ) from None
+    size = os.path.getsize(path)
+    if size > _limits.max_decompressed():  # decoded whole: refuse, do not exhaust memory
+        raise FormatError(
+            f"refused: a {_limits.human(size)} msgpack file is decoded whole in memory, more "
+            f"than the {_limits.human(_limits.max_decompressed())} one file may take on this "
+            f"machine; {_limits.limit_hint()}",
+            path=path,
+        )
     with open(path, "rb") as f:
-        data = f.read()
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise FormatError("changed while reading (its size is not the one opened)", path=path)
     try:
         tree = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_Ext, use_list=True)
     except FormatError:
@@ -188,7 +230,7 @@ def open_flax_msgpack(path: str | os.PathLike[str]) -> TensorSet:
         )
     arrays: dict[str, np.ndarray] = {}
     scalars: dict[str, Any] = {}
-    _flatten(tree, "", arrays, scalars, path)
+    _flatten(tree, None, (arrays, scalars), _limits.Flattening(path), path)
     ts = ArrayTensorSet(arrays, path=path, format="flax-msgpack", scalars=scalars)
     from dmlib.io.orbax import recorded_step
 

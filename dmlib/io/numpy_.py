@@ -16,6 +16,7 @@ import numpy as np
 
 from dmlib import _limits
 from dmlib.errors import DmlibError, FormatError, LayoutError, TruncatedError, UnsupportedError
+from dmlib.io import _zips
 from dmlib.io._checks import shape_problem, short_repr
 from dmlib.tensor import FileStamp, Tensor, TensorSet
 
@@ -239,12 +240,19 @@ def _member_reader(
     return load
 
 
+def _size_of(f: IO[bytes]) -> int:
+    """The size of the open file ``f``."""
+    return os.fstat(f.fileno()).st_size
+
+
 def open_npz(path: str | os.PathLike[str]) -> TensorSet:
     """Open an ``.npz`` archive lazily: each member is decompressed when its tensor is loaded.
 
     At open only the zip directory and each member's ``.npy`` header are read; the
-    directory is checked against the limits of :mod:`dmlib._limits` first, so a small
-    archive declaring gigabytes is refused before anything is inflated.
+    archive is checked to have one reading (:func:`dmlib.io._zips.check`: no name twice,
+    local headers agreeing with the central directory) and its directory against the
+    limits of :mod:`dmlib._limits` first, so a small archive declaring gigabytes is
+    refused before anything is inflated.
     """
     path = os.fspath(path)
     stamp = FileStamp.take(path)
@@ -252,6 +260,10 @@ def open_npz(path: str | os.PathLike[str]) -> TensorSet:
     zf: zipfile.ZipFile | None = None
     try:
         zf = zipfile.ZipFile(path)
+        with open(path, "rb") as raw:  # one reading: the checks every zip reader makes
+            _zips.check(
+                zf, lambda at, n: os.pread(raw.fileno(), n, at), _size_of(raw), "the archive", path
+            )
         infos = [i for i in zf.infolist() if not i.is_dir()]
         problem = _archive_problem(infos, os.path.getsize(path))
         if problem is not None:

@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
+from dmlib import _limits
 from dmlib.errors import (
     FormatError,
     MissingDependencyError,
@@ -32,7 +33,9 @@ from dmlib.errors import (
     UnsupportedError,
 )
 from dmlib.io import _torch_parts, _unpickle, torch_zip
+from dmlib.io._checks import short_repr
 from dmlib.tensor import Tensor, TensorSet
+from dmlib.textsafe import shown
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -68,36 +71,63 @@ def _is_leaf(obj: Any) -> bool:
     return _is_tensor(obj) or isinstance(obj, torch_zip.NumpyArray)
 
 
-def _flatten(
-    obj: Any, keys: tuple[Any, ...], out: dict[str, Any], where: dict[str, str], path: str
-) -> None:
+def _flatten(obj: Any, out: dict[str, Any], path: str) -> None:
     """Tensors and plain values (numbers, strings, bools, None) under dotted names.
 
-    ``where`` remembers each name's key path, so two leaves that flatten to one name
-    (``{"a.b": x, "a": {"b": y}}``, or keys ``0`` and ``"0"``) are refused, not overwritten.
-    Walked with a stack, depth first in the containers' order (``_unpickle.check_shape``
-    has bounded the depth and the number of leaves).
+    Two leaves that flatten to one name (``{"a.b": x, "a": {"b": y}}``, or keys ``0`` and
+    ``"0"``) are refused, not overwritten. Walked with a stack, depth first in the
+    containers' order (``_unpickle.check_shape`` has bounded the depth and the counts once
+    shared references are expanded). Each name is made once from its parent's (never a
+    tuple of keys per entry) through :class:`dmlib._limits.Flattening`, which refuses a
+    name longer than a few KB and more entries or name characters than one file may hold;
+    each entry keeps only a link to its parent's, from which the key path is spelled out
+    if a collision is refused.
     """
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(obj, keys)]
+    budget = _limits.Flattening(path)
+    where: dict[str, Any] = {}  # name -> its key path as (parent's link, key) links
+    # (node, its parent's name (None: the parent is the top), its key, the parent's link)
+    stack: list[tuple[Any, str | None, Any, Any]] = [(obj, None, _TOP, None)]
     while stack:
-        node, ks = stack.pop()
+        node, parent, key, up = stack.pop()
+        top = key is _TOP
+        link = None if top else (up, key)
+        name = "" if top else budget.name(parent, key)
         if _is_leaf(node) or isinstance(node, (bool, int, float, str)) or node is None:
-            name = ".".join(map(str, ks))
-            keypath = "".join(f"[{k!r}]" for k in ks)
+            budget.leaf(name)
             if name in out:
                 raise UnsupportedError(
-                    f"entries {where[name]} and {keypath} both flatten to the name {name!r}; "
-                    "dmlib names entries by joining keys with '.', so one would hide the other",
+                    f"entries {_keypath(where[name])} and {_keypath(link)} both flatten to the "
+                    f"name {short_repr(name, 200)}; dmlib names entries by joining keys with '.', so one "
+                    "would hide the other",
                     path=path,
                 )
             out[name] = node
-            where[name] = keypath
-        elif isinstance(node, Mapping):
-            stack.extend(reversed([(v, (*ks, k)) for k, v in node.items()]))
+            where[name] = link
+            continue
+        if isinstance(node, Mapping):
+            items: Any = node.items()
         elif isinstance(node, (list, tuple)):
-            stack.extend(reversed([(v, (*ks, i)) for i, v in enumerate(node)]))
+            items = enumerate(node)
         else:  # a value of another type (bytes, complex, torch.dtype...): named, not dropped
-            out.setdefault(SKIPPED, []).append(f"{'.'.join(map(str, ks))} ({type(node).__name__})")
+            budget.leaf(name)
+            out.setdefault(SKIPPED, []).append(f"{name} ({type(node).__name__})")
+            continue
+        budget.container()
+        mine = None if top else name
+        stack.extend(reversed([(v, mine, k, link) for k, v in items]))
+
+
+_TOP = object()  # the key of the top object (its name is "")
+
+
+def _keypath(link: Any) -> str:
+    """``['model']['fc.weight']``: the keys of a link chain, at most 200 characters."""
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    text = "".join(f"[{k!r:.80}]" for k in reversed(keys))
+    return shown(text)
 
 
 SKIPPED = "\0skipped"  # key of the list of values neither tensors nor plain (never a name)
@@ -327,7 +357,7 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
             ) from None
         raise
     flat: dict[str, Any] = {}
-    _flatten(obj, (), flat, {}, path)
+    _flatten(obj, flat, path)
     if not any(_is_tensor(v) for v in flat.values()) and not isinstance(obj, Mapping):
         raise UnsupportedError(
             f"holds a {type(obj).__name__}, not a state dict of tensors", path=path

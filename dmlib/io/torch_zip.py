@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.errors import FormatError, LayoutError, TruncatedError, UnsafePickleError
-from dmlib.io import _unpickle
+from dmlib.io import _unpickle, _zips
+from dmlib.io._checks import shape_problem
 from dmlib.io._unpickle import BASE_TABLE, Const, Func, NeedsTorch
 
 # torch dtype -> (bytes per element, the numpy type of its bits or None: stored bytes only)
@@ -136,7 +138,9 @@ class StoredTensor:
         """
         item = DTYPES[self.dtype_name][0]
         base = numpy_dtype(self.dtype_name)
-        shape, strides = self.shape, tuple(s * item for s in self.stride)
+        # a dimension of length 1 never steps: its stride (any size in the file) is not used
+        shape = self.shape
+        strides = tuple(0 if n == 1 else s * item for n, s in zip(shape, self.stride, strict=True))
         if self.dtype_name == "complex32" or base is None:
             base = np.dtype("<f2") if base is not None else np.dtype("u1")
             shape, strides = (*shape, item // base.itemsize), (*strides, base.itemsize)
@@ -187,6 +191,10 @@ class NumpyArray:
             and all(type(s) is int and s >= 0 for s in shape)
         ):
             raise UnsafePickleError("BUILD of a numpy array with a malformed shape")
+        if shape_problem(list(shape), dt.np.itemsize) is not None:
+            raise UnsafePickleError(
+                "BUILD of a numpy array whose shape claims more than 2**63 bytes"
+            )
         if type(raw) is not bytes or len(raw) != math.prod(shape) * dt.np.itemsize:
             raise UnsafePickleError(
                 f"BUILD of a numpy array whose data is not {math.prod(shape)} x {dt.np.itemsize} bytes"
@@ -287,16 +295,35 @@ def _tensor(storage: Any, offset: Any, size: Any, stride: Any, dt: str | None) -
         )
     item = DTYPES[dt][0]
     size, stride = tuple(size), tuple(stride)
-    if math.prod(size) * item >= 1 << 63:
-        raise FormatError(f"a tensor on storage {storage.key!r} claims more than 2**63 bytes")
-    if math.prod(size):
+    problem = shape_problem(list(size), item)  # numpy's bound, zero-length dimensions too
+    if problem is not None:
+        raise FormatError(f"a tensor on storage {storage.key!r}: {problem}")
+    numel = math.prod(size)
+    if numel:
         last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
         if (last + 1) * item > storage.nbytes:
             raise LayoutError(
-                f"a tensor of size {list(size)}, stride {list(stride)} at offset {offset} reads element "
-                f"{last} of storage {storage.key!r}, which holds {storage.nbytes // item}"
+                f"a tensor of size {_dims(size)}, stride {_dims(stride)} at offset {offset} reads "
+                f"element {last} of storage {storage.key!r}, which holds {storage.nbytes // item}"
+            )
+        if numel * item > max(storage.nbytes, _limits.max_decompressed()):
+            # strides that repeat elements (an expand()ed view): read, it is copied whole
+            raise FormatError(
+                f"refused: a tensor of size {_dims(size)}, stride {_dims(stride)} repeats the "
+                f"{_limits.human(storage.nbytes)} of storage {storage.key!r} into "
+                f"{_limits.human(numel * item)}, more than the "
+                f"{_limits.human(_limits.max_decompressed())} one tensor may be expanded to "
+                f"on this machine; {_limits.limit_hint()}"
             )
     return StoredTensor(dt, size, stride, offset, storage)
+
+
+def _dims(xs: tuple[int, ...]) -> str:
+    """A size or stride for a message: at most 8 numbers, each cut to 24 digits."""
+    text = [
+        str(x) if x.bit_length() < 80 else f"{str(x)[:20]}...({len(str(x))} digits)" for x in xs[:8]
+    ]
+    return "[" + ", ".join(text) + (", ..." if len(xs) > 8 else "") + "]"
 
 
 def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
@@ -419,10 +446,13 @@ TORCH_ONLY: frozenset[tuple[str, str]] = frozenset(
 def _members(
     zf: zipfile.ZipFile, buf: np.ndarray, what: str, path: str | None
 ) -> dict[str, tuple[int, int, int]]:
-    """name -> (data start, size, CRC) of every member, each checked against its local header."""
-    out, spans = {}, []
+    """name -> (data start, size, CRC) of every member, one reading of the archive
+    (:func:`dmlib.io._zips.check`: no name twice, local headers and the end record agreeing
+    with the central directory, no overlaps), every member stored, all in one folder."""
+    size = int(buf.size)
+    starts = _zips.check(zf, lambda at, n: bytes(buf[at : at + n]), size, "the zip archive", path)
+    out = {}
     for info in zf.infolist():
-        h = info.header_offset
         if info.flag_bits & 1 or info.compress_type != zipfile.ZIP_STORED:
             raise FormatError(
                 f"{what}: member {info.filename!r} is compressed or encrypted (torch.save stores them)",
@@ -430,28 +460,31 @@ def _members(
             )
         if info.compress_size != info.file_size:
             raise FormatError(f"{what}: member {info.filename!r} has two sizes", path=path)
-        if h + 30 > buf.size or bytes(buf[h : h + 4]) != b"PK\x03\x04":
-            raise FormatError(
-                f"{what}: member {info.filename!r} has no local header at {h}", path=path
-            )
-        n, e = struct.unpack("<HH", bytes(buf[h + 26 : h + 30]))
-        if bytes(buf[h + 30 : h + 30 + n]) != info.orig_filename.encode("utf-8"):
-            raise FormatError(
-                f"{what}: member {info.filename!r}: its local header does not match its central-directory entry (name)",
-                path=path,
-            )
-        start = h + 30 + n + e
-        if start + info.file_size > buf.size:
-            raise TruncatedError(
-                f"{what}: member {info.filename!r} runs past the end of the archive", path=path
-            )
-        out[info.filename] = (start, info.file_size, info.CRC)
-        spans.append((h, start + info.file_size, info.filename))
-    spans.sort()
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-        if begin < end:
-            raise LayoutError(f"{what}: members {a!r} and {b!r} overlap", path=path)
+        out[info.filename] = (starts[info.filename], info.file_size, info.CRC)
     return out
+
+
+def _archive_folder(members: dict[str, Any], first: str, path: str | None) -> str:
+    """The one ``<archive>/`` every member lies in, as torch's reader requires (it takes
+    the folder from the first member), holding the one ``data.pkl``."""
+    pkl = [n for n in members if n == "data.pkl" or (n.endswith("/data.pkl") and n.count("/") == 1)]
+    if len(pkl) != 1:
+        raise FormatError(f"a zip archive with {len(pkl)} data.pkl members, not one", path=path)
+    prefix = pkl[0][: -len("data.pkl")]
+    if not first.startswith(prefix) or (not prefix and "/" in first):
+        raise FormatError(
+            f"data.pkl lies in {prefix or 'the top'!r}, the first member in "
+            f"{first.split('/')[0]!r} (torch reads only the first member's folder)",
+            path=path,
+        )
+    outside = [n for n in members if not n.startswith(prefix)]
+    if outside:
+        raise FormatError(
+            f"member {outside[0]!r} lies outside the archive folder {prefix!r} (torch "
+            "refuses such a file)",
+            path=path,
+        )
+    return prefix
 
 
 def read_zip(source: str | bytes, path: str | None, what: str | None = None) -> Any:
@@ -468,6 +501,7 @@ def read_zip(source: str | bytes, path: str | None, what: str | None = None) -> 
             zf = zipfile.ZipFile(io.BytesIO(source))
         with zf:
             members = _members(zf, buf, what, path)
+            first = zf.infolist()[0].filename if members else ""
     except (
         zipfile.BadZipFile,
         OSError,
@@ -483,17 +517,16 @@ def read_zip(source: str | bytes, path: str | None, what: str | None = None) -> 
             f"damaged zip archive ({type(err).__name__}: {' '.join(str(err).split())[:120]})",
             path=path,
         ) from None
-    pkl = [n for n in members if n == "data.pkl" or (n.endswith("/data.pkl") and n.count("/") == 1)]
-    if len(pkl) != 1:
-        raise FormatError(f"a zip archive with {len(pkl)} data.pkl members, not one", path=path)
-    prefix = pkl[0][: -len("data.pkl")]
+    prefix = _archive_folder(members, first, path)
     order = members.get(prefix + "byteorder")
     if order is not None and bytes(buf[order[0] : order[0] + order[1]]) != b"little":
         raise NeedsTorch("a big-endian file")
-    start, size, crc = members[pkl[0]]
+    start, size, crc = members[prefix + "data.pkl"]
     data = bytes(buf[start : start + size])
     if zlib.crc32(data) != crc:
-        raise FormatError(f"damaged zip archive: {pkl[0]!r} does not match its CRC", path=path)
+        raise FormatError(
+            f"damaged zip archive: {prefix + 'data.pkl'!r} does not match its CRC", path=path
+        )
     storages: dict[str, Storage] = {}
 
     def persistent_load(pid: Any) -> Storage:

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dmlib import _limits
 from dmlib.errors import DmlibError
 
 if sys.version_info >= (3, 11):
@@ -329,6 +330,12 @@ def load_study(path: str | os.PathLike[str]) -> Study:
         raise DmlibError(
             "arrays or inline tables nest too deeply to be a study file", path=path
         ) from None
+    if _limits.nesting_depth(data) > _limits.MAX_NESTING:  # [a.a.a...] tables: no recursion
+        raise DmlibError(
+            f"tables or arrays nest more than {_limits.MAX_NESTING} deep, too deeply to be "
+            "a study file",
+            path=path,
+        )
     return from_dict(data, root=Path(os.path.abspath(path)).parent, path=path)
 
 
