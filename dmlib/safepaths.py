@@ -102,6 +102,7 @@ def confined_file(
     path: str | os.PathLike[str],
     *,
     what: str,
+    where: str | os.PathLike[str] | None = None,
     error: type[DmlibError] = DmlibError,
 ) -> tuple[str, int] | None:
     """(real path, size) of ``path`` when it resolves inside the folder ``top`` and is a
@@ -110,23 +111,27 @@ def confined_file(
     ``top`` must already be a real path (``os.path.realpath``). ``path`` is resolved with
     every symlink followed: one that leads outside ``top`` is refused naming ``what`` and
     where it leads, whether or not its target exists; what is there but is not a regular
-    file (a FIFO, a device, a folder) is refused without being opened.
+    file (a FIFO, a device, a folder) is refused without being opened. Messages are
+    prefixed with ``where`` (the folder as the user named it; default ``top``).
     """
+    where = top if where is None else where
     real = os.path.realpath(path)
     if not (real == top or real.startswith(top.rstrip(os.sep) + os.sep)):
         raise error(
             f"{what} leads outside the checkpoint (a symlink to {real}); only files "
             "inside it are read",
-            path=top,
+            path=where,
         )
     try:
         st = os.stat(real)
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise error(f"{what} cannot be read ({err.strerror})", path=top) from None
+        raise error(f"{what} cannot be read ({err.strerror})", path=where) from None
     if not stat.S_ISREG(st.st_mode):
-        raise error(f"{what} is not a regular file (a folder, device or FIFO); not read", path=top)
+        raise error(
+            f"{what} is not a regular file (a folder, device or FIFO); not read", path=where
+        )
     return real, st.st_size
 
 

@@ -360,6 +360,10 @@ def test_a_device_behind_a_symlink_is_refused(jax_fixtures: Path, tmp_path: Path
     chunk.unlink()
     chunk.symlink_to("/dev/zero")
     _refused(step, "model.l1.kernel/0.0", "/dev/zero")
+    # opened through a symlink: the message names the folder as it was given
+    link = tmp_path / "latest"
+    link.symlink_to(step)
+    _refused(link, "default/model.l1.kernel/0.0", "/dev/zero")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")

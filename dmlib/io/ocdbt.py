@@ -217,7 +217,8 @@ class OcdbtStore:
     def __init__(self, root: str, top: str | None = None) -> None:
         self.root = os.path.abspath(root)
         # every file read must resolve inside ``top`` (the checkpoint opened), symlinks followed
-        self.top = os.path.realpath(top if top is not None else root)
+        self.top = os.path.abspath(top if top is not None else root)
+        self._real_top = os.path.realpath(self.top)
         self._sizes: dict[str, int] = {}
         self._real: dict[str, str] = {}
         self.nodes = 0
@@ -248,8 +249,9 @@ class OcdbtStore:
     def _size(self, rel: str) -> int:
         if rel not in self._sizes:
             found = confined_file(
-                self.top, self._file(rel), what=f"data file {rel}", error=FormatError
-            )
+                self._real_top, self._file(rel), what=f"data file {rel}", where=self.top,
+                error=FormatError,
+            )  # fmt: skip
             if found is None:
                 raise TruncatedError(f"data file {rel} is missing", path=self.root)
             self._real[rel], self._sizes[rel] = found
@@ -320,7 +322,7 @@ class OcdbtStore:
     def _read_manifest(self) -> Manifest:
         mpath = os.path.join(self.root, MANIFEST)
         rel = os.path.relpath(mpath, self.top)
-        found = confined_file(self.top, mpath, what=rel, error=FormatError)
+        found = confined_file(self._real_top, mpath, what=rel, where=self.top, error=FormatError)
         if found is None:
             raise FormatError(f"no {MANIFEST} (not an OCDBT database)", path=self.root)
         if found[1] > _MAX_MANIFEST:

@@ -129,7 +129,9 @@ def _rel(path: str, top: str) -> str:
 def _json(path: str, folder: str, top: str) -> Any:
     """The JSON file ``path`` (inside ``top``, a regular file, nested at most
     :data:`dmlib.safepaths.MAX_JSON_DEPTH` deep), or None when it is not there."""
-    found = confined_file(top, path, what=_rel(path, top), error=FormatError)
+    found = confined_file(
+        os.path.realpath(top), path, what=_rel(path, top), where=top, error=FormatError
+    )
     if found is None:
         return None
     name = os.path.basename(path)
@@ -182,11 +184,14 @@ class _DirStore:
     def __init__(self, root: str, top: str) -> None:
         self.root = root
         self.top = top
+        self._real_top = os.path.realpath(top)
 
     def get(self, key: str) -> bytes | None:
         _safe_name(key, self.root)
         full = os.path.join(self.root, *key.split("/"))
-        found = confined_file(self.top, full, what=_rel(full, self.top), error=FormatError)
+        found = confined_file(
+            self._real_top, full, what=_rel(full, self.top), where=self.top, error=FormatError
+        )
         if found is None:
             return None
         return read_regular(found[0], what=key, where=self.root, error=FormatError)
@@ -279,7 +284,7 @@ def recorded_step(ts: TensorSet) -> tuple[int | None, str]:
 def _open_item(
     path: str, prefix: str = "", top: str | None = None
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    top = os.path.realpath(top if top is not None else path)
+    top = top if top is not None else path
     md = _json(os.path.join(path, TREE_METADATA), path, top)
     ocdbt = os.path.lexists(os.path.join(path, "manifest.ocdbt"))
     store: Any = _KvStore(path, top) if ocdbt else _DirStore(path, top)
