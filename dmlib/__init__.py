@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
         factor_matrix,
     )
     from dmlib.forensics.ladder import check_steps, growth_rates, step_ladder
+    from dmlib.forensics.lora import check_merge, compare_adapters
     from dmlib.inspect_ import describe
     from dmlib.io import detect_format, load, open_tensors
     from dmlib.io.burnpack import write_burnpack
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.kernels.ulp import ulp_distance
     from dmlib.localize.arbitrate import arbitrate
     from dmlib.localize.boundaries import CaptureVerdict, compare_captures, repeat_control
-    from dmlib.localize.capture import capture
+    from dmlib.localize.capture import CaptureOptions, capture
     from dmlib.localize.captures import open_capture
     from dmlib.localize.patch import patch_test
     from dmlib.localize.rates import repeat_rates, repeat_study, wilson_interval
@@ -101,8 +102,11 @@ _LAZY: dict[str, str] = {
     "first_divergent_columns": "dmlib.forensics.columns",
     "sign_flip_table": "dmlib.forensics.columns",
     "growth_rates": "dmlib.forensics.ladder",
+    "compare_adapters": "dmlib.forensics.lora",
+    "check_merge": "dmlib.forensics.lora",
     # localisation
     "capture": "dmlib.localize.capture",
+    "CaptureOptions": "dmlib.localize.capture",
     "open_capture": "dmlib.localize.captures",
     "compare_captures": "dmlib.localize.boundaries",
     "CaptureVerdict": "dmlib.localize.boundaries",
@@ -127,6 +131,7 @@ __all__ = [
     "__version__",
     "ArrayTensorSet",
     "CaptureVerdict",
+    "CaptureOptions",
     "CompareOptions",
     "FactorGroup",
     "LogprobVerdict",
@@ -136,9 +141,11 @@ __all__ = [
     "TensorSet",
     "arbitrate",
     "capture",
+    "check_merge",
     "check_steps",
     "column_cosines",
     "compare",
+    "compare_adapters",
     "compare_captures",
     "compare_factors",
     "compare_logprobs",

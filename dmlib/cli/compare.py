@@ -79,6 +79,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
         help="also hash whole files and data sections (two more hash passes per file)",
     )
     _add_hash(p, "each tensor's bytes")
+    from dmlib.cli._lora import add_options
+
+    add_options(p)
     add_common(p, json="print one JSON document (rows, summary, attrs)", format=True, dask=True)
     p.set_defaults(func=run_compare)
 
@@ -148,8 +151,11 @@ def _is_dir(path: str) -> bool:
 def run_compare(args: argparse.Namespace) -> int:
     # plain records, not a DataFrame: the command starts without importing pandas
     """``dmlib compare A B``: the divergence table, what was not compared, the verdict."""
+    from dmlib.cli import _lora
     from dmlib.stats.compare import compare_records, summarize_records
 
+    if _lora.wants_adapters(args):  # two LoRA adapters, or a merge (--adapter)
+        return _lora.run(args)
     if _is_dir(args.a) and _is_dir(args.b):
         from dmlib.io.hf_trainer import is_run_folder
 

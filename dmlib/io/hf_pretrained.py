@@ -37,6 +37,7 @@ __all__ = [
     "adapter_config",
     "can_open_adapter",
     "can_open_model",
+    "is_adapter",
     "looked_for",
     "near_miss",
     "open_adapter",
@@ -84,6 +85,20 @@ def can_open_adapter(path: str) -> bool:
     """True for a folder holding ``adapter_config.json`` and an adapter weights file."""
     names = _names(path)
     return ADAPTER_CONFIG in names and _first(names, ADAPTER_WEIGHTS) is not None
+
+
+def is_adapter(path: str | os.PathLike[str]) -> bool:
+    """True for a PEFT adapter folder, or an adapter weights file (``adapter_model.*``) with
+    its ``adapter_config.json`` beside it."""
+    path = os.fspath(path)
+    if os.path.isdir(path):  # a Trainer checkpoint holding an adapter stays a Trainer's
+        from dmlib.io import detect_format, is_folder_checkpoint
+
+        return is_folder_checkpoint(path) and detect_format(path) == "peft-adapter"
+    folder = os.path.dirname(path) or "."
+    return os.path.basename(path) in ADAPTER_WEIGHTS and os.path.isfile(
+        os.path.join(folder, ADAPTER_CONFIG)
+    )
 
 
 def looked_for() -> str:
