@@ -43,8 +43,12 @@ def default_sigint() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see the run")
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_compare_exits_130_with_one_line(tmp_path: Path, sig: int) -> None:
+@pytest.mark.parametrize(
+    "sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_interrupted_compare_exits_130_with_one_line(
+    tmp_path: Path, sig: int, code: int, word: str
+) -> None:
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     _many(a, 8000, 0.0)
     _many(b, 8000, 1e-3)
@@ -57,9 +61,9 @@ def test_interrupted_compare_exits_130_with_one_line(tmp_path: Path, sig: int) -
     assert p.poll() is None, "compare ended before it could be interrupted"
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 130
+    assert p.returncode == code
     assert b"Traceback" not in err
-    assert err.decode().strip().splitlines() == ["dmlib compare: interrupted"]
+    assert err.decode().strip().splitlines() == [f"dmlib compare: {word}"]
 
 
 def test_bad_input_exits_2_in_one_line(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ REPORT_EXIT = """exit status:
   1  a notebook failed: named with its cell number and error; the report is still written
   2  bad input: one line on stderr (a missing file, a bad study, an --out dmlib may not
      replace); nothing is written or deleted
-  130  interrupted (Ctrl-C): one line; temporary folders removed, nothing left half-written"""
+  130  interrupted (Ctrl-C): one line; temporary folders removed, nothing left half-written
+  143  terminated (SIGTERM): the same"""
 
 
 NOTEBOOKS_EXIT = """exit status:

@@ -380,6 +380,8 @@ async def _run_one(
         if error is None:
             text = str(err).strip()
             error = text.splitlines()[-1] if text else type(err).__name__
+    finally:
+        _drop_exit_hook(client)
     return NotebookResult(
         name=path.stem,
         ok=error is None,
@@ -389,6 +391,36 @@ async def _run_one(
         n_cells=n_cells,
         error=error,
     )
+
+
+def _drop_exit_hook(client: Any) -> None:
+    """Remove the exit hook nbclient registers for each client's kernel.
+
+    nbclient removes it only when its kernel cleanup runs to its end; a run cancelled by
+    Ctrl-C or SIGTERM (the cleanup interrupted, or the kernel still starting) kept it, and
+    at exit it failed on the kernel manager it had already dropped: one traceback per
+    notebook after "interrupted". The kernel itself is shut down by the cancelled client
+    (or, the hook gone, by :func:`_stop_kernel` below).
+    """
+    import atexit
+
+    hook = getattr(client, "_cleanup_kernel", None)  # nbclient's name for it (7.x-0.10)
+    if hook is not None:
+        atexit.unregister(hook)
+    km = getattr(client, "km", None)
+    if km is not None:
+        _stop_kernel(km)
+
+
+def _stop_kernel(km: Any) -> None:
+    """Kill a kernel a cancelled client left running (its process, at once)."""
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        if km.has_kernel and km.provisioner is not None:
+            proc = getattr(km.provisioner, "process", None)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
 
 
 def run_notebooks(
