@@ -418,7 +418,7 @@ def test_boundary_profile_hash_only_differences_are_unknown_not_zero(ax):
     np.testing.assert_array_equal(lines[0].get_ydata(), [0.0, np.nan, 3e-7, np.nan])
     (band,) = [ln for ln in lines if "size unknown" in ln.get_label()]
     np.testing.assert_array_equal(band.get_xdata(), [1, 3])
-    assert band.get_label().startswith("ref vs x: differs, size unknown (hash only")
+    assert band.get_label().startswith("ref vs x: differs, size unknown (hash only, not dumped): 2")
     # y in axes coordinates: at the top of the axes whatever the data's scale
     assert all(0.9 < y <= 1.0 for y in band.get_ydata())
     assert band.get_transform().contains_branch_seperately(ax.transAxes)[1]

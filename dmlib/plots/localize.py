@@ -97,7 +97,7 @@ def boundary_profile(
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     ax.set_title(title or f"{y} per boundary")
-    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize="x-small", loc="best", framealpha=0.9)
     return ax
 
 
@@ -128,7 +128,7 @@ def _unknown_band(
         ax.plot(
             xs, np.full(len(xs), 0.96 - 0.04 * row), transform=band, ls="none", marker="|",
             ms=9, mew=1.5, color=colors[g], clip_on=False,
-            label=f"{'' if g is None else f'{g}: '}differs, size unknown (hash only, rows not dumped; {len(xs)})",
+            label=f"{'' if g is None else f'{g}: '}differs, size unknown (hash only, not dumped): {len(xs)}",
         )  # fmt: skip
         row += 1
 
