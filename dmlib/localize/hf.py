@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dmlib.errors import CaptureError
+from dmlib.localize.capture.options import CaptureOptions
 
 RowEntries = list[list[tuple[Any, int] | None]]
 
@@ -139,6 +140,7 @@ def capture_generate(
     *,
     row_map: RowEntries,
     generate_kwargs: dict[str, Any],
+    options: CaptureOptions | None = None,
     **capture_kwargs: Any,
 ) -> Any:
     """``model.generate(**generate_kwargs)`` under :func:`dmlib.capture`; returns its output.
@@ -147,6 +149,8 @@ def capture_generate(
     :func:`row_map_from_attention_mask` gives). Every forward pass is captured (its
     boundaries carry ``step``); the manifest's metadata gains ``generate``: the prompt
     length and, per request filling a batch row alone, the token ids it generated.
+    ``options`` and ``capture_kwargs``: the capture's settings, as :func:`dmlib.capture`
+    takes them (a :class:`~dmlib.localize.capture.options.CaptureOptions`, keywords).
     """
     from dmlib.localize.capture import capture
 
@@ -155,7 +159,7 @@ def capture_generate(
         raise CaptureError("capture_generate needs a nested row map (one list per batch row)")
     kw = dict(generate_kwargs)
     kw.setdefault("return_dict_in_generate", False)
-    with capture(model, path, row_map=rows, **capture_kwargs) as rec:
+    with capture(model, path, options, row_map=rows, **capture_kwargs) as rec:
         out = model.generate(**kw)
         seqs = out if hasattr(out, "shape") else out.sequences
         seq = _array(seqs, "generate() output")

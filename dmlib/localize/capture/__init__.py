@@ -73,6 +73,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dmlib.localize.capture.format import Boundary, RequestHash
+from dmlib.localize.capture.options import CaptureOptions
 from dmlib.localize.capture.reader import Capture, open_capture
 from dmlib.localize.capture.rowmap import RowMap
 
@@ -100,6 +101,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Boundary", "Capture", "Recorder", "RequestHash", "RowMap", "capture", "default_modules",
+    "Boundary", "Capture", "CaptureOptions", "Recorder", "RequestHash", "RowMap", "capture", "default_modules",
     "open_capture",
 ]  # fmt: skip

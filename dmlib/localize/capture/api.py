@@ -11,14 +11,13 @@ from typing import Any
 
 from dmlib.errors import CaptureError
 from dmlib.localize.capture.format import (
-    HOST_SCHEMES,
-    LAYOUT_INPUTS,
     root_label,
 )
 from dmlib.localize.capture.hooks import (
     _conclude,
     _hooked,
 )
+from dmlib.localize.capture.options import UNSET, CaptureOptions
 from dmlib.localize.capture.recorder import (
     Recorder,
 )
@@ -44,20 +43,21 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 def capture(
     model: torch.nn.Module,
     path: str | os.PathLike[str],
+    options: CaptureOptions | None = None,
     *,
-    modules: str | Iterable[str] | None = None,
-    row_map: Sequence[Any] | None = None,
-    block_rows: int = 64,
-    dump: str | Iterable[str] | None = None,
-    dump_requests: Iterable[Any] | None = None,
-    metadata: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    hash_threads: int = 2,
-    device_hash: bool = True,
-    ops: bool = False,
-    op_modules: str | Iterable[str] | None = None,
-    layout_inputs: str | Iterable[str] | None = None,
-    hash: str = "xxh3",
+    modules: str | Iterable[str] | None = UNSET,
+    row_map: Sequence[Any] | None = UNSET,
+    block_rows: int = UNSET,
+    dump: str | Iterable[str] | None = UNSET,
+    dump_requests: Iterable[Any] | None = UNSET,
+    metadata: dict[str, Any] | None = UNSET,
+    overwrite: bool = UNSET,
+    hash_threads: int = UNSET,
+    device_hash: bool = UNSET,
+    ops: bool = UNSET,
+    op_modules: str | Iterable[str] | None = UNSET,
+    layout_inputs: str | Iterable[str] | None = UNSET,
+    hash: str = UNSET,
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -68,6 +68,9 @@ def capture(
     path
         Capture directory (created). ``manifest.json`` is written last; an interrupted
         run leaves a manifest marked incomplete, which :func:`dmlib.open_capture` refuses.
+    options
+        Every setting below in one :class:`~dmlib.localize.capture.options.CaptureOptions`
+        (where each default is); a keyword given here replaces its field.
     modules
         Module names or glob patterns (``"encoder.layer.0.*"``); default: every leaf
         module plus top-level blocks. ``""`` hooks the model itself.
@@ -133,65 +136,41 @@ def capture(
     """
     _require_torch()
     path = Path(path)
+    opts = _options(path, options, modules=modules, row_map=row_map, block_rows=block_rows,
+                    dump=dump, dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
+                    hash_threads=hash_threads, device_hash=device_hash, ops=ops,
+                    op_modules=op_modules, layout_inputs=layout_inputs, hash=hash)  # fmt: skip
     named = dict(model.named_modules())  # walked once
-    rec = _new_recorder(model, path, row_map=row_map, block_rows=block_rows, dump=dump,
-                        dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
-                        hash_threads=hash_threads, device_hash=device_hash,
-                        layout_inputs=layout_inputs, scheme=hash, named=named)  # fmt: skip
+    rec = _new_recorder(model, path, opts, named)
     rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
     tracker = None
-    if ops:
+    if opts.ops:
         from dmlib.localize.ops import OpRecorder  # (it imports this package's rooms)
 
-        tracker = OpRecorder(
-            rec, model, _select(model, modules if op_modules is None else op_modules, named)
-        )
-    with _hooked(model, modules, rec, tracker, named):
+        chosen = opts.modules if opts.op_modules is None else opts.op_modules
+        tracker = OpRecorder(rec, model, _select(model, chosen, named))
+    with _hooked(model, opts.modules, rec, tracker, named):
         yield rec
     _conclude(rec, path)
 
 
+def _options(path: Path, options: CaptureOptions | None, **settings: Any) -> CaptureOptions:
+    """The capture's options: ``options`` with the keywords given; a bad setting is a
+    :class:`CaptureError` naming the capture folder."""
+    try:
+        return CaptureOptions.of(options, **settings)
+    except CaptureError as err:
+        raise CaptureError(str(err), path=path) from None
+
+
 def _new_recorder(
-    model: torch.nn.Module,
-    path: Path,
-    *,
-    row_map: Sequence[Any] | None,
-    block_rows: int,
-    dump: str | Iterable[str] | None,
-    dump_requests: Iterable[Any] | None,
-    metadata: dict[str, Any] | None,
-    overwrite: bool,
-    hash_threads: int,
-    device_hash: bool,
-    layout_inputs: str | Iterable[str] | None,
-    scheme: str = "xxh3",
-    named: dict[str, Any] | None = None,
+    model: torch.nn.Module, path: Path, opts: CaptureOptions, named: dict[str, Any] | None = None
 ) -> Recorder:
-    """Check the arguments, prepare the folder and build the :class:`Recorder`."""
-    if block_rows < 1:
-        raise CaptureError(f"block_rows={block_rows}; expected a positive integer", path=path)
-    host = HOST_SCHEMES.get(str(scheme).lower())
-    if host is None:
-        raise CaptureError(f"hash={scheme!r}; expected 'xxh3' or 'blake3'", path=path)
-    extra_layout = (
-        [] if layout_inputs is None
-        else [layout_inputs] if isinstance(layout_inputs, str) else list(layout_inputs)
-    )  # fmt: skip
+    """Prepare the folder and build the :class:`Recorder` (its row map checked here)."""
     root = root_label(dict(model.named_modules()) if named is None else named)
-    _prepare_dir(path, overwrite)
-    return Recorder(
-        path,
-        row_map=None if row_map is None else RowMap.shared(row_map, path=path),
-        block_rows=int(block_rows),
-        dump=[] if dump is None else ([dump] if isinstance(dump, str) else list(dump)),
-        dump_requests=None if dump_requests is None else {str(r) for r in dump_requests},
-        metadata=dict(metadata or {}),
-        hash_threads=int(hash_threads),
-        device_hash=bool(device_hash),
-        root=root,
-        layout_inputs=(*LAYOUT_INPUTS, *extra_layout),
-        scheme=host,
-    )
+    _prepare_dir(path, opts.overwrite)
+    row_map = None if opts.row_map is None else RowMap.shared(opts.row_map, path=path)
+    return Recorder(path, opts, row_map=row_map, root=root)
 
 
 __all__ = ["capture", "default_modules", "Recorder"]

@@ -26,11 +26,12 @@ from dmlib.localize.capture.digests import (
     digest_hex,
 )
 from dmlib.localize.capture.format import (
-    LAYOUT_INPUTS,
+    ROOT,
     XXH_TREE,
     is_layout_slot,
 )
 from dmlib.localize.capture.hostdigests import HostDigests
+from dmlib.localize.capture.options import CaptureOptions
 from dmlib.localize.capture.rowmap import (
     RowMap,
 )
@@ -67,21 +68,30 @@ class Recorder(HostDigests):
     def __init__(
         self,
         path: Path,
+        options: CaptureOptions | None = None,
         *,
-        row_map: RowMap | None,
-        block_rows: int,
-        dump: list[str],
-        dump_requests: set[str] | None,
-        metadata: dict[str, Any],
-        hash_threads: int = 2,
-        device_hash: bool = True,
-        root: str = "(model)",
-        layout_inputs: Sequence[str] = LAYOUT_INPUTS,
-        scheme: str = XXH_TREE,
+        row_map: RowMap | None = None,
+        root: str = ROOT,
+        layout_inputs: Sequence[str] | None = None,
+        scheme: str | None = None,
+        **settings: Any,
     ) -> None:
+        """A recorder writing into ``path`` with ``options`` (or its fields given as
+        keywords in ``settings``: ``block_rows``, ``dump``, ``hash_threads``...);
+        ``row_map``: the capture's :class:`RowMap`; ``root``: the model's own label;
+        ``layout_inputs``: every layout-input pattern (default: the options'
+        ``layout_patterns``); ``scheme``: a host scheme by its full name, as ``hash``."""
+        if scheme is not None:
+            if scheme not in TREE_TAGS:
+                raise CaptureError(
+                    f"host hash scheme {scheme!r}; expected one of {sorted(TREE_TAGS)}"
+                )
+            settings["hash"] = scheme
+        opts = CaptureOptions.of(options, **settings)
+        self.options = opts
         self.path = path
         self.root = root  # the label of the hooked model itself
-        self.layout_inputs = tuple(layout_inputs)
+        self.layout_inputs = opts.layout_patterns if layout_inputs is None else tuple(layout_inputs)
         self.step = 0  # forward passes of the model begun before this one (decode step)
         # BLAKE3 and SHA-256 release the GIL, so boundaries are hashed (and dumped) on
         # worker threads while the forward pass goes on; each works on a private copy of
@@ -89,23 +99,23 @@ class Recorder(HostDigests):
         # module's output after the hook returns.
         # writing a dump mostly waits on the disk (fsync): two more threads hide that wait
         # (made at the first tensor handed over: most captures hash every tensor in the hook)
-        self._workers = hash_threads + (2 if dump else 0) if hash_threads > 0 else 0
+        threads, scheme = opts.hash_threads, opts.scheme
+        self._workers = threads + (2 if opts.dump else 0) if threads > 0 else 0
         self._inline = INLINE_BYTES_XXH3 if scheme == XXH_TREE else INLINE_BYTES
         self._pool: ThreadPoolExecutor | None = None
         self._pending: collections.deque[tuple[Future[None], int]] = collections.deque()
         self._pending_bytes = 0
         self.row_map = row_map
-        self.block_rows = block_rows
-        self.dump = dump
-        self.dump_requests = dump_requests
-        self.metadata = metadata
-        if scheme not in TREE_TAGS:
-            raise CaptureError(f"host hash scheme {scheme!r}; expected one of {sorted(TREE_TAGS)}")
+        self.block_rows = opts.block_rows
+        self.dump = list(opts.dump)
+        reqs = opts.dump_requests
+        self.dump_requests: set[str] | None = None if reqs is None else set(reqs)
+        self.metadata = dict(opts.metadata)  # (capture_generate adds to it: the recorder's own)
         self.scheme = scheme  # the host's hash
         self._leaf = _leaf_hasher(scheme)  # a byte slice's hex digest in it
         # (hasher, tree tag, piece, digest size) of the compiled block loop, looked up once
         self._tree_args = _tree_args(scheme)
-        self.device_hash = device_hash
+        self.device_hash = opts.device_hash
         self._device_path_on_cpu = False  # tests: take the device path with CPU tensors
         self.boundaries: list[dict[str, Any]] = []
         self.calls: dict[str, int] = {}
