@@ -143,3 +143,27 @@ def test_compare_study_captures_passes_each_comparison_its_controls(tmp_path) ->
         assert got[label].attrs["repeat_control"] == df.attrs["repeat_control"]
     assert got["alone vs packed"].attrs["repeat_control"] is not None
     assert got["alone vs its repeat"].attrs["repeat_control"] is None
+
+
+def _verdict(control, pairs, identical, **kw):
+    return {"control": control, "pairs": pairs, "identical_pairs": identical, **kw}
+
+
+def test_ulp_finding_in_ulp_not_rel_fro() -> None:
+    same = {"a": "a", "b": "b", "control": False}
+    with_c = [{"a": "a", "b": "c", "control": True}, {"a": "b", "b": "c", "control": True}]
+    v = _verdict("c", [same, *with_c], [], same_max_ulp=3, same_worst_median_ulp=1.0,
+                 control_max_ulp=8388608)  # fmt: skip
+    assert prose.ulp_finding(v, "at step 5") == (
+        "At step 5: none of the 1 pairs without the control is bit-identical; they differ by "
+        "at most 3 ULP (the largest per-tensor median 1 ULP); every pair with the control c "
+        "reaches at least 8388608 ULP in its worst tensor."
+    )
+    v = _verdict(None, [same, {"a": "a", "b": "d", "control": False}], ["a/b"],
+                 same_max_ulp=2, same_worst_median_ulp=2.0)  # fmt: skip
+    assert prose.ulp_finding(v, "at step 5") == (
+        "At step 5: 1 of 2 pairs bit-identical; the others differ by at most 2 ULP "
+        "(the largest per-tensor median 2 ULP)."
+    )
+    v = _verdict(None, [same], ["a/b"], same_max_ulp=0, same_worst_median_ulp=0.0)
+    assert prose.ulp_finding(v, "at step 5") == "At step 5: all 1 pairs bit-identical (0 ULP)."

@@ -201,3 +201,31 @@ def test_prose_pair_worst_lines():
         "a/b: worst rel_fro 0",
         "a/c: worst rel_fro 1.5e-07",
     ]
+
+
+def test_run_matrix_and_ulp_distributions_state_different_findings(lab):
+    study = report.load_study(lab / "study.toml")
+    mx = sections.study_matrix(study)
+    in_rel_fro = sections.matrix_finding(mx)
+    sections.top_differing(mx)
+    in_ulp = report.load_numbers(report.numbers_path())["finding"]
+    assert in_ulp != in_rel_fro
+    # by hand: a/b differ by 1 ULP in one element; a/c and b/c by 2**23 ULP at index 0
+    assert "by at most 1 ULP" in in_ulp and f"at least {2**23} ULP" in in_ulp
+    assert "rel_fro" in in_rel_fro and "rel_fro" not in in_ulp
+
+
+def test_ulp_pairs_table_keeps_each_pair(lab):
+    mx = sections.study_matrix(report.load_study(lab / "study.toml"))
+    per = sections.ulp_pairs_table(mx)
+    counts = per.set_index(["pair", "bucket"])["count"]
+    # a/b: one element 1 ULP apart; b/c: index 0 by 2**23 ULP (> 65,536) and index 1 by 1
+    assert counts[("a/b", "ulp_1")] == 1 and per.loc[per["pair"].eq("a/b"), "count"].sum() == 1
+    assert counts[("b/c", "ulp_gt_65536")] == 1 and counts[("b/c", "ulp_1")] == 1
+    assert (
+        counts[("a/c", "ulp_gt_65536")] == 1 and per.loc[per["pair"].eq("a/c"), "count"].sum() == 1
+    )
+    assert list(dict.fromkeys(per["pair"])) == ["a/b", "a/c", "b/c"]
+    assert set(per.loc[per["pair"].eq("a/b"), "group"]) == {"pairs without the control"}
+    # the buckets from the first to the last holding a differing element: 1 ULP .. > 65,536
+    assert str(per["bucket"].iloc[0]) == "ulp_1" and str(per["bucket"].iloc[-1]) == "ulp_gt_65536"

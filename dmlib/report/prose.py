@@ -599,11 +599,13 @@ def ulp_finding(verdict: Mapping[str, Any], when: str) -> str:
     head = f"{_t(when.capitalize())}: "
     if n:
         subject = "pairs without the control" if control else "pairs"
+        spread = f"by at most {fmt(mu)} ULP (the largest per-tensor median {fmt(med)} ULP)"
         head += (
-            f"{k} of {n} {subject} bit-identical; the others differ by at most {fmt(mu)} ULP "
-            f"(the largest per-tensor median {fmt(med)} ULP)"
-            if k < n
-            else f"all {n} {subject} bit-identical (0 ULP)"
+            f"all {n} {subject} bit-identical (0 ULP)"
+            if k == n
+            else f"none of the {n} {subject} is bit-identical; they differ {spread}"
+            if k == 0
+            else f"{k} of {n} {subject} bit-identical; the others differ {spread}"
         )
     if control:
         head += ("; " if n else "") + (
