@@ -263,7 +263,8 @@ def test_full_logits_kl_and_overlap_match_numpy() -> None:
     assert v.figures["topk_overlap"] == pytest.approx(np.mean(overlap))
 
 
-def test_topk_kl_matches_the_hand_rule_and_bounds_the_whole_kl() -> None:
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_topk_kl_matches_the_hand_rule_and_bounds_the_whole_kl(dtype: type) -> None:
     rng = np.random.default_rng(12)
     n, vocab, k = 40, 25, 6
     za = rng.normal(0, 1.5, (n, vocab))
@@ -271,7 +272,8 @@ def test_topk_kl_matches_the_hand_rule_and_bounds_the_whole_kl() -> None:
     pa, pb = softmax(za), softmax(zb)
     ia, ib = np.argsort(-pa, axis=1)[:, :k], np.argsort(-pb, axis=1)[:, :k]
     ib = ib[:, ::-1].copy()  # the order of a list must not matter
-    la, lb = np.log(np.take_along_axis(pa, ia, 1)), np.log(np.take_along_axis(pb, ib, 1))
+    la = np.log(np.take_along_axis(pa, ia, 1)).astype(dtype)
+    lb = np.log(np.take_along_axis(pb, ib, 1)).astype(dtype)
     tokens = ia[:, 0]
     side = lambda lpk, ids, p: {  # noqa: E731
         "logprobs": np.log(p[np.arange(n), tokens])[None],
@@ -280,19 +282,39 @@ def test_topk_kl_matches_the_hand_rule_and_bounds_the_whole_kl() -> None:
         "top_ids": ids[None],
     }
     v = logprob_verdict(compare_logprobs(side(la, ia, pa), side(lb, ib, pb)))
-    ab = [
-        coarse_kl(dict(zip(ia[i], pa[i, ia[i]])), dict(zip(ib[i], pb[i, ib[i]]))) for i in range(n)
-    ]
-    ba = [
-        coarse_kl(dict(zip(ib[i], pb[i, ib[i]])), dict(zip(ia[i], pa[i, ia[i]]))) for i in range(n)
-    ]
+    # the oracle's probabilities: exp of the stored log-probs, in float64
+    qa = [dict(zip(ia[i].tolist(), np.exp(la[i].astype(np.float64)).tolist())) for i in range(n)]
+    qb = [dict(zip(ib[i].tolist(), np.exp(lb[i].astype(np.float64)).tolist())) for i in range(n)]
+    ab = [coarse_kl(qa[i], qb[i]) for i in range(n)]
+    ba = [coarse_kl(qb[i], qa[i]) for i in range(n)]
     overlap = [len(set(ia[i]) & set(ib[i])) / k for i in range(n)]
     assert v.figures["kl_topk_ab"] == pytest.approx(np.mean(ab), rel=1e-9)
     assert v.figures["kl_topk_ba"] == pytest.approx(np.mean(ba), rel=1e-9)
     assert v.figures["topk_overlap"] == pytest.approx(np.mean(overlap))
     assert 0 < np.mean(overlap) < 1  # the lists differ somewhere, agree somewhere
     full = np.sum(pa * np.log(pa / pb), axis=1)
-    assert v.figures["kl_topk_ab"] <= full.mean() + 1e-12
+    assert v.figures["kl_topk_ab"] <= full.mean() + 1e-6
+
+
+def test_topk_kl_over_many_blocks_on_threads() -> None:
+    from dmlib.stats.logprob_figures import topk_kl
+
+    rng = np.random.default_rng(14)
+    n, k = 1000, 4
+    ia = np.stack([rng.permutation(9)[:k] for _ in range(n)]).astype(np.int32)
+    ib = np.stack([rng.permutation(9)[:k] for _ in range(n)]).astype(np.int32)
+    la = np.log(rng.dirichlet(np.ones(12), n)[:, :k]).astype(np.float32)
+    lb = np.log(rng.dirichlet(np.ones(12), n)[:, :k]).astype(np.float32)
+    whole = topk_kl(la, ia, lb, ib, rows=n)
+    pieces = topk_kl(la, ia, lb, ib, rows=7)
+    for key, val in whole.items():
+        assert np.array_equal(val, pieces[key]), key
+    qa = [dict(zip(ia[i].tolist(), np.exp(la[i].astype(float)).tolist())) for i in range(n)]
+    qb = [dict(zip(ib[i].tolist(), np.exp(lb[i].astype(float)).tolist())) for i in range(n)]
+    assert whole["kl_topk_ab"] == pytest.approx([coarse_kl(qa[i], qb[i]) for i in range(n)])
+    assert whole["topk_overlap"] == pytest.approx(
+        [len(set(ia[i]) & set(ib[i])) / k for i in range(n)]
+    )
 
 
 def test_topk_by_hand() -> None:

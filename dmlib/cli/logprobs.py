@@ -71,6 +71,12 @@ def _add_logprobs(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--worst", type=int, default=5, help="worst positions listed (default 5)")
     p.add_argument("--per-sequence", action="store_true", help="also print one row per sequence")
+    p.add_argument(
+        "--sampled-only",
+        action="store_true",
+        help="only the sampled tokens' figures: skip the KL and top-k overlap of whole "
+        "distributions even where logits or top-k log-probs are given",
+    )
     add_common(p, json=ONE_DOCUMENT, epilog=EPILOG)
     p.set_defaults(func=run_logprobs)
 
@@ -105,9 +111,9 @@ def _positive(n: int, opt: str) -> int:
 
 def run_logprobs(args: argparse.Namespace) -> int:
     """``dmlib logprobs``: compare, print (or dump) the verdict and the figures."""
-    from dmlib.stats.logprobs import compare_logprobs, logprob_verdict
+    from dmlib.stats.logprobs import logprob_comparison
 
-    df = compare_logprobs(
+    rows, v = logprob_comparison(
         args.a,
         args.b,
         control=args.control,
@@ -115,10 +121,10 @@ def run_logprobs(args: argparse.Namespace) -> int:
         top_k=_positive(args.top_k, "--top-k"),
         n_worst=_positive(args.worst, "--worst"),
         labels=(args.a, args.b, args.control or "control"),
+        distributions=not args.sampled_only,
     )
-    v = logprob_verdict(df)
     if args.json:
-        print_json({"verdict": v.to_dict(), "sequences": df})
+        print_json({"verdict": v.to_dict(), "sequences": rows})
         return exit_code(v)
     print(v)
     if v.status in ("differs", "identical"):
@@ -127,9 +133,9 @@ def run_logprobs(args: argparse.Namespace) -> int:
     if v.worst:
         print()
         print(table(v.worst, ["sequence", "position", "abs_dlogprob", "logprob_a", "logprob_b"]))
-    if args.per_sequence and len(df):
+    if args.per_sequence and rows:
         print()
-        print(table(df, [c for c in df.columns]))
+        print(table(rows, list(rows[0])))
     return exit_code(v)
 
 

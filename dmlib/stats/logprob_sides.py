@@ -106,6 +106,8 @@ class LogprobSide:
     arrays: dict[str, list[np.ndarray]]
     metadata: dict[str, str] = field(default_factory=dict)
     raw_mask: list[np.ndarray] | None = None  # the side's own mask, per sequence
+    # padded arrays where every position counts: a block of sequences is then a view
+    dense: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_seq(self) -> int:
@@ -124,6 +126,9 @@ class LogprobSide:
 
     def flat(self, kind: str, s0: int, s1: int) -> np.ndarray:
         """The counted tokens of sequences ``s0 .. s1 - 1`` of ``kind``, concatenated."""
+        whole = self.dense.get(kind)
+        if whole is not None:
+            return whole[s0:s1].reshape(-1, *whole.shape[2:])
         parts = self.arrays[kind][s0:s1]
         if len(parts) == 1:
             return parts[0]
@@ -207,12 +212,12 @@ def _side_of(ts: TensorSet, label: str, where: str) -> LogprobSide:
     meta = {**{k: str(v) for k, v in ts.scalars.items()}, **ts.metadata}
     lp = found["logprobs"]
     if isinstance(lp, str):
-        arrays, raw_mask = _padded(ts, found, where)
+        arrays, raw_mask, dense = _padded(ts, found, where)
     else:
-        arrays, raw_mask = _ragged(ts, found, where)
+        (arrays, raw_mask), dense = _ragged(ts, found, where), {}
     for kind, per in arrays.items():
         _check_dtype(kind, per, where)
-    return LogprobSide(label, arrays, meta, raw_mask)
+    return LogprobSide(label, arrays, meta, raw_mask, dense)
 
 
 def _load(ts: TensorSet, name: str) -> np.ndarray:
@@ -221,7 +226,7 @@ def _load(ts: TensorSet, name: str) -> np.ndarray:
 
 def _padded(
     ts: TensorSet, found: Mapping[str, Any], where: str
-) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray] | None]:
+) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray] | None, dict[str, np.ndarray]]:
     lp = _load(ts, found["logprobs"])
     if lp.ndim == 1:
         lp = lp[None, :]
@@ -232,6 +237,7 @@ def _padded(
     s, t = lp.shape
     keep = _padded_mask(ts, found, (s, t), where)
     arrays: dict[str, list[np.ndarray]] = {}
+    dense: dict[str, np.ndarray] = {}
     for kind, name in found.items():
         if kind == "mask" or not isinstance(name, str):
             continue
@@ -246,8 +252,10 @@ def _padded(
                 path=where,
             )
         arrays[kind] = [a[i] if keep is None else a[i][keep[i]] for i in range(s)]
+        if keep is None and a.flags.c_contiguous:
+            dense[kind] = a
     own = None if keep is None or "mask" not in found else [keep[i] for i in range(s)]
-    return arrays, own
+    return arrays, own, dense
 
 
 def _padded_mask(

@@ -59,6 +59,7 @@ __all__ = [
     "LogprobVerdict",
     "compare_logprobs",
     "identity_gate",
+    "logprob_comparison",
     "logprob_ladder",
     "logprob_verdict",
 ]
@@ -170,7 +171,14 @@ def identity_gate(a: LogprobSide, b: LogprobSide) -> tuple[str | None, list[str]
         if not (a.has(kind) and b.has(kind)):
             unchecked.append(f"{what} (given by {_givers(a, b, kind)})")
             continue
-        where = _first_difference(a.arrays[kind], b.arrays[kind])
+        da, db = a.dense.get(kind), b.dense.get(kind)
+        if da is not None and db is not None and da.shape == db.shape:  # padded, all counted
+            where = _first_difference([da.reshape(-1)], [db.reshape(-1)])
+            if where is not None:
+                s, p = divmod(where[1], da.shape[1])
+                where = (s, p, where[2], where[3])
+        else:
+            where = _first_difference(a.arrays[kind], b.arrays[kind])
         if where is not None:
             s, p, va, vb = where
             return f"{what} differ at sequence {s}, position {p} (A {va}, B {vb})", unchecked
@@ -242,6 +250,7 @@ def compare_logprobs(
     top_k: int = 20,
     n_worst: int = 5,
     labels: tuple[str, str, str] = ("A", "B", "control"),
+    distributions: bool = True,
 ) -> pd.DataFrame:
     """Compare the log-probs two runs give the same tokens (see the module docstring).
 
@@ -264,6 +273,11 @@ def compare_logprobs(
         The ids compared by ``topk_overlap`` where full logits are given.
     n_worst
         How many worst positions the verdict lists.
+    labels
+        The names the verdict gives A, B and the control.
+    distributions
+        False: leave out the whole-distribution figures (KL from logits or top-k lists,
+        top-k overlap) even where the inputs give them (the sampled tokens' figures only).
 
     Returns
     -------
@@ -277,21 +291,46 @@ def compare_logprobs(
     >>> df["max_abs_dlogprob"].item(), df.attrs["verdict"].status
     (0.25, 'differs')
     """
+    rows, verdict = logprob_comparison(
+        a,
+        b,
+        control=control,
+        mask=mask,
+        top_k=top_k,
+        n_worst=n_worst,
+        labels=labels,
+        distributions=distributions,
+    )
+    return _frame(rows, verdict)
+
+
+def logprob_comparison(
+    a: Any,
+    b: Any,
+    *,
+    control: Any = None,
+    mask: Any = None,
+    top_k: int = 20,
+    n_worst: int = 5,
+    labels: tuple[str, str, str] = ("A", "B", "control"),
+    distributions: bool = True,
+) -> tuple[list[dict[str, Any]], LogprobVerdict]:
+    """:func:`compare_logprobs` as its rows (one dict per sequence and role) and its
+    verdict, without building a DataFrame (the command line's path: no pandas import)."""
     sa = read_side(a, labels[0], mask=mask)
     sb = read_side(b, labels[1], mask=mask)
     reason, unchecked = identity_gate(sa, sb)
     if reason is not None:
-        return _frame(
-            [], _verdict(sa, sb, None, reason=reason, unchecked=unchecked, n_worst=n_worst)
-        )
-    rows, overall = _pair_rows(sa, sb, "pair", top_k=top_k, n_worst=n_worst)
+        return [], _verdict(sa, sb, None, reason=reason, unchecked=unchecked, n_worst=n_worst)
+    opts = {"top_k": top_k, "n_worst": n_worst, "distributions": distributions}
+    rows, overall = _pair_rows(sa, sb, "pair", **opts)
     control_overall = None
     if control is not None:
         sc = read_side(control, labels[2], mask=mask)
         c_reason, _ = identity_gate(sa, sc)
         if c_reason is not None:
             raise DmlibError(f"the control is not comparable with {labels[0]}: {c_reason}")
-        c_rows, control_overall = _pair_rows(sa, sc, "control", top_k=top_k, n_worst=n_worst)
+        c_rows, control_overall = _pair_rows(sa, sc, "control", **opts)
         rows += c_rows
     verdict = _verdict(
         sa,
@@ -302,7 +341,7 @@ def compare_logprobs(
         control_label=labels[2] if control is not None else None,
         n_worst=n_worst,
     )
-    return _frame(rows, verdict)
+    return rows, verdict
 
 
 def _blocks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
@@ -319,7 +358,7 @@ def _blocks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
 
 
 def _pair_rows(
-    sa: LogprobSide, sb: LogprobSide, role: str, *, top_k: int, n_worst: int
+    sa: LogprobSide, sb: LogprobSide, role: str, *, top_k: int, n_worst: int, distributions: bool
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The per-sequence rows and the overall figures of one pair that passed the gate."""
     lengths = sa.lengths
@@ -334,7 +373,8 @@ def _pair_rows(
             first_seq=s0,
             n_worst=n_worst,
         )
-        _distributions(sa, sb, s, (s0, s1), top_k)
+        if distributions:
+            _distributions(sa, sb, s, (s0, s1), top_k)
         blocks.append(s)
         cols = figs.per_sequence(s)
         for i in range(s1 - s0):
