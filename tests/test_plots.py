@@ -80,6 +80,8 @@ def test_layout_map_spans_are_offsets_and_sizes(ax):
     assert _spans(colls[2]) == [(268.0, 244.0)]
     assert _spans(colls[3]) == [(1512.0, 536.0)]
     assert ax.get_xlabel() == "byte offset in file (B)"
+    fmt = ax.xaxis.get_major_formatter()
+    assert fmt(1.5e6, 0) == "1.5 MB" and fmt(512, 0) == "512 B"  # a unit, no "1e6" corner
     assert ax.get_title()
 
 

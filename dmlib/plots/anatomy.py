@@ -71,6 +71,10 @@ def layout_map(
         ylabels.insert(0, "padding")
     ax.set_yticks(yticks, ylabels)
     ax.set_ylim(0.3, 2.7)
+    from matplotlib.ticker import EngFormatter
+
+    # offsets written with their unit ("1.5 MB"), not as 1.5 under a "1e6" in the corner
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
     ax.set_xlabel(label("offset"))
     ax.set_title(title or "Byte layout: tensors and the padding between them")
     ax.legend(
