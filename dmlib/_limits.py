@@ -48,6 +48,7 @@ from dmlib.textsafe import escape
 
 __all__ = [
     "DEFLATE_MAX_RATIO",
+    "MAX_INT_BITS",
     "MAX_JSON_KEYS",
     "MAX_NAME_CHARS",
     "MAX_NESTING",
@@ -91,6 +92,10 @@ MAX_JSON_KEYS = 100_000
 
 #: How deep a TOML document (a study, a mapping file) may nest arrays and tables.
 MAX_NESTING = 64
+
+#: The most bits of an integer a file may hold as a plain value (a step, an RNG word):
+#: Python refuses to print an integer of more than 4300 digits (about 14,000 bits).
+MAX_INT_BITS = 4096
 
 #: The largest JSON or TOML text file of an input read whole (a ``trainer_state.json``, a
 #: mapping file): parsed into Python objects it takes ten to twenty times its size. The

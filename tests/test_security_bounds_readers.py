@@ -124,6 +124,18 @@ def test_an_integer_key_of_thousands_of_digits_is_refused(tmp_path: Path) -> Non
     _assert_refused(p, "inspect", str(p), words=("key too long",))
 
 
+def test_an_integer_value_of_thousands_of_digits_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "int.pt"  # 10**5000: log2 = 5000 * 3.3219... = 16609.6, so 16,610 bits
+    _bombs.torch_zip(p, _bombs.PROTO2 + b"}" + _bombs.p_str("x") + _bombs.p_int(10**5000) + b"s.")
+    _assert_refused(p, "inspect", str(p), words=("16,610 bits",))
+    ok = tmp_path / "ok.pt"  # 2**4095 - 1 has 4095 bits; -(2**4095) is 4096 bits long
+    _bombs.torch_zip(
+        ok, _bombs.PROTO2 + b"}" + _bombs.p_str("x") + _bombs.p_int(-(2**4095)) + b"s."
+    )
+    with dmlib.open_tensors(ok) as ts:
+        assert ts.scalars["x"] == -(2**4095)
+
+
 def test_empty_lists_doubled_40_times_are_refused_by_the_walks_work(tmp_path: Path) -> None:
     p = tmp_path / "doubling.pt"
     _bombs.torch_zip(p, _bombs.pickle_empty_doubling(40))

@@ -503,7 +503,10 @@ def check_shape(obj: Any, *, what: str, path: str | None, limits: Limits = LIMIT
             if _children(k) is not None and id(k) not in done:
                 stack.append((k, 0))
     top = _children(obj)
-    return 1 if top is None else done[id(obj)][0]
+    if top is None:
+        _measured((obj,), done, 1, bounds, limits, what, path)  # one plain value
+        return 1
+    return done[id(obj)][0]
 
 
 def _measured(
@@ -522,6 +525,12 @@ def _measured(
     for k in kids:
         if _children(k) is None:
             leaves += 1
+            if type(k) is int and k.bit_length() > _limits.MAX_INT_BITS:
+                raise FormatError(
+                    f"{what} holds an integer of {k.bit_length():,} bits, more than the "
+                    f"{_limits.MAX_INT_BITS:,} a plain value may have",
+                    path=path,
+                )
         else:
             n_leaves, n_nodes, n_deep = done[id(k)]
             leaves, nodes, deep = leaves + n_leaves, nodes + n_nodes, max(deep, n_deep)

@@ -123,17 +123,21 @@ def check(
     :class:`TruncatedError` naming ``what`` and the member.
     """
     infos = zf.infolist()
-    _check_directory(zf, infos, read, size, what, path)
+
+    def inside(at: int, n: int) -> bytes:  # offsets from the file may lie anywhere (2**64 - 1)
+        return read(at, min(n, size - at)) if 0 <= at < size and n > 0 else b""
+
+    _check_directory(zf, infos, inside, size, what, path)
     starts: dict[str, int] = {}
     spans = []
     for info in infos:
         where = f"{what}: member {info.filename!r}"
         h = info.header_offset
-        head = read(h, _LOCAL.size)
+        head = inside(h, _LOCAL.size)
         if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
             raise FormatError(f"{where} has no local header at {h}", path=path)
         n, e = _LOCAL.unpack(head)[9:]
-        name_and_extra = read(h + _LOCAL.size, n + e)
+        name_and_extra = inside(h + _LOCAL.size, n + e)
         encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
         if name_and_extra[:n] != info.orig_filename.encode(encoding, "surrogateescape"):
             raise FormatError(
@@ -144,7 +148,7 @@ def check(
         start = h + _LOCAL.size + n + e
         end = start + info.compress_size
         if problem is None and info.flag_bits & 0x8:
-            problem = _descriptor_problem(info, read, end)
+            problem = _descriptor_problem(info, inside, end)
         if problem is not None:
             raise FormatError(
                 f"{where}: its local header states {problem} (two readings)", path=path

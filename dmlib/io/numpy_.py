@@ -90,6 +90,7 @@ _ZIP_ERRORS: tuple[type[BaseException], ...] = (
     KeyError,
     NotImplementedError,  # compression method
     RuntimeError,  # encrypted member
+    OverflowError,  # a zip64 offset past what a seek takes
 )
 try:
     import lzma

@@ -510,6 +510,8 @@ def read_zip(source: str | bytes, path: str | None, what: str | None = None) -> 
         NotImplementedError,
         struct.error,
         RuntimeError,
+        OverflowError,  # a zip64 field past what a seek takes
+        MemoryError,
     ) as err:
         if isinstance(err, FormatError):
             raise
