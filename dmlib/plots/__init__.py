@@ -19,6 +19,7 @@ from dmlib.plots.divergence import (
 )
 from dmlib.plots.growth import growth_rate_bars, step_growth, step_growth_grid
 from dmlib.plots.localize import block_heatmap, boundary_profile
+from dmlib.plots.logprobs import logprob_drift
 
 __all__ = [
     "LABELS",
@@ -28,6 +29,7 @@ __all__ = [
     "growth_rate_bars",
     "label",
     "layout_map",
+    "logprob_drift",
     "run_matrix_heatmap",
     "slot_counts",
     "step_growth",
