@@ -193,16 +193,6 @@ def test_prose_matrix_runs_and_ulp_title():
     assert "orders" not in prose.ulp_title({**v, "separation_orders": math.inf}, "x", "c")
 
 
-def test_prose_pair_worst_lines():
-    from dmlib.report import prose
-
-    pairs = pd.DataFrame({"a": ["a", "a"], "b": ["b", "c"], "worst_rel_fro": [0.0, 1.5e-07]})
-    assert prose.pair_worst_lines(pairs) == [
-        "a/b: worst rel_fro 0",
-        "a/c: worst rel_fro 1.5e-07",
-    ]
-
-
 def test_run_matrix_and_ulp_distributions_state_different_findings(lab):
     study = report.load_study(lab / "study.toml")
     mx = sections.study_matrix(study)

@@ -117,8 +117,9 @@ def pairs_table(sm: StudyMatrix) -> pd.DataFrame | None:
 
 
 def worst_rel_fro(sm: StudyMatrix) -> pd.DataFrame | None:
-    """Records each pair's worst rel_fro, the bit-identical pairs and the separation, and
-    says each pair's; returns the pairs' ``a``, ``b``, ``identical`` and ``worst_rel_fro``."""
+    """Records each pair's worst rel_fro, the bit-identical pairs and the separation;
+    returns the pairs' ``a``, ``b``, ``identical`` and ``worst_rel_fro`` (shown once, as
+    this table)."""
     if sm.empty:
         return None
     pairs, v = sm.pairs, sm.verdict
@@ -126,7 +127,6 @@ def worst_rel_fro(sm: StudyMatrix) -> pd.DataFrame | None:
     record("worst_rel_fro", by_pair)
     record("identical_pairs", v["identical_pairs"])
     record("separation_orders", v["separation_orders"])
-    say(*prose.pair_worst_lines(pairs))
     return pairs[["a", "b", "identical", "worst_rel_fro"]]
 
 
