@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from dmlib import _limits
 from dmlib.errors import DmlibError
 from dmlib.mapping.transforms import Op, parse_op
 
@@ -103,6 +104,11 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
+_TOO_DEEP = (
+    f"arrays or tables nest more than {_limits.MAX_NESTING} deep, too deep for a mapping file"
+)
+
+
 def load_mapping(source: Any) -> Mapping:
     """A :class:`Mapping` from a path to a TOML file, a TOML dict, or a Mapping (as is)."""
     if isinstance(source, Mapping):
@@ -119,6 +125,8 @@ def load_mapping(source: Any) -> Mapping:
             raise DmlibError("is a directory, not a mapping file", path=path) from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise DmlibError(f"not a valid TOML mapping file ({err})", path=path) from None
+        except RecursionError:  # tomllib recurses per nested array or inline table
+            raise DmlibError(_TOO_DEEP, path=path) from None
         except OSError as err:
             raise DmlibError(f"cannot read ({err.strerror or err})", path=path) from None
     elif isinstance(source, dict):
@@ -127,6 +135,8 @@ def load_mapping(source: Any) -> Mapping:
         raise DmlibError(
             f"a mapping is a path to a TOML file or a dict, not a {type(source).__name__}"
         )
+    if _limits.nesting_depth(raw) > _limits.MAX_NESTING:  # nested tables need no recursion
+        raise DmlibError(_TOO_DEEP, path=path)
     try:
         return _parse(raw, path)
     except DmlibError as err:
@@ -141,6 +151,10 @@ def loads(text: str) -> Mapping:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise DmlibError(f"not a valid TOML mapping ({err})") from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise DmlibError(_TOO_DEEP) from None
+    if _limits.nesting_depth(raw) > _limits.MAX_NESTING:
+        raise DmlibError(_TOO_DEEP)
     return _parse(raw, None)
 
 
