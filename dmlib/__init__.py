@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.localize.rates import repeat_rates, repeat_study, wilson_interval
     from dmlib.padding import padding_across_runs, padding_census, padding_summary
     from dmlib.stats.compare import compare, summarize, ulp_long
+    from dmlib.stats.group_l2 import group_l2
     from dmlib.stats.logprobs import LogprobVerdict, compare_logprobs, logprob_ladder
     from dmlib.stats.matrix import matrix, verdict
     from dmlib.stats.options import CompareOptions
@@ -81,6 +82,7 @@ _LAZY: dict[str, str] = {
     "matrix": "dmlib.stats.matrix",
     "verdict": "dmlib.stats.matrix",
     "ulp_long": "dmlib.stats.compare",
+    "group_l2": "dmlib.stats.group_l2",
     "CompareOptions": "dmlib.stats.options",
     "Summary": "dmlib.stats.verdicts",
     "MatrixVerdict": "dmlib.stats.verdicts",
@@ -155,6 +157,7 @@ __all__ = [
     "factor_matrix",
     "first_divergent_column",
     "first_divergent_columns",
+    "group_l2",
     "growth_rates",
     "load",
     "logprob_ladder",

@@ -79,9 +79,11 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
         help="also hash whole files and data sections (two more hash passes per file)",
     )
     _add_hash(p, "each tensor's bytes")
+    from dmlib.cli._groups import add_group_l2
     from dmlib.cli._lora import add_options
 
     add_options(p)
+    add_group_l2(p)
     add_common(p, json="print one JSON document (rows, summary, attrs)", format=True, dask=True)
     p.set_defaults(func=run_compare)
 
@@ -105,6 +107,9 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     from dmlib.cli.map import add_run_maps
 
     add_run_maps(m)
+    from dmlib.cli._groups import add_group_l2
+
+    add_group_l2(m)
     add_common(m, json="print one JSON document (verdict and every row)", format=True, dask=True)
     m.set_defaults(func=run_matrix)
 
@@ -151,7 +156,7 @@ def _is_dir(path: str) -> bool:
 def run_compare(args: argparse.Namespace) -> int:
     # plain records, not a DataFrame: the command starts without importing pandas
     """``dmlib compare A B``: the divergence table, what was not compared, the verdict."""
-    from dmlib.cli import _lora
+    from dmlib.cli import _groups, _lora
     from dmlib.stats.compare import compare_records, summarize_records
 
     if _lora.wants_adapters(args):  # two LoRA adapters, or a merge (--adapter)
@@ -180,10 +185,13 @@ def run_compare(args: argparse.Namespace) -> int:
         )
     s = summarize_records(rows, at)
     comps = _components(rows, at)
+    groups = _groups.records(args.a, args.b, args.group_l2) if args.group_l2 else None
     if args.json:
         doc = {"summary": s, "attrs": at, "rows": rows}
         if comps is not None:
             doc["components"] = comps
+        if groups is not None:
+            doc["group_l2"] = groups
         print_json(doc)
         return exit_code(s)
     listed = rows if args.all else [r for r in rows if r["n_diff"] > 0]
@@ -193,6 +201,8 @@ def run_compare(args: argparse.Namespace) -> int:
     _print_notes(at, file_hashes=args.file_hashes)
     for line in component_lines(comps or []):
         print(line)
+    if groups is not None:
+        print(_groups.lines(groups))
     print(s)  # the Summary's one-line verdict
     return exit_code(s)
 
@@ -319,6 +329,7 @@ def _compare_runs(args: argparse.Namespace) -> int:
 
 def run_matrix(args: argparse.Namespace) -> int:
     """``dmlib matrix LABEL=PATH ...``: one line per pair of runs and the verdict."""
+    from dmlib.cli import _groups
     from dmlib.cli.map import located_lines, mapped_notes, run_maps
     from dmlib.stats.matrix import matrix_records
 
@@ -337,8 +348,12 @@ def run_matrix(args: argparse.Namespace) -> int:
         )
     v = attrs["verdict"]
     code = exit_code(v)
+    groups = _groups.matrix_records(runs, args.group_l2) if args.group_l2 else None
     if args.json:
-        print_json({"verdict": v, "pairs": attrs["pairs"], "rows": rows, "mapped": attrs["mapped"]})
+        doc = {"verdict": v, "pairs": attrs["pairs"], "rows": rows, "mapped": attrs["mapped"]}
+        if groups is not None:
+            doc["group_l2"] = groups
+        print_json(doc)
         return code
     cols = [
         "a",
@@ -361,6 +376,8 @@ def run_matrix(args: argparse.Namespace) -> int:
                for pair, at in attrs["pairs"].items() for name, where in at.get("located", {}).items()]  # fmt: skip
     for line in located_lines(located):
         print(line)
+    if groups is not None:
+        print(_groups.lines(groups, pairs=True))
     print(v)  # the MatrixVerdict's lines
     sys.stdout.flush()
     return code
