@@ -13,7 +13,8 @@ import dmlib.io
 import dmlib.io.numpy_
 from dmlib.cli import EXIT_INTERNAL, main
 
-CHECKPOINT_COMMANDS = sorted(set(subcommands()) - CAPTURE_COMMANDS)
+# notebooks copies the report notebooks and reads only a study file: no checkpoint
+CHECKPOINT_COMMANDS = sorted(set(subcommands()) - CAPTURE_COMMANDS - {"notebooks"})
 # report and study read their files through a study (study.toml), which names no format per
 # run: --format does not apply to them (they still exit 4 on an unexpected exception)
 FORMAT_COMMANDS = sorted(set(CHECKPOINT_COMMANDS) - {"report", "study"})

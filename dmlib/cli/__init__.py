@@ -33,6 +33,7 @@ from dmlib.cli._common import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
+    HelpFormatter,
 )
 from dmlib.errors import DmlibError
 from dmlib.textsafe import SafeStream, clip
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Numerical-reproducibility forensics: read checkpoints, compare runs, "
         "localise where two runs first diverge.",
         epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     from dmlib import __version__
 

@@ -60,7 +60,68 @@ def add_common(
 
         add_dask(p)
     p.epilog = epilog
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.formatter_class = HelpFormatter
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` fitted to the terminal's width (``COLUMNS``, as argparse reads it).
+
+    A paragraph of prose (blank lines between paragraphs) is filled to the width; a table
+    such as the exit-status text (a heading, then indented lines) keeps its lines, each
+    wrapped under its text (``  130  interrupted ...`` continues under ``interrupted``).
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import re
+        import textwrap
+
+        out = []
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            if not any(line[:1].isspace() for line in lines):  # prose: refilled
+                out.append(
+                    textwrap.fill(
+                        " ".join(line.strip() for line in lines),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                        break_on_hyphens=False,
+                    )
+                )
+                continue
+            rows = []
+            for line in _joined_rows(lines):
+                hang = re.match(r"\s*\S+\s+", line) if line[:1].isspace() else None
+                rows.append(
+                    textwrap.fill(
+                        line,
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent + " " * (len(hang.group(0)) if hang else 2),
+                        break_on_hyphens=False,
+                        drop_whitespace=True,
+                    )
+                    if len(indent + line) > width
+                    else indent + line
+                )
+            out.append("\n".join(rows))
+        return "\n\n".join(out)
+
+
+def _joined_rows(lines: list[str]) -> list[str]:
+    """A table's lines with each continuation line (indented deeper than the rows, as the
+    source broke it) joined to its row, so that the row is wrapped once, at the width."""
+    depth = [len(line) - len(line.lstrip()) for line in lines]
+    row_depth = min(
+        (d for d, line in zip(depth, lines, strict=True) if d and line.strip()), default=0
+    )
+    out: list[str] = []
+    for d, line in zip(depth, lines, strict=True):
+        if out and row_depth and d > row_depth:
+            out[-1] = out[-1].rstrip() + " " + line.strip()
+        else:
+            out.append(line)
+    return out
 
 
 def add_format(p: argparse.ArgumentParser) -> None:
@@ -68,7 +129,10 @@ def add_format(p: argparse.ArgumentParser) -> None:
     from dmlib.io import FORMATS
 
     p.add_argument(
-        "--format", choices=list(FORMATS), help="read every input as this format (skip detection)"
+        "--format",
+        choices=list(FORMATS),
+        metavar="FORMAT",
+        help=f"read every input as this format (skip detection): {', '.join(FORMATS)}",
     )
 
 

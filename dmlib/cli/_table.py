@@ -4,6 +4,9 @@ tables (numbers in them written by :mod:`dmlib.numfmt`)."""
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +43,15 @@ def fmt(v: Any) -> str:
 
 
 def table(
-    rows: pd.DataFrame | list[dict[str, Any]], cols: list[str], cell: Callable[[Any], str] = fmt
+    rows: pd.DataFrame | list[dict[str, Any]],
+    cols: list[str],
+    cell: Callable[[Any], str] = fmt,
+    *,
+    key: int = 1,
 ) -> str:
-    """Left-aligned columns separated by two spaces, with a header line.
+    """Left-aligned columns separated by two spaces, with a header line; wider than
+    :func:`width`, the columns in blocks one under the other, each led by the first ``key``
+    columns (what names a row).
 
     Every cell is escaped, and cut past twice :data:`dmlib.textsafe.LIMIT` characters,
     whatever ``cell`` made of it (:func:`fmt` cuts at the limit itself).
@@ -50,10 +59,48 @@ def table(
     recs = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
     cells = [[cut(cell(r.get(c)), 2 * LIMIT) for c in cols] for r in recs]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
-    lines += [
-        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
+    blocks = column_blocks(widths, width(), key=key)
+    return "\n\n".join(_block(cols, cells, widths, b) for b in blocks)
+
+
+def width() -> int | None:
+    """The width tables fit: ``COLUMNS`` when set, else the terminal's when stdout is one;
+    None (no limit) for output into a pipe or a file, which keeps one line per row."""
+    text = os.environ.get("COLUMNS", "")
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    try:
+        if sys.stdout.isatty():
+            return shutil.get_terminal_size().columns
+    except (AttributeError, ValueError, OSError):
+        pass
+    return None
+
+
+def column_blocks(widths: list[int], limit: int | None, *, key: int = 1) -> list[list[int]]:
+    """The columns of each block of a table ``limit`` characters wide: all in one when
+    they fit (or no limit), else the first ``key`` columns (the row's name) repeated in
+    each block with as many of the others as fit beside them (at least one)."""
+    key = max(1, min(key, len(widths) - 1))
+    if limit is None or sum(widths) + 2 * (len(widths) - 1) <= limit or len(widths) <= key:
+        return [list(range(len(widths)))]
+    head = list(range(key))
+    base = sum(widths[:key]) + 2 * (key - 1)
+    blocks, current, used = [], list(head), base
+    for i in range(key, len(widths)):
+        if len(current) > key and used + 2 + widths[i] > limit:
+            blocks.append(current)
+            current, used = list(head), base
+        current.append(i)
+        used += 2 + widths[i]
+    blocks.append(current)
+    return blocks
+
+
+def _block(cols: list[str], cells: list[list[str]], widths: list[int], keep: list[int]) -> str:
+    """The lines of the table's columns ``keep``: the header, then one line per row."""
+    lines = ["  ".join(cols[i].ljust(widths[i]) for i in keep).rstrip()]
+    lines += ["  ".join(row[i].ljust(widths[i]) for i in keep).rstrip() for row in cells]
     return "\n".join(lines)
 
 

@@ -366,7 +366,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "max_ulp",
         "worst_rel_fro",
     ]
-    print(table(v["pairs"], cols))
+    print(table(v["pairs"], cols, key=2))
     for at in attrs["pairs"].values():  # a pair sharing few names: said before the verdict
         if at.get("alignment_hint"):
             print(f"warning: {at['alignment_hint']['message']}")

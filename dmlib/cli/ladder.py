@@ -224,7 +224,7 @@ def _refuse_missing(checks: Any) -> None:
 def _print_checks(checks: Any, *, details: bool) -> None:
     """The step check of every checkpoint (``details``), else the counts and the flagged."""
     if details:
-        print(table(checks, ["run", "step", "recorded_step", "status", "detail", "path"]))
+        print(table(checks, ["run", "step", "recorded_step", "status", "detail", "path"], key=2))
         return
     counts = checks["status"].value_counts()
     print(
@@ -241,7 +241,7 @@ def _print_details(df: Any, growth: Any, *, top: int) -> None:
     moved = df[(df["rank"] <= top) & (df["n_diff"] > 0)].sort_values(["step", "pair", "rank"])
     cols = ["step", "pair", "rank", "name", "kind", "numel", "norm", "rel_fro", "max_abs", "n_diff"]
     print()
-    print(table(moved, cols) if len(moved) else "no tensor differs at any step")
+    print(table(moved, cols, key=4) if len(moved) else "no tensor differs at any step")
     print()
     print(table(growth.sort_values("slope", ascending=False), list(growth.columns)))
 
