@@ -271,8 +271,10 @@ def ulp_histogram(sm: StudyMatrix) -> Any:
 
     fig, ax = plt.subplots(figsize=(11, 4.8))
     plots.ulp_histogram_by_pair(
-        ulp_pairs_table(sm), ax=ax, title=prose.ulp_title(sm.verdict, sm.when, sm.control)
-    )
+        ulp_pairs_table(sm), ax=ax,
+        # on two lines: one long line widens the image and the page shrinks the plot
+        title=prose.ulp_title(sm.verdict, sm.when, sm.control).replace(": ", ":\n", 1),
+    )  # fmt: skip
     save_figure(fig, "ulp_histogram")
     return fig
 
