@@ -160,3 +160,49 @@ def test_the_length_rule_counts_code_not_docstrings() -> None:
     src = "def f():\n" + doc + "    x = 1\n" * 5 + "def g():\n" + "    y = 2\n" * 81
     fns = {n.name: _body_lines(n) for n in ast.parse(src).body}
     assert fns == {"f": 6, "g": 82}
+
+
+def _module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module in ``graph`` (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """Imports between modules go one way, inside a room too (module level or inside a
+    function alike): ``stats/compare`` reaches ``stats/mapped``, never the reverse."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(PKG.rglob("*.py")):
+        src = _module_of(path)
+        for module, _name, _line in imports(path):
+            if module != src:
+                graph[src].add(module)
+    cycles = _module_cycles(graph)
+    assert not cycles, "modules that import each other:\n" + "\n".join(map(str, cycles))
+    assert _module_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -84,7 +84,6 @@ from dmlib.kernels.pair import (
     COLUMNS,
     DEFAULT_CHUNK,
     NAN_COLUMNS,
-    NULLABLE_INT,
     ULP_BUCKETS,
     ULP_COLUMNS,
     compare_pair,
@@ -93,6 +92,14 @@ from dmlib.kernels.pair import (
 )
 from dmlib.sources import Patterns, Source, check_selection, opened, patterns, select
 from dmlib.stats.options import CompareOptions
+from dmlib.stats.rows import (  # (made there for the mapped comparison as well)
+    collect_data_hashes,
+    dict_diff,
+    dtype_label,
+    rounded_pair,
+    rows_out,
+    scalar_attrs,
+)
 from dmlib.stats.verdicts import Summary
 from dmlib.tensor import Tensor, TensorSet
 
@@ -365,23 +372,6 @@ def compare_sets(
     return rows_out(rows, attrs, COLUMNS, frame=frame)
 
 
-def rows_out(
-    rows: list[dict[str, Any]], attrs: dict[str, Any], columns: list[str], *, frame: bool
-) -> Any:
-    """A comparison's result: ``(records, attrs)`` without pandas (what the command line
-    prints), else a DataFrame of ``columns`` with the nullable integer columns typed and
-    ``attrs`` attached."""
-    if not frame:
-        return [{c: r.get(c) for c in columns} for r in rows], attrs
-    import pandas as pd
-
-    df = pd.DataFrame(rows, columns=columns)
-    for col in NULLABLE_INT:
-        df[col] = df[col].astype("UInt64" if col == "max_ulp" else "Int64")
-    df.attrs.update(attrs)
-    return df
-
-
 #: Pairs of at least this many bytes (per side) are compared on worker threads.
 THREADED_PAIR_BYTES = 256 << 10
 
@@ -487,8 +477,8 @@ def _pair_up(
             mismatched.append(
                 {
                     "name": n,
-                    "dtype_a": _label(ta),
-                    "dtype_b": _label(tb),
+                    "dtype_a": dtype_label(ta),
+                    "dtype_b": dtype_label(tb),
                     "shape_a": list(ta.shape),
                     "shape_b": list(tb.shape),
                 }
@@ -516,14 +506,6 @@ def _start_file_hashes(
             futures["file_hash_" + key] = side.submit(hashing.digest_file, ts.path, hash_name)
     futures["data_section_hash_a"] = side.submit(section_hash, sa, chunk_bytes, hash_name)
     return futures
-
-
-def collect_data_hashes(rows: list[dict[str, Any]]) -> None:
-    """Replace each row's pending per-tensor hashes by ``data_hash_a``/``_b``."""
-    for row in rows:
-        fa, fb = row.pop("_hashes")
-        row["data_hash_a"] = None if fa is None else fa.result()  # None: no hash asked for
-        row["data_hash_b"] = row["data_hash_a"] if fb is None else fb.result()
 
 
 def _finish_file_hashes(
@@ -601,36 +583,6 @@ def _attrs(
     }
 
 
-def _label(t: Any) -> str:
-    return t.dtype_label
-
-
-ROUNDING = "round to nearest, ties to even"
-
-
-def rounded_pair(ta: Any, tb: Any) -> tuple[Any, Any, dict[str, Any]] | None:
-    """(a, b, record) with the wider float side rounded to the narrower dtype, else None."""
-    from dmlib.dtypes import is_float
-    from dmlib.tensor import Tensor
-
-    if ta.quantized or tb.quantized or ta.shape != tb.shape:
-        return None
-    if not (is_float(ta.dtype) and is_float(tb.dtype)) or ta.dtype.itemsize == tb.dtype.itemsize:
-        return None
-    wide, narrow, side = (ta, tb, "a") if ta.dtype.itemsize > tb.dtype.itemsize else (tb, ta, "b")
-    with np.errstate(over="ignore", invalid="ignore"):
-        arr = np.ascontiguousarray(wide.load().astype(narrow.dtype))
-    t = Tensor(wide.name, arr.dtype, arr.shape, nbytes=arr.nbytes, source=arr)
-    record = {
-        "name": wide.name,
-        "rounded": side,
-        "from": _label(wide),
-        "to": _label(narrow),
-        "rounding": ROUNDING,
-    }
-    return (t, tb, record) if side == "a" else (ta, t, record)
-
-
 def _alignment(
     names_a: list[str], names_b: list[str], common: list[str], path_a: Any, path_b: Any
 ) -> dict[str, Any] | None:
@@ -664,54 +616,6 @@ def section_hash(
 ) -> str:
     """Hash of the tensor bytes in disk order (``ts.data_hash()``'s bytes), chunk by chunk."""
     return K.hash_views((t.raw() for t in ts.disk_order()), chunk_bytes, hash_name)
-
-
-# The recorded step (a torch checkpoint's "step", the step an Orbax or Trainer reader reads
-# from the folder): held by one side only it is no value left uncompared (a safetensors or
-# npz export records none; ladders check steps on their own, forensics.ladder.check_steps).
-# Held by both and different, it is a difference like any scalar.
-STEP_KEY = "step"
-
-
-def scalar_attrs(
-    da: dict[str, Any], db: dict[str, Any], include: Patterns, exclude: Patterns
-) -> dict[str, Any]:
-    """The scalars under the same name selection as the tensors: ``scalars_diff`` (held by
-    both sides, values differ: a difference), ``scalars_only_in_a``/``_b`` (held by one side:
-    listed, like a file's metadata, and not a difference of values), ``scalar_names``."""
-    from dmlib.sources import name_filter
-
-    keep = name_filter(include, exclude)
-    a = {k: v for k, v in da.items() if keep(k)}
-    b = {k: v for k, v in db.items() if keep(k)}
-    return {
-        "scalars_diff": {k: [a[k], b[k]] for k in a if k in b and not _same_scalar(a[k], b[k])},
-        "scalars_only_in_a": [k for k in a if k not in b and k != STEP_KEY],
-        "scalars_only_in_b": [k for k in b if k not in a and k != STEP_KEY],
-        "scalar_names": list(dict.fromkeys([*a, *b])),
-    }
-
-
-def _same_scalar(x: Any, y: Any) -> bool:
-    """Equal values (a bool never equals a number: True vs 1 differ; NaN equals NaN)."""
-    if isinstance(x, bool) != isinstance(y, bool):
-        return False
-    try:
-        if x != x and y != y:  # NaN on both sides (of any float type)
-            return True
-        return bool(x == y)
-    except (TypeError, ValueError):  # values that do not compare (arrays): by their repr
-        return repr(x) == repr(y)
-
-
-def dict_diff(da: dict, db: dict) -> dict[str, list[Any]]:
-    """Key -> ``[value in a, value in b]`` for every key whose values differ or that one side
-    lacks (None there); a's keys first, in order, then b's others.
-    """
-    keys = list(da) + [k for k in db if k not in da]
-    return {
-        k: [da.get(k), db.get(k)] for k in keys if da.get(k) != db.get(k) or (k in da) != (k in db)
-    }
 
 
 # -- summaries --------------------------------------------------------------------------

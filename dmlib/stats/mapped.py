@@ -69,7 +69,8 @@ def compare_mapped(
         attrs = _attrs(sa, sb, m, res, rows, state, include, exclude, keep)
     for r in rows:
         r.pop("_pair", None)
-    from dmlib.stats.compare import COLUMNS, rows_out
+    from dmlib.kernels.pair import COLUMNS
+    from dmlib.stats.rows import rows_out
 
     return rows_out(rows, attrs, COLUMNS + MAPPED_COLUMNS, frame=frame)
 
@@ -130,7 +131,7 @@ def _binding_rows(
     bnd: Binding, sa: TensorSet, sb: TensorSet, keep: set[str], cross_dtype: bool, st: _State
 ) -> list[dict[str, Any]]:
     from dmlib.kernels.pair import compare_pair, kind_of, same_layout
-    from dmlib.stats.compare import collect_data_hashes, rounded_pair
+    from dmlib.stats.rows import collect_data_hashes, rounded_pair
 
     rows = []
     want = cast_dtype(bnd.rule.ops)
@@ -256,7 +257,7 @@ def _attrs(
     exclude: Patterns,
     keep: set[str],
 ) -> dict[str, Any]:
-    from dmlib.stats.compare import dict_diff, scalar_attrs
+    from dmlib.stats.rows import dict_diff, scalar_attrs
 
     keep_a = set(select(list(res.ignored_a), include, exclude))
     return {
