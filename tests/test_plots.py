@@ -169,6 +169,22 @@ def test_growth_rate_bars(ax):
     assert _bar_widths(ax) == [0.25, 0.05]
 
 
+def test_growth_rate_bars_name_a_pair_without_a_rate(ax):
+    rates = pd.DataFrame(
+        {
+            "pair": ["base/x", "base/x", "base/repeat", "base/repeat"],
+            "group": ["bias", "weight", "bias", "weight"],
+            "slope": [0.25, 0.05, np.nan, np.nan],  # the repeat: bit-identical, nothing to fit
+        }
+    )
+    plot.growth_rate_bars(rates, ax=ax)
+    assert _bar_widths(ax) == [0.25, 0.05]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["base/x"]
+    assert [t.get_text() for t in ax.texts] == [
+        "no rate (rel_fro > 0 at fewer than two steps): base/repeat"
+    ]
+
+
 def test_run_matrix_heatmap_array(ax):
     pairs = pd.DataFrame(
         {

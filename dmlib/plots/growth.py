@@ -144,9 +144,19 @@ def growth_rate_bars(
     ax: Any = None,
     title: str | None = None,
 ) -> Any:
-    """Horizontal bars of ``growth_rates(...)``: decades of rel_fro gained per step, per group."""
+    """Horizontal bars of ``growth_rates(...)``: decades of rel_fro gained per step, per group.
+
+    A ``hue`` value (a pair) without any slope (NaN: rel_fro > 0 at fewer than two steps,
+    e.g. a bit-identical repeat) draws no bar and is named under the legend, so that its
+    absence is not read as a pair left out.
+    """
     need(rates, [key, value] + ([hue] if hue else []), "growth_rate_bars")
     ax = axes_or_current(ax)
+    unfitted = []
+    if hue:
+        has = rates.assign(_v=floats(rates[value])).groupby(hue, sort=False)["_v"].count()
+        unfitted = [str(g) for g, n in has.items() if n == 0]
+        rates = rates[~rates[hue].astype(str).isin(unfitted)]
     keys = list(dict.fromkeys(rates[key].tolist()))
     groups = list(dict.fromkeys(rates[hue].tolist())) if hue else [None]
     n = len(groups)
@@ -163,6 +173,11 @@ def growth_rate_bars(
     ax.set_title(title or "Growth rate of divergence per group")
     if hue:
         ax.legend(title=hue, fontsize="small")
+    if unfitted:
+        ax.text(
+            0.99, 0.01, f"no rate (rel_fro > 0 at fewer than two steps): {', '.join(unfitted)}",
+            transform=ax.transAxes, ha="right", va="bottom", fontsize="x-small",
+        )  # fmt: skip
     return ax
 
 

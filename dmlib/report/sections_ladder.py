@@ -157,7 +157,7 @@ def rates(sg: Ladder) -> pd.DataFrame | None:
     if len(drawn):
         fig, ax = plt.subplots(figsize=(9, 4.5))
         title = prose.growth_title(drawn["step_min"].min(), drawn["step_max"].max())
-        plots.growth_rate_bars(drawn, ax=ax, title=title)
+        plots.growth_rate_bars(sg.rates, ax=ax, title=title)  # pairs without a rate named
         save_figure(fig, "step_growth_rates")
     else:
         skip(prose.NO_GROWTH)
