@@ -167,3 +167,42 @@ def test_ulp_finding_in_ulp_not_rel_fro() -> None:
     )
     v = _verdict(None, [same], ["a/b"], same_max_ulp=0, same_worst_median_ulp=0.0)
     assert prose.ulp_finding(v, "at step 5") == "At step 5: all 1 pairs bit-identical (0 ULP)."
+
+
+def test_matrix_finding_quotes_the_weights_apart_from_the_optimizer() -> None:
+    """Training checkpoints: the headline's worst rel_fro is the weights' (a training user's
+    first question), the optimizer moments' said apart; numbers from numpy."""
+    import numpy as np
+
+    from dmlib.stats.matrix import matrix
+    from dmlib.tensor import ArrayTensorSet
+
+    g = np.random.default_rng(0)
+    w = g.standard_normal((6, 4))
+    m = np.abs(g.standard_normal((6, 4))) * 1e-3
+    w_rep, m_rep = w.copy(), m.copy()
+    w_rep[0, 0] = np.nextafter(w_rep[0, 0], np.inf)
+    m_rep *= 1.5  # the moments differ far more than the weights
+    w_ctl = g.standard_normal((6, 4))
+    runs = {
+        label: ArrayTensorSet({"model.w": a, "optimizer.state.0.exp_avg_sq": b})
+        for label, (a, b) in {"base": (w, m), "rep": (w_rep, m_rep), "seed1": (w_ctl, m)}.items()
+    }
+    df = matrix(runs, control="seed1")
+    v = df.attrs["verdict"]
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+    weights, moments = rel(w, w_rep), rel(m, m_rep)
+    assert v["same_worst_rel_fro"] == pytest.approx(moments)  # the verdict pools them
+    ctrl = min(rel(w, w_ctl), rel(w_rep, w_ctl))
+    finding, _ = prose.matrix(v, "at step 5", n_tensors=2, differing=[], frame=df)
+    head, _, rest = finding.partition("Apart from the weights")
+    assert "model weights only" in head
+    assert prose.fmt(weights) in head and prose.fmt(moments) not in head
+    assert prose.fmt(ctrl) in head
+    assert f"{np.log10(ctrl / weights):.1f} orders of magnitude" in head
+    assert "optimizer state: at most " + prose.fmt(moments) in rest
+    plain, _ = prose.matrix(v, "at step 5", n_tensors=2, differing=[])  # no frame: as before
+    assert "model weights only" not in plain and prose.fmt(moments) in plain

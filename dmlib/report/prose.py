@@ -29,12 +29,30 @@ def _list(names: Sequence[str], n: int = 5) -> str:
 
 
 def matrix(
-    verdict: Mapping[str, Any], when: str, *, n_tensors: int, differing: Sequence[str]
+    verdict: Mapping[str, Any],
+    when: str,
+    *,
+    n_tensors: int,
+    differing: Sequence[str],
+    frame: pd.DataFrame | None = None,
 ) -> tuple[str, list[str]]:
-    """Pairs of runs (``dmlib.matrix``'s verdict) ``when`` ("at step 20")."""
+    """Pairs of runs (``dmlib.matrix``'s verdict) ``when`` ("at step 20").
+
+    ``frame``: the matrix's rows; when they hold optimizer state (training checkpoints),
+    the finding quotes the model weights alone first and the optimizer state apart.
+    """
     control = _t(verdict["control"]) if verdict["control"] is not None else None
     others = [p for p in verdict["pairs"] if not p["control"]]
+    parts = by_component(frame, verdict["control"]) if frame is not None else {}
+    if "weights" in parts and len(parts) > 1:  # the weights' numbers lead the finding
+        w = parts["weights"]
+        verdict = {**verdict, "same_worst_rel_fro": w["same"], "same_max_ulp": w["same_max_ulp"],
+                   "control_rel_fro": w["control"], "separation_orders": w["separation"]}  # fmt: skip
     finding, lines = _matrix_finding(verdict, when, control, others)
+    if "weights" in parts and len(parts) > 1:
+        finding = finding.replace(": ", ", model weights only: ", 1) + _state_sentence(
+            parts, control
+        )
     if others or control is None:
         lines += _identical_pairs_lines(verdict, when, control, others)
     lines += _tensor_lines(n_tensors, differing, control)
@@ -45,6 +63,53 @@ def matrix(
             "near zero one ULP is tiny, so rel_fro is the measure of what a layer computes."
         )
     return finding, lines
+
+
+def by_component(frame: pd.DataFrame, control: str | None) -> dict[str, dict[str, Any]]:
+    """The matrix's worst numbers per component of a training checkpoint (``weights``,
+    ``optimizer``...: :func:`dmlib.stats.components.component_of`): ``same`` (worst rel_fro
+    over the pairs without the control), ``same_max_ulp``, ``control`` (the least, over
+    the control's pairs, of each pair's worst rel_fro) and ``separation`` (log10 of
+    control / same; inf when same is 0, None without either)."""
+    from dmlib.stats.components import component_of
+
+    if frame is None or not len(frame):
+        return {}
+    comp = frame["name"].map(lambda n: component_of(str(n)))
+    is_c = frame["a"].eq(control) | frame["b"].eq(control) if control else comp.eq("")
+    out: dict[str, dict[str, Any]] = {}
+    for c in dict.fromkeys(comp):
+        mine = comp.eq(c)
+        same = frame.loc[mine & ~is_c]
+        rel = pd.to_numeric(same["rel_fro"], errors="coerce").fillna(0.0)
+        ulp = pd.to_numeric(same["max_ulp"], errors="coerce").fillna(0)
+        ctrl_rows = frame.loc[mine & is_c]
+        worst = (
+            pd.to_numeric(ctrl_rows["rel_fro"], errors="coerce")
+            .groupby([ctrl_rows["a"], ctrl_rows["b"]])
+            .max()
+        )
+        s = float(rel.max()) if len(same) else None
+        k = float(worst.min()) if len(worst) and worst.notna().any() else None
+        sep = None
+        if s is not None and k is not None and k > 0:
+            sep = math.inf if s == 0 else math.log10(k / s)
+        out[c] = {"same": s, "same_max_ulp": int(ulp.max()) if len(same) else None,
+                  "control": k, "separation": sep}  # fmt: skip
+    return out
+
+
+def _state_sentence(parts: Mapping[str, Mapping[str, Any]], control: str | None) -> str:
+    """The optimizer state (and any other component) apart from the weights."""
+    said = []
+    for c, v in parts.items():
+        if c == "weights" or v["same"] is None:
+            continue
+        text = f"{_t(c)} state: at most {fmt(v['same'])}"
+        if control is not None and v["control"] is not None:
+            text += f" without the control, {fmt(v['control'])} with it"
+        said.append(text)
+    return (" Apart from the weights, " + "; ".join(said) + ".") if said else ""
 
 
 def _matrix_finding(

@@ -168,7 +168,7 @@ def _matrix_prose(sm: StudyMatrix) -> tuple[str, list[str]]:
     ordered = rows.loc[rows["n_diff"] > 0].sort_values("rel_fro", ascending=False)["name"]
     return prose.matrix(
         sm.verdict, sm.when, n_tensors=int(sm.frame["name"].nunique()),
-        differing=list(dict.fromkeys(ordered)),
+        differing=list(dict.fromkeys(ordered)), frame=sm.frame,
     )  # fmt: skip
 
 
