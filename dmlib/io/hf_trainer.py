@@ -30,13 +30,22 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from typing import Any
 
 from dmlib.errors import FormatError, UnsupportedError
+from dmlib.safepaths import contained
 from dmlib.tensor import ArrayTensorSet, Tensor, TensorSet
 
-__all__ = ["CHECKPOINT_DIR", "can_open", "checkpoints_of", "is_run_folder", "open_trainer"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "MAX_CHECKPOINTS",
+    "can_open",
+    "checkpoints_of",
+    "is_run_folder",
+    "open_trainer",
+]
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -55,6 +64,9 @@ _RNG = re.compile(r"^(?:rng_state(?:_(\d+))?\.pth|random_states_(\d+)\.pkl)$")
 #: a Trainer checkpoint folder's name: ``checkpoint-<global step>``
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _MARKERS = (TRAINER_STATE, *OPTIMIZER, *SCHEDULER)
+#: the most ``checkpoint-N`` entries a run folder may hold (a Trainer keeps
+#: ``save_total_limit`` of them; each one holds at least the weights)
+MAX_CHECKPOINTS = 10_000
 
 
 def can_open(path: str) -> bool:
@@ -83,24 +95,47 @@ def kind(path: str) -> str:
 
 def checkpoints_of(folder: str | os.PathLike[str]) -> dict[int, str]:
     """``{folder number: path}`` of a run folder's ``checkpoint-N/`` subfolders that hold a
-    checkpoint (:func:`can_open`), in step order; empty for any other folder."""
-    folder = os.fspath(folder)
-    try:
-        entries = sorted(os.listdir(folder))
-    except OSError:
-        return {}
-    found = {}
-    for name in entries:
-        m = CHECKPOINT_DIR.match(name)
-        p = os.path.join(folder, name)
-        if m and can_open(p):
-            found[int(m.group(1))] = p
-    return dict(sorted(found.items()))
+    checkpoint (:func:`can_open`), in step order; empty for any other folder.
+
+    The folder is listed once (``os.scandir``: no stat per entry); only subfolders named
+    ``checkpoint-N`` are looked into, at most :data:`MAX_CHECKPOINTS` of them (more is
+    refused before any is opened). A ``checkpoint-N`` that is a symbolic link is followed
+    only when it stays inside the run folder: one that leads out is refused, naming it (a
+    shared study would otherwise compare, and report, a folder outside it).
+    """
+    return dict(sorted(_checkpoints(os.fspath(folder), first_only=False).items()))
 
 
 def is_run_folder(folder: str | os.PathLike[str]) -> bool:
     """True for a Trainer output folder: one holding ``checkpoint-N/`` checkpoints."""
-    return bool(checkpoints_of(folder))
+    return bool(_checkpoints(os.fspath(folder), first_only=True))
+
+
+def _checkpoints(folder: str, *, first_only: bool) -> dict[int, str]:
+    try:
+        with os.scandir(folder) as it:
+            named = [e for e in it if CHECKPOINT_DIR.match(e.name)]
+    except OSError:
+        return {}
+    if len(named) > MAX_CHECKPOINTS:
+        raise FormatError(
+            f"holds {len(named):,} checkpoint-N entries, more than the {MAX_CHECKPOINTS:,} "
+            "one training run's folder may hold; not read",
+            path=folder,
+        )
+    found: dict[int, str] = {}
+    for e in named:
+        if e.is_symlink() and not contained(folder, e.path):
+            raise FormatError(
+                f"{e.name!r} is a symbolic link to {os.path.realpath(e.path)!r}, outside the "
+                "run folder; only checkpoints inside it are read",
+                path=folder,
+            )
+        if e.is_dir() and can_open(e.path):
+            found[int(e.name[len("checkpoint-") :])] = e.path
+            if first_only:
+                break
+    return found
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -156,10 +191,10 @@ def open_trainer(path: str | os.PathLike[str]) -> TensorSet:
         weights = next((w for w in WEIGHTS if w in names), None)
         model = None
         if weights is not None:
-            model = _open(os.path.join(path, weights))
+            model = _open(_member(path, weights))
             parts.add("", model, f"weights: {weights}")
         for fname in (n for n in OPTIMIZER if n in names):
-            ts = _optional(_open, os.path.join(path, fname), parts)
+            ts = _optional(_open, _member(path, fname), parts)
             if ts is not None:
                 from dmlib.io._hf_names import name_optimizer_state
 
@@ -167,14 +202,14 @@ def open_trainer(path: str | os.PathLike[str]) -> TensorSet:
                 parts.add("optimizer.", ts, f"optimizer: {fname}")
                 parts.metadata["optimizer.optimizer_state_names"] = note
         for fname in (n for n in SCHEDULER if n in names):
-            ts = _optional(_open, os.path.join(path, fname), parts)
+            ts = _optional(_open, _member(path, fname), parts)
             if ts is not None:
                 parts.add("scheduler.", ts, f"scheduler: {fname}")
         _add_rng(path, names, parts)
         if TRAINER_STATE in names:
             parts.add(
                 "trainer.",
-                _trainer_state(os.path.join(path, TRAINER_STATE)),
+                _trainer_state(path),
                 "trainer: " + TRAINER_STATE,
             )
             step = parts.scalars.get("trainer.global_step")
@@ -202,6 +237,18 @@ def open_trainer(path: str | os.PathLike[str]) -> TensorSet:
     )
 
 
+def _member(folder: str, fname: str) -> str:
+    """``folder/fname``, refused when it is a symbolic link that leads out of the folder."""
+    fpath = os.path.join(folder, fname)
+    if not contained(folder, fpath):
+        raise FormatError(
+            f"is a symbolic link to {os.path.realpath(fpath)!r}, outside the checkpoint "
+            "folder; only files inside it are read",
+            path=fpath,
+        )
+    return fpath
+
+
 def _open(fpath: str) -> TensorSet:
     """One file of the folder, by its own format (whatever format the caller assumes)."""
     from dmlib.io import detect_format, open_tensors
@@ -224,7 +271,7 @@ def _add_rng(path: str, names: set[str], parts: _Parts) -> None:
     files = sorted((n for n in names if _RNG.match(n)), key=_rng_index)
     for fname in files:
         prefix = "rng." if len(files) == 1 else f"rng.{_rng_index(fname)}."
-        fpath = os.path.join(path, fname)
+        fpath = _member(path, fname)
         try:
             ts = open_tensors(fpath, format="torch")
         except FormatError as err:
@@ -246,17 +293,71 @@ def _rng_index(fname: str) -> int:
 # -- trainer_state.json -------------------------------------------------------------------
 
 
-def _trainer_state(fpath: str) -> TensorSet:
-    """``trainer_state.json``: plain values as scalars, ``log_history`` as per-step tensors."""
+def read_member(folder: str, fname: str) -> bytes:
+    """The bytes of ``folder/fname``: a regular file inside the folder, of a bounded size.
+
+    Refused (:class:`FormatError`, naming the file): a symbolic link that leads out of the
+    folder, anything but a regular file (a FIFO is opened without waiting on it, a device
+    such as ``/dev/zero`` is never read), and a file larger than
+    :data:`dmlib._limits.MAX_TEXT_BYTES` (JSON becomes many times its size in memory).
+    """
+    from dmlib import _limits
+
+    fpath = _member(folder, fname)
+    try:
+        fd = os.open(fpath, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise FormatError(f"cannot be read ({err.strerror or err})", path=fpath) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(
+                "is not a regular file (a device, FIFO or socket); not read", path=fpath
+            )
+        limit = _limits.MAX_TEXT_BYTES
+        if st.st_size > limit:
+            raise FormatError(
+                f"is {_limits.human(st.st_size)}, more than the {_limits.human(limit)} a JSON "
+                f"file of a checkpoint may take; {_limits.limit_hint()}",
+                path=fpath,
+            )
+        chunks, got = [], 0
+        while got <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    if got > limit:
+        raise FormatError("grew past its size limit while being read", path=fpath)
+    return b"".join(chunks)
+
+
+def _trainer_state(folder: str) -> TensorSet:
+    """``trainer_state.json``: plain values as scalars, ``log_history`` as per-step tensors.
+
+    Bounded before any tensor is made (:mod:`dmlib._limits`): the file's size, nesting,
+    keys per object, the length of every joined name, the number of values and their
+    names' characters together; each refusal names the file.
+    """
     import numpy as np
 
+    from dmlib import _limits
+
+    fpath = os.path.join(folder, TRAINER_STATE)
     try:
-        with open(fpath, encoding="utf-8") as f:
-            state = json.load(f)
+        text = read_member(folder, TRAINER_STATE).decode("utf-8")
+        state = json.loads(text, object_pairs_hook=_limits.json_pairs_hook(fpath, "trainer state"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FormatError(f"corrupt trainer state ({err})", path=fpath) from None
     except RecursionError:
-        raise FormatError("trainer state nests too deeply", path=fpath) from None
+        state = None  # refused just below
+    if state is None or _limits.nesting_depth(state) > _limits.MAX_NESTING:
+        raise FormatError(
+            f"trainer state nests too deeply (more than {_limits.MAX_NESTING} levels)", path=fpath
+        )
     if not isinstance(state, dict):
         raise FormatError(
             f"trainer state is a JSON {type(state).__name__}, not an object", path=fpath
@@ -264,9 +365,20 @@ def _trainer_state(fpath: str) -> TensorSet:
     history = state.pop("log_history", [])
     if not isinstance(history, list):
         raise FormatError("trainer state's log_history is not a list", path=fpath)
+    flat = _limits.Flattening(fpath, "trainer state")
     scalars: dict[str, Any] = {}
-    _flat_json(state, "", scalars)
+    _flat_json(state, None, scalars, flat)
+    arrays = {}
+    for key, pts in _series(history, fpath, flat).items():
+        arrays[f"log_history.{key}"] = np.array([v for _, v in pts], dtype=np.float64)
+        arrays[f"log_history.{key}.steps"] = np.array([s for s, _ in pts], dtype=np.int64)
+    return ArrayTensorSet(arrays, path=fpath, format="json", scalars=scalars)
+
+
+def _series(history: list[Any], fpath: str, flat: Any) -> dict[str, list[tuple[int, float]]]:
+    """``log_history``'s numeric values, key by key, with their steps (two tensors a key)."""
     series: dict[str, list[tuple[int, float]]] = {}
+    names: dict[str, str] = {}
     for i, entry in enumerate(history):
         if not isinstance(entry, dict):
             raise FormatError(f"log_history[{i}] is not an object", path=fpath)
@@ -276,22 +388,27 @@ def _trainer_state(fpath: str) -> TensorSet:
         for key, value in entry.items():
             if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            series.setdefault(str(key), []).append((step, float(value)))
-    arrays = {}
-    for key, pts in series.items():
-        arrays[f"log_history.{key}"] = np.array([v for _, v in pts], dtype=np.float64)
-        arrays[f"log_history.{key}.steps"] = np.array([s for s, _ in pts], dtype=np.int64)
-    return ArrayTensorSet(arrays, path=fpath, format="json", scalars=scalars)
+            if key not in names:
+                names[key] = flat.name(flat.name("log_history", key), "steps")
+            flat.leaf(names[key])
+            flat.leaf(names[key])
+            series.setdefault(key, []).append((step, float(value)))
+    return series
 
 
-def _flat_json(obj: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _flat_json(v, f"{prefix}{k}.", out)
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _flat_json(v, f"{prefix}{i}.", out)
+def _flat_json(obj: Any, prefix: str | None, out: dict[str, Any], flat: Any) -> None:
+    """``obj``'s plain values into ``out`` under their key paths (``prefix``: the parent's,
+    None at the top)."""
+    if isinstance(obj, (dict, list)):
+        flat.container()
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            _flat_json(v, flat.name(prefix, k), out, flat)
+    elif prefix is None:
+        return  # a plain value at the top: refused by the caller (not an object)
     elif obj is None or isinstance(obj, (bool, int, str)):
-        out[prefix[:-1]] = obj
+        flat.leaf(prefix)
+        out[prefix] = obj
     elif isinstance(obj, float):
-        out[prefix[:-1]] = obj if math.isfinite(obj) else repr(obj)
+        flat.leaf(prefix)
+        out[prefix] = obj if math.isfinite(obj) else repr(obj)
