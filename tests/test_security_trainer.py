@@ -257,3 +257,17 @@ def test_a_folder_of_100k_checkpoint_entries_is_refused_after_one_listing(tmp_pa
     rc, err, seconds = _cli("compare", str(run), str(run))
     assert rc == 2 and seconds < 20
     _one_line(err, "100,000 checkpoint-N entries")
+
+
+def test_a_fifo_or_device_config_json_is_not_waited_on(tmp_path: Path) -> None:
+    """config.json (read to name optimizer moments) gets the same checks: not read, said why."""
+    from dmlib.io import _hf_names
+
+    d = _with_state(tmp_path, '{"global_step": 1}')
+    os.mkfifo(d / "config.json")
+    assert _hf_names._architecture(str(d)) == (
+        None, "there is no readable config.json naming the architecture"
+    )  # fmt: skip
+    os.unlink(d / "config.json")
+    os.symlink("/dev/zero", d / "config.json")
+    assert _hf_names._architecture(str(d))[0] is None

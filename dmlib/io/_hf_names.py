@@ -122,12 +122,16 @@ def _order(folder: str, model: TensorSet | None) -> tuple[Order | None, str]:
 
 
 def _architecture(folder: str) -> tuple[Order | None, str]:
-    cfg = os.path.join(folder, "config.json")
+    from dmlib import _limits
+    from dmlib.errors import DmlibError
+    from dmlib.io.hf_trainer import read_member
+
+    # a regular file inside the folder, of bounded size and keys (a FIFO is not waited on)
+    hook = _limits.json_pairs_hook(os.path.join(folder, "config.json"), "config")
     try:
-        with open(cfg, encoding="utf-8") as f:
-            text = f.read()
-        archs = json.loads(text).get("architectures")
-    except (OSError, ValueError, AttributeError):
+        text = read_member(folder, "config.json").decode("utf-8")
+        archs = json.loads(text, object_pairs_hook=hook).get("architectures")
+    except (DmlibError, ValueError, AttributeError, RecursionError):
         return None, "there is no readable config.json naming the architecture"
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         return None, "config.json does not name one architecture"
