@@ -16,9 +16,10 @@ only when exactly one does.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "closest",
     "detect_mapping",
     "parse_renames",
+    "regex_budget",
     "suggest_alignment",
 ]
 
@@ -361,6 +363,67 @@ def _timed_search(rx: Any, name: str, what: str) -> bool:
         raise DmlibError(
             f"{what}: regular expression {rx.pattern[:100]!r} took more than {REGEX_BUDGET:g} s "
             f"on a name of {len(name):,} characters; refused (simplify the pattern)"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _Budget:
+    """State of :func:`regex_budget`: the match running now (pattern, name, start) or None."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.running: tuple[Any, str, float] | None = None
+
+    def fullmatch(self, rx: Any, name: str) -> Any:
+        """``rx.fullmatch(name)``, timed (see :func:`regex_budget`)."""
+        import time
+
+        self.running = (rx, name, time.monotonic())
+        try:
+            return rx.fullmatch(name)
+        finally:
+            self.running = None
+
+
+@contextlib.contextmanager
+def regex_budget(what: str) -> Iterator[_Budget]:
+    """Many matches of patterns from a user or a shared file, each bounded in time.
+
+    Within the block, ``budget.fullmatch(rx, name)`` is ``rx.fullmatch(name)``; in the main
+    thread each such match may run :data:`REGEX_BUDGET` seconds, past which it is refused
+    (:class:`DmlibError` naming ``what``, the pattern and the name's length), as
+    :func:`user_regex` refuses a search. One interval timer (``SIGALRM`` every quarter of
+    the budget) serves every match of the block, so a match costs one clock reading more;
+    the timer interrupts nothing but a match that has run past its budget. Outside the main
+    thread, or where the program runs its own ``ITIMER_REAL`` timer, matches are untimed.
+    """
+    import signal
+    import threading
+    import time
+
+    budget = _Budget(what)
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(
+        signal.ITIMER_REAL
+    ) != (0.0, 0.0):
+        yield budget
+        return
+
+    def tick(signum: int, frame: Any) -> None:
+        running = budget.running
+        if running is not None and time.monotonic() - running[2] >= REGEX_BUDGET:
+            raise _OverBudget(running)
+
+    previous = signal.signal(signal.SIGALRM, tick)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, REGEX_BUDGET / 4, REGEX_BUDGET / 4)
+        yield budget
+    except _OverBudget as over:
+        rx, name, _ = over.args[0]
+        raise DmlibError(
+            f"{what}: pattern {rx.pattern[:100]!r} took more than {REGEX_BUDGET:g} s on a name "
+            f"of {len(name):,} characters; refused (simplify the pattern)"
         ) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

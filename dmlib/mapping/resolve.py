@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dmlib.errors import DmlibError
-from dmlib.mapping.spec import Mapping, Rule, compile_pattern, fill
+from dmlib.mapping.spec import Mapping, Rule, compile_pattern, fill, literal_ends
+from dmlib.names import regex_budget
 from dmlib.sources import select
 
 __all__ = ["Binding", "Resolved", "count_problem", "resolve"]
@@ -45,24 +46,26 @@ def _few(names: Sequence[str], n: int = 5) -> str:
 
 def _expand(rule: Rule, names_a: Sequence[str], names_b: set[str]) -> list[Binding]:
     gathered = rule.gathered
+    label = rule.label()
     groups: dict[tuple, list[list[tuple[tuple[int, ...], str]]]] = {}
-    for k, pattern in enumerate(rule.sources):
-        rx = compile_pattern(pattern)
-        for name in names_a:
-            m = rx.fullmatch(name)
-            if m is None:
-                continue
-            caps = m.groupdict()
-            key = tuple(sorted((c, v) for c, v in caps.items() if c not in gathered))
-            slots = groups.setdefault(key, [[] for _ in rule.sources])
-            slots[k].append((tuple(int(caps[g]) for g in gathered if g in caps), name))
+    with regex_budget(label) as budget:
+        for k, pattern in enumerate(rule.sources):
+            rx, (start, end) = compile_pattern(pattern), literal_ends(pattern)
+            # the literal ends first (a C call per name); the match only where they fit
+            near = [n for n in names_a if n.startswith(start) and n.endswith(end)]
+            for name in near:
+                m = budget.fullmatch(rx, name)
+                if m is None:
+                    continue
+                caps = m.groupdict()
+                key = tuple(sorted((c, v) for c, v in caps.items() if c not in gathered))
+                slots = groups.setdefault(key, [[] for _ in rule.sources])
+                slots[k].append((tuple(int(caps[g]) for g in gathered if g in caps), name))
     if not groups:
-        raise DmlibError(f"{rule.label()} matches no tensor of A")
+        raise DmlibError(f"{label} matches no tensor of A")
     out = []
     for key, slots in groups.items():
-        where = f"{rule.label()}" + (
-            f" with {', '.join(f'{c}={v}' for c, v in key)}" if key else ""
-        )
+        where = label + (f" with {', '.join(f'{c}={v}' for c, v in key)}" if key else "")
         sources: list[str] = []
         for pattern, found in zip(rule.sources, slots, strict=True):
             if not found:
@@ -112,7 +115,8 @@ def resolve(mapping: Mapping, names_a: Sequence[str], names_b: Sequence[str]) ->
     ignored_a = select(left_a, list(mapping.ignore_a)) if mapping.ignore_a else []
     ignored_b = select(left_b, list(mapping.ignore_b)) if mapping.ignore_b else []
     for side, left, ignored in (("A", left_a, ignored_a), ("B", left_b, ignored_b)):
-        rest = [n for n in left if n not in set(ignored)]
+        listed = set(ignored)
+        rest = [n for n in left if n not in listed]
         if rest:
             raise DmlibError(
                 f"the mapping leaves {len(rest)} tensor(s) of {side} out: {_few(rest)}; map "

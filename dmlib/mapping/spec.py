@@ -7,6 +7,7 @@ tensors: keys, transforms, placeholders. :func:`to_toml` writes one back.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -28,17 +29,22 @@ __all__ = [
     "capture_names",
     "compile_pattern",
     "fill",
+    "literal_ends",
     "load_mapping",
     "loads",
+    "pattern_problem",
     "to_toml",
 ]
 
 VERSION = 1
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([w*]))?\}")
-#: what a capture matches: digits (``{i}``), one dotless name part (``{p:w}``), anything (``{x:*}``)
-_KINDS = {None: "[0-9]+", "": "[0-9]+", "w": "[^.]+", "*": ".+"}
+#: what a capture matches: digits (``{i}``, at most 18: a number, not a digit string of
+#: thousands that ``int()`` refuses), one dotless name part (``{p:w}``), anything (``{x:*}``)
+_KINDS = {None: "[0-9]{1,18}", "": "[0-9]{1,18}", "w": "[^.]+", "*": ".+"}
 _TOP_KEYS = {"version", "same_names", "ignore_a", "ignore_b", "rule"}
 _RULE_KEYS = {"source", "target", "transforms", "tied", "note"}
+#: the most captures one name pattern may hold (real ones hold one to three)
+MAX_CAPTURES = 16
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,14 @@ def fill(pattern: str, caps: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: caps[m.group(1)], pattern)
 
 
+@functools.lru_cache(maxsize=1024)
 def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """A full-match regular expression for a name pattern (captures as :data:`_KINDS`)."""
+    """A full-match regular expression for a name pattern (captures as :data:`_KINDS`).
+
+    Compiled once per pattern (cached): a mapping is resolved again for every run a matrix
+    or a ladder sees through it. Match it with :func:`dmlib.names.regex_budget` (a pattern
+    from a file may backtrack for long on a name built against it).
+    """
     out, pos, seen = [], 0, set()
     for m in _PLACEHOLDER.finditer(pattern):
         out.append(re.escape(pattern[pos : m.start()]))
@@ -102,6 +114,35 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
         pos = m.end()
     out.append(re.escape(pattern[pos:]))
     return re.compile("".join(out))
+
+
+@functools.lru_cache(maxsize=1024)
+def literal_ends(pattern: str) -> tuple[str, str]:
+    """The text a name must start and end with to match ``pattern`` (before its first
+    capture, after its last): a test far cheaper than the match, made first."""
+    found = list(_PLACEHOLDER.finditer(pattern))
+    if not found:
+        return pattern, pattern
+    return pattern[: found[0].start()], pattern[found[-1].end() :]
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why a name pattern is refused before it meets a name, or None.
+
+    Two ``{x:*}`` captures with nothing between them split a name in any of its places
+    (which one is meant cannot be told, and trying each takes time growing as a power of
+    the name's length); more than :data:`MAX_CAPTURES` captures is not a name pattern.
+    """
+    found = list(_PLACEHOLDER.finditer(pattern))
+    if len(found) > MAX_CAPTURES:
+        return f"holds {len(found)} captures, more than the {MAX_CAPTURES} a pattern may hold"
+    for a, b in zip(found, found[1:]):
+        if a.end() == b.start() and a.group(2) == "*" and b.group(2) == "*":
+            return (
+                f"{a.group(0)}{b.group(0)}: two {{x:*}} captures side by side can split a name "
+                "anywhere; put the text that separates them between them"
+            )
+    return None
 
 
 _TOO_DEEP = (
@@ -202,6 +243,10 @@ def _rule(r: dict[str, Any], number: int) -> Rule:
         raise DmlibError(f"{where}: needs 'source' and 'target'")
     sources = _strings(r["source"], f"{where}: source")
     targets = _strings(r["target"], f"{where}: target")
+    for p in sources + targets:
+        problem = pattern_problem(p)
+        if problem:
+            raise DmlibError(f"{where}: pattern {p[:100]!r} {problem}")
     ops_raw = r.get("transforms", [])
     if not isinstance(ops_raw, list):
         raise DmlibError(f"{where}: transforms must be an array of tables")

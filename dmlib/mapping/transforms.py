@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.errors import DmlibError
 
 __all__ = ["OPS", "Op", "each", "parse_op", "run_chain", "describe_chain"]
@@ -118,6 +119,11 @@ def _check_types(name: str, p: dict[str, Any], where: str) -> None:
     for key, lo in (("axis", -64), ("parts", 1), ("heads", 1), ("head_dim", 2), ("copies", 1)):
         if key in p:
             one(key, lo)
+    if name == "tie" and p["copies"] > _limits.max_entries():
+        raise DmlibError(
+            f"{where}: tie.copies is {p['copies']:,}, more than the {_limits.max_entries():,} "
+            "tensors one checkpoint may hold (DMLIB_MAX_ENTRIES); refused before any copy is made"
+        )
     if name == "rotary" and p["to"] not in ("hf", "meta"):
         raise DmlibError(f"{where}: rotary.to must be 'hf' or 'meta', got {p['to']!r}")
     if name == "cast":
