@@ -146,3 +146,29 @@ def test_tie_up_to_the_limit_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     loads(_rule("w", "w", 'transforms = [{ op = "tie", copies = 4 }]\n'))
     with pytest.raises(DmlibError, match="tie.copies is 5"):
         loads(_rule("w", "w", 'transforms = [{ op = "tie", copies = 5 }]\n'))
+
+
+def test_a_fifo_or_device_mapping_file_is_refused_without_waiting(tmp_path: Path) -> None:
+    from dmlib.mapping.spec import load_mapping
+
+    fifo = tmp_path / "m.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(DmlibError, match="not a regular file"):
+        load_mapping(fifo)
+    zero = tmp_path / "zero.toml"
+    os.symlink("/dev/zero", zero)
+    with pytest.raises(DmlibError, match="not a regular file"):
+        load_mapping(zero)
+
+
+def test_a_mapping_file_over_the_size_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dmlib.mapping.spec import load_mapping
+
+    p = tmp_path / "m.toml"
+    p.write_text(_rule("w", "w") + "# " + "x" * 5000 + "\n")
+    assert load_mapping(p).rules[0].sources == ("w",)
+    monkeypatch.setattr(_limits, "MAX_TEXT_BYTES", 4096)
+    with pytest.raises(DmlibError, match="more than the 4.0 KiB a mapping file may take"):
+        load_mapping(p)

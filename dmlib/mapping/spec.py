@@ -150,6 +150,31 @@ _TOO_DEEP = (
 )
 
 
+def _read_text(path: str) -> bytes:
+    """A mapping file's bytes: a regular file (a FIFO is not waited on, a device not read)
+    of at most :data:`dmlib._limits.MAX_TEXT_BYTES`."""
+    import stat
+
+    from dmlib.safepaths import read_regular
+
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise DmlibError("mapping file not found", path=path) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise DmlibError("is a directory, not a mapping file", path=path)
+    if not stat.S_ISREG(st.st_mode):
+        raise DmlibError("is not a regular file (a device, FIFO or socket); not read", path=path)
+    if st.st_size > _limits.MAX_TEXT_BYTES:
+        raise DmlibError(
+            f"is {_limits.human(st.st_size)}, more than the "
+            f"{_limits.human(_limits.MAX_TEXT_BYTES)} a mapping file may take",
+            path=path,
+        )
+    return read_regular(real, what="the mapping file", where=path)
+
+
 def load_mapping(source: Any) -> Mapping:
     """A :class:`Mapping` from a path to a TOML file, a TOML dict, or a Mapping (as is)."""
     if isinstance(source, Mapping):
@@ -158,12 +183,7 @@ def load_mapping(source: Any) -> Mapping:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except FileNotFoundError:
-            raise DmlibError("mapping file not found", path=path) from None
-        except IsADirectoryError:
-            raise DmlibError("is a directory, not a mapping file", path=path) from None
+            raw = tomllib.loads(_read_text(path).decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise DmlibError(f"not a valid TOML mapping file ({err})", path=path) from None
         except RecursionError:  # tomllib recurses per nested array or inline table
