@@ -529,7 +529,7 @@ def _boundary_row(
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
            "diff_blocks": sorted(diff), "note": note, "_layout": layout, "_slot": ba.slot,
-           "_step": ba.step}  # fmt: skip
+           "_step": ba.step, "_op": ba.category.marker == "op"}  # fmt: skip
     row.update(st or _NO_STATS)
     if st is None and same is True:
         # identical hashes imply zero differences even without dumped tensors

@@ -52,7 +52,7 @@ def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
 
 def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, Any]:
     """First divergent op, culprit op, and where the op sequences part (None: no ops)."""
-    op_rows = [r for r in rows if "/" in r["module"]]  # op boundaries: module/aten.op#k
+    op_rows = [r for r in rows if r["_op"]]  # op boundaries (KINDS: op-input, op-output)
     return {
         "first_divergent_op": next(
             (r["boundary"] for r in op_rows if r["identical"] is False), None
@@ -64,7 +64,7 @@ def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, A
 
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The rows as the documented columns, with nullable dtypes."""
-    df = pd.DataFrame(rows).drop(columns=["_stats", "call", "_layout", "_slot", "_step"])
+    df = pd.DataFrame(rows).drop(columns=["_stats", "call", "_layout", "_slot", "_step", "_op"])
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
         df[c] = df[c].astype("Int64")
@@ -187,7 +187,7 @@ def _roles(rows: list[dict[str, Any]]) -> None:
             ]
             first = firsts.get((r["module"], r["call"]))
             if (
-                "/" in r["module"]
+                r["_op"]
                 and r["_slot"] != "output0"
                 and first is not None
                 and (first["identical"] is True)
@@ -203,11 +203,7 @@ def _roles(rows: list[dict[str, Any]]) -> None:
                 extra = f"inputs identical where judged; not judged: {', '.join(unknown[:4])}"
                 r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
             elif all(i["identical"] for i in ins):
-                r["role"] = (
-                    "culprit"
-                    if r["_slot"] == "output0" or "/" not in r["module"]
-                    else ("secondary")
-                )
+                r["role"] = "culprit" if r["_slot"] == "output0" or not r["_op"] else ("secondary")
                 base = set()
                 if r["role"] == "culprit":
                     candidates.append(r)

@@ -24,7 +24,7 @@ boundary is not judged (:func:`same_scheme`).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,16 +43,13 @@ FORMAT = "dmlib-capture"
 # ("hash"); 1: bare SHA-256 ("sha256" fields)
 VERSION = 4
 
-
 READS = (1, 2, 3, 4)  # manifest versions this reader opens
-
 
 #: The host's scheme of version 3 (and of version 4 with ``hash="blake3"``): whole
 #: tensors, blocks and per-index rows are plain BLAKE3 (``blake3-64MiB``) digests of their
 #: bytes; a request's digest is derived from its blocks' digests (:func:`tree_request`), so
 #: that its bytes are not hashed a second time.
 TREE = "blake3-tree-v1"
-
 
 #: The host's default scheme from version 4: the same tree with XXH3-128 leaves (the
 #: 16-byte digest of the bytes, any length; no pieces). Eleven times BLAKE3's speed on this
@@ -61,35 +58,26 @@ TREE = "blake3-tree-v1"
 #: comparisons: docs/formats.md, "Capture hash schemes".
 XXH_TREE = "xxh3-128-tree-v1"
 
-
 #: Hash schemes a capture may name; the first is what the host writes by default.
 SCHEMES = (XXH_TREE, TREE, hashing.BLAKE3, hashing.CHECKSUM, hashing.SHA256)
-
 
 #: ``capture(hash=...)`` names -> the host scheme they select
 HOST_SCHEMES = {"xxh3": XXH_TREE, XXH_TREE: XXH_TREE, "blake3": TREE, TREE: TREE}
 
-
 MANIFEST = "manifest.json"
-
 
 TENSOR_DIR = "tensors"
 
-
 WHOLE_KEY = "tensor"  # safetensors key of a whole physical tensor
 
-
 REQUEST_PREFIX = "request:"  # safetensors key prefix of one request's rows
-
 
 #: Label of the hooked model itself (``modules=[""]``). A submodule may hold any name but
 #: one with a dot at its ends, so the label is chosen per capture (:func:`root_label`)
 #: and stored in the manifest (``"root"``); captures that store none used ``"model"``.
 ROOT = "(model)"
 
-
 OLD_ROOT = "model"
-
 
 #: Keyword inputs whose values follow the batch layout, not one request's data: never
 #: judged as the request's values (glob patterns on the keyword's name).
@@ -120,6 +108,152 @@ def is_layout_slot(slot: str, patterns: Iterable[str] = LAYOUT_INPUTS) -> bool:
 def request_key(request: Any) -> str:
     """Request ids are kept as strings (JSON object keys); ``3`` and ``"3"`` are one request."""
     return str(request)
+
+
+# -- a manifest entry: its keys, its name, its kind --------------------------------------
+
+#: The keys every boundary entry has, in the order the writer writes them.
+ENTRY_KEYS = (
+    "name", "module", "call", "kind", "slot", "dtype", "shape", "hash", "digest", "row_dims",
+    "requests", "dump", "leading",
+)  # fmt: skip
+#: The keys an entry has only where they apply, in the order they follow :data:`ENTRY_KEYS`:
+#: its kind's marker keys (:data:`KINDS`), the decode step (from 1), the row axes, the
+#: repeated KV heads.
+OPTIONAL_KEYS = ("layout", "cache", "rolled", "op", "param", "step", "row_axes", "kv_repeat")
+
+
+def boundary_name(module: str, call: int, kind: str, slot: str) -> str:
+    """A boundary's name: ``module`` for its first output, else ``module:slot``; ``#call``
+    from the second call of that module on (``attn:input.mask#2``)."""
+    base = module if (kind == "output" and slot == "output0") else f"{module}:{slot}"
+    return base if call == 0 else f"{base}#{call}"
+
+
+def new_entry(
+    module: str,
+    call: int,
+    kind: str,
+    slot: str,
+    dtype: str,
+    shape: Sequence[int],
+    scheme: str,
+    extra: dict[str, Any] | None = None,
+    step: int = 0,
+) -> dict[str, Any]:
+    """A boundary's manifest entry as the writer starts it (digests still None, no
+    requests yet): :data:`ENTRY_KEYS` in order, then ``extra`` (its kind's marker keys)
+    and ``step`` where it is a later forward pass. The reader parses the same keys
+    (:meth:`Boundary.from_entry`)."""
+    entry: dict[str, Any] = {
+        "name": boundary_name(module, call, kind, slot),
+        "module": module,
+        "call": call,
+        "kind": kind,
+        "slot": slot,
+        "dtype": dtype,
+        "shape": list(shape),
+        "hash": scheme,
+        "digest": None,
+        "row_dims": None,
+        "requests": {},
+        "dump": None,
+        "leading": None,
+    }
+    if extra:
+        entry.update(extra)
+    if step:
+        entry["step"] = step
+    return entry
+
+
+@dataclass(frozen=True)
+class BoundaryKind:
+    """One kind of boundary a capture records: one row of :data:`KINDS`.
+
+    ``name``: the kind; ``entry_kind``: the entry's ``kind`` field (``input`` or
+    ``output``: what every reader, older ones included, reads as the direction);
+    ``marker``: the entry key whose presence marks the kind (None: a module boundary, the
+    kind of an entry with no marker); ``identity``: how its boundaries are named;
+    ``rows``: how they are read per request. ``recorded=False``: reserved, its rules
+    settled here, no capture writes it yet.
+    """
+
+    name: str
+    entry_kind: str
+    marker: str | None
+    identity: str
+    rows: str
+    recorded: bool = True
+
+
+_BY_ROWS = (
+    "per request where its leading dims flatten to the row map's rows; else whole, and per "
+    "index of axis 0 where that axis may be the batch (a pooled output)"
+)
+_OP_ROWS = (
+    "as a module boundary, or by row axes (0, j) where one later axis has the positions' "
+    "size (attention's (batch, heads, positions, head_dim)); a parameter (param) whole"
+)
+#: Every kind of boundary, the marked ones first (an entry is of the first row whose
+#: marker it holds and whose direction it has; a module boundary, the last rows, holds
+#: none). A new kind is one row here; the
+#: recorder's hook for it, and the comparison's reading of its rows, follow the row.
+KINDS: tuple[BoundaryKind, ...] = (
+    BoundaryKind("layout", "input", "layout", "module:input.<keyword>#call (a mask, "
+                 "positions: LAYOUT_INPUTS)", "whole: follows the batch layout, never "
+                 "judged as a request's values"),
+    BoundaryKind("cache", "input", "cache", "module:input.<keyword>.layers.<i>.keys|values"
+                 "#call (a KV cache entering the module)", "per request along the position "
+                 "axis: the prompt's rows by the row map, generated positions by the one "
+                 "request filling the batch row; a sliding-window layer (rolled) whole"),
+    BoundaryKind("op-input", "input", "op", "module/<op>#k:input<i> (the op's id as its "
+                 "module, k counting that op's calls in the module)", _OP_ROWS),
+    BoundaryKind("op-output", "output", "op", "module/<op>#k, module/<op>#k:output<i>",
+                 _OP_ROWS),
+    # reserved: the kinds to come, their rules settled first
+    BoundaryKind("state", "output", "state", "module:state.<name>#call: a recurrent or "
+                 "convolution state carried between passes (linear attention, Mamba)",
+                 "per request by its batch row (one state per sequence), never per "
+                 "position", recorded=False),
+    BoundaryKind("router", "output", "router", "module:router#call: an MoE router's chosen "
+                 "experts and their weights", "per request by leading dims (one decision "
+                 "per token)", recorded=False),
+    BoundaryKind("grad_output", "output", "grad", "module:grad_output<i>#call: the "
+                 "gradient reaching a module's output in the backward pass", "as the "
+                 "output it is the gradient of", recorded=False),
+    BoundaryKind("grad_input", "input", "grad", "module:grad_input<i>#call: the gradient a "
+                 "module's backward gives its input", "as the input it is the gradient "
+                 "of", recorded=False),
+    BoundaryKind("param_grad", "output", "param_grad", "<parameter name>:grad#step: a "
+                 "parameter's gradient", "whole (a parameter's first axis is no batch)",
+                 recorded=False),
+    BoundaryKind("recorded", "output", "recorded", "<name>#call: a value handed to "
+                 "dmlib.record(name, tensor) outside any module", "per request where its "
+                 "leading dims fit the row map, else whole", recorded=False),
+    # a module boundary: an entry with no marker
+    BoundaryKind("module-input", "input", None, "module:input<i>#call, "
+                 "module:input.<keyword>#call", _BY_ROWS),
+    BoundaryKind("module-output", "output", None, "module#call (the first output), "
+                 "module:output<i>#call", _BY_ROWS),
+)  # fmt: skip
+_KIND_NAMES = {k.name: k for k in KINDS}
+
+
+def kind_named(name: str) -> BoundaryKind:
+    """The row of :data:`KINDS` named ``name`` (KeyError for another)."""
+    return _KIND_NAMES[name]
+
+
+def kind_of(x: Mapping[str, Any] | Boundary) -> BoundaryKind:
+    """The kind of a manifest entry or a :class:`Boundary`: the first row of :data:`KINDS`
+    whose marker it holds (a true value) and whose direction (``kind``) it has."""
+    get = x.get if isinstance(x, Mapping) else (lambda key: getattr(x, key, None))
+    direction = get("kind")
+    for row in KINDS:
+        if row.entry_kind == direction and (row.marker is None or get(row.marker)):
+            return row
+    raise ValueError(f"boundary kind {direction!r}; expected 'input' or 'output'")
 
 
 @dataclass(frozen=True)
@@ -161,6 +295,43 @@ class Boundary:
     rolled: bool = False
     # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
+    op: str | None = None  # an op boundary: the op's id (``module/aten.addmm#0``)
+    param: str | None = None  # an op's input that is a parameter or buffer: its name
+
+    @property
+    def category(self) -> BoundaryKind:
+        """This boundary's row of :data:`KINDS` (module input or output, op, cache...)."""
+        return kind_of(self)
+
+    @classmethod
+    def from_entry(cls, i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
+        """Boundary ``i`` of a manifest of ``version`` from its entry ``d`` (the reader).
+
+        Raises
+        ------
+        CaptureError
+            Naming the manifest and the boundary: an unknown hash scheme, a missing or
+            malformed field.
+        """
+        return _boundary(i, d, path, version)
+
+    def to_entry(self) -> dict[str, Any]:
+        """The manifest entry the writer writes for this boundary (version 4): the keys of
+        :data:`ENTRY_KEYS` in order, then those of :data:`OPTIONAL_KEYS` it has."""
+        d = new_entry(self.module, self.call, self.kind, self.slot, self.dtype, self.shape,
+                      self.hash, _optional_head(self), self.step)  # fmt: skip
+        d["name"], d["digest"], d["row_dims"] = self.name, self.digest, self.row_dims
+        d["requests"] = {r: _request_dict(h) for r, h in self.requests.items()}
+        d["dump"], d["leading"] = self.dump, self.leading
+        if self.row_axes is not None:
+            d["row_axes"] = list(self.row_axes)
+        if self.kv_repeat is not None:
+            g, reqs = self.kv_repeat
+            d["kv_repeat"] = {
+                "groups": g,
+                "requests": {r: _request_dict(h) for r, h in reqs.items()},
+            }
+        return d
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -184,6 +355,23 @@ class Boundary:
         if self.row_axes is not None:
             whole = np.moveaxis(whole, self.row_axes, (0, 1))
         return whole.reshape((-1, *self.row_shape))
+
+
+def _request_dict(h: RequestHash) -> dict[str, Any]:
+    return {"digest": h.digest, "n_rows": h.n_rows, "blocks": list(h.blocks)}
+
+
+def _optional_head(b: Boundary) -> dict[str, Any]:
+    """The marker keys of ``b``'s kind as the writer adds them (before ``step``)."""
+    extra: dict[str, Any] = {}
+    for key in ("layout", "cache", "rolled"):
+        if getattr(b, key):
+            extra[key] = True
+    if b.op is not None:
+        extra["op"] = b.op
+        if b.param is not None:
+            extra["param"] = b.param
+    return extra
 
 
 def _kv_repeat(d: Any, key: str) -> tuple[int, dict[str, RequestHash]] | None:
@@ -246,6 +434,8 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             cache=bool(d.get("cache", False)),
             rolled=bool(d.get("rolled", False)),
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
+            op=None if d.get("op") is None else str(d["op"]),
+            param=None if d.get("param") is None else str(d["param"]),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(

@@ -30,7 +30,6 @@ from dmlib.localize.capture.format import (
     TREE,
     WHOLE_KEY,
     Boundary,
-    _boundary,
     request_key,
 )
 from dmlib.localize.capture.rowmap import (
@@ -127,7 +126,7 @@ class Capture:
             else None
         )
         self.boundaries: list[Boundary] = [
-            _boundary(i, d, path, int(manifest["version"]))
+            Boundary.from_entry(i, d, path, int(manifest["version"]))
             for i, d in enumerate(manifest["boundaries"])
         ]
         if self.row_map is not None and self.row_map.batch is None:

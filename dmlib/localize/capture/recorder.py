@@ -28,7 +28,9 @@ from dmlib.localize.capture.digests import (
 from dmlib.localize.capture.format import (
     ROOT,
     XXH_TREE,
+    boundary_name,
     is_layout_slot,
+    new_entry,
 )
 from dmlib.localize.capture.hostdigests import HostDigests
 from dmlib.localize.capture.options import CaptureOptions
@@ -168,8 +170,7 @@ class Recorder(HostDigests):
         rows = self._cache_rows(tuple(int(d) for d in t.shape))
         if rows is None:
             return self.record(module, call, "input", slot, t, extra={"cache": True})
-        suffix = "" if call == 0 else f"#{call}"
-        name = f"{module}:{slot}{suffix}"
+        name = boundary_name(module, call, "input", slot)
         key = self._identity(t, ("cache", len(rows[0])))
         first = self._seen.get(key) if key is not None else None
         if first is not None and first[0]() is t:  # this layer's cache, unchanged since
@@ -180,12 +181,9 @@ class Recorder(HostDigests):
             # (batch, positions, heads, head_dim): one row per (batch row, position)
             flat = treehash.contiguous(arr.transpose(0, 2, 1, 3)).reshape(len(rows[0]), -1)
             requests = self._row_set_digests(flat, rows[1])
-            entry = {
-                "name": name, "module": module, "call": call, "kind": "input", "slot": slot,
-                "dtype": arr.dtype.name, "shape": list(arr.shape), "hash": self.scheme,
-                "digest": digest_hex(arr, self.scheme), "row_dims": None,
-                "requests": requests, "dump": None, "leading": None, "cache": True,
-            }  # fmt: skip
+            entry = new_entry(module, call, "input", slot, arr.dtype.name, arr.shape, self.scheme,
+                              {"cache": True})  # fmt: skip
+            entry["digest"], entry["requests"] = digest_hex(arr, self.scheme), requests
             if key is not None:
                 self._seen[key] = (weakref.ref(t), entry)
         entry.pop("step", None)
@@ -308,28 +306,9 @@ class Recorder(HostDigests):
         shape: tuple[int, ...],
         extra: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        """A boundary's manifest entry, digests still to be filled."""
-        suffix = "" if call == 0 else f"#{call}"
-        name = (module if (kind == "output" and slot == "output0") else f"{module}:{slot}") + suffix
-        entry: dict[str, Any] = {
-            "name": name,
-            "module": module,
-            "call": call,
-            "kind": kind,
-            "slot": slot,
-            "dtype": _NP_NAMES.get(dtype) or _NP_NAMES.setdefault(dtype, _np_dtype(dtype).name),
-            "shape": list(shape),
-            "hash": self.scheme,
-            "digest": None,
-            "row_dims": None,
-            "requests": {},
-            "dump": None,
-            "leading": None,
-            **(extra or {}),
-        }
-        if self.step:
-            entry["step"] = self.step
-        return entry
+        """A boundary's manifest entry (:func:`new_entry`), digests still to be filled."""
+        label = _NP_NAMES.get(dtype) or _NP_NAMES.setdefault(dtype, _np_dtype(dtype).name)
+        return new_entry(module, call, kind, slot, label, shape, self.scheme, extra, self.step)
 
     def _read_rows(
         self, entry: dict[str, Any], shape: tuple[int, ...], row_mapped: bool, op: bool
