@@ -74,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
         f"{shown(doc['path'])}: {doc['format']}, {doc['n_tensors']} tensors, {doc['numel']} elements",
         file=out,
     )
+    if doc.get("role"):  # what the file is (a Trainer RNG state, an optimizer state...)
+        print(f"what it is: {doc['role']['text']}", file=out)
+    for name, text in (doc.get("files") or {}).items():
+        print(f"  {shown(name)}: {text}", file=out)
+    if doc.get("role", {}) and doc["role"]["kind"] == "training_args":
+        return 0
     lay = doc["layout"]
     if doc["records"]:
         for r in doc["records"]:
