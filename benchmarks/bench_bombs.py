@@ -138,6 +138,7 @@ def reader_cases(work: Path) -> dict[str, list[str]]:
                {"0": bytes(8)})  # fmt: skip
     torch_file("torch: huge int key", b"\x80\x02}" + b.p_int(10**5000) + b.p_int(1) + b"s."
                )  # fmt: skip
+    torch_file("torch: huge int value", b"\x80\x02}" + b.p_str("x") + b.p_int(10**5000) + b"s.")
     p = work / "long.msgpack"
     p.write_bytes(b.flax_long_key_nest(2000, 50, 15_000))
     cases["flax: 2 KB keys x 50 levels"] = ["inspect", str(p)]
@@ -165,6 +166,12 @@ def reader_cases(work: Path) -> dict[str, list[str]]:
     deep = work / "deep.toml"
     deep.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
     cases["mapping TOML nested 5000 deep"] = ["compare", str(good), str(good), "--map", str(deep)]
+    tables = work / "tables.toml"
+    tables.write_text("[" + ".".join(["a"] * 200) + "]\nb = 1\n", encoding="utf-8")
+    cases["mapping TOML tables 200 deep"] = ["compare", str(good), str(good), "--map", str(tables)]
+    study = work / "study.toml"
+    study.write_text("title = 'x'\n" + tables.read_text(encoding="utf-8"), encoding="utf-8")
+    cases["study.toml tables 200 deep"] = ["report", str(study), "--out", str(work / "out")]
     del msgpack
     return cases
 
@@ -176,7 +183,8 @@ def run_readers(before_tree: str, cap_gib: float, timeout: float) -> list[dict[s
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, args in reader_cases(Path(tmp)).items():
-            row: dict[str, object] = {"case": name, "file_bytes": Path(args[-1]).stat().st_size}
+            hostile = next(Path(a) for a in reversed(args) if Path(a).is_file())
+            row: dict[str, object] = {"case": name, "file_bytes": hostile.stat().st_size}
             for side, tree in (("before", before_tree), ("after", str(ROOT))):
                 env = {**os.environ, "PYTHONPATH": tree, "DMLIB_KERNELS": "numpy"}
                 cmd = [sys.executable, "-m", "dmlib", *args]

@@ -143,6 +143,13 @@ def test_empty_lists_doubled_40_times_are_refused_by_the_walks_work(tmp_path: Pa
     _assert_refused(p, "inspect", str(p), words=("containers",))
 
 
+def test_dcp_metadata_goes_through_the_same_bounds(tmp_path: Path) -> None:
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(_bombs.pickle_empty_doubling(40))
+    _assert_refused(folder, "inspect", str(folder), words=("containers",))
+
+
 def test_containers_are_counted_empty_ones_included() -> None:
     # {"x": x3}, x0 = [], x_{i+1} = [x_i, x_i]: x3 expands to 1 + 2 + 4 + 8 = 15 lists,
     # the dict makes 16 containers, and not one leaf
