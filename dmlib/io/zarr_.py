@@ -205,6 +205,24 @@ def _v2(name: str, md: dict[str, Any], path: str) -> ZarrArray:
     )
 
 
+def _conf(obj: dict[str, Any], what: str, path: str) -> dict[str, Any]:
+    """``obj["configuration"]``: an object, or {} where there is none."""
+    conf = obj.get("configuration")
+    if conf is None:
+        return {}
+    if not isinstance(conf, dict):
+        raise FormatError(f"{what}: configuration {short_repr(conf)} is not an object", path=path)
+    return conf
+
+
+def _codec_list(v: Any, what: str, path: str) -> list[dict[str, Any]]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise FormatError(f"{what}: codecs {short_repr(v)} is not a list", path=path)
+    return [_codec(c, what, path) for c in v]
+
+
 def _codec(c: Any, what: str, path: str) -> dict[str, Any]:
     if isinstance(c, str):
         c = {"name": c}
@@ -226,20 +244,17 @@ def _v3(name: str, md: dict[str, Any], path: str) -> ZarrArray:
     grid = md.get("chunk_grid") or {}
     if not isinstance(grid, dict) or grid.get("name") != "regular":
         raise UnsupportedError(f"{what}: chunk grid {short_repr(grid)} is not regular", path=path)
-    chunks = _ints(
-        (grid.get("configuration") or {}).get("chunk_shape"), f"{what} chunk_shape", path
-    )
+    chunks = _ints(_conf(grid, what, path).get("chunk_shape"), f"{what} chunk_shape", path)
     enc = md.get("chunk_key_encoding") or {"name": "default"}
     ename = enc.get("name") if isinstance(enc, dict) else None
-    conf = (enc.get("configuration") or {}) if isinstance(enc, dict) else {}
+    conf = _conf(enc, what, path) if isinstance(enc, dict) else {}
     if ename not in ("default", "v2"):
         raise UnsupportedError(f"{what}: chunk key encoding {short_repr(enc)}", path=path)
     sep = conf.get("separator", "/" if ename == "default" else ".")
     if sep not in (".", "/"):
         raise FormatError(f"{what}: chunk key separator {short_repr(sep)}", path=path)
-    codecs = md.get("codecs")
-    if not isinstance(codecs, list):
-        raise FormatError(f"{what}: codecs {short_repr(codecs)} is not a list", path=path)
+    if not isinstance(md.get("codecs"), list):
+        raise FormatError(f"{what}: codecs {short_repr(md.get('codecs'))} is not a list", path=path)
     arr = ZarrArray(
         name,
         3,
@@ -250,38 +265,45 @@ def _v3(name: str, md: dict[str, Any], path: str) -> ZarrArray:
         key_prefix="c" if ename == "default" else "",
         fill=md.get("fill_value"),
     )
-    codecs = [_codec(c, what, path) for c in codecs]
+    codecs = _codec_list(md["codecs"], what, path)
     if codecs and codecs[0]["name"] == "sharding_indexed":
         if len(codecs) != 1:
             raise UnsupportedError(f"{what}: codecs after sharding_indexed", path=path)
-        sc = codecs[0].get("configuration") or {}
-        arr.shard = _ints(sc.get("chunk_shape"), f"{what} inner chunk_shape", path)
-        if len(arr.shard) != len(chunks) or any(
-            c % i if i else c for c, i in zip(chunks, arr.shard)
-        ):
-            raise FormatError(
-                f"{what}: inner chunks {list(arr.shard)} do not divide {list(chunks)}", path=path
-            )
-        codecs = [_codec(c, what, path) for c in sc.get("codecs") or []]
-        index = [_codec(c, what, path)["name"] for c in sc.get("index_codecs") or []]
-        if index not in (["bytes"], ["bytes", "crc32c"]):
-            raise UnsupportedError(f"{what}: shard index codecs {index}", path=path)
-        arr.index_crc = index[-1] == "crc32c"
-        loc = sc.get("index_location", "end")
-        if loc not in ("start", "end"):
-            raise FormatError(f"{what}: index_location {short_repr(loc)}", path=path)
-        arr.index_at_end = loc == "end"
+        codecs = _sharding(arr, _conf(codecs[0], what, path), what, path)
     names = [c["name"] for c in codecs]
     if not names or names[0] != "bytes" or "sharding_indexed" in names:
         raise UnsupportedError(
             f"{what}: codec chain {names} (expected bytes, then compressors)", path=path
         )
-    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    endian = _conf(codecs[0], what, path).get("endian", "little")
+    if endian not in ("little", "big"):
+        raise FormatError(f"{what}: endian {short_repr(endian)} is not little or big", path=path)
     if dtype.itemsize > 1:
         arr.dtype = dtype.newbyteorder("<" if endian == "little" else ">")
     arr.inner = codecs[1:]
     arr.compressor = "+".join(names[1:]) or "none"
     return arr
+
+
+def _sharding(arr: ZarrArray, sc: dict[str, Any], what: str, path: str) -> list[dict[str, Any]]:
+    """Set ``arr``'s shard facts from a ``sharding_indexed`` configuration; its inner codecs."""
+    arr.shard = _ints(sc.get("chunk_shape"), f"{what} inner chunk_shape", path)
+    if len(arr.shard) != len(arr.chunks) or any(
+        c % i if i else c for c, i in zip(arr.chunks, arr.shard)
+    ):
+        raise FormatError(
+            f"{what}: inner chunks {list(arr.shard)} do not divide {list(arr.chunks)}", path=path
+        )
+    codecs = _codec_list(sc.get("codecs"), what, path)
+    index = [c["name"] for c in _codec_list(sc.get("index_codecs"), what, path)]
+    if index not in (["bytes"], ["bytes", "crc32c"]):
+        raise UnsupportedError(f"{what}: shard index codecs {index}", path=path)
+    arr.index_crc = index[-1] == "crc32c"
+    loc = sc.get("index_location", "end")
+    if loc not in ("start", "end"):
+        raise FormatError(f"{what}: index_location {short_repr(loc)}", path=path)
+    arr.index_at_end = loc == "end"
+    return codecs
 
 
 def parse_metadata(name: str, raw: bytes, zarr_format: int, path: str) -> ZarrArray:
