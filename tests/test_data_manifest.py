@@ -11,7 +11,13 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 
 def test_every_committed_file_matches_its_manifest_hash():
     doc = json.loads((DATA / "MANIFEST.json").read_text())
-    assert set(doc["datasets"]) == {"qr_init", "step_ladder", "packed", "packed_ops"}
+    assert set(doc["datasets"]) == {
+        "qr_init",
+        "step_ladder",
+        "packed",
+        "packed_ops",
+        "logprob_drift",
+    }
     listed = set()
     for ds in doc["datasets"].values():
         assert ds["command"].startswith("python -m dmlib.lab ")
@@ -39,7 +45,7 @@ def test_each_study_is_what_the_lab_writes_from_the_manifest():
     from dmlib.lab.studies import study_text
 
     doc = json.loads((DATA / "MANIFEST.json").read_text())["datasets"]
-    for name in ("qr_init", "step_ladder", "packed"):
+    for name in ("qr_init", "step_ladder", "packed", "logprob_drift"):
         text = study_text(name, doc[name]["environment"], DATA / name)
         assert (DATA / name / "study.toml").read_text() == text, name
         cpu = doc[name]["environment"]["cpu"]

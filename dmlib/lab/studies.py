@@ -23,6 +23,7 @@ FOLDER = {
     "step_ladder": "step_ladder",
     "packed": "packed",
     "packed_ops": "packed",
+    "logprob_drift": "logprob_drift",
 }
 _HEAD = "# The lab's {what} as a study (format: dmlib.report.study; README).\n"
 
@@ -50,6 +51,11 @@ def made_on(dataset: str, env: dict[str, Any]) -> str:
 
         threads = f"{THREADS} thread" + ("" if THREADS == 1 else "s")
         return f"{cpu}, torch {libs.get('torch')}, {threads} (data/MANIFEST.json; {_isa(env)})"
+    if dataset == "logprob_drift":
+        return (
+            f"{cpu}, torch {libs.get('torch')}, transformers {libs.get('transformers')}, 1 "
+            f"thread, bfloat16 forwards (data/MANIFEST.json; {_isa(env)})"
+        )
     raise KeyError(dataset)
 
 
@@ -138,6 +144,22 @@ def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
                 f'packed = "{OPS_DIR}/packed"',
                 f'findings = "{OPS_DIR}/{FINDINGS}"  # the patch test, run by the lab with the live model',
             ]
+    elif dataset == "logprob_drift":
+        lines = [
+            _HEAD.format(what="sampler-vs-trainer log-prob dataset").rstrip("\n"),
+            'title = "A tiny Qwen2: sampler (KV cache) against trainer log-probs, lr 3e-3 and lr 0"',
+            f"made_on = {_q(made_on(dataset, env))}",
+            "",
+            "[logprobs]",
+            'control = "lr0"',
+            "",
+            "[logprobs.runs]",
+            *(
+                f'{run} = {{ a = "{run}/sampler_*.jsonl", b = "{run}/trainer_*.safetensors" }}'
+                for run in ("policy", "lr0")
+                if (folder / run).is_dir()
+            ),
+        ]
     else:
         raise KeyError(dataset)
     return "\n".join(lines) + "\n"

@@ -60,6 +60,12 @@ NEEDS: dict[str, Callable[[Study], str | None]] = {
     "captures": lambda s: (
         None if s.captures is not None else "the study declares no captures ([captures])"
     ),
+    "logprobs": lambda s: (
+        None
+        if s.logprobs is not None
+        else "the study declares no log-prob runs ([logprobs]: per-step log-prob files of "
+        "the sampler and the trainer, docs/logprobs.md)"
+    ),
 }
 
 

@@ -50,6 +50,12 @@ mailed or committed. The format (every key optional, but a study names runs or c
     packed = "cap/ops/packed"
     findings = "cap/ops/op_findings.json"  # optional: what was computed with the live model
 
+    [logprobs]               # per-step log-probs of the same tokens from two sides (a: the
+    control = "lr0"          #   sampler, b: the trainer), for drift over training; the
+    [logprobs.runs]          #   control is an lr=0 run (report/study_logprobs.py)
+    policy = { a = "lp/policy/sampler_*.jsonl", b = "lp/policy/trainer_*.safetensors" }
+    lr0 = { a = "lp/lr0/sampler_*.jsonl", b = "lp/lr0/trainer_*.safetensors" }
+
 ``made_on`` names the machine (CPU, instruction set, library build, threads) that made the
 runs: floating-point results, and so every finding of the report, depend on it, and the
 report quotes it beside its findings (or says that the study does not record it).
@@ -100,6 +106,7 @@ _TOP_KEYS = {
     "names",
     "anatomy",
     "captures",
+    "logprobs",
 }
 _GROUP_KEYS = {"svd": ("u", "s", "v"), "lowrank": ("a", "b")}
 _GLOB = re.compile(r"[*?\[]")
@@ -157,6 +164,7 @@ class Study:
     anatomy: list[Path] = field(default_factory=list)
     captures: Capture | None = None
     made_on: str | None = None
+    logprobs: Any = None  # [logprobs]: a report.study_logprobs.LogprobRuns
     mappings: dict[str, Path] = field(default_factory=dict)
 
     # -- what notebooks ask -------------------------------------------------
@@ -299,6 +307,8 @@ class Study:
                 files += _capture_files(folder)
             if c.op_findings is not None:
                 files.append(c.op_findings)
+        if self.logprobs is not None:
+            files += self.logprobs.files()
         return list(dict.fromkeys(files))
 
 
@@ -356,9 +366,10 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
             path=where,
         )
     runs_spec = _table(data, "runs", where)
-    if not runs_spec and not data.get("captures"):
+    if not runs_spec and not data.get("captures") and not data.get("logprobs"):
         raise DmlibError(
-            "nothing to analyse: name runs in [runs] (label = path) or captures in [captures]",
+            "nothing to analyse: name runs in [runs] (label = path), captures in [captures] "
+            "or log-prob files in [logprobs]",
             path=where,
         )
     runs_spec, mappings = _run_mappings(runs_spec, root, where)
@@ -405,7 +416,14 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         captures=_captures(_table(data, "captures", where), root, where),
         made_on=_str(data["made_on"], "made_on", where) if data.get("made_on") else None,
         mappings=mappings,
+        logprobs=_logprobs(_table(data, "logprobs", where), root, where),
     )
+
+
+def _logprobs(spec: Mapping[str, Any], root: Path, where: Path) -> Any:
+    from dmlib.report.study_logprobs import logprob_runs  # it stands beside this module
+
+    return logprob_runs(spec, root, where)
 
 
 def _run_mappings(

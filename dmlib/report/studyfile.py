@@ -113,6 +113,10 @@ def resolved_toml(study: Study, base: Path) -> str:
             lines += [f"{_key(k)} = {_value(_rel(v, base))}" for k, v in c.ops.items()]
             if c.op_findings is not None:
                 lines.append(f"findings = {_value(_rel(c.op_findings, base))}")
+    if study.logprobs is not None:
+        from dmlib.report.study_logprobs import logprobs_toml
+
+        lines += logprobs_toml(study.logprobs, lambda p: _rel(p, base), _value, _key)
     return "\n".join(lines) + "\n"
 
 
