@@ -548,3 +548,12 @@ def test_ladder_rows_per_run_and_step() -> None:
     assert list(df["is_control"]) == [False, False, True, True]
     with pytest.raises(DmlibError, match="control run 'x'"):
         logprob_ladder(runs, control="x")
+
+
+def test_jsonl_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "x.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DmlibError, match="not a regular file"):
+        compare_logprobs(fifo, fifo)
