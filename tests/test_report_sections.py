@@ -127,14 +127,17 @@ def test_damaged_or_foreign_cache_file_is_recomputed(lab, calls):
     _, _, again = _matrix(lab)
     assert len(calls) == 2
     pd.testing.assert_frame_equal(first, again)
-    data = json.loads(path.read_text())
+    # entries signed with this user's own secret (what dmlib writes), then altered
+    key = json.loads(path.read_text().split("\n", 1)[1])["key"]
+    secret = cache._read_secret(cache.secret_path())
+    data = json.loads(path.read_text().split("\n", 1)[1])
     data["key"] = "0" * 64  # a file whose key does not match is never used
-    path.write_text(json.dumps(data))
+    path.write_text(cache._signed(data, key, secret))
     _matrix(lab)
     assert len(calls) == 3
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text().split("\n", 1)[1])
     del data["verdict"]["pairs"]  # the right key but an entry that does not rebuild
-    path.write_text(json.dumps(data))
+    path.write_text(cache._signed(data, key, secret))
     _, _, last = _matrix(lab)
     assert len(calls) == 4
     pd.testing.assert_frame_equal(first, last)

@@ -13,14 +13,27 @@ their order, the control, the options, dmlib's version, and the stamp (path, siz
 modification time in nanoseconds) of every file read: each run's checkpoint (every file
 of a checkpoint folder) and each mapping file. A changed input gives another key, so a
 stale matrix is never returned.
+
+An entry is trusted only if dmlib wrote it for this key: its first line carries an
+HMAC-SHA256 of the key and the entry's bytes under a per-user secret
+(:func:`secret_path`: ``$DMLIB_CACHE_DIR/matrix-cache.key``, else
+``~/.cache/dmlib/matrix-cache.key``; 32 random bytes, created ``0600`` in a ``0700``
+folder, used only while it is a regular file of this user that no one else may read). The
+signature is checked before the entry is parsed; a file without it (a crafted
+``matrix-*.json`` in a shared study or an output folder, any earlier format) is ignored
+and the matrix computed again. Where there is no usable secret (``DMLIB_CACHE_DIR=off``,
+a key file that is not private, or one lying inside the study, one of its inputs'
+folders or the cache folder itself), nothing is read or written: every kernel computes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,9 +41,12 @@ from typing import Any
 from dmlib._atomic import atomic_write_text
 from dmlib.errors import DmlibError
 
-__all__ = ["CACHE_FORMAT", "cache_dir", "matrix_key", "study_matrix"]
+__all__ = ["CACHE_FORMAT", "cache_dir", "matrix_key", "secret_path", "study_matrix"]
 
-CACHE_FORMAT = "dmlib-matrix-cache-v1"
+CACHE_FORMAT = "dmlib-matrix-cache-v2"
+KEY_FILE = "matrix-cache.key"
+_SECRET_BYTES = 32
+_NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def cache_dir(folder: str | os.PathLike[str] | None = None) -> Path:
@@ -87,18 +103,102 @@ def matrix_key(study: Any, files: Mapping[str, Path], options: Mapping[str, Any]
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (a no-op where ``fcntl`` is missing)."""
+    """An exclusive lock on ``path`` (none where ``fcntl`` is missing, or where ``path`` is
+    a symbolic link: it is never followed, so no file is created where it points)."""
     try:
         import fcntl
     except ImportError:  # Windows: two kernels may both compute; the writes stay atomic
         yield
         return
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    except OSError:
+        yield  # not ours to lock: at worst two kernels compute the same matrix
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def secret_path() -> Path | None:
+    """Where this user's cache secret is kept: ``$DMLIB_CACHE_DIR/matrix-cache.key``
+    (``off``: nowhere), else ``$XDG_CACHE_HOME/dmlib/...``, else ``~/.cache/dmlib/...``."""
+    root = os.environ.get("DMLIB_CACHE_DIR")
+    if root is not None and root.strip().lower() in ("off", "0", "none", ""):
+        return None
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "dmlib")
+    return Path(root) / KEY_FILE
+
+
+def _read_secret(path: Path) -> bytes | None:
+    """The secret, when ``path`` is a regular file of this user, private, of 32 bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        private = st.st_uid == os.getuid() and not st.st_mode & 0o077
+        if not (stat.S_ISREG(st.st_mode) and private and st.st_size == _SECRET_BYTES):
+            return None
+        data = os.read(fd, _SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    return data if len(data) == _SECRET_BYTES else None
+
+
+def _new_secret(path: Path) -> bytes | None:
+    """Make the secret (written whole, then linked into place: a kernel racing this one
+    finds either no file or the whole key); None where the folder cannot be written."""
+    import secrets
+
+    tmp = path.parent / f".{KEY_FILE}.{os.getpid()}.tmp"
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         try:
-            yield
+            os.write(fd, secrets.token_bytes(_SECRET_BYTES))
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            os.close(fd)
+        with contextlib.suppress(FileExistsError):  # another kernel made it first
+            os.link(tmp, path)
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return _read_secret(path)
+
+
+def _secret(study: Any, files: Mapping[str, Path], where: Path) -> bytes | None:
+    """This user's secret, or None where none may be used (see the module docstring)."""
+    from dmlib.safepaths import contained
+
+    path = secret_path()
+    if path is None:
+        return None
+    inputs = [where, *(Path(p).parent for p in files.values())]
+    if study.path is not None:
+        inputs.append(Path(study.path).parent)
+    if any(contained(folder, path.parent) for folder in inputs):
+        return None  # a key beside the entries it signs, or in a shared input, signs nothing
+    if not os.path.lexists(path):
+        return _new_secret(path)
+    return _read_secret(path)
+
+
+def _signature(secret: bytes, key: str, body: bytes) -> str:
+    return hmac.new(secret, key.encode("ascii") + b"\n" + body, hashlib.sha256).hexdigest()
+
+
+def _signed(entry: dict[str, Any], key: str, secret: bytes) -> str:
+    """The cache file's text: the format and signature on the first line, then the entry."""
+    body = json.dumps(entry, default=_json_default)
+    return f"{CACHE_FORMAT} {_signature(secret, key, body.encode('utf-8'))}\n{body}"
 
 
 def _json_default(value: Any) -> Any:
@@ -109,15 +209,33 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def _read(path: Path, key: str) -> dict[str, Any] | None:
-    """The cached entry at ``path`` when it exists and its key is ``key``, else None."""
+def _read(path: Path, key: str, secret: bytes) -> dict[str, Any] | None:
+    """The cached entry at ``path`` when dmlib signed it for ``key`` with ``secret``, else
+    None (absent, not a regular file, unsigned, signed for another key or by another
+    secret, damaged): the signature is checked before a byte of the entry is parsed."""
+    from dmlib import _limits
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None  # not ours or damaged: computed again and rewritten
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _limits.max_decompressed():
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 24):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    head, _, body = b"".join(chunks).partition(b"\n")
+    fmt, _, mac = head.decode("ascii", "replace").partition(" ")
+    if fmt != CACHE_FORMAT or not hmac.compare_digest(mac, _signature(secret, key, body)):
+        return None  # not written by dmlib for these inputs: never trusted
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("key") != key:
         return None
     return data
@@ -157,24 +275,25 @@ def study_matrix(
 
     The frame has :func:`dmlib.matrix`'s columns; its attrs keep ``runs``, ``control``
     and ``verdict`` (the per-pair compare reports are not kept). The first call computes
-    it and writes ``cache_dir(folder)/matrix-<key>.json``; a later call with the same key
-    (the same study file, runs, control and unchanged input files) reads that file.
-    ``use_cache=False`` computes without reading or writing the cache.
+    it and writes ``cache_dir(folder)/matrix-<key>.json``, signed; a later call with the same
+    key (the same study file, runs, control and unchanged input files) reads that file when
+    its signature holds. ``use_cache=False``, or no usable secret, computes without reading
+    or writing the cache.
     """
-    if not use_cache:
+    where = cache_dir(folder)
+    secret = _secret(study, files, where) if use_cache else None
+    if secret is None:
         return _compute(study, files, control)[0]
     key = matrix_key(study, files, {"control": control})
-    where = cache_dir(folder)
     where.mkdir(parents=True, exist_ok=True)
     path = where / f"matrix-{key[:32]}.json"
     with _locked(where / f"matrix-{key[:32]}.lock"):
-        cached = _rebuild(_read(path, key))
+        cached = _rebuild(_read(path, key, secret))
         if cached is not None:
             return cached
         frame, entry = _compute(study, files, control)
         entry.update(format=CACHE_FORMAT, key=key)
-        text = json.dumps(entry, default=_json_default)
-        atomic_write_text(path, text)
+        atomic_write_text(path, _signed(entry, key, secret))
     return frame
 
 
