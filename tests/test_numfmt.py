@@ -107,33 +107,46 @@ def test_missing() -> None:
 # exit_code: hand-made results of each kind
 
 
-def _capture(first=None, held=True, passed=None, status="identical") -> dict:
-    return {
-        "first_divergent_boundary": first,
-        "repeat_control": None if held is None else {"held": held},
-        "negative_control": {"passed": passed},
-        "status": status,
-    }
+def _capture(first=None, held=True, passed=None, status="identical"):
+    """A CaptureVerdict made by hand (the fields compare_captures fills)."""
+    from dmlib.localize.culprits import CaptureVerdict
+
+    return CaptureVerdict(
+        status=status, n_comparable=3, unjudged=[], first_divergent_boundary=first,
+        culprit=None, culprits=[], undetermined=[], entry=None, culprit_op=None,
+        op_alignment=None, layout_inputs=[], stats_missing=[],
+        repeat_control=None if held is None else {"held": held},
+        negative_control={"passed": passed}, valid=None,
+    )  # fmt: skip
+
+
+def _arbitration(verdict):
+    from dmlib.localize.arbitrate import Arbitration
+
+    return Arbitration(op="aten.mm", verdict=verdict, reason="", table=pd.DataFrame())
+
+
+def _repeats(verdict):
+    from dmlib.localize.rates import RepeatStudy
+
+    return RepeatStudy(table=pd.DataFrame(), observer=None, verdict=verdict, reason="")
 
 
 @pytest.mark.parametrize(
     ("result", "code"),
     [
-        ({"identical": True, "n_tensors_diff": 0}, 0),
-        ({"identical": False, "n_tensors_diff": 2}, 1),
-        ({"pairs": [{"identical": True}, {"identical": True}], "identical_pairs": ["a-b"]}, 0),
-        ({"pairs": [{"identical": True}, {"identical": False}], "identical_pairs": []}, 1),
         ({"bit_exact": True, "steps": [1]}, 0),
         ({"bit_exact": False, "steps": [1]}, 1),
         (_capture(), 0),
-        (_capture(first="enc.0"), 1),
+        (_capture(first="enc.0", status="different"), 1),
         (_capture(held=False), 1),  # a failed repeat control is never "same"
         (_capture(held=None, passed=False), 1),
         (_capture(status="inconclusive"), 3),
-        (SimpleNamespace(verdict="both-close"), 0),
-        (SimpleNamespace(verdict="deterministic"), 0),
-        (SimpleNamespace(verdict="a-departs"), 1),
-        (SimpleNamespace(verdict="withheld"), 1),
+        (_capture(status="inconclusive", held=False), 1),  # inconclusive, but a control failed
+        (_arbitration("both-close"), 0),
+        (_repeats("deterministic"), 0),
+        (_arbitration("a-departs"), 1),
+        (_repeats(None), 1),  # withheld
     ],
 )
 def test_exit_code(result: object, code: int) -> None:
@@ -147,5 +160,10 @@ def test_exit_code_of_a_judged_table() -> None:
 def test_exit_code_refuses_what_it_cannot_judge() -> None:
     with pytest.raises(TypeError):
         exit_code({"rows": []})
+    for keys in ({"identical": True}, {"first_divergent_boundary": None, "status": "identical"}):
+        with pytest.raises(TypeError):  # a result is recognised by its type, not its keys
+            exit_code(keys)
+    with pytest.raises(TypeError):
+        exit_code(SimpleNamespace(verdict="both-close"))
     with pytest.raises(TypeError):
         exit_code(None)

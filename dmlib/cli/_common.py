@@ -33,9 +33,6 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 ONE_DOCUMENT = "print one JSON document"  # the help of most commands' --json
 
-# the verdicts of an arbitration and of a repeat count that mean "nothing differs"
-_SAME_VERDICTS = ("both-close", "deterministic")
-
 
 def add_common(
     p: argparse.ArgumentParser,
@@ -146,14 +143,15 @@ def print_json(doc: Any, *, default: Callable[[Any], Any] | None = str) -> None:
 
 def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
     """The exit status of a comparison: 0 nothing differs, 1 something differs (or a
-    control failed, or no verdict was reached), 3 inconclusive (capture comparisons).
+    control failed, or no verdict was reached), 3 inconclusive (capture comparisons), 5
+    not comparable (an identity gate failed).
 
-    ``result`` is what the library returned: a typed verdict (:class:`Summary`,
-    :class:`MatrixVerdict`, :class:`CaptureVerdict`: ``bool()`` says same; a capture
-    comparison that is inconclusive without a divergence or a failed control is 3), a
-    comparison summary as a dict (``identical``), a matrix verdict (every pair identical), two Trainer runs compared (``bit_exact``),
-    a capture comparison's attrs (first divergent boundary, controls, status), or an
-    arbitration / repeat count (its ``verdict``). ``differs``: a command that judges
+    ``result`` is what the library returned, recognised by its type: a typed verdict
+    (:class:`~dmlib.kernels.verdict.Verdict`: ``bool()`` says same; ``status`` "not
+    comparable" is 5, "inconclusive" with no divergence and no failed control 3), an
+    :class:`~dmlib.localize.arbitrate.Arbitration` or a
+    :class:`~dmlib.localize.rates.RepeatStudy` (``bool()`` says same), or two Trainer runs
+    compared (the one plain dict left: ``bit_exact``). ``differs``: a command that judges
     its table itself says so here instead. Bad input never gets here: a
     :class:`dmlib.errors.DmlibError` is exit 2 in :func:`dmlib.cli.main`.
     """
@@ -161,40 +159,26 @@ def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
         return EXIT_DIFFERS if differs else EXIT_SAME
     from dmlib.kernels.verdict import Verdict
 
-    if isinstance(result, Verdict):  # Summary, MatrixVerdict, CaptureVerdict: bool() is "same"
+    if isinstance(result, Verdict):  # Summary, MatrixVerdict, CaptureVerdict...: bool() is "same"
         if result:
             return EXIT_SAME
-        if result.get("status") == "not comparable":  # LogprobVerdict: the identity gate
+        status = getattr(result, "status", None)
+        if status == "not comparable":  # LogprobVerdict's identity gate
             return EXIT_NOT_COMPARABLE
-        inconclusive = result.get("status") == "inconclusive"
-        if inconclusive and result.get("first_divergent_boundary") is None:
-            return EXIT_DIFFERS if getattr(result, "failed_control", False) else EXIT_INCONCLUSIVE
+        # inconclusive: no divergence found and no control failed (CaptureVerdict's fields)
+        if (
+            status == "inconclusive"
+            and getattr(result, "first_divergent_boundary", None) is None
+            and not getattr(result, "failed_control", False)
+        ):
+            return EXIT_INCONCLUSIVE
         return EXIT_DIFFERS
-    if isinstance(result, Mapping):
-        if "first_divergent_boundary" in result:
-            return _capture_code(result)
-        if "identical_pairs" in result:
-            same = all(p["identical"] for p in result["pairs"])
-        elif "bit_exact" in result:
-            same = bool(result["bit_exact"])
-        elif "identical" in result:
-            same = bool(result["identical"])
-        else:
-            raise TypeError(f"no exit status for a result with keys {sorted(result)[:8]}")
-    elif hasattr(result, "verdict"):
-        same = result.verdict in _SAME_VERDICTS
-    else:
-        raise TypeError(f"no exit status for {type(result).__name__}")
-    return EXIT_SAME if same else EXIT_DIFFERS
+    if isinstance(result, Mapping) and "bit_exact" in result:
+        # two Trainer runs (stats.components.compare_runs): the one result still a dict
+        return EXIT_SAME if result["bit_exact"] else EXIT_DIFFERS
+    from dmlib.localize.arbitrate import Arbitration
+    from dmlib.localize.rates import RepeatStudy
 
-
-def _capture_code(attrs: Mapping[str, Any]) -> int:
-    """A capture comparison: 1 when a boundary differs or a control failed, 3 when it is
-    inconclusive, else 0."""
-    rc = attrs["repeat_control"]
-    failed_control = (rc is not None and not rc["held"]) or attrs["negative_control"][
-        "passed"
-    ] is False
-    if attrs["first_divergent_boundary"] is not None or failed_control:
-        return EXIT_DIFFERS
-    return EXIT_INCONCLUSIVE if attrs["status"] == "inconclusive" else EXIT_SAME
+    if isinstance(result, (Arbitration, RepeatStudy)):  # bool() is "same"
+        return EXIT_SAME if result else EXIT_DIFFERS
+    raise TypeError(f"no exit status for {type(result).__name__}")

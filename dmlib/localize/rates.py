@@ -110,6 +110,10 @@ class RepeatStudy:
     verdict: str | None
     reason: str
 
+    def __bool__(self) -> bool:
+        """True when the repeats were found deterministic (a verdict withheld is False)."""
+        return self.verdict == "deterministic"
+
     def __str__(self) -> str:
         return f"{self.verdict or 'verdict withheld'}: {self.reason}"
 
