@@ -142,6 +142,10 @@ def reader_cases(work: Path) -> dict[str, list[str]]:
     p = work / "long.msgpack"
     p.write_bytes(b.flax_long_key_nest(2000, 50, 15_000))
     cases["flax: 2 KB keys x 50 levels"] = ["inspect", str(p)]
+    p = work / "empties.msgpack"
+    n = 10_000_000
+    p.write_bytes(b"\x81\xa6params\xdd" + struct.pack(">I", n) + b"\x90" * n)
+    cases["flax: 10M empty arrays"] = ["inspect", str(p)]
     good = work / "good.pt"
     b.torch_zip(good, b.pickle_tensor((4,), (1,), numel=4), {"0": bytes(16)})
     p = work / "dup.pt"

@@ -199,6 +199,35 @@ def test_names_together_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         budget.leaf("k")
 
 
+def _empty_arrays(n: int) -> bytes:
+    """``{"params": [[], [], ...]}``: ``n`` empty arrays (MessagePack: 0xdd array 32, 0x90)."""
+    return b"\x81\xa6params\xdd" + struct.pack(">I", n) + b"\x90" * n
+
+
+def test_flax_containers_are_counted_while_msgpack_decodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("msgpack")
+    monkeypatch.setenv("DMLIB_MAX_ENTRIES", "1000")
+    ok = tmp_path / "ok.msgpack"  # 998 empty arrays, their array and the map: 1000
+    ok.write_bytes(_empty_arrays(998))
+    with dmlib.open_tensors(ok) as ts:
+        assert len(ts) == 0 and not ts.scalars
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(_empty_arrays(999))
+    with pytest.raises(FormatError, match="more than 1,000 maps and arrays"):
+        dmlib.open_tensors(bad)
+
+
+def test_ten_million_empty_flax_arrays_are_refused(tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    p = tmp_path / "empties.msgpack"
+    p.write_bytes(_empty_arrays(10_000_000))
+    if _limits.max_containers() >= 10_000_000:
+        pytest.skip("this machine's container limit admits 10M arrays")
+    _assert_refused(p, "inspect", str(p), words=("maps and arrays",))
+
+
 def test_two_flax_entries_of_one_name_are_refused(tmp_path: Path) -> None:
     msgpack = pytest.importorskip("msgpack")
     p = tmp_path / "clash.msgpack"

@@ -44,6 +44,38 @@ class _Ext:
         self.data = data
 
 
+class _Counted:
+    """msgpack hooks counting the maps and arrays decoded and their items, refusing past
+    what one file may flatten to (:func:`dmlib._limits.max_entries` entries and
+    :func:`dmlib._limits.max_containers` containers) while msgpack is still decoding: a
+    small file of empty arrays would otherwise be tens of times its size in memory first."""
+
+    __slots__ = ("path", "items", "containers", "bounds")
+
+    def __init__(self, path: str) -> None:
+        self.path, self.items, self.containers = path, 0, 0
+        self.bounds = (_limits.max_entries() + _limits.max_containers(), _limits.max_containers())
+
+    def _count(self, n: int) -> None:
+        self.items += n
+        self.containers += 1
+        if self.items > self.bounds[0] or self.containers > self.bounds[1]:
+            raise FormatError(
+                f"refused: more than {self.bounds[1]:,} maps and arrays or {self.bounds[0]:,} "
+                "items, more than one file may hold on this machine (set DMLIB_MAX_ENTRIES "
+                "to read a file you trust)",
+                path=self.path,
+            )
+
+    def map(self, d: dict[Any, Any]) -> dict[Any, Any]:
+        self._count(len(d))
+        return d
+
+    def list(self, items: list[Any]) -> list[Any]:
+        self._count(len(items))
+        return items
+
+
 def can_open(head: bytes, path: str) -> bool:
     """A MessagePack map, named ``.msgpack`` or holding flax's array extension early on."""
     if head[:1] not in _MAPS:
@@ -216,7 +248,11 @@ def open_flax_msgpack(path: str | os.PathLike[str]) -> TensorSet:
     if len(data) != size:
         raise FormatError("changed while reading (its size is not the one opened)", path=path)
     try:
-        tree = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_Ext, use_list=True)
+        counted = _Counted(path)
+        tree = msgpack.unpackb(
+            data, raw=False, strict_map_key=False, ext_hook=_Ext, use_list=True,
+            object_hook=counted.map, list_hook=counted.list,
+        )  # fmt: skip
     except FormatError:
         raise
     except Exception as err:  # ExtraData, ValueError, UnpackValueError, ...
