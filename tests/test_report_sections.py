@@ -154,8 +154,7 @@ def test_sections_record_hand_computed_numbers(lab, calls):
     study = report.load_study(lab / "study.toml")
     mx = sections.study_matrix(study)
     assert mx.labels == ["a", "b", "c"] and mx.when == "with no step recorded"
-    table = sections.worst_rel_fro(mx)
-    assert list(zip(table["a"], table["b"])) == [("a", "b"), ("a", "c"), ("b", "c")]
+    assert sections.worst_rel_fro(mx) is None  # said as one line per pair, not a table too
     hist, same, ctrl = sections.ulp_hist_table(mx)
     counts = hist.set_index(["pairs", "bucket"])["count"]
     assert counts[(same, "ulp_1")] == 1 and hist.loc[hist["pairs"].eq(same), "count"].sum() == 1
@@ -194,6 +193,16 @@ def test_prose_matrix_runs_and_ulp_title():
         "vs control 1, 2.0 orders of magnitude apart"
     )
     assert "orders" not in prose.ulp_title({**v, "separation_orders": math.inf}, "x", "c")
+
+
+def test_prose_pair_worst_lines():
+    from dmlib.report import prose
+
+    pairs = pd.DataFrame({"a": ["a", "a"], "b": ["b", "c"], "worst_rel_fro": [0.0, 1.5e-07]})
+    assert prose.pair_worst_lines(pairs) == [
+        "a/b: worst rel_fro 0",
+        "a/c: worst rel_fro 1.5e-07",
+    ]
 
 
 def test_run_matrix_and_ulp_distributions_state_different_findings(lab):

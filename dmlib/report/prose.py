@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from dmlib.numfmt import general
 from dmlib.numfmt import prose as fmt  # a number for prose: one formatter for every output
 from dmlib.report.htmlsafe import md_code as _c
 from dmlib.report.htmlsafe import md_text as _t
@@ -604,6 +605,14 @@ FEWER_THAN_TWO_RUNS = (
     "fewer than two runs besides the control: no pair to compare column by column; add a "
     "run to [runs] in the study.toml"
 )
+
+
+def pair_worst_lines(pairs: pd.DataFrame) -> list[str]:
+    """One line per pair of runs: its worst rel_fro over the stored tensors (``%g``)."""
+    return [
+        f"{_t(a)}/{_t(b)}: worst rel_fro {general(v)}"
+        for a, b, v in zip(pairs["a"], pairs["b"], pairs["worst_rel_fro"])
+    ]
 
 
 def ladder_runs(title: str, n_runs: int, reference: str, steps: Sequence[int]) -> str:

@@ -116,10 +116,9 @@ def pairs_table(sm: StudyMatrix) -> pd.DataFrame | None:
     return sm.pairs
 
 
-def worst_rel_fro(sm: StudyMatrix) -> pd.DataFrame | None:
-    """Records each pair's worst rel_fro, the bit-identical pairs and the separation;
-    returns the pairs' ``a``, ``b``, ``identical`` and ``worst_rel_fro`` (shown once, as
-    this table)."""
+def worst_rel_fro(sm: StudyMatrix) -> None:
+    """Records each pair's worst rel_fro, the bit-identical pairs and the separation, and
+    says each pair's, once (one line per pair; no table repeating them)."""
     if sm.empty:
         return None
     pairs, v = sm.pairs, sm.verdict
@@ -127,7 +126,7 @@ def worst_rel_fro(sm: StudyMatrix) -> pd.DataFrame | None:
     record("worst_rel_fro", by_pair)
     record("identical_pairs", v["identical_pairs"])
     record("separation_orders", v["separation_orders"])
-    return pairs[["a", "b", "identical", "worst_rel_fro"]]
+    say(*prose.pair_worst_lines(pairs))
 
 
 def matrix_heatmap(sm: StudyMatrix) -> Any:
