@@ -36,7 +36,7 @@ STEPS = (0, 2, 4, 6, 8)
 SMALL_STEPS = (0, 2)
 RUNS = {"policy": 3e-3, "lr0": 0.0}
 BATCH, PROMPT, NEW, TOP = 4, 6, 16, 5
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "vocab_size": 96,
     "hidden_size": 32,
     "intermediate_size": 64,

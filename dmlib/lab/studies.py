@@ -67,9 +67,28 @@ def _table(name: str, items: dict[str, str]) -> list[str]:
     return ["", f"[{name}]", *(f"{k} = {_q(v)}" for k, v in items.items())]
 
 
+def _logprob_drift_lines(env: dict[str, Any], folder: Path) -> list[str]:
+    return [
+        _HEAD.format(what="sampler-vs-trainer log-prob dataset").rstrip("\n"),
+        'title = "A tiny Qwen2: sampler (KV cache) against trainer log-probs, lr 3e-3 and lr 0"',
+        f"made_on = {_q(made_on('logprob_drift', env))}",
+        "",
+        "[logprobs]",
+        'control = "lr0"',
+        "",
+        "[logprobs.runs]",
+        *(
+            f'{run} = {{ a = "{run}/sampler_*.jsonl", b = "{run}/trainer_*.safetensors" }}'
+            for run in ("policy", "lr0")
+            if (folder / run).is_dir()
+        ),
+    ]
+
+
 def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
     """The study of ``dataset`` whose files are in ``folder`` (what exists there is listed)."""
-    lines: list[str]
+    if dataset == "logprob_drift":
+        return "\n".join(_logprob_drift_lines(env, folder)) + "\n"
     if dataset == "qr_init":
         runs = {f"p{i}": f"seed7_p{i}.bpk" for i in range(1, 7)} | {"seed8": "seed8_control.bpk"}
         runs = {k: v for k, v in runs.items() if (folder / v).is_file()}
@@ -144,22 +163,6 @@ def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
                 f'packed = "{OPS_DIR}/packed"',
                 f'findings = "{OPS_DIR}/{FINDINGS}"  # the patch test, run by the lab with the live model',
             ]
-    elif dataset == "logprob_drift":
-        lines = [
-            _HEAD.format(what="sampler-vs-trainer log-prob dataset").rstrip("\n"),
-            'title = "A tiny Qwen2: sampler (KV cache) against trainer log-probs, lr 3e-3 and lr 0"',
-            f"made_on = {_q(made_on(dataset, env))}",
-            "",
-            "[logprobs]",
-            'control = "lr0"',
-            "",
-            "[logprobs.runs]",
-            *(
-                f'{run} = {{ a = "{run}/sampler_*.jsonl", b = "{run}/trainer_*.safetensors" }}'
-                for run in ("policy", "lr0")
-                if (folder / run).is_dir()
-            ),
-        ]
     else:
         raise KeyError(dataset)
     return "\n".join(lines) + "\n"

@@ -122,7 +122,11 @@ def block_sums(
         sums=out,
         max_abs=max_abs,
         worst=worst,
-        **moments,
+        mean_x=moments["mean_x"],
+        mean_y=moments["mean_y"],
+        m2x=moments["m2x"],
+        m2y=moments["m2y"],
+        cxy=moments["cxy"],
         max_ulp=ulp,
         top=top,
     )
@@ -330,7 +334,7 @@ def _bucket(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 # -- per sequence and overall ----------------------------------------------------------
 
 
-def per_sequence(s: Sums) -> dict[str, np.ndarray]:
+def per_sequence(s: Sums) -> dict[str, np.ndarray | None]:
     """The per-sequence columns of one block (means over the finite tokens)."""
     nf = s.n_finite.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -404,9 +408,10 @@ def _max_of(parts: list[np.ndarray]) -> float | None:
 
 
 def _max_ulp(blocks: list[Sums]) -> int | None:
-    if not blocks or any(b.max_ulp is None for b in blocks):
+    maxima = [b.max_ulp for b in blocks]
+    if not maxima or any(m is None for m in maxima):
         return None
-    return int(max((int(b.max_ulp.max()) if len(b.max_ulp) else 0) for b in blocks))  # type: ignore[union-attr]
+    return int(max((int(m.max()) if m is not None and len(m) else 0) for m in maxima))
 
 
 def _pooled_r(cat: dict[str, np.ndarray], nf: np.ndarray, total: float) -> float | None:

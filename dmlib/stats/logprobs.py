@@ -322,7 +322,7 @@ def logprob_comparison(
     reason, unchecked = identity_gate(sa, sb)
     if reason is not None:
         return [], _verdict(sa, sb, None, reason=reason, unchecked=unchecked, n_worst=n_worst)
-    opts = {"top_k": top_k, "n_worst": n_worst, "distributions": distributions}
+    opts: dict[str, Any] = {"top_k": top_k, "n_worst": n_worst, "distributions": distributions}
     rows, overall = _pair_rows(sa, sb, "pair", **opts)
     control_overall = None
     if control is not None:
@@ -407,7 +407,7 @@ def _distributions(
         if za.shape[1:] != zb.shape[1:]:
             raise DmlibError(f"logits over {za.shape[1:]} ids in A, {zb.shape[1:]} in B")
         per_token = figs.full_kl(za, zb, top_k)
-        maxed = ("kl_ab",)
+        maxed: tuple[str, ...] = ("kl_ab",)
     elif all(side.has(k) for side in (sa, sb) for k in ("top_logprobs", "top_ids")):
         ia, ib = sa.flat("top_ids", s0, s1), sb.flat("top_ids", s0, s1)
         _check_ids(ia, ib)
