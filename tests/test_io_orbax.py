@@ -628,3 +628,22 @@ def test_a_node_shared_by_three_parents(tmp_path, monkeypatch):
     (tmp_path / "manifest.ocdbt").write_bytes(_manifest(b"../f", 0, len(lf), 0, 2))
     with pytest.raises(DmlibError, match="not a plain relative path"):
         ocdbt.open_store(tmp_path)
+
+
+def test_a_key_joined_from_its_levels_prefixes_is_bounded(tmp_path):
+    """An interior entry's subtree prefix is joined to every key below it: a full key longer
+    than 64 KiB (no real key comes near) is refused before it is made."""
+    pytest.importorskip("crc32c")
+    from dmlib.io import ocdbt
+
+    lf = _leaf([(b"x", b"1")])
+    (tmp_path / "d").mkdir()
+    for width, ok in ((1 << 16) - 1, True), (1 << 16, False):
+        root = _interior([(b"k" * width, width, 0, len(lf), 1)], b"d/f")
+        (tmp_path / "d/f").write_bytes(lf + root)
+        (tmp_path / "manifest.ocdbt").write_bytes(_manifest(b"d/f", len(lf), len(root), 1, 1))
+        if ok:
+            assert list(ocdbt.open_store(tmp_path).keys) == ["k" * width + "x"]
+        else:
+            with pytest.raises(DmlibError, match=f"a key of {width + 1} bytes"):
+                ocdbt.open_store(tmp_path)

@@ -156,6 +156,19 @@ def test_an_ocdbt_node_is_bounded_by_dmlib_not_by_its_manifest(
     assert str(_limits.MAX_TREE_NODE) in err
 
 
+def test_ocdbt_keys_spelled_by_shared_prefixes_are_bounded(tmp_path: Path) -> None:
+    """60,000 keys of 64 KiB each (3.9 GB) from a 400 KiB node: refused when the keys made
+    pass 1/64 of memory, before they exhaust it."""
+    db = H.ocdbt_key_bomb(tmp_path / "db")
+    assert (db / "d/f").stat().st_size < 512 << 10
+    _refused(db, "B+tree node d/f@0", "keys and data file paths of more than")
+    # the same shape, small, reads: three keys of 64 KiB
+    from dmlib.io import ocdbt
+
+    small = H.ocdbt_key_bomb(tmp_path / "small", n=3)
+    assert sorted(len(k) for k in ocdbt.open_store(small).keys) == [1 << 16] * 3
+
+
 # -- the chunk grid: never enumerated, never allocated whole ---------------------------------
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,9 @@ MANIFEST = "manifest.ocdbt"
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
 _MAX_ENTRIES = 20_000_000  # entries visited over all paths: shared nodes stay bounded
+# One full key (the prefixes of every level joined to a leaf's key): Orbax's keys are a
+# leaf's name and a chunk key, well under 1 KiB.
+_MAX_KEY = 1 << 16
 _MAX_MANIFEST = 64 << 20
 
 _EXTRA = "pip install 'dmlib[formats]'"
@@ -148,8 +152,11 @@ class Ref:
     length: int
 
 
-def _file_table(cur: _Cursor, transitive: str) -> list[tuple[str, str]]:
-    """The data file table: per file, (full path, transitive path for its children)."""
+def _file_table(
+    cur: _Cursor, transitive: str, spend: Callable[[int, str], None]
+) -> list[tuple[str, str]]:
+    """The data file table: per file, (full path, transitive path for its children); each
+    path's bytes counted by ``spend`` before it is made."""
     n = cur.varint(1 << 20)
     prefix = cur.varints(max(n - 1, 0), 65535)
     suffix = cur.varints(n, 65535)
@@ -160,6 +167,7 @@ def _file_table(cur: _Cursor, transitive: str) -> list[tuple[str, str]]:
         keep = prefix[i - 1] if i else 0
         if keep > len(prev):
             raise cur.fail(f"data file {i}: shared prefix {keep} longer than the previous path")
+        spend(2 * len(transitive) + keep + suffix[i], f"data file {i}")
         path = prev[:keep] + cur.take(suffix[i])
         if base[i] > len(path):
             raise cur.fail(f"data file {i}: base path length {base[i]} beyond its path")
@@ -223,15 +231,30 @@ class OcdbtStore:
         self._real: dict[str, str] = {}
         self.nodes = 0
         self.keys: dict[str, bytes | Ref] = {}
+        # entries visited, and bytes of keys and paths made, over the whole database
+        self._visited = 0
+        self._max_entries = min(_MAX_ENTRIES, _limits.max_entries())
+        self._bytes = 0
+        self._max_bytes = _limits.max_name_chars_total()
         self.manifest = self._read_manifest()
         self.height = self.manifest.root_height
-        self._visited = 0
         self._cache: dict[tuple[Ref, str], tuple[int, list[tuple[Any, ...]]]] = {}
         if self.manifest.root is not None:
             self._walk(self.manifest.root, self.height, b"", self.manifest.root_transitive)
         if self.manifest.num_keys != len(self.keys):
             raise FormatError(
                 f"the manifest records {self.manifest.num_keys} keys, the B+tree holds {len(self.keys)}",
+                path=self.root,
+            )
+
+    def _spend(self, n: int, what: str) -> None:
+        """Count ``n`` bytes of keys or paths about to be made, refused past the bound."""
+        self._bytes += n
+        if self._bytes > self._max_bytes:
+            raise FormatError(
+                f"{what}: keys and data file paths of more than {_limits.human(self._max_bytes)}"
+                " together, the most one database's may take on this machine (shared key "
+                "prefixes repeated?)",
                 path=self.root,
             )
 
@@ -347,7 +370,7 @@ class OcdbtStore:
             cur.take(4)  # zstd level, for writers
         elif method != 0:
             raise UnsupportedError(f"{MANIFEST}: compression method {method}", path=self.root)
-        files = _file_table(cur, "")
+        files = _file_table(cur, "", self._spend)
         versions = self._versions(cur, files, arity_log2)
         n_nodes = cur.varint(1 << 20)
         cur.varints(n_nodes)  # generation numbers
@@ -412,12 +435,11 @@ class OcdbtStore:
         body, _ = self._unframe(data, BTREE_MAGIC, what, limit)
         cur = _Cursor(body, what, self.root)
         height = cur.u8()
-        files = _file_table(cur, transitive)
-        n = cur.varint(_MAX_ENTRIES)
+        files = _file_table(cur, transitive, self._spend)
+        n = cur.varint(self._max_entries)
         return height, cur, files, n
 
-    @staticmethod
-    def _keys(cur: _Cursor, n: int, interior: bool) -> tuple[list[bytes], list[int]]:
+    def _keys(self, cur: _Cursor, n: int, interior: bool) -> tuple[list[bytes], list[int]]:
         prefix = cur.varints(max(n - 1, 0), 1 << 16)
         suffix = cur.varints(n, 1 << 16)
         common = cur.varints(n, 1 << 16) if interior else []
@@ -427,6 +449,7 @@ class OcdbtStore:
             keep = prefix[i - 1] if i else 0
             if keep > len(prev):
                 raise cur.fail(f"entry {i}: shared key prefix {keep} longer than the previous key")
+            self._spend(keep + suffix[i], f"{cur.what}: entry {i}")
             key = prev[:keep] + cur.take(suffix[i])
             if keys and key <= keys[-1]:
                 raise cur.fail(f"entry {i}: keys are not strictly increasing")
@@ -470,9 +493,9 @@ class OcdbtStore:
         once, and the entries visited over all paths are bounded."""
         got, entries = self._parsed(ref, transitive)
         self._visited += len(entries) + 1
-        if self._visited > _MAX_ENTRIES:
+        if self._visited > self._max_entries:
             raise FormatError(
-                f"B+tree visits more than {_MAX_ENTRIES} entries (nodes shared too often?)",
+                f"B+tree visits more than {self._max_entries} entries (nodes shared too often?)",
                 path=self.root,
             )
         where = f"B+tree node {ref.path}@{ref.offset}"
@@ -480,6 +503,7 @@ class OcdbtStore:
             raise FormatError(f"{where}: height {got}, its parent expects {height}", path=self.root)
         if height == 0:
             for key, value in entries:
+                self._key_fits(prefix, key, where)
                 full = prefix + key
                 try:
                     name = full.decode()
@@ -495,6 +519,7 @@ class OcdbtStore:
             return len(entries)
         total = 0
         for i, (key, common, child, trans, nkeys) in enumerate(entries):
+            self._key_fits(prefix, key[:common], where)
             got_keys = self._walk(child, height - 1, prefix + key[:common], trans)
             if got_keys != nkeys:
                 raise FormatError(
@@ -503,6 +528,16 @@ class OcdbtStore:
                 )
             total += got_keys
         return total
+
+    def _key_fits(self, prefix: bytes, key: bytes, where: str) -> None:
+        """Refuse a full key (``prefix + key``) longer than any real one, before it is made."""
+        size = len(prefix) + len(key)
+        if size > _MAX_KEY:
+            raise FormatError(
+                f"{where}: a key of {size} bytes (its prefixes joined), more than {_MAX_KEY}",
+                path=self.root,
+            )
+        self._spend(2 * size, where)  # the key's bytes, and its text
 
     def _leaf(self, cur: _Cursor, files: list[tuple[str, str]], n: int) -> list[tuple[Any, ...]]:
         keys, _ = self._keys(cur, n, interior=False)

@@ -209,6 +209,38 @@ def ocdbt_node_bomb(root: Path, declared: int = 3 * GIB, *, content_size: bool =
     return root
 
 
+def ocdbt_key_bomb(root: Path, n: int = 60_000) -> Path:
+    """An OCDBT database of one uncompressed leaf node (about 400 KiB) holding ``n`` keys of
+    64 KiB each: every key shares all but its last byte or two with the one before it, so
+    the node spells ``n`` x 64 KiB of keys (3.9 GB for 60,000) in a few bytes per key."""
+    root.mkdir(parents=True, exist_ok=True)
+    width = 1 << 16
+    keeps, suffixes, tail = [], [], bytearray()
+    prev_hi = -1
+    for i in range(n):
+        hi, lo = divmod(i, 255)
+        lo += 1
+        if i == 0:
+            suffix = b"a" * (width - 2) + bytes([hi, lo])
+        elif hi == prev_hi:
+            keeps.append(width - 1)
+            suffix = bytes([lo])
+        else:
+            keeps.append(width - 2)
+            suffix = bytes([hi, lo])
+        prev_hi = hi
+        suffixes.append(len(suffix))
+        tail += suffix
+    body = b"\x00" + table([]) + varint(n)
+    body += b"".join(map(varint, keeps)) + b"".join(map(varint, suffixes)) + bytes(tail)
+    body += varint(0) * n + varint(0) * n  # value lengths, kinds (inline)
+    node = frame(0x0CDB20DE, body)
+    (root / "d").mkdir(exist_ok=True)
+    (root / "d" / "f").write_bytes(node)
+    (root / "manifest.ocdbt").write_bytes(manifest(b"d/f", 0, len(node), 0, n, node_max=1 << 23))
+    return root
+
+
 def _prod(xs: list[int]) -> int:
     out = 1
     for x in xs:
