@@ -219,3 +219,100 @@ def test_suggest_flax_dense_general_kernels_against_torch_llama() -> None:
     assert got["model.layers.0.mlp.up_proj.weight"][1] == "transpose()"
     # and the proposed mapping compares the two as identical
     assert summarize(dmlib.compare(fx, hf, mapping=s.mapping))["identical"]
+
+
+def _gpt2_at_init() -> dict[str, np.ndarray]:
+    """A tiny GPT-2 as transformers initialises it: biases zero, LayerNorms ones and zeros."""
+    cfg = tm.transformers.GPT2Config(n_layer=tm.LAYERS, n_embd=tm.D, n_head=2, vocab_size=50,
+                                  n_positions=8, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    sd = {k: v.detach().numpy().copy()
+          for k, v in tm.transformers.GPT2LMHeadModel(cfg).state_dict().items()}  # fmt: skip
+    sd.pop("lm_head.weight")  # tied to wte
+    assert not sd["transformer.h.0.attn.c_attn.bias"].any()  # the case: zero at init
+    return sd
+
+
+def _megatron_ranks(sd: dict[str, np.ndarray], folder: Path) -> list[str]:
+    """GPT-2 in a Megatron-style layout over two rank files, by hand (the ground truth):
+    q/k/v as separate Linear weights and biases, a column-parallel fc1 (rows and bias
+    halves on each rank), a row-parallel fc2 (column halves; its bias on rank 0)."""
+    from safetensors.numpy import save_file
+
+    D = tm.D
+    ranks: list[dict[str, np.ndarray]] = [{}, {}]
+    r0 = ranks[0]
+    r0["embedding.word_embeddings.weight"] = sd["transformer.wte.weight"]
+    r0["embedding.position_embeddings.weight"] = sd["transformer.wpe.weight"]
+    r0["final_layernorm.weight"] = sd["transformer.ln_f.weight"]
+    r0["final_layernorm.bias"] = sd["transformer.ln_f.bias"]
+    for i in range(tm.LAYERS):
+        h, o = f"transformer.h.{i}.", f"layers.{i}."
+        w, b = sd[h + "attn.c_attn.weight"], sd[h + "attn.c_attn.bias"]  # Conv1D [in, 3D]
+        for j, x in enumerate("qkv"):
+            r0[o + f"self_attention.{x}.weight"] = w[:, j * D : (j + 1) * D].T
+            r0[o + f"self_attention.{x}.bias"] = b[j * D : (j + 1) * D]
+        r0[o + "self_attention.dense.weight"] = sd[h + "attn.c_proj.weight"].T
+        r0[o + "self_attention.dense.bias"] = sd[h + "attn.c_proj.bias"]
+        for n, to in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+            r0[o + to + ".weight"], r0[o + to + ".bias"] = (
+                sd[h + n + ".weight"],
+                sd[h + n + ".bias"],
+            )
+        fc1, fc1_b = sd[h + "mlp.c_fc.weight"].T, sd[h + "mlp.c_fc.bias"]  # [4D, D]
+        fc2 = sd[h + "mlp.c_proj.weight"].T  # [D, 4D]
+        half = 2 * D
+        for r in range(2):
+            ranks[r][o + "mlp.fc1.weight"] = fc1[r * half : (r + 1) * half]
+            ranks[r][o + "mlp.fc1.bias"] = fc1_b[r * half : (r + 1) * half]
+            ranks[r][o + "mlp.fc2.weight"] = fc2[:, r * half : (r + 1) * half]
+        r0[o + "mlp.fc2.bias"] = sd[h + "mlp.c_proj.bias"]
+    paths = []
+    for r, tensors in enumerate(ranks):
+        paths.append(str(folder / f"rank{r}.safetensors"))
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, paths[-1])
+    return paths
+
+
+def test_suggest_places_zero_biases_by_their_weights_layout(tmp_path: Path) -> None:
+    """GPT-2 at init against a Megatron-style layout over two rank files: the biases (all
+    zero) follow their weights' split and rank layout, marked 'by name and layout'; the
+    mapping then pairs every bias of a trained model (distinct values) exactly."""
+    sd = _gpt2_at_init()
+    (tmp_path / "init").mkdir()
+    s = suggest(sd, _megatron_ranks(sd, tmp_path / "init"))
+    assert s.unplaced_a == [] and s.unplaced_b == []
+    text = to_toml(s.mapping)
+    assert "confidence: by name and layout" in text
+    layout_rules = [r for r in s.mapping.rules if "by name and layout" in s.confidence[r.number]]
+    assert {t.rsplit(".", 2)[-2] for r in layout_rules for t in r.targets} >= {
+        "q", "k", "v", "dense", "fc1", "fc2",
+    }  # fmt: skip
+    # ground truth: the same layout written from a model whose biases are all distinct
+    g = np.random.default_rng(1)
+    trained = {k: (g.standard_normal(v.shape).astype(v.dtype)
+                   if k.endswith("bias") and ".ln_" not in k else v) for k, v in sd.items()}  # fmt: skip
+    (tmp_path / "trained").mkdir()
+    ranks = _megatron_ranks(trained, tmp_path / "trained")
+    again = loads(to_toml(s.mapping).replace(str(tmp_path / "init"), str(tmp_path / "trained")))
+    df = dmlib.compare(trained, ranks, mapping=again)
+    biases = df[df["name"].str.endswith("bias")]
+    assert len(biases) and (biases["n_diff"] == 0).all(), biases[["name", "n_diff"]]
+    assert summarize(df)["identical"]
+
+
+def test_layout_of_a_bias_is_checked_not_assumed(tmp_path: Path) -> None:
+    """A target bias that does not hold its weight's rows (3D elements beside a 2D-row
+    weight) is left unplaced, with the bias of the same split on the other rank."""
+    sd = _gpt2_at_init()
+    (tmp_path / "r").mkdir()
+    paths = _megatron_ranks(sd, tmp_path / "r")
+    from safetensors.numpy import load_file, save_file
+
+    r0 = load_file(paths[0])
+    r0["layers.0.mlp.fc1.bias"] = np.zeros(3 * tm.D, np.float32)  # not the weight's rows
+    save_file(r0, paths[0])
+    s = suggest(sd, paths)
+    placed = {t for r in s.mapping.rules for t in r.targets}
+    assert not any("layers.0.mlp.fc1.bias" in t for t in placed if "{" not in t)
+    assert any("fc1.bias" in n for n in s.unplaced_b)

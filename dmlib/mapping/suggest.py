@@ -137,10 +137,18 @@ def suggest(a: Any, b: Any) -> Suggestion:
     found: list[_Found] = []
     used_a: set[str] = set()
     used_b: set[str] = set()
-    found += _one_to_one(A, B, used_a, used_b)
-    found += _ties(A, B, found, used_b)
-    found += _splits(A, B, used_a, used_b)
-    found += _concats(A, B, used_a, used_b)
+    # tensors whose elements are all equal (biases and norms at init) cannot be told
+    # apart by their values: first what the values place, then those by their sibling
+    # weight's rule, then what is left of them by value as before
+    IA = {n: x for n, x in A.items() if not _constant(x)}
+    IB = {n: x for n, x in B.items() if not _constant(x)}
+    for AA, BB in ((IA, IB), (A, B)):
+        found += _one_to_one(AA, BB, used_a, used_b)
+        found += _ties(AA, BB, found, used_b)
+        found += _splits(AA, BB, used_a, used_b)
+        found += _concats(AA, BB, used_a, used_b)
+        if AA is IA:
+            found += _by_layout(A, B, found, used_a, used_b)
     found += _close(A, B, used_a, used_b)
     order = {n: i for i, n in enumerate(A)}
     found.sort(key=lambda f: min(order[s] for s in f.sources))
@@ -156,6 +164,8 @@ def _one_to_one(A: dict, B: dict, used_a: set, used_b: set) -> list[_Found]:
         by_a.setdefault((arr.size, arr.dtype.str, _digest(arr)), []).append(n)
     out = []
     for tn, t in B.items():
+        if tn in used_b:  # placed by an earlier pass
+            continue
         key = (t.size, t.dtype.str, _digest(t))
         cands = [s for s in by_a.get(key, []) if s not in used_a]
         if not cands:
@@ -185,8 +195,8 @@ def _ties(A: dict, B: dict, found: list[_Found], used_b: set) -> list[_Found]:
         if tn in used_b:
             continue
         for f in found:
-            if len(f.sources) != 1 or A[f.sources[0]].size != t.size:
-                continue
+            if len(f.sources) != 1 or A[f.sources[0]].size != t.size or f.how.startswith("layout"):
+                continue  # a tensor placed by its layout has no value to be copied by
             s = A[f.sources[0]]
             ops = _exact_layout(s, t)
             if ops is None:
@@ -376,6 +386,162 @@ def _close(A: dict, B: dict, used_a: set, used_b: set) -> list[_Found]:
     return out
 
 
+# -- tensors the values cannot place: by their sibling weight's rule ----------------------
+
+
+def _constant(x: np.ndarray) -> bool:
+    """Every element equal (zeros, ones: biases and norms at init), more than one element."""
+    flat = x.reshape(-1)
+    return flat.size > 1 and bool(np.all(flat == flat[0]))
+
+
+def _sibling(name: str) -> str | None:
+    """The bias beside a weight (``...fc1.weight`` -> ``...fc1.bias``, a Flax ``kernel`` too)."""
+    for word in ("weight", "kernel"):
+        head, sep, tail = name.rpartition(word)
+        if sep and "." not in tail and "/" not in tail:
+            return head + "bias" + tail
+    return None
+
+
+def _by_layout(A: dict, B: dict, found: list[_Found], used_a: set, used_b: set) -> list[_Found]:
+    """Constant tensors placed as their sibling weights are: for a weight finding whose
+    sources' and targets' biases are unplaced and constant (the same value), the chain
+    that takes the source biases to the target biases as the weight chain takes the
+    weights' output rows, checked on element positions (each weight's output index run
+    through the weight chain against each bias's index run through the bias chain)."""
+    out = []
+    for f in list(found):
+        srcs = [_sibling(n) for n in f.sources]
+        tgts = [t for t in (_sibling(n) for n in f.targets) if t in B and t not in used_b]
+        if not tgts or any(s is None or s not in A or s in used_a for s in srcs):
+            continue
+        arrays = [A[s] for s in srcs] + [B[t] for t in tgts]  # type: ignore[index]
+        if not all(_constant(x) and x.ndim == 1 for x in arrays):
+            continue
+        if len({(x.dtype.str, x.reshape(-1)[0].tobytes()) for x in arrays}) != 1:
+            continue
+        ops = _bias_chain(f, A, B, [A[s] for s in srcs], tgts)  # type: ignore[index]
+        if ops is None:
+            continue
+        used_a.update(srcs)  # type: ignore[arg-type]
+        used_b.update(tgts)
+        value = arrays[0].reshape(-1)[0].item()
+        how = f"layout: every element {value!r}, as {f.targets[0]!r} is placed"
+        out.append(_Found(list(srcs), tgts, ops, how, f.tied))  # type: ignore[arg-type]
+    return out
+
+
+def _bias_chain(
+    f: _Found, A: dict, B: dict, src_bias: list[np.ndarray], tgts: list[str]
+) -> list[Op] | None:
+    """The bias chain for weight finding ``f``, or None: for each reading of which weight
+    axis is the input (the one the bias does not run along), the expected positions of
+    the target biases, then the candidate chains, the first that gives them."""
+    weights = [A[s] for s in f.sources]
+    if any(w.ndim != 2 for w in weights):
+        return None
+    for in_axis in (1, 0):  # a Linear's [out, in] first, then a Conv1D's [in, out]
+        if any(w.shape[1 - in_axis] != b.size for w, b in zip(weights, src_bias, strict=True)):
+            continue
+        want = _expected(f, weights, in_axis, tgts, B)
+        if want is None:
+            continue
+        offsets = np.cumsum([0] + [b.size for b in src_bias])
+        idx = [np.arange(b.size, dtype=np.float64) + o for b, o in zip(src_bias, offsets)]
+        for ops in _bias_candidates(f.ops, in_axis, weights[0].shape[in_axis], len(want)):
+            try:
+                got = run_chain(ops, idx)
+            except Exception:
+                continue
+            if len(got) == len(want) and all(
+                g.shape == w.shape and np.array_equal(g, w) for g, w in zip(got, want)
+            ):
+                return ops
+    return None
+
+
+def _expected(
+    f: _Found, weights: list[np.ndarray], in_axis: int, tgts: list[str], B: dict
+) -> list[np.ndarray] | None:
+    """Each target bias's source-bias positions: the weights' output index (numbered
+    across the sources) run through the weight chain, read along each target weight's
+    output axis; None when a target weight does not hold one index per output row."""
+    idx, base = [], 0
+    for w in weights:
+        n = w.shape[1 - in_axis]
+        row = (np.arange(n, dtype=np.float64) + base).reshape((1, n) if in_axis == 0 else (n, 1))
+        idx.append(np.ascontiguousarray(np.broadcast_to(row, w.shape)))
+        base += n
+    try:
+        pieces = run_chain(f.ops, idx)
+    except Exception:
+        return None
+    by_target = dict(zip(f.targets, pieces))
+    want = []
+    for t in tgts:
+        p = by_target.get(_weight_of(t, f.targets))
+        if p is None or p.ndim != 2:
+            return None
+        size = B[t].size
+        if p.shape[0] == size and np.all(p == p[:, :1]):
+            want.append(np.ascontiguousarray(p[:, 0]))
+        elif p.shape[1] == size and np.all(p == p[:1, :]):
+            want.append(np.ascontiguousarray(p[0, :]))
+        else:
+            return None
+    return want
+
+
+def _weight_of(bias: str, weights: list[str]) -> str | None:
+    return next((w for w in weights if _sibling(w) == bias), None)
+
+
+def _bias_candidates(ops: list[Op], in_axis: int, in_len: int, n_out: int) -> list[list[Op]]:
+    """Chains that may take the biases where the weight chain takes the weights: the
+    weight chain translated to one dimension less, then the plain ones (as they are, one
+    repeated, split or joined along their one axis)."""
+    out = []
+    translated = _translated(ops, in_axis, in_len)
+    if translated is not None:
+        out.append(translated)
+    out += [[], [Op("tie", {"copies": n_out})], [Op("split", {"axis": 0, "parts": n_out})]]
+    out += [[Op("concat", {"axis": 0})], [Op("concat", {"axis": 0}), Op("split", {"axis": 0, "parts": n_out})]]  # fmt: skip
+    return [c for c in out if not (c and c[0].name == "tie" and n_out < 2)]
+
+
+def _translated(ops: list[Op], in_axis: int, in_len: int) -> list[Op] | None:
+    """The weight chain with the input axis (of length ``in_len``) taken out: transposes
+    dropped, a split, join or reshape along the other axes kept on them, a rotary on the
+    rows kept; None where the chain moves or cuts the input axis in a way a bias cannot
+    follow."""
+    out: list[Op] = []
+    ax, nd = in_axis, 2
+    for op in ops:
+        if op.name == "transpose" and nd == 2:
+            ax = 1 - ax
+        elif op.name == "reshape":
+            shape = list(op.params["shape"])
+            if ax == nd - 1 and shape[-1] == in_len:
+                out.append(Op("reshape", {"shape": shape[:-1] or [-1]}))
+                nd, ax = len(shape), len(shape) - 1
+            elif ax == 0 and shape[0] == in_len:
+                out.append(Op("reshape", {"shape": shape[1:] or [-1]}))
+                nd, ax = len(shape), 0
+            else:
+                return None
+        elif op.name in ("split", "concat") and op.params["axis"] != ax:
+            a = op.params["axis"]
+            out.append(Op(op.name, {**op.params, "axis": a if a < ax else a - 1}))
+        elif op.name == "rotary" and ax != 0:
+            out.append(op)
+        elif op.name in ("tie", "cast"):
+            out.append(op)
+        else:
+            return None
+    return out
+
+
 # -- concrete findings -> rules with captures -----------------------------------------------
 
 _DIGITS = re.compile(r"[0-9]+")
@@ -429,7 +595,7 @@ def _compress(found: list[_Found], names_a: list[str], names_b: list[str]) -> An
 
 
 def _worst(hows: list[str]) -> str:
-    for word in ("close", "ambiguous"):
+    for word in ("close", "ambiguous", "layout"):
         picked = [h for h in hows if h.startswith(word)]
         if picked:
             return picked[0]
@@ -440,6 +606,12 @@ def _comment(how: str, n: int) -> str:
     times = f" ({n} tensors)" if n > 1 else ""
     if how == "exact":
         return f"confidence: exact - this chain reproduces the target bit for bit{times}"
+    if how.startswith("layout"):
+        return (
+            f"confidence: by name and layout{times} - {how.split(': ', 1)[1]}: the values "
+            "cannot tell these tensors apart; placed as their weights are, the layout "
+            "checked on element positions"
+        )
     if how.startswith("ambiguous"):
         return (
             f"confidence: medium - values equal bit for bit{times}, but {how.split(': ', 1)[1]}; "
