@@ -39,6 +39,8 @@ DATASET = {
     "step_growth": "step_ladder",
     "capture_boundaries": "packed",
     "logprob_drift": "logprob_drift",
+    # no lab dataset has LoRA runs: it explains itself on this one (tests/test_report_adapters.py)
+    "adapters": "step_ladder",
 }
 # which notebooks each lab study runs here (the others it would run are covered elsewhere)
 ONLY = {

@@ -146,6 +146,7 @@ def test_report_writes_every_part(report):
     status = {r["name"]: r["status"] for r in summary["results"]}
     # no factor groups and no captures: those notebooks are skipped, and say why
     assert status == {
+        "adapters": "skipped",
         "capture_boundaries": "skipped",
         "checkpoint_anatomy": "ok",
         "qr_first_divergent_column": "skipped",
@@ -155,6 +156,7 @@ def test_report_writes_every_part(report):
     }
     skipped = {r["name"]: r["skipped"] for r in summary["results"] if r["skipped"]}
     assert "factor groups" in skipped["qr_first_divergent_column"]
+    assert "no LoRA adapter runs" in skipped["adapters"]
     index = (out / "index.html").read_text()
     assert "Tiny net: a repeat, a planted ULP and another seed" in index
     assert "Not run: the study declares no captures" in index

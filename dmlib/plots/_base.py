@@ -46,6 +46,8 @@ LABELS: dict[str, str] = {
     "chi2": "chi2 = mean((r − 1)²), r = p_B / p_A",
     "mean_abs_dp": "mean_abs_dp = mean |p_B − p_A|",
     "frac_over_ln2": "frac_over_ln2 = share of tokens with |log r| > ln 2",
+    "delta_norm": "delta_norm = ‖scaling · B A‖_F (the weight a LoRA target adds)",
+    "rel_l2": "rel_l2 = ‖a−b‖₂ / ‖a‖₂ over a group's tensors concatenated",
 }
 
 

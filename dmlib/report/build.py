@@ -66,7 +66,19 @@ NEEDS: dict[str, Callable[[Study], str | None]] = {
         else "the study declares no log-prob runs ([logprobs]: per-step log-prob files of "
         "the sampler and the trainer, docs/logprobs.md)"
     ),
+    "adapters": lambda s: (
+        None
+        if s.adapters is not None or _adapter_runs(s)
+        else "the study has no LoRA adapter runs ([runs] of PEFT adapter folders) and no "
+        "[adapters] gradients (docs/adapters.md)"
+    ),
 }
+
+
+def _adapter_runs(study: Study) -> list[str]:
+    from dmlib.report.sections_adapters import adapter_run_labels
+
+    return adapter_run_labels(study)
 
 
 def missing(nb: Any, study: Study) -> str | None:

@@ -716,3 +716,45 @@ def no_factor_tensors(patterns: Sequence[str], runs: Sequence[str]) -> str:
         f"({', '.join(patterns) or 'none'}): nothing was compared; check the name patterns in "
         "[[factor_groups]] against the checkpoint's names (dmlib inspect lists them)"
     )
+
+
+# -- LoRA adapters and gradients (notebooks/adapters.ipynb) -------------------------------
+
+NO_ADAPTERS_HERE = (
+    "this study has no LoRA adapter runs and no gradients: give a run in [runs] a folder of "
+    "PEFT adapter folders (save_pretrained, one per step), and per-step gradient files in "
+    "[adapters.gradients] (docs/adapters.md), or point STUDY at a study that has them"
+)
+NO_ADAPTER_LADDER = (
+    "no run's checkpoints are LoRA adapters at a step: the growth of the weight each target "
+    "adds cannot be drawn"
+)
+NO_GRADIENTS = (
+    "the study gives no per-step gradients ([adapters.gradients] with two or more runs): "
+    "the global gradient L2 cannot be drawn"
+)
+
+
+def adapter_growth(
+    run: str, n_targets: int, first: int, last: int, worst: str, ratio: float
+) -> str:
+    """How much the weight the targets add grew between two steps, the fastest named."""
+    return (
+        f"In run {_c(run)}, the weight the {n_targets} LoRA targets add grew from step {first} "
+        f"to step {last}; fastest: {_c(worst)}, whose ‖scaling · B A‖_F grew {fmt(ratio)}-fold."
+    )
+
+
+def gradient_l2_finding(group: str, last: int, same: Mapping[str, float],
+                        control: Mapping[str, float]) -> str:  # fmt: skip
+    """The global gradient L2 at the last step, the same-configuration pairs beside the control's."""
+    worst = max(same.items(), key=lambda kv: kv[1]) if same else None
+    text = f"At step {last}, the global relative L2 of the {_c(group)} gradients"
+    if worst is not None:
+        text += f" is at most {fmt(worst[1])} between same-configuration runs ({_c(worst[0])})"
+    if control:
+        low = min(control.values())
+        text += f"{',' if worst else ''} against {fmt(low)} or more with the control"
+        if worst is not None and worst[1] > 0 and low > 0:
+            text += f": {fmt(math.log10(low / worst[1]))} orders of magnitude apart"
+    return text + "."

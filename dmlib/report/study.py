@@ -56,6 +56,11 @@ mailed or committed. The format (every key optional, but a study names runs or c
     policy = { a = "lp/policy/sampler_*.jsonl", b = "lp/policy/trainer_*.safetensors" }
     lr0 = { a = "lp/lr0/sampler_*.jsonl", b = "lp/lr0/trainer_*.safetensors" }
 
+    [adapters]               # LoRA runs: the adapters are the [runs] whose checkpoints are
+    group = "adapter"        #   PEFT adapters; per-step gradients and the group whose global
+    [adapters.gradients]     #   relative L2 is drawn (report/study_adapters.py)
+    base = "grads/base/step_*.safetensors"
+
 ``made_on`` names the machine (CPU, instruction set, library build, threads) that made the
 runs: floating-point results, and so every finding of the report, depend on it, and the
 report quotes it beside its findings (or says that the study does not record it).
@@ -107,6 +112,7 @@ _TOP_KEYS = {
     "anatomy",
     "captures",
     "logprobs",
+    "adapters",
 }
 _GROUP_KEYS = {"svd": ("u", "s", "v"), "lowrank": ("a", "b")}
 _GLOB = re.compile(r"[*?\[]")
@@ -165,6 +171,7 @@ class Study:
     captures: Capture | None = None
     made_on: str | None = None
     logprobs: Any = None  # [logprobs]: a report.study_logprobs.LogprobRuns
+    adapters: Any = None  # [adapters]: a report.study_adapters.AdapterRuns
     mappings: dict[str, Path] = field(default_factory=dict)
 
     # -- what notebooks ask -------------------------------------------------
@@ -309,6 +316,8 @@ class Study:
                 files.append(c.op_findings)
         if self.logprobs is not None:
             files += self.logprobs.files()
+        if self.adapters is not None:
+            files += self.adapters.files()
         return list(dict.fromkeys(files))
 
 
@@ -417,7 +426,14 @@ def from_dict(data: Mapping[str, Any], *, root: Path, path: Path | None = None) 
         made_on=_str(data["made_on"], "made_on", where) if data.get("made_on") else None,
         mappings=mappings,
         logprobs=_logprobs(_table(data, "logprobs", where), root, where),
+        adapters=_adapters(_table(data, "adapters", where), root, where),
     )
+
+
+def _adapters(spec: Mapping[str, Any], root: Path, where: Path) -> Any:
+    from dmlib.report.study_adapters import adapter_runs  # it stands beside this module
+
+    return adapter_runs(spec, root, where)
 
 
 def _logprobs(spec: Mapping[str, Any], root: Path, where: Path) -> Any:
@@ -508,7 +524,10 @@ def _training_folder(folder: Path) -> list[Path] | None:
     found = hf_trainer.checkpoints_of(folder)
     if found:
         return [Path(p) for p in found.values()]
-    return [folder] if hf_trainer.can_open(str(folder)) else None
+    from dmlib.io import hf_pretrained  # a save_pretrained folder (model or adapter) is one
+
+    one = hf_pretrained.can_open_model(str(folder)) or hf_pretrained.can_open_adapter(str(folder))
+    return [folder] if hf_trainer.can_open(str(folder)) or one else None
 
 
 def _checkpoints_in(folder: Path) -> list[Path]:

@@ -117,6 +117,10 @@ def resolved_toml(study: Study, base: Path) -> str:
         from dmlib.report.study_logprobs import logprobs_toml
 
         lines += logprobs_toml(study.logprobs, lambda p: _rel(p, base), _value, _key)
+    if study.adapters is not None:
+        from dmlib.report.study_adapters import adapters_toml
+
+        lines += adapters_toml(study.adapters, lambda p: _rel(p, base), _value, _key)
     return "\n".join(lines) + "\n"
 
 
@@ -216,7 +220,10 @@ def init_from_folder(folder: Path, *, title: str | None = None) -> str:
 def _is_checkpoint(p: Path) -> bool:
     """Whether ``p`` is a (visible) file in a checkpoint format dmlib detects."""
     from dmlib.io import detect_format
+    from dmlib.io.hf_pretrained import can_open_adapter, can_open_model
 
+    if p.is_dir() and not p.name.startswith("."):  # a save_pretrained folder is one checkpoint
+        return can_open_model(str(p)) or can_open_adapter(str(p))
     if not p.is_file() or p.name.startswith("."):
         return False
     try:
@@ -301,6 +308,11 @@ def _training_note(p: Path) -> str | None:
             else "an Accelerate state"
         )
         return f"{what} folder: one checkpoint (its files are components, not steps)"
+    from dmlib.io.hf_pretrained import can_open_adapter, can_open_model
+
+    if can_open_model(str(p)) or can_open_adapter(str(p)):
+        what = "a PEFT adapter" if can_open_adapter(str(p)) else "a transformers model"
+        return f"{what} folder (save_pretrained): one checkpoint"
     return None
 
 
