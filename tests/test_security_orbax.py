@@ -394,3 +394,24 @@ def test_a_fifo_swapped_in_after_the_check_is_not_waited_on(tmp_path: Path) -> N
     with pytest.raises(DmlibError, match="chunk is not a regular file"):
         read_regular(real, what="chunk", where="ck")
     assert time.monotonic() - t0 < 5
+
+
+# -- names and metadata sizes ------------------------------------------------------------------
+
+
+def test_long_leaf_names_and_large_metadata_are_refused(tmp_path: Path) -> None:
+    # a leaf name joined from its keys past the 4096 characters a name may have
+    md = H.metadata(["w"])
+    md["tree_metadata"]["('w',)"]["key_metadata"] = [{"key": "k" * 3000}, {"key": "w" * 3000}]
+    ck = H.item(tmp_path / "a", {}, md=md)
+    _refused(ck, "a leaf name of 6,001 characters starting", "kkkk")
+    # an array's metadata file far larger than any real one (1 MiB at most)
+    ck = H.item(tmp_path / "b", {"w": H.zarray([2], [2], compressor=None)}, {"w/0": bytes(8)})
+    md_w = json.loads((ck / "w/.zarray").read_text())
+    (ck / "w/.zarray").write_text(json.dumps({**md_w, "pad": " " * (2 << 20)}))
+    _refused(ck, "leaf 'w': .zarray of", "more than 1048576")
+    # a _METADATA larger than a text file read whole may be
+    ck = H.item(tmp_path / "c", {"w": H.zarray([2], [2], compressor=None)}, {"w/0": bytes(8)})
+    with open(ck / "_METADATA", "a") as f:
+        f.write(" " * (_limits.MAX_TEXT_BYTES + 1))
+    _refused(ck, "_METADATA is larger than")

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlib import _limits
 from dmlib.errors import DmlibError, FormatError, TruncatedError
 from dmlib.io._checks import short_repr
 from dmlib.safepaths import bounded_json, confined_file, read_regular
@@ -41,7 +42,8 @@ CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 V1_MARKER = "orbax.checkpoint"  # the empty file in every checkpoint of Orbax's V1 API
 _ARRAY_TYPES = {"jax.Array", "np.ndarray", "scalar"}
 _STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
-_MAX_JSON = 256 << 20
+_MAX_JSON = _limits.MAX_TEXT_BYTES  # a _METADATA parsed takes ten to twenty times its size
+_MAX_ARRAY_JSON = 1 << 20  # a .zarray or zarr.json is a few hundred bytes
 
 
 def _is_item(path: str) -> bool:
@@ -160,6 +162,13 @@ def _leaves(md: Any, folder: str) -> tuple[dict[str, str], dict[str, str]]:
                 f"{TREE_METADATA}: leaf {short_repr(key)} has no key path", path=folder
             )
         name = ".".join(str(k["key"]) for k in keys)
+        if len(name) > _limits.MAX_NAME_CHARS:
+            raise FormatError(
+                f"{TREE_METADATA}: a leaf name of {len(name):,} characters starting "
+                f"{short_repr(name[:60])}, longer than the {_limits.MAX_NAME_CHARS:,} a name "
+                "may have",
+                path=folder,
+            )
         vm = entry.get("value_metadata") or {}
         vtype = str(vm.get("value_type", "?")) if isinstance(vm, dict) else "?"
         if name in arrays or name in other:
@@ -186,12 +195,19 @@ class _DirStore:
         self.top = top
         self._real_top = os.path.realpath(top)
 
-    def get(self, key: str) -> bytes | None:
+    def _found(self, key: str) -> tuple[str, int] | None:
         _safe_name(key, self.root)
         full = os.path.join(self.root, *key.split("/"))
-        found = confined_file(
+        return confined_file(
             self._real_top, full, what=_rel(full, self.top), where=self.top, error=FormatError
         )
+
+    def size(self, key: str) -> int | None:
+        found = self._found(key)
+        return None if found is None else found[1]
+
+    def get(self, key: str) -> bytes | None:
+        found = self._found(key)
         if found is None:
             return None
         return read_regular(found[0], what=key, where=self.root, error=FormatError)
@@ -218,6 +234,10 @@ class _KvStore:
     def get(self, key: str) -> bytes | None:
         return self.db.get(key)
 
+    def size(self, key: str) -> int | None:
+        v = self.db.keys.get(key)
+        return None if v is None else len(v) if isinstance(v, bytes) else v.length
+
     def keys_under(self, leaf: str) -> list[str]:
         from bisect import bisect_left
 
@@ -234,7 +254,13 @@ def _array_meta(store: Any, name: str, folder: str) -> Any:
     from dmlib.io.zarr_ import parse_metadata
 
     for fname, fmt in ((".zarray", 2), ("zarr.json", 3)):
-        raw = store.get(f"{name}/{fname}")
+        size = store.size(f"{name}/{fname}")
+        if size is not None and size > _MAX_ARRAY_JSON:
+            raise FormatError(
+                f"leaf {name!r}: {fname} of {size} bytes, more than {_MAX_ARRAY_JSON}",
+                path=folder,
+            )
+        raw = None if size is None else store.get(f"{name}/{fname}")
         if raw is not None:
             return parse_metadata(name, raw, fmt, folder)
     raise FormatError(f"leaf {name!r}: no .zarray or zarr.json stored for it", path=folder)
