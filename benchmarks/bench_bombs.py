@@ -138,6 +138,8 @@ def reader_cases(work: Path) -> dict[str, list[str]]:
                {"0": bytes(8)})  # fmt: skip
     torch_file("torch: huge int key", b"\x80\x02}" + b.p_int(10**5000) + b.p_int(1) + b"s."
                )  # fmt: skip
+    torch_file("pickle: 10M empty lists", b.PROTO2 + b"}" + b.p_str("x") + b"](" + b"]" * 10**7
+               + b"es.")  # fmt: skip
     torch_file("torch: huge int value", b"\x80\x02}" + b.p_str("x") + b.p_int(10**5000) + b"s.")
     p = work / "long.msgpack"
     p.write_bytes(b.flax_long_key_nest(2000, 50, 15_000))

@@ -150,6 +150,33 @@ def test_dcp_metadata_goes_through_the_same_bounds(tmp_path: Path) -> None:
     _assert_refused(folder, "inspect", str(folder), words=("containers",))
 
 
+def _empty_lists(n: int) -> bytes:
+    """``{"x": [[], [], ...]}``: ``n`` empty lists, one byte each (EMPTY_LIST)."""
+    return _bombs.PROTO2 + b"}" + _bombs.p_str("x") + b"](" + b"]" * n + b"es."
+
+
+def test_containers_are_counted_while_unpickling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DMLIB_MAX_ENTRIES", "1000")
+    ok = tmp_path / "ok.pt"  # the dict, the outer list and 998 empty lists: 1000
+    _bombs.torch_zip(ok, _empty_lists(998))
+    with dmlib.open_tensors(ok) as ts:
+        assert len(ts) == 0 and not ts.scalars
+    bad = tmp_path / "bad.pt"
+    _bombs.torch_zip(bad, _empty_lists(999))
+    with pytest.raises(FormatError, match="builds more than 1,000 containers"):
+        dmlib.open_tensors(bad)
+
+
+def test_ten_million_empty_lists_are_refused_while_unpickling(tmp_path: Path) -> None:
+    p = tmp_path / "empties.pt"
+    _bombs.torch_zip(p, _empty_lists(10_000_000))
+    if _limits.max_containers() >= 10_000_000:
+        pytest.skip("this machine's container limit admits 10M lists")
+    _assert_refused(p, "inspect", str(p), words=("containers",))
+
+
 def test_containers_are_counted_empty_ones_included() -> None:
     # {"x": x3}, x0 = [], x_{i+1} = [x_i, x_i]: x3 expands to 1 + 2 + 4 + 8 = 15 lists,
     # the dict makes 16 containers, and not one leaf

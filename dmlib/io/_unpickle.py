@@ -224,6 +224,8 @@ class _Restricted(_U):
         self._pload = persistent_load
         self._limits = limits
         self.memo: dict[int, Any] = {}
+        self._made = 0  # containers built so far
+        self._most = limits.max_containers or _limits.max_containers()
 
     def load(self) -> Any:
         """pickle's own loop, reading straight from the file: a frame is a length hint
@@ -370,6 +372,23 @@ class _Restricted(_U):
         self._memo_at(int(self.readline()[:-1]))
 
 
+def _counted(op: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An opcode that builds a container, counted: a file may not build more containers
+    than it may hold (each costs memory long before :func:`check_shape` could refuse it)."""
+
+    def run(self: Any) -> None:
+        self._made += 1
+        if self._made > self._most:
+            raise FormatError(
+                f"builds more than {self._most:,} containers, more than one file may hold "
+                "on this machine; refusing to read it (set DMLIB_MAX_ENTRIES to read a file "
+                "you trust)"
+            )
+        op(self)
+
+    return run
+
+
 def _refuser(name: str | None) -> Callable[[Any], None]:
     """The dispatch entry of an opcode dmlib does not run."""
 
@@ -402,6 +421,8 @@ for _name, _fn in {
     "FRAME": _Restricted._frame,
 }.items():
     _Restricted.dispatch[_OP[_name]] = _fn
+for _name in "EMPTY_LIST LIST EMPTY_DICT DICT EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 EMPTY_SET FROZENSET".split():
+    _Restricted.dispatch[_OP[_name]] = _counted(_Restricted.dispatch[_OP[_name]])
 
 
 def _what(obj: Any) -> str:
