@@ -54,12 +54,22 @@ def run(args: argparse.Namespace) -> int:
     df = compare_adapters(args.a, args.b)
     v = df.attrs["verdict"]
     rows = df.to_dict("records")
+    groups = None
+    if getattr(args, "group_l2", None):  # the stored tensors' global L2, as compare gives it
+        from dmlib.cli import _groups
+
+        groups = _groups.records(args.a, args.b, args.group_l2)
     if args.json:
-        print_json({"mode": "adapter", "verdict": v, "rows": rows})
+        doc = {"mode": "adapter", "verdict": v, "rows": rows}
+        print_json(doc if groups is None else {**doc, "group_l2": groups})
         return exit_code(v)
     listed = rows if args.all else [r for r in rows if r["status"] != "identical"]
     if listed:
         print(table(listed, _ADAPTER_TABLE))
+    if groups is not None:
+        from dmlib.cli import _groups
+
+        print(_groups.lines(groups))
     print(v)
     return exit_code(v)
 
