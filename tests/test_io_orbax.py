@@ -547,6 +547,12 @@ def test_fill_value_spellings():
     assert fill("<i4", None) == 0 and fill("<u2", 7) == 7
     with pytest.raises(DmlibError, match="fill_value"):
         fill("<f4", "not a number")
+    # a number its dtype cannot hold is refused, never wrapped or rounded to another value
+    for dtype, v in (("u1", 300), ("u1", -1), ("<i4", 1.5), ("|b1", 2), ("<f4", 1e300),
+                     ("<f2", 70000.0), (ml_dtypes.bfloat16, 1e300), ("<f8", 10**400)):  # fmt: skip
+        with pytest.raises(DmlibError, match="is not a value of"):
+            fill(dtype, v)
+    assert fill("<i4", 2.0) == 2 and fill("<f4", 1e-300) == 0.0  # exact; an underflow to 0
 
 
 # ----------------------------------------------------------------------------- a database built by hand

@@ -23,6 +23,7 @@ zlib, gzip or none (no filters); v3 ``bytes``, ``zstd``, ``gzip``, ``crc32c``,
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -429,7 +430,9 @@ def _shard(
 
 def _fill_value(arr: ZarrArray, path: str) -> np.ndarray:
     """The array's fill value as one element of its dtype (zarr's JSON spellings: numbers,
-    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x..."`` bit patterns; null is 0)."""
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x..."`` bit patterns; null is 0). A
+    number its dtype cannot hold (300 for uint8, 1.5 for an integer, 1e300 for float32)
+    is refused, not wrapped or rounded."""
     v = arr.fill
     try:
         if v is None:
@@ -439,11 +442,21 @@ def _fill_value(arr: ZarrArray, path: str) -> np.ndarray:
             return bits.view(arr.dtype.newbyteorder("<")).astype(arr.dtype)
         if isinstance(v, str):
             v = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(v, v)
-            return np.array(float(v)).astype(arr.dtype)
-        return np.array(v).astype(arr.dtype)
-    except (TypeError, ValueError, OverflowError):
+            v = float(v)
+        if not isinstance(v, (bool, int, float)):
+            raise TypeError(v)
+        with warnings.catch_warnings(), np.errstate(over="raise", invalid="raise", under="ignore"):
+            warnings.simplefilter("error")
+            out = np.array(v).astype(arr.dtype)
+        if arr.dtype.kind in "iub" and out.item() != v:
+            raise ValueError(v)
+        if isinstance(v, (int, float)) and math.isfinite(v) and not np.isfinite(out):
+            raise OverflowError(v)
+        return out
+    except (TypeError, ValueError, OverflowError, ArithmeticError, RuntimeWarning):
         raise UnsupportedError(
-            f"{arr.name}: fill_value {short_repr(arr.fill)}", path=path
+            f"{arr.name}: fill_value {short_repr(arr.fill)} is not a value of {arr.dtype}",
+            path=path,
         ) from None
 
 

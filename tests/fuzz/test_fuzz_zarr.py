@@ -41,10 +41,11 @@ JAX = (Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "jax
 ORACLE_MAX = 16 << 20  # tensorstore is asked to read only what declares at most this much
 
 # values a metadata field is set to: small, machine-exceeding, of the wrong type
-NUMBERS = st.sampled_from([0, 1, 2, 3, 4, 7, -1, 10**12, 1 << 40, 1 << 62, 1 << 64])
+NUMBERS = st.sampled_from([0, 1, 2, 3, 4, 7, -1, 300, 10**12, 1 << 40, 1 << 62, 1 << 64])
 SCALARS = st.one_of(
     NUMBERS,
-    st.sampled_from([None, True, 1.5, "NaN", "Infinity", "0x7fc00000", "0xzz", "", "abc"]),
+    st.sampled_from([None, True, 1.5, -2.0, 1e300, 1e-300, "NaN", "Infinity", "-Infinity"]),
+    st.sampled_from(["0x7fc00000", "0x3fc0", "0x01", "0xzz", "", "abc", "1e999"]),
     st.sampled_from(["<f4", ">f4", "<f8", "<i2", "|u1", "|b1", "<c8", "bfloat16", "float8_e4m3fn"]),
     st.sampled_from(["float32", "int8", "uint16", "float16", "C", "F", ".", "/", "zstd", "v2"]),
 )
