@@ -1,7 +1,7 @@
 """The numbers of a log-prob comparison, token by token, summed per sequence.
 
 Everything is computed in float64 from the stored values, over the counted tokens of a
-block of sequences at a time (flat arrays), and reduced per sequence with ``bincount``;
+block of sequences at a time (flat arrays), and reduced per sequence by ``reduceat``;
 :class:`Sums` holds one block's per-sequence sums and maxima, and :func:`combine` the
 overall figures from all blocks. The definitions (``docs/logprobs.md``), with
 ``x = log p_A``, ``y = log p_B`` of the sampled token, ``d = y - x = log r``,
@@ -31,7 +31,7 @@ import numpy as np
 
 from dmlib.kernels.ulp import ulp_distance
 
-__all__ = ["LN2", "Sums", "block_sums", "combine", "per_sequence", "topk_kl", "full_kl"]
+__all__ = ["LN2", "Segments", "Sums", "block_sums", "combine", "full_kl", "per_sequence", "topk_kl"]
 
 LN2 = math.log(2.0)
 
@@ -61,19 +61,29 @@ class Sums:
     top: list[tuple[float, int, int, float, float]] = field(default_factory=list)
 
 
-def _seq_ids(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    seq = np.repeat(np.arange(len(lengths)), lengths)
-    return seq, starts
+class Segments:
+    """Consecutive per-sequence segments of a flat array: sums and maxima by ``reduceat``."""
 
+    def __init__(self, lengths: np.ndarray) -> None:
+        self.lengths = lengths
+        self.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self.nz = lengths > 0
+        self.first = self.starts[self.nz]
 
-def _seg_max(values: np.ndarray, lengths: np.ndarray, starts: np.ndarray, fill: Any) -> np.ndarray:
-    """Per-sequence maximum (``fill`` for an empty sequence)."""
-    out = np.full(len(lengths), fill, dtype=values.dtype)
-    nz = lengths > 0
-    if nz.any():
-        out[nz] = np.maximum.reduceat(values, starts[nz])
-    return out
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(self.lengths))
+        if len(self.first):
+            out[self.nz] = np.add.reduceat(values, self.first)
+        return out
+
+    def max(self, values: np.ndarray, fill: Any) -> np.ndarray:
+        out = np.full(len(self.lengths), fill, dtype=values.dtype)
+        if len(self.first):
+            out[self.nz] = np.maximum.reduceat(values, self.first)
+        return out
+
+    def spread(self, per_seq: np.ndarray) -> np.ndarray:
+        return np.repeat(per_seq, self.lengths)
 
 
 def block_sums(
@@ -83,43 +93,40 @@ def block_sums(
     ``lengths`` the counted tokens per sequence of the block."""
     x = ra.astype(np.float64)
     y = rb.astype(np.float64)
-    seq, starts = _seq_ids(lengths)
-    m = len(lengths)
+    seg = Segments(lengths)
     fin = np.isfinite(x) & np.isfinite(y)
+    every = bool(fin.all())  # the common case: no mask needed below
     diff = _differs(ra, rb, x, y)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite pairs: masked out below
-        d = np.where(fin, y - x, 0.0)
+        d = y - x if every else np.where(fin, y - x, 0.0)
         r1 = np.expm1(d)
+        dp = np.abs(np.exp(y) - np.exp(x))
     ad = np.abs(d)
     sums = {
-        "k1": -d,
-        "k2": d * d / 2,
-        "k3": r1 - d,
-        "chi2": r1 * r1,
-        "abs_dp": np.where(fin, np.abs(np.exp(y) - np.exp(x)), 0.0),
-        "abs_d": ad,
-        "over": (ad > LN2).astype(np.float64),
+        "k1": -seg.sum(d),
+        "k2": seg.sum(d * d) / 2,
+        "k3": seg.sum(r1 - d),
+        "chi2": seg.sum(r1 * r1),
+        "abs_dp": seg.sum(dp if every else np.where(fin, dp, 0.0)),
+        "abs_d": seg.sum(ad),
+        "over": seg.sum((ad > LN2).astype(np.float64)),
     }
-    count = np.bincount
-    nf = count(seq, weights=fin, minlength=m)
-    out = {k: count(seq, weights=v, minlength=m) for k, v in sums.items()}
-    moments = _moments(x, y, fin, seq, nf, m)
+    nf = lengths.astype(np.float64) if every else seg.sum(fin.astype(np.float64))
+    moments = _moments(x, y, None if every else fin, seg, nf)
     # |d| for ranking: a non-finite pair that differs ranks first (inf), an equal one last
-    rank = np.where(fin, ad, np.where(diff, np.inf, -1.0))
-    max_abs = _seg_max(np.where(fin, ad, -np.inf), lengths, starts, -np.inf)
-    worst = _argmax_pos(rank, lengths, starts)
+    rank = ad if every else np.where(fin, ad, np.where(diff, np.inf, -1.0))
+    max_abs = seg.max(ad if every else np.where(fin, ad, -np.inf), -np.inf)
+    worst = _argmax_pos(rank, seg)
     ulp = None
     if ra.dtype == rb.dtype:
-        u = np.where(fin, ulp_distance(ra, rb), 0).astype(np.uint64)
-        ulp = _seg_max(u, lengths, starts, np.uint64(0))
-    pos = np.arange(len(x)) - starts[seq]
-    top = _top(rank, seq + first_seq, pos, x, y, n_worst)
+        u = ulp_distance(ra, rb) if every else np.where(fin, ulp_distance(ra, rb), 0)
+        ulp = seg.max(u.astype(np.uint64), np.uint64(0))
     return Sums(
         n=lengths.astype(np.int64),
         n_finite=nf.astype(np.int64),
-        n_diff=count(seq, weights=diff, minlength=m).astype(np.int64),
+        n_diff=seg.sum(diff.astype(np.float64)).astype(np.int64),
         n_nonfinite=(lengths - nf).astype(np.int64),
-        sums=out,
+        sums=sums,
         max_abs=max_abs,
         worst=worst,
         mean_x=moments["mean_x"],
@@ -128,7 +135,7 @@ def block_sums(
         m2y=moments["m2y"],
         cxy=moments["cxy"],
         max_ulp=ulp,
-        top=top,
+        top=_top(rank, seg, first_seq, x, y, n_worst),
     )
 
 
@@ -142,50 +149,52 @@ def _differs(ra: np.ndarray, rb: np.ndarray, x: np.ndarray, y: np.ndarray) -> np
 
 
 def _moments(
-    x: np.ndarray, y: np.ndarray, fin: np.ndarray, seq: np.ndarray, nf: np.ndarray, m: int
+    x: np.ndarray, y: np.ndarray, fin: np.ndarray | None, seg: Segments, nf: np.ndarray
 ) -> dict[str, np.ndarray]:
-    """Per-sequence means and centred second moments (two passes: no cancellation)."""
+    """Per-sequence means and centred second moments (two passes: no cancellation);
+    ``fin`` masks the tokens that count (None: all)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        mx = np.bincount(seq, weights=np.where(fin, x, 0.0), minlength=m) / nf
-        my = np.bincount(seq, weights=np.where(fin, y, 0.0), minlength=m) / nf
+        mx = seg.sum(x if fin is None else np.where(fin, x, 0.0)) / nf
+        my = seg.sum(y if fin is None else np.where(fin, y, 0.0)) / nf
     mx = np.where(nf > 0, mx, 0.0)
     my = np.where(nf > 0, my, 0.0)
-    dx = np.where(fin, x - mx[seq], 0.0)
-    dy = np.where(fin, y - my[seq], 0.0)
+    dx = x - seg.spread(mx)
+    dy = y - seg.spread(my)
+    if fin is not None:
+        dx, dy = np.where(fin, dx, 0.0), np.where(fin, dy, 0.0)
     return {
         "mean_x": mx,
         "mean_y": my,
-        "m2x": np.bincount(seq, weights=dx * dx, minlength=m),
-        "m2y": np.bincount(seq, weights=dy * dy, minlength=m),
-        "cxy": np.bincount(seq, weights=dx * dy, minlength=m),
+        "m2x": seg.sum(dx * dx),
+        "m2y": seg.sum(dy * dy),
+        "cxy": seg.sum(dx * dy),
     }
 
 
-def _argmax_pos(rank: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def _argmax_pos(rank: np.ndarray, seg: Segments) -> np.ndarray:
     """Position (within its sequence) of the first largest ``rank``; -1 for none."""
-    best = _seg_max(rank, lengths, starts, -np.inf)
-    out = np.full(len(lengths), -1, dtype=np.int64)
-    nz = lengths > 0
-    if not nz.any():
+    best = seg.max(rank, -np.inf)
+    out = np.full(len(seg.lengths), -1, dtype=np.int64)
+    if not len(seg.first):
         return out
-    seq = np.repeat(np.arange(len(lengths)), lengths)
-    idx = np.where(rank == best[seq], np.arange(len(rank)), len(rank))
-    first = np.minimum.reduceat(idx, starts[nz])
-    out[nz] = first - starts[nz]
+    idx = np.where(rank == seg.spread(best), np.arange(len(rank)), len(rank))
+    out[seg.nz] = np.minimum.reduceat(idx, seg.first) - seg.first
     out[best <= 0] = -1  # nothing differs there: no worst position
     return out
 
 
 def _top(
-    rank: np.ndarray, seq: np.ndarray, pos: np.ndarray, x: np.ndarray, y: np.ndarray, n: int
+    rank: np.ndarray, seg: Segments, first_seq: int, x: np.ndarray, y: np.ndarray, n: int
 ) -> list[tuple[float, int, int, float, float]]:
+    """The ``n`` largest ``rank`` (> 0): (rank, sequence, position, x, y)."""
     if n <= 0 or not len(rank):
         return []
     k = min(n, len(rank))
     idx = np.argpartition(-rank, k - 1)[:k]
+    seq = np.searchsorted(seg.starts, idx, side="right") - 1
     return [
-        (float(rank[i]), int(seq[i]), int(pos[i]), float(x[i]), float(y[i]))
-        for i in idx
+        (float(rank[i]), int(s) + first_seq, int(i - seg.starts[s]), float(x[i]), float(y[i]))
+        for i, s in zip(idx, seq, strict=True)
         if rank[i] > 0
     ]
 
@@ -306,12 +315,13 @@ def topk_kl(
         with np.errstate(invalid="ignore"):
             ab = np.where(pa > 0, pa * d, 0.0)
             ba = np.where(pb > 0, -pb * d, 0.0)
-        m = e - s
-        rest_a = np.maximum(1.0 - np.bincount(row, weights=pa, minlength=m), 0.0)
-        rest_b = np.maximum(1.0 - np.bincount(row, weights=pb, minlength=m), 0.0)
-        out["kl_topk_ab"][s:e] = np.bincount(row, weights=ab, minlength=m) + _bucket(rest_a, rest_b)
-        out["kl_topk_ba"][s:e] = np.bincount(row, weights=ba, minlength=m) + _bucket(rest_b, rest_a)
-        out["topk_overlap"][s:e] = np.bincount(row, minlength=m) / k
+        count = np.bincount(row, minlength=e - s)  # rows come in order: segments
+        seg = Segments(count)
+        rest_a = np.maximum(1.0 - seg.sum(pa), 0.0)
+        rest_b = np.maximum(1.0 - seg.sum(pb), 0.0)
+        out["kl_topk_ab"][s:e] = seg.sum(ab) + _bucket(rest_a, rest_b)
+        out["kl_topk_ba"][s:e] = seg.sum(ba) + _bucket(rest_b, rest_a)
+        out["topk_overlap"][s:e] = count / k
 
     starts = range(0, n, rows)
     workers = min(len(starts), os.cpu_count() or 1, 8)

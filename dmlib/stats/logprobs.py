@@ -376,10 +376,14 @@ def _pair_rows(
         if distributions:
             _distributions(sa, sb, s, (s0, s1), top_k)
         blocks.append(s)
-        cols = figs.per_sequence(s)
+        cols = {k: (None if v is None else v.tolist()) for k, v in figs.per_sequence(s).items()}
         for i in range(s1 - s0):
             rows.append(
-                {"role": role, "sequence": s0 + i, **{k: _item(v, i) for k, v in cols.items()}}
+                {
+                    "role": role,
+                    "sequence": s0 + i,
+                    **{k: (None if v is None else v[i]) for k, v in cols.items()},
+                }
             )
     overall = figs.combine(blocks)
     top = sorted((t for b in blocks for t in b.top), key=lambda t: (-t[0], t[1], t[2]))[:n_worst]
@@ -388,13 +392,6 @@ def _pair_rows(
         for r, s, p, x, y in top
     ]
     return rows, overall
-
-
-def _item(v: Any, i: int) -> Any:
-    if v is None:
-        return None
-    x = v[i]
-    return x.item() if hasattr(x, "item") else x
 
 
 def _distributions(
@@ -417,15 +414,13 @@ def _distributions(
         maxed = ()
     else:
         return
-    n = s.n
-    seq = np.repeat(np.arange(len(n)), n)
-    starts = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)
+    seg = figs.Segments(s.n)
     for k, v in per_token.items():
         ok = ~np.isnan(v)
-        s.extra[k] = np.bincount(seq, weights=np.where(ok, v, 0.0), minlength=len(n))
-        s.extra_n[k] = np.bincount(seq, weights=ok, minlength=len(n))
+        s.extra[k] = seg.sum(np.where(ok, v, 0.0))
+        s.extra_n[k] = seg.sum(ok.astype(np.float64))
         if k in maxed:
-            s.extra_max[k] = figs._seg_max(np.where(ok, v, -np.inf), n, starts, -np.inf)
+            s.extra_max[k] = seg.max(np.where(ok, v, -np.inf), -np.inf)
 
 
 def _check_ids(ia: np.ndarray, ib: np.ndarray) -> None:
