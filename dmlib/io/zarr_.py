@@ -520,7 +520,8 @@ def _start(arr: ZarrArray, n_stored: int, absent_ok: bool, path: str) -> np.ndar
     """The output before the stored chunks are placed: zeros (pages the system maps only
     when written), or the fill value where absent chunks take a nonzero one; what that
     fills may not exceed what :mod:`dmlib._limits` lets absent (zero stored) bytes become."""
-    if not absent_ok:
+    whole = arr.shard is None and n_stored >= math.prod(arr.grid())  # nothing left to fill
+    if not absent_ok or whole:
         return np.zeros(arr.shape, arr.dtype)
     value = _fill_value(arr, path)
     if not value.tobytes().strip(b"\0"):
