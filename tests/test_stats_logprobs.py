@@ -557,3 +557,23 @@ def test_jsonl_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(DmlibError, match="not a regular file"):
         compare_logprobs(fifo, fifo)
+
+
+def test_empty_sequences_between_others() -> None:
+    xs = [np.array([-1.0, -2.0]), np.array([]), np.array([-0.5, -0.25, -3.0]), np.array([])]
+    ys = [np.array([-1.0, -2.5]), np.array([]), np.array([-0.5, -0.25, -2.0]), np.array([])]
+    df = compare_logprobs(xs, ys)
+    v = logprob_verdict(df)
+    assert df["n_tokens"].tolist() == [2, 0, 3, 0]
+    assert df["max_abs_dlogprob"].tolist()[0] == 0.5 and df["worst_position"].tolist() == [
+        1,
+        -1,
+        2,
+        -1,
+    ]
+    assert np.isnan(df["mean_abs_dlogprob"].tolist()[1])
+    assert [(w["sequence"], w["position"]) for w in v.worst] == [(2, 2), (0, 1)]
+    assert v.figures["mean_abs_dlogprob"] == pytest.approx(1.5 / 5)
+    assert v.figures["pearson_r"] == pytest.approx(
+        np.corrcoef(np.concatenate(xs), np.concatenate(ys))[0, 1]
+    )
