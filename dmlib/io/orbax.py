@@ -14,9 +14,9 @@ open, the B+tree and every array's metadata are read and checked, and every stor
 key must belong to its array's chunk grid (the stored keys are checked; the grid itself is
 never enumerated). Every file read (``_METADATA``, zarr metadata and chunks, the OCDBT
 manifest and data files) must resolve, symlinks followed, inside the folder opened and be
-a regular file: a symlink leading out, a FIFO or a device is refused naming it. The recorded step (``scalars['step']``) is the
-0-d ``step`` leaf (flax.nnx ``optimizer.step``), else an optax ``count``, else the
-number in the step folder's name.
+a regular file: a symlink leading out, a FIFO or a device is refused naming it. The
+recorded step (``scalars['step']``) is the 0-d ``step`` leaf (flax.nnx
+``optimizer.step``), else an optax ``count``, else the number in the step folder's name.
 """
 
 from __future__ import annotations
