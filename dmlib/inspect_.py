@@ -49,10 +49,10 @@ def describe(
     try:
         ts = open_tensors(path, format=format)
     except NotTensorsError as err:  # training_args.bin: a pickled object, never unpickled
-        doc = _not_tensors(path, err)
-        if doc is None:
+        args_doc = _not_tensors(path, err)
+        if args_doc is None:
             raise
-        return doc
+        return args_doc
     with ts:
         # one pass over the tensor bytes feeds every hash: per tensor, per record, whole data
         whole = new_hasher()

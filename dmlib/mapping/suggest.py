@@ -412,23 +412,24 @@ def _by_layout(A: dict, B: dict, found: list[_Found], used_a: set, used_b: set) 
     through the weight chain against each bias's index run through the bias chain)."""
     out = []
     for f in list(found):
-        srcs = [_sibling(n) for n in f.sources]
-        tgts = [t for t in (_sibling(n) for n in f.targets) if t in B and t not in used_b]
-        if not tgts or any(s is None or s not in A or s in used_a for s in srcs):
+        maybe = [_sibling(n) for n in f.sources]
+        srcs = [s for s in maybe if s is not None and s in A and s not in used_a]
+        tgts = [t for t in map(_sibling, f.targets) if t is not None and t in B and t not in used_b]
+        if not tgts or len(srcs) != len(f.sources):
             continue
-        arrays = [A[s] for s in srcs] + [B[t] for t in tgts]  # type: ignore[index]
+        arrays = [A[s] for s in srcs] + [B[t] for t in tgts]
         if not all(_constant(x) and x.ndim == 1 for x in arrays):
             continue
         if len({(x.dtype.str, x.reshape(-1)[0].tobytes()) for x in arrays}) != 1:
             continue
-        ops = _bias_chain(f, A, B, [A[s] for s in srcs], tgts)  # type: ignore[index]
+        ops = _bias_chain(f, A, B, [A[s] for s in srcs], tgts)
         if ops is None:
             continue
-        used_a.update(srcs)  # type: ignore[arg-type]
+        used_a.update(srcs)
         used_b.update(tgts)
         value = arrays[0].reshape(-1)[0].item()
         how = f"layout: every element {value!r}, as {f.targets[0]!r} is placed"
-        out.append(_Found(list(srcs), tgts, ops, how, f.tied))  # type: ignore[arg-type]
+        out.append(_Found(srcs, tgts, ops, how, f.tied))
     return out
 
 
@@ -480,7 +481,8 @@ def _expected(
     by_target = dict(zip(f.targets, pieces))
     want = []
     for t in tgts:
-        p = by_target.get(_weight_of(t, f.targets))
+        weight = _weight_of(t, f.targets)
+        p = by_target.get(weight) if weight is not None else None
         if p is None or p.ndim != 2:
             return None
         size = B[t].size
