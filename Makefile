@@ -81,8 +81,10 @@ asan: $(VENV)/.full
 	  $(addprefix $$root/,$(ASAN_TESTS)) || status=$$?; \
 	if ls "$$d"/asan.* >/dev/null 2>&1; then cat "$$d"/asan.*; exit 1; fi; exit $$status
 
+# the long profile's time budget (seconds): fuzz tests not started by then are skipped
+FUZZ_SECONDS ?= 1800
 fuzz: $(VENV)/.full
-	DMLIB_FUZZ_PROFILE=long $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
+	DMLIB_FUZZ_PROFILE=long DMLIB_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
 
 bench: $(VENV)/.full  ## speed and memory, side by side with the baselines (minutes; writes benchmarks/results/)
 	$(PY) -m benchmarks.run

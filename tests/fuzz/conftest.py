@@ -9,6 +9,10 @@ settings.
 
 from __future__ import annotations
 
+import os
+import time
+
+import pytest
 from _support import fuzzlib
 from hypothesis import HealthCheck, settings
 
@@ -26,6 +30,17 @@ settings.register_profile("dmlib-fast", max_examples=40, derandomize=True, datab
 settings.register_profile("dmlib-long", max_examples=2500, **_COMMON)
 
 PROFILE = fuzzlib.PROFILE
+
+#: ``DMLIB_FUZZ_SECONDS`` (``make fuzz`` sets it): the run's time budget. A fuzz test that
+#: would start after it is spent is skipped, saying so; one already running finishes its
+#: examples (a failure is never cut short or hidden).
+BUDGET = float(os.environ.get("DMLIB_FUZZ_SECONDS") or 0)
+_STARTED = time.monotonic()
+
+
+def pytest_runtest_setup(item) -> None:  # noqa: ARG001
+    if BUDGET and time.monotonic() - _STARTED > BUDGET:
+        pytest.skip(f"the fuzz budget of {BUDGET:g} s (DMLIB_FUZZ_SECONDS) is spent")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
