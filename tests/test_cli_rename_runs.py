@@ -194,3 +194,24 @@ def test_study_init_writes_the_guessed_names(runs, tmp_path):
     study = load_study(out)
     assert study.names == {"seed1": ["model.="]}
     assert check_run_names(study) == []  # the study now pairs every run
+
+
+@pytest.mark.slow  # transformers imported in the test and in the command
+def test_ladder_folder_of_save_pretrained_folders(tmp_path):
+    """A folder of save_pretrained folders (one per step, named stepN) is a run's ladder."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8)
+    for run in ("a", "b"):
+        for step in (10, 20):
+            torch.manual_seed(step)
+            m = transformers.GPT2LMHeadModel(cfg)
+            if run == "b" and step == 20:  # one element planted: the only difference
+                with torch.no_grad():
+                    m.transformer.wte.weight[0, 0] += 1
+            m.save_pretrained(tmp_path / run / f"step{step}")
+    r = _dmlib("ladder", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}", "--json")
+    assert r.returncode == 1, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert {row["step"] for row in rows} == {10, 20}
+    differing = {(row["step"], row["name"]): row["n_diff"] for row in rows if row["n_diff"]}
+    assert differing == {(20, "transformer.wte.weight"): 1}
