@@ -84,9 +84,9 @@ def _local_problem(info: zipfile.ZipInfo, head: bytes, extra: bytes) -> str | No
     """What member ``info``'s local header (``head``, its fixed part) says otherwise."""
     _, _, flags, method, _, _, crc, csize, usize, _, _ = _LOCAL.unpack(head)
     if method != info.compress_type:
-        return f"compression method {method}, its central-directory entry {info.compress_type}"
+        return f"it states compression method {method}, the directory {info.compress_type}"
     if flags & _FLAGS != info.flag_bits & _FLAGS:
-        return f"flags {flags:#x}, its central-directory entry {info.flag_bits:#x}"
+        return f"it states flags {flags:#x}, the directory {info.flag_bits:#x}"
     if 0xFFFFFFFF in (csize, usize):
         z_usize, z_csize = _zip64_sizes(extra)
         usize = z_usize if usize == 0xFFFFFFFF and z_usize is not None else usize
@@ -96,7 +96,7 @@ def _local_problem(info: zipfile.ZipInfo, head: bytes, extra: bytes) -> str | No
     if flags & 0x8 and stated == (0, 0, 0):
         return None  # the values follow the data, in its descriptor
     if stated != central:
-        return f"CRC and sizes {stated}, its central-directory entry {central}"
+        return f"it states CRC and sizes {stated}, the directory {central}"
     return None
 
 
@@ -110,7 +110,7 @@ def _descriptor_problem(info: zipfile.ZipInfo, read: Read, end: int) -> str | No
         return None
     if len(raw) >= 20 and struct.unpack_from("<IQQ", raw) == want:
         return None
-    return "a data descriptor that disagrees with its central-directory entry"
+    return "its data descriptor states another CRC or size"
 
 
 def check(
@@ -141,7 +141,8 @@ def check(
         encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
         if name_and_extra[:n] != info.orig_filename.encode(encoding, "surrogateescape"):
             raise FormatError(
-                f"{where}: its local header names {name_and_extra[:n][:80]!r} (two readings)",
+                f"{where}: its local header does not match its central-directory entry (it "
+                f"names {name_and_extra[:n][:80]!r}: two readings)",
                 path=path,
             )
         problem = _local_problem(info, head, name_and_extra[n:])
@@ -151,7 +152,9 @@ def check(
             problem = _descriptor_problem(info, inside, end)
         if problem is not None:
             raise FormatError(
-                f"{where}: its local header states {problem} (two readings)", path=path
+                f"{where}: its local header does not match its central-directory entry "
+                f"({problem}: two readings)",
+                path=path,
             )
         if end > size:
             raise TruncatedError(f"{where} runs past the end of the archive", path=path)
