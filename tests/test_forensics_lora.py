@@ -271,3 +271,26 @@ def test_compare_adapter_option_refuses_a_non_adapter(merge):
 
 def test_dmlib_exports():
     assert dmlib.compare_adapters is compare_adapters and dmlib.check_merge is check_merge
+
+
+def test_a_few_ulp_off_in_one_element_of_one_target_is_outside(merge, tmp_path):
+    """The bound is one merge's rounding, not a loose tolerance: a few ULP off is named
+    (bfloat16: 4 ULP; float32: 24, as the float32 product's worst case for r = 8 terms,
+    gamma(11) (|B| @ |A|), is itself several ULP of the merged element)."""
+    base, ad, merged = merge
+    t = load_file(merged / "model.safetensors")
+    w = "model.layers.0.self_attn.k_proj.weight"
+    m = t[w].copy()
+    a_ = load_file(ad / WEIGHTS)
+    pre = "base_model.model.model.layers.0.self_attn.k_proj."
+    size = 2.0 * (np.abs(a_[pre + "lora_B.weight"].astype(np.float64))
+                  @ np.abs(a_[pre + "lora_A.weight"].astype(np.float64)))  # fmt: skip
+    i = np.unravel_index(np.argmax(np.abs(m.astype(np.float64)) / size), m.shape)
+    for _ in range(4 if m.dtype != np.float32 else 24):  # steps of the dtype, away from 0
+        m[i] = np.nextafter(m[i], np.copysign(np.inf, m[i]).astype(m.dtype))
+    t[w] = m
+    off = _copy(merged, tmp_path / "off")
+    save_file(t, off / "model.safetensors", metadata={"format": "pt"})
+    df = check_merge(off, base, ad).set_index("target")
+    assert df.loc["model.layers.0.self_attn.k_proj", "n_outside"] == 1
+    assert df.attrs["verdict"].outside == ["model.layers.0.self_attn.k_proj"]

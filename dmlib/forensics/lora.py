@@ -41,7 +41,9 @@ after a rounding to ``acc`` (``(u_T + 2 u_a) |merged|``, double rounding include
                     + gamma(r + 4) (|W| + scaling (|B| @ |A|))      (E's own float64 error)
 
 element by element. Each target's largest ``|merged - E|`` and largest bound are reported
-in ULP of ``T`` at the merged element. A target with any element outside is named. Every
+in ULP of ``T`` at the element's largest term (``max(|merged|, |W|, scaling (|B| @
+|A|)_ij)``: where ``W + delta``, or the product itself, cancels, the merged element is small
+and its own ULP says nothing of the merge's rounding, which is that of its terms). A target with any element outside is named. Every
 tensor the adapter does not touch must be bit-identical in merged and base. DoRA targets
 (a ``lora_magnitude_vector``) and adapters with other trainable parts (``lora_B`` biases)
 are reported as not checked, never as passed.
@@ -584,7 +586,8 @@ def check_merge(merged: Source, base: Source, adapter: Source) -> pd.DataFrame:
         One row per target: ``target`` (module path), ``weight`` (the base's tensor
         name), ``dtype`` and ``shape`` (merged), ``r``, ``scaling``, ``max_abs``
         (largest ``|merged - E|``), ``max_ulp`` and ``bound_ulp`` (largest error and
-        largest bound, in ULP of the merged dtype at the merged element), ``n_outside``,
+        largest bound, in ULP of the merged dtype at the element's largest term),
+        ``n_outside``,
         ``status``: ``within``, ``outside``, ``not checked (DoRA)`` or ``shape differs``.
         ``attrs["untouched"]``: the compare summary of every other tensor;
         ``attrs["verdict"]``: a :class:`MergeVerdict`.
@@ -630,7 +633,8 @@ def _merge_row(
         bound = (1 + 4 * u_t) * ((u_t + 2 * u_a) * np.abs(m64) + u_t * np.abs(delta)
                                  + gamma(r + 3, u_a) * size)  # fmt: skip
         bound += gamma(r + 4) * (np.abs(w64) + size)
-        ulp = ulp_of(m64, dtype)
+        # ULP at the element's largest term: a sum that cancels is no more exact than its terms
+        ulp = ulp_of(np.maximum(np.maximum(np.abs(m64), np.abs(w64)), size), dtype)
         outside = int(np.count_nonzero(~(err <= bound)))
         row.update(max_abs=float(err.max(initial=0.0)), max_ulp=float((err / ulp).max(initial=0.0)),
                    bound_ulp=float((bound / ulp).max(initial=0.0)), n_outside=outside,
