@@ -577,3 +577,27 @@ def test_empty_sequences_between_others() -> None:
     assert v.figures["pearson_r"] == pytest.approx(
         np.corrcoef(np.concatenate(xs), np.concatenate(ys))[0, 1]
     )
+
+
+def test_many_blocks_give_the_figures_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dmlib.stats import logprobs as lp_mod
+
+    rng = np.random.default_rng(40)
+    s, t, vocab = 6, 5, 40
+    za = rng.normal(0, 1, (s, t, vocab))
+    zb = za + rng.normal(0, 0.1, (s, t, vocab))
+    mask = rng.random((s, t)) > 0.3
+
+    def side(z: np.ndarray) -> dict[str, np.ndarray]:
+        return {"logprobs": z[..., 0] - np.log(np.exp(z).sum(-1)), "logits": z, "mask": mask}
+
+    one = logprob_verdict(compare_logprobs(side(za), side(zb)))
+    monkeypatch.setattr(lp_mod, "BLOCK_BYTES", 4 * vocab * 3)  # 3 tokens' logits per block
+    monkeypatch.setattr(lp_mod, "BLOCK_TOKENS", 3)
+    many = logprob_verdict(compare_logprobs(side(za), side(zb)))
+    for k, v in one.figures.items():
+        assert many.figures[k] == pytest.approx(v, rel=1e-12), k
+    assert many.worst == one.worst
+    x = np.concatenate([side(za)["logprobs"][i][mask[i]] for i in range(s)])
+    y = np.concatenate([side(zb)["logprobs"][i][mask[i]] for i in range(s)])
+    assert many.figures["pearson_r"] == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)

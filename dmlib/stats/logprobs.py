@@ -80,6 +80,7 @@ FIGURES = (
 _OPTIONAL = ("kl_ab", "kl_ba", "max_kl_ab", "kl_topk_ab", "kl_topk_ba", "topk_overlap")
 
 BLOCK_TOKENS = 1 << 18  # counted tokens per block of sequences (bounds the temporaries)
+BLOCK_BYTES = 1 << 26  # where whole distributions are given: their bytes per block
 
 
 @dataclass(frozen=True, eq=False)
@@ -364,7 +365,11 @@ def _pair_rows(
     lengths = sa.lengths
     blocks: list[figs.Sums] = []
     rows: list[dict[str, Any]] = []
-    for s0, s1 in _blocks(lengths, BLOCK_TOKENS):
+    limit = BLOCK_TOKENS
+    if distributions and sa.has("logits") and sb.has("logits") and sa.n_seq:
+        # a block's logits are gathered from its sequences: about 64 MiB of float32 at once
+        limit = max(1, (BLOCK_BYTES // 4) // max(1, sa.arrays["logits"][0].shape[-1]))
+    for s0, s1 in _blocks(lengths, limit):
         n = lengths[s0:s1]
         s = figs.block_sums(
             sa.flat("logprobs", s0, s1),
