@@ -25,7 +25,9 @@ deltas are equal can therefore differ, once computed, by at most the sum of the 
 bounds, element by element. A pair inside that bound everywhere is **equal** (the
 difference is the rounding of dmlib's own product, not of the adapters), and the report
 states the bound and the observed difference in ULP of the product's dtype (the dtype the
-factors hold: the finer of A's and B's), at the element's magnitude. Outside it anywhere:
+factors hold: the finer of A's and B's), at the element's largest term,
+``scaling * (|B| @ |A|)_ij`` (an element whose terms cancel is small, and its own ULP says
+nothing of the product's rounding). Outside it anywhere:
 **different**. Bit-identical factors and equal scalings: **identical**.
 
 **The merge check.** ``merged = base + delta`` is checked element by element against
@@ -371,7 +373,8 @@ def compare_adapters(a: Source, b: Source, *, raw_parts: bool = True) -> pd.Data
         ``embedding``, ``magnitude``, ``tensor``), ``shape`` and ``dtype`` (of the
         product), each side's ``r`` and ``scaling``, ``rel_fro`` (``||dA - dB||_F /
         ||dA||_F``) and ``max_abs`` of the deltas (float64), ``max_ulp`` (the largest
-        ``|dA - dB|`` in ULP of ``dtype`` at the element) and ``bound_ulp`` (the largest
+        ``|dA - dB|`` in ULP of ``dtype`` at the element's largest term, ``scaling *
+        (|B| @ |A|)_ij``) and ``bound_ulp`` (the largest
         rounding bound, same unit), ``n_outside`` (elements outside the bound),
         ``factor_n_diff`` (factor elements whose bits differ), ``status``:
         ``identical``, ``equal`` (within the rounding of the float64 product),
@@ -412,7 +415,8 @@ def _target_row(ada: Adapter, adb: Adapter, module: str) -> dict[str, Any]:
     with one_thread(), np.errstate(invalid="ignore", divide="ignore"):
         diff = np.abs(da - db)
         bound = gamma(ra + 4) * sa + gamma(rb + 4) * sb
-        ulp = ulp_of(np.maximum(np.abs(da), np.abs(db)), dtype)
+        # ULP at the element's largest term (scaling |B| @ |A| >= |delta|), as for a merge
+        ulp = ulp_of(np.maximum(sa, sb), dtype)
         norm = float(np.linalg.norm(da))
         dnorm = float(np.linalg.norm(diff))
         outside = int(np.count_nonzero(~(diff <= bound)))
