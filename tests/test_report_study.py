@@ -149,6 +149,7 @@ def test_report_writes_every_part(report):
         "adapters": "skipped",
         "capture_boundaries": "skipped",
         "checkpoint_anatomy": "ok",
+        "logprob_drift": "skipped",
         "qr_first_divergent_column": "skipped",
         "run_matrix": "ok",
         "step_growth": "ok",
@@ -157,6 +158,7 @@ def test_report_writes_every_part(report):
     skipped = {r["name"]: r["skipped"] for r in summary["results"] if r["skipped"]}
     assert "factor groups" in skipped["qr_first_divergent_column"]
     assert "no LoRA adapter runs" in skipped["adapters"]
+    assert "no log-prob runs ([logprobs]" in skipped["logprob_drift"]
     index = (out / "index.html").read_text()
     assert "Tiny net: a repeat, a planted ULP and another seed" in index
     assert "Not run: the study declares no captures" in index
