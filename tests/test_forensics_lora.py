@@ -294,3 +294,34 @@ def test_a_few_ulp_off_in_one_element_of_one_target_is_outside(merge, tmp_path):
     df = check_merge(off, base, ad).set_index("target")
     assert df.loc["model.layers.0.self_attn.k_proj", "n_outside"] == 1
     assert df.attrs["verdict"].outside == ["model.layers.0.self_attn.k_proj"]
+
+
+@pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers` to `True`")
+def test_embedding_and_linear_deltas_are_peft_s_own(tmp_path):
+    """The weight each target adds is peft's get_delta_weight (float32) to its rounding, an
+    embedding's included ((B @ A).T); the merge of both kinds passes the check."""
+    base, ad, merged = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
+    model = _model()
+    model.save_pretrained(base)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "embed_tokens"],
+                             init_lora_weights=False)  # fmt: skip
+    pm = peft.get_peft_model(model, config)
+    pm.save_pretrained(ad)
+    layers = {n.removeprefix("base_model.model."): m for n, m in pm.named_modules()
+              if hasattr(m, "get_delta_weight") and hasattr(m, "lora_A")}  # fmt: skip
+    import contextlib
+
+    from dmlib.forensics.lora import open_adapter
+
+    with contextlib.ExitStack() as stack:
+        adapter = open_adapter(ad, stack)
+        assert set(adapter.targets) == set(layers) and len(layers) == 3
+        assert adapter.targets["model.embed_tokens"].kind == "embedding"
+        for module, layer in layers.items():
+            theirs = layer.get_delta_weight("default").detach().double().numpy()
+            ours = adapter.delta(module)[0]
+            assert ours.shape == theirs.shape
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+    pm.merge_and_unload().save_pretrained(merged)
+    df = check_merge(merged, base, ad)
+    assert df.attrs["verdict"] and set(df["weight"]) >= {"model.embed_tokens.weight"}
