@@ -215,3 +215,20 @@ def test_ladder_folder_of_save_pretrained_folders(tmp_path):
     assert {row["step"] for row in rows} == {10, 20}
     differing = {(row["step"], row["name"]): row["n_diff"] for row in rows if row["n_diff"]}
     assert differing == {(20, "transformer.wte.weight"): 1}
+
+
+@pytest.mark.slow  # a notebook kernel
+def test_report_run_with_rename_quotes_numpy_numbers(runs, tmp_path):
+    pytest.importorskip("nbclient")
+    out = tmp_path / "report"
+    r = _dmlib("report", *[f"--run={x}" for x in _args(runs)], "--control", "seed1",
+               "--rename", RENAME, "--only", "run_matrix", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    numbers = json.loads((out / "numbers" / "run_matrix.json").read_text())
+    base, seed1 = _state(0), _state(1)
+    rep = {k: v.copy() for k, v in base.items()}
+    rep["fc.weight"][1, 2] = np.nextafter(rep["fc.weight"][1, 2], np.float32(np.inf))
+    worst = numbers["worst_rel_fro"]
+    assert worst["base/seed1"] == pytest.approx(max(_rel_fro(base[k], seed1[k]) for k in base))
+    assert worst["base/rep"] == pytest.approx(_rel_fro(base["fc.weight"], rep["fc.weight"]))
+    assert "by at least -" not in numbers["finding"]
