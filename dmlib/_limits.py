@@ -243,7 +243,12 @@ class Flattening:
         return text if parent is None else f"{parent}.{text}"
 
     def leaf(self, name: str) -> None:
-        """Count one flattened entry named ``name``."""
+        """Count one flattened entry named ``name`` (refused if longer than MAX_NAME_CHARS)."""
+        if len(name) > MAX_NAME_CHARS:
+            raise self._refuse(
+                f"holds a name of {len(name):,} characters starting '{escape(name[:60])}…', "
+                f"longer than the {MAX_NAME_CHARS:,} a name may have"
+            )
         self.entries += 1
         self.chars += len(name)
         if self.entries > self._limits[0]:

@@ -263,6 +263,33 @@ def test_two_flax_entries_of_one_name_are_refused(tmp_path: Path) -> None:
         dmlib.open_tensors(p)
 
 
+@pytest.mark.parametrize(
+    "groups, state",
+    [([{"params": [[1]]}], {}), ([{"params": [0]}], {0: 5}), ([{"params": [True]}], {})],
+    ids=["a list as an id", "a number as a state", "a bool as an id"],
+)
+def test_malformed_optimizer_groups_keep_their_ids_not_a_bug(
+    tmp_path: Path, groups: list[dict[str, object]], state: dict[int, object]
+) -> None:
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "opt.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "opt": {"state": state, "param_groups": groups}}, p)
+    with dmlib.open_tensors(p) as ts:
+        np.testing.assert_array_equal(ts["model.w"].load(), [1.0, 1.0])
+    code, err, _, _ = _refused("inspect", str(p))
+    assert code == 0, err
+
+
+def test_renamed_optimizer_state_names_are_bounded(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "opt.pt"  # one parameter named by 5,000 characters: its state is renamed
+    long = "p" * 5000
+    state = {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"params": [0], "param_names": [long]}]}  # fmt: skip
+    torch.save(state, p)
+    with pytest.raises(FormatError, match="5,014 characters"):  # "state." + name + ".exp_avg"
+        dmlib.open_tensors(p)
+
+
 # -- huge dimensions and strides -----------------------------------------------------------------
 
 

@@ -169,6 +169,8 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
             named = [str(n) for g in groups for n in g.get("param_names", [])]
         except TypeError:  # a malformed group: leave the ids alone
             continue
+        if not all(type(i) is int for i in ids):  # ids are ints (or the group is malformed)
+            continue
         how = "param_names"
         if len(named) != len(ids):
             named, how = [], ""
@@ -183,7 +185,7 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
             shapes_ok = all(
                 v.dim() == 0 or v.shape == sd[n].shape
                 for i, n in zip(ids, named, strict=True)
-                for v in (opt["state"].get(i) or {}).values()
+                for v in _per_param(opt["state"], i).values()
                 if _is_tensor(v)
             )
             named = named if shapes_ok else []
@@ -199,10 +201,21 @@ def _optimizer_names(obj: Any, path: str) -> tuple[dict[str, str], str | None]:
     return prefixes, "; ".join(notes) or None
 
 
-def _rename_state(name: str, prefixes: dict[str, str]) -> str:
-    for old, new in prefixes.items():
-        if name.startswith(old):
-            return new + name[len(old) :]
+def _per_param(state: Any, i: int) -> Mapping[Any, Any]:
+    """An optimizer's state of parameter ``i`` (a map; anything else counts as none)."""
+    found = state.get(i) if isinstance(state, Mapping) else None
+    return found if isinstance(found, Mapping) else {}
+
+
+def _rename_state(name: str, prefixes: dict[str, str], heads: set[str]) -> str:
+    """``name`` with its ``<head>state.<id>.`` prefix renamed, found by its parts (a file
+    of many ids would make a scan of every prefix for every name quadratic)."""
+    for head in heads:
+        if name.startswith(head):
+            idx, dot, rest = name[len(head) :].partition(".")
+            new = prefixes.get(f"{head}{idx}.") if dot else None
+            if new is not None:
+                return new + rest
     return name
 
 
@@ -364,7 +377,14 @@ def open_torch(path: str | os.PathLike[str]) -> TensorSet:
         )
     prefixes, note = _optimizer_names(obj, path)
     if prefixes:
-        renamed = {_rename_state(k, prefixes): v for k, v in flat.items()}
+        heads = {k.rsplit("state.", 1)[0] + "state." for k in prefixes}
+        budget = _limits.Flattening(path)  # a parameter's name is repeated in every state entry
+        renamed = {}
+        for k, v in flat.items():
+            new = _rename_state(k, prefixes, heads) if k != SKIPPED else k
+            if new != k:
+                budget.leaf(new)
+            renamed[new] = v
         if len(renamed) == len(flat):  # a parameter name that collides keeps the numeric ids
             flat = renamed
         else:
