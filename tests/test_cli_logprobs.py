@@ -146,3 +146,15 @@ def test_ladder(files: dict[str, Path], capsys) -> None:
     assert rc == 5 and json.loads(out)["rows"][0]["status"] == "not comparable"
     rc, _, err = run(["logprob-ladder", f"policy:0={a}"], capsys)
     assert rc == 2 and "expected LABEL:STEP=A,B" in err
+
+
+def test_per_sequence_table(files: dict[str, Path], capsys) -> None:
+    rc, out, _ = run(["logprobs", str(files["a"]), str(files["b"]), "--per-sequence"], capsys)
+    assert rc == 1
+    (header,) = [ln for ln in out.splitlines() if ln.startswith("role")]
+    rows = out.split(header)[1].strip().splitlines()
+    assert [r.split()[:4] for r in rows] == [
+        ["pair", "0", "8", "0"],
+        ["pair", "1", "5", "1"],
+        ["pair", "2", "4", "0"],
+    ]

@@ -601,3 +601,25 @@ def test_many_blocks_give_the_figures_of_one(monkeypatch: pytest.MonkeyPatch) ->
     x = np.concatenate([side(za)["logprobs"][i][mask[i]] for i in range(s)])
     y = np.concatenate([side(zb)["logprobs"][i][mask[i]] for i in range(s)])
     assert many.figures["pearson_r"] == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
+
+
+def test_jsonl_mask_and_positions(tmp_path: Path) -> None:
+    lines = [
+        {
+            "tokens": [5, 6, 7],
+            "logprobs": [-1.0, -2.0, -9.0],
+            "mask": [1, 1, 0],
+            "positions": [0, 1, 2],
+        },
+        {"tokens": [8, 9], "logprobs": [-0.5, -0.25], "mask": [0, 1], "positions": [0, 1]},
+    ]
+    p = tmp_path / "a.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    q = tmp_path / "b.ndjson"
+    lines[0]["logprobs"][2] = 0.0  # a masked position: never counted
+    lines[1]["logprobs"][1] = -0.75
+    q.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    v = logprob_verdict(compare_logprobs(p, q))
+    assert v.n_tokens == 3 and v.n_diff == 1 and v.unchecked == []
+    assert (v.worst[0]["sequence"], v.worst[0]["position"]) == (1, 0)  # the first counted token
+    assert v.figures["max_abs_dlogprob"] == 0.5
