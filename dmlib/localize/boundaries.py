@@ -27,6 +27,7 @@ from dmlib.localize.capture.format import (
     TREE,
     XXH_TREE,
     Boundary,
+    boundary_name,
     request_key,
     same_scheme,
 )
@@ -450,10 +451,14 @@ def compare_captures(
     offsets = {r: i for i, (r, k, _, _) in enumerate(index) if k == 0}  # request -> first block id
     alignment = align(a, b)  # op boundaries pair by aligned op sequences, the rest by name
     patterns = _layout_patterns(a, b, layout_inputs)
-    rows = [_boundary_row(a, b, ba, requests, offsets, alignment, patterns) for ba in a.boundaries]
-    _roles(rows)
+    aliases = argument_aliases(a, b)
+    rows = [
+        _boundary_row(a, b, ba, requests, offsets, alignment, patterns, aliases.get(ba.name))
+        for ba in a.boundaries
+    ]
+    _roles(rows, a.root)
     df = _frame(rows)
-    paired = {v for v in alignment.partner.values() if v is not None}
+    paired = {v for v in alignment.partner.values() if v is not None} | set(aliases.values())
     df.attrs.update(_summary(a, b, requests, index, rows, paired, patterns))
     df.attrs["steps"] = _steps(rows)
     df.attrs.update(_op_summary(rows, alignment))
@@ -462,6 +467,37 @@ def compare_captures(
     rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
     df.attrs["valid"] = None if rc is None else bool(rc["held"] and nc["passed"] is not False)
     return df
+
+
+def argument_aliases(a: Capture, b: Capture) -> dict[str, str]:
+    """A's input boundaries of the model that B recorded under another slot: an argument
+    passed by position in one capture (``input0``) and by keyword in the other
+    (``input.input_ids``), paired by the forward's parameter names each capture stored
+    (``coverage.arg_names``). Name in A -> name in B."""
+    out: dict[str, str] = {}
+    for x in a.boundaries:
+        if x.kind != "input" or x.name in b or x.cache or x.module not in (a.root, b.root):
+            continue
+        other = _other_slot(x.slot, a.arg_names.get(x.module), b.arg_names.get(b.root))
+        if other is not None:
+            name = boundary_name(b.root, x.call, "input", other)
+            if name in b and name not in a:
+                out[x.name] = name
+    return out
+
+
+def _other_slot(slot: str, names_a: list[str] | None, names_b: list[str] | None) -> str | None:
+    """``input<i>`` -> ``input.<name>`` by A's names, ``input.<name>`` -> ``input<i>`` by
+    B's (a tensor inside an argument keeps its path: ``input0.1`` <-> ``input.x.1``)."""
+    head, dot, rest = slot.partition(".")
+    if head.startswith("input") and head[5:].isdigit() and names_a:
+        i = int(head[5:])
+        return f"input.{names_a[i]}{dot}{rest}" if i < len(names_a) else None
+    if head == "input" and rest and names_b:
+        key, dot2, tail = rest.partition(".")
+        if key in names_b:
+            return f"input{names_b.index(key)}{dot2}{tail}"
+    return None
 
 
 def _layout_patterns(
@@ -503,10 +539,12 @@ def _boundary_row(
     offsets: dict[str, int],
     alignment: Alignment,
     layout_inputs: tuple[str, ...] = LAYOUT_INPUTS,
+    alias: str | None = None,
 ) -> dict[str, Any]:
-    """One boundary of ``a`` against its partner in ``b`` (its namesake, or for an op
-    boundary the aligned op's): identity, blocks, statistics."""
-    name_b = alignment.name_in_b(ba.name)
+    """One boundary of ``a`` against its partner in ``b`` (its namesake, for an op
+    boundary the aligned op's, for a model input passed by position in one capture and by
+    keyword in the other its ``alias``): identity, blocks, statistics."""
+    name_b = alias or alignment.name_in_b(ba.name)
     bb = b.boundary(name_b) if name_b is not None and name_b in b else None
     layout = _is_layout(ba, layout_inputs) or (bb is not None and _is_layout(bb, layout_inputs))
     same: Any
@@ -529,7 +567,7 @@ def _boundary_row(
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
            "diff_blocks": sorted(diff), "note": note, "_layout": layout, "_slot": ba.slot,
-           "_step": ba.step, "_op": ba.category.marker == "op"}  # fmt: skip
+           "_step": ba.step, "_op": ba.category.marker == "op", "_state": ba.state}  # fmt: skip
     row.update(st or _NO_STATS)
     if st is None and same is True:
         # identical hashes imply zero differences even without dumped tensors

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,9 @@ def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, A
 
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The rows as the documented columns, with nullable dtypes."""
-    df = pd.DataFrame(rows).drop(columns=["_stats", "call", "_layout", "_slot", "_step", "_op"])
+    df = pd.DataFrame(rows).drop(
+        columns=["_stats", "call", "_layout", "_slot", "_step", "_op", "_state"]
+    )
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
         df[c] = df[c].astype("Int64")
@@ -113,14 +116,22 @@ def _summary(
         for x in absent
         if not _is_layout(x, layout_inputs)
     ]
-    outputs = [r for r in rows if r["module"] == a.root and r["kind"] == "output"]
+    outputs = [
+        r for r in rows if r["module"] == a.root and r["kind"] == "output" and not r["_state"]
+    ]
     outputs_match = bool(outputs) and all(r["identical"] is True for r in outputs)
+    # a state the model left is an output too: never "identical" with one not judged
+    states_unjudged = [r for r in rows if r["_state"] and r["identical"] is None]
+    not_captured = [
+        {"capture": side, **u} for side, c in (("A", a), ("B", b)) for u in c.not_captured
+    ]
     if diverged or secondary:
         status = "different"
-    elif unjudged and not outputs_match:
+    elif (unjudged and not outputs_match) or states_unjudged or not_captured:
         status = "inconclusive"
     else:
         status = "identical"
+    judged = [r["boundary"] for r in rows if r["identical"] is True]
     return {
         "a": str(a.path),
         "b": str(b.path),
@@ -142,6 +153,10 @@ def _summary(
         "status": status,
         "unjudged": unjudged,
         "outputs_match": outputs_match,
+        "not_captured": not_captured,
+        # the last boundary (in execution order) up to which all judged ones match, where
+        # the answer is inconclusive only for what was not captured or judged
+        "identical_up_to": judged[-1] if status == "inconclusive" and judged else None,
         "stats_missing": stats_missing,
         "stats_note": (
             f"{len(stats_missing)} divergent boundaries were not dumped in both captures: "
@@ -152,7 +167,38 @@ def _summary(
     }
 
 
-def _roles(rows: list[dict[str, Any]]) -> None:
+ROOT_NOTE = (
+    "the model itself: the difference enters in a part of the pass no hooked module shows "
+    "(hook its submodules to name where); never the culprit"
+)
+STATE_NOTE = (
+    "nothing recorded before it in this pass differs: the difference enters where this "
+    "state is written"
+)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
+
+
+def _layer_of(name: str) -> str | None:
+    m = _LAYER.search(name)
+    return None if m is None else m.group(1)
+
+
+def _consumed(r: dict[str, Any], states: dict[int, list[dict[str, Any]]]) -> tuple[str, str] | None:
+    """(role, note) of a would-be culprit of a later pass when a state the pass before left
+    behind differs: carrier of that state where it is the module's layer's, undetermined
+    where the layer cannot be told."""
+    prior = states.get(r["_step"] - 1)
+    if not prior:
+        return None
+    layer = _layer_of(r["module"])
+    mine = [x["boundary"] for x in prior if layer is not None and _layer_of(x["_slot"]) == layer]
+    if mine:
+        return "carrier", f"inputs identical, but the state it consumed differs: {mine[0]}"
+    names = ", ".join(x["boundary"] for x in prior[:3])
+    return "undetermined", f"inputs identical, but a state the pass consumed differs: {names}"
+
+
+def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
     """Fill role, new_blocks and inherited_blocks (in place).
 
     ``culprit``: an output whose inputs were all judged and all match while it differs (a
@@ -161,7 +207,13 @@ def _roles(rows: list[dict[str, Any]]) -> None:
     recorded does (its producer was not captured); ``carrier``: differs because an input
     does; ``secondary``: an op's other output differing while its first output matches;
     ``layout``: a layout input, never judged; ``unjudged`` / ``clean`` as they say.
+    A state (what a pass leaves in its cache) is a carrier where something recorded before
+    it in its pass differs, else the culprit; an output of a later pass whose inputs match
+    carries a differing state the pass before left (its layer's), or is undetermined. The
+    model itself (``root``) is never the culprit.
     """
+    states: dict[int, list[dict[str, Any]]] = {}  # pass -> its differing states
+    step_diff: set[int] = set()  # passes where something not a state differs
     inputs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     firsts: dict[tuple[str, int], dict[str, Any]] = {}
     seen_diff: set[int] = set()
@@ -181,6 +233,12 @@ def _roles(rows: list[dict[str, Any]]) -> None:
             r["role"] = "unjudged"
         elif r["identical"]:
             r["role"] = "clean"
+        elif r["_state"]:
+            states.setdefault(r["_step"], []).append(r)
+            r["role"] = "carrier" if r["_step"] in step_diff else "culprit"
+            if r["role"] == "culprit":
+                r["note"] = f"{r['note']}; {STATE_NOTE}" if r["note"] else STATE_NOTE
+                base = set()
         elif r["kind"] == "output":
             ins = [
                 i for i in inputs.get((r["module"], r["call"]), []) if i["identical"] is not None
@@ -202,6 +260,12 @@ def _roles(rows: list[dict[str, Any]]) -> None:
                 r["role"] = "undetermined"
                 extra = f"inputs identical where judged; not judged: {', '.join(unknown[:4])}"
                 r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+            elif all(i["identical"] for i in ins) and (got := _consumed(r, states)):
+                r["role"], extra = got
+                r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+            elif all(i["identical"] for i in ins) and r["module"] == root:
+                r["role"] = "undetermined"
+                r["note"] = f"{r['note']}; {ROOT_NOTE}" if r["note"] else ROOT_NOTE
             elif all(i["identical"] for i in ins):
                 r["role"] = "culprit" if r["_slot"] == "output0" or not r["_op"] else ("secondary")
                 base = set()
@@ -217,6 +281,8 @@ def _roles(rows: list[dict[str, Any]]) -> None:
         if r["identical"] is False and r["role"] != "secondary":
             seen_any = True
             seen_diff |= diff
+            if not r["_state"]:
+                step_diff.add(r["_step"])
     # a module whose inputs are clean but that contains a recorded culprit only encloses it
     for r in candidates:
         inner = (r["module"] + ".", r["module"] + "/")
@@ -268,13 +334,15 @@ class CaptureVerdict(Verdict):
     repeat_control: dict[str, Any] | None
     negative_control: dict[str, Any]
     valid: bool | None
+    not_captured: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    identical_up_to: str | None = None
 
     @classmethod
     def of(cls, df: pd.DataFrame) -> CaptureVerdict:
         """The verdict of a :func:`compare_captures` frame."""
         at = df.attrs
         names = [f.name for f in dataclasses.fields(cls)]
-        lists = ("layout_inputs", "undetermined")
+        lists = ("layout_inputs", "undetermined", "not_captured")
         return cls(**{n: at.get(n, [] if n in lists else None) for n in names})
 
     @property
@@ -293,10 +361,19 @@ class CaptureVerdict(Verdict):
         """The status, first divergence and culprit lines."""
         n_un, un = len(self.unjudged), _unjudged_text(self.unjudged)
         if self.status == "inconclusive":
-            return [
-                f"inconclusive: no difference in {self.n_comparable} judged boundaries, but "
-                f"{n_un} could not be judged and the model's outputs were not shown to match: {un}"
-            ]
+            head = f"inconclusive: no difference in {self.n_comparable} judged boundaries"
+            if self.identical_up_to:
+                head += f" (identical up to {self.identical_up_to})"
+            if n_un:
+                head += (f", but {n_un} could not be judged and the model's outputs were not "
+                         f"shown to match: {un}")  # fmt: skip
+            lines = [head]
+            if self.not_captured:
+                nc = self.not_captured
+                what = "; ".join(f"{u['what']} in {u['capture']} ({u['reason']})" for u in nc[:4])
+                more = f"; and {len(nc) - 4} more" if len(nc) > 4 else ""
+                lines.append(f"not captured, so not shown identical: {what}{more}")
+            return lines
         if self.status == "identical":
             if n_un:
                 return [

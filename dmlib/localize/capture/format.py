@@ -120,7 +120,9 @@ ENTRY_KEYS = (
 #: The keys an entry has only where they apply, in the order they follow :data:`ENTRY_KEYS`:
 #: its kind's marker keys (:data:`KINDS`), the decode step (from 1), the row axes, the
 #: repeated KV heads.
-OPTIONAL_KEYS = ("layout", "cache", "rolled", "op", "param", "step", "row_axes", "kv_repeat")
+OPTIONAL_KEYS = (
+    "layout", "cache", "rolled", "state", "op", "param", "step", "row_axes", "kv_repeat",
+)  # fmt: skip
 
 
 def boundary_name(module: str, call: int, kind: str, slot: str) -> str:
@@ -212,10 +214,12 @@ KINDS: tuple[BoundaryKind, ...] = (
     BoundaryKind("op-output", "output", "op", "module/<op>#k, module/<op>#k:output<i>",
                  _OP_ROWS),
     # reserved: the kinds to come, their rules settled first
-    BoundaryKind("state", "output", "state", "module:state.<name>#call: a recurrent or "
-                 "convolution state carried between passes (linear attention, Mamba)",
-                 "per request by its batch row (one state per sequence), never per "
-                 "position", recorded=False),
+    BoundaryKind("state", "output", "state", "root:state.<path in the cache>#pass: a tensor "
+                 "the forward pass leaves in its cache (KV keys/values, linear-attention and "
+                 "Mamba conv/recurrent states), recorded after each pass",
+                 "keys/values (batch, heads, positions, dim) per request along positions as a "
+                 "cache (a sliding window whole); any other state per request by its batch "
+                 "row (one state per sequence: leading), never per position"),
     BoundaryKind("router", "output", "router", "module:router#call: an MoE router's chosen "
                  "experts and their weights", "per request by leading dims (one decision "
                  "per token)", recorded=False),
@@ -293,6 +297,8 @@ class Boundary:
     # a sliding-window cache, whose slots roll over instead of following positions: hashed
     # whole, judged only between captures that place every request on the same rows
     rolled: bool = False
+    # a state the forward pass left behind (its cache after the pass): KINDS' "state"
+    state: bool = False
     # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
     op: str | None = None  # an op boundary: the op's id (``module/aten.addmm#0``)
@@ -364,7 +370,7 @@ def _request_dict(h: RequestHash) -> dict[str, Any]:
 def _optional_head(b: Boundary) -> dict[str, Any]:
     """The marker keys of ``b``'s kind as the writer adds them (before ``step``)."""
     extra: dict[str, Any] = {}
-    for key in ("layout", "cache", "rolled"):
+    for key in ("layout", "cache", "rolled", "state"):
         if getattr(b, key):
             extra[key] = True
     if b.op is not None:
@@ -433,6 +439,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             step=int(d.get("step") or 0),
             cache=bool(d.get("cache", False)),
             rolled=bool(d.get("rolled", False)),
+            state=bool(d.get("state", False)),
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
             op=None if d.get("op") is None else str(d["op"]),
             param=None if d.get("param") is None else str(d["param"]),

@@ -5,6 +5,7 @@ one on the model that numbers its forward passes (decode steps).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,11 @@ def _hooked(
     handles: list[Any] = []
     try:
         handles.append(model.register_forward_pre_hook(_step_hook(rec), prepend=True))
+        rec.coverage["root_hooked"] = False
         handles += _install_hooks(model, modules, rec, named)
+        rec.coverage["arg_names"] = {rec.root: _arg_names(model)}
+        # after the root's own hook: what the pass produced and left behind
+        handles.append(model.register_forward_hook(_pass_hook(rec), with_kwargs=True))
         if tracker is None:
             yield
         else:
@@ -82,6 +87,8 @@ def _install_hooks(
     """Register a pre- and a post-forward hook on every selected module; yields the handles."""
     for name, mod in _select(model, modules, named):
         label = name or rec.root
+        if not name:
+            rec.coverage["root_hooked"] = True
         yield mod.register_forward_pre_hook(_pre_hook(rec, label), with_kwargs=True)
         yield mod.register_forward_hook(_post_hook(rec, label), with_kwargs=True)
 
@@ -95,6 +102,50 @@ def _step_hook(rec: Recorder) -> Callable[..., None]:
         calls[0] += 1
 
     return hook
+
+
+def _arg_names(model: Any) -> list[str]:
+    """The names of the model's forward parameters that a positional argument may fill, in
+    order: a comparison pairs ``input0`` of one capture with ``input.<name>`` of another."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+NOT_HOOKED = 'the model itself was not hooked (modules did not include ""): not captured'
+
+
+def _pass_hook(rec: Recorder) -> Callable[..., None]:
+    """After each forward pass of the model: the outputs a capture without the root did
+    not see are listed, and the states its cache holds recorded (:mod:`.states`)."""
+    from dmlib.localize.capture.states import record_states
+    from dmlib.localize.ops import quiet
+
+    def hook(mod: Any, args: Any, kwargs: Any, output: Any) -> None:
+        with quiet():
+            if not rec.coverage["root_hooked"]:
+                seq = output if isinstance(output, (tuple, list)) else (output,)
+                seen = _recorded(rec)
+                for slot, t in _tensors(seq, "output"):
+                    if (id(t), getattr(t, "_version", None)) not in seen:
+                        rec.note_unseen(f"{rec.root}:{slot}", NOT_HOOKED)
+            record_states(rec, output)
+
+    return hook
+
+
+def _recorded(rec: Recorder) -> set[tuple[int, Any]]:
+    """(id, version) of the live tensors a hooked module output in this pass (a model's
+    logits are often its head's output itself: captured, though the root was not hooked)."""
+    out = set()
+    for key, (ref, entry) in rec._seen.items():
+        t = ref()
+        if t is not None and entry["kind"] == "output" and entry.get("step", 0) == rec.step:
+            out.add((id(t), key[1]))
+    return out
 
 
 def _pre_hook(rec: Recorder, name: str) -> Callable[..., None]:

@@ -161,6 +161,33 @@ class Capture:
         return dict(self.manifest.get("metadata") or {})
 
     @property
+    def coverage(self) -> dict[str, Any]:
+        """What the capture saw of the forward passes as a whole (``root_hooked``,
+        ``arg_names``, ``not_captured``); empty for captures written before it was kept."""
+        cov = self.manifest.get("coverage")
+        return dict(cov) if isinstance(cov, dict) else {}
+
+    @property
+    def arg_names(self) -> dict[str, list[str]]:
+        """Module label -> its forward's positional parameter names (the model's only)."""
+        names = self.coverage.get("arg_names")
+        if not isinstance(names, dict):
+            return {}
+        return {str(k): [str(n) for n in v] for k, v in names.items() if isinstance(v, list)}
+
+    @property
+    def not_captured(self) -> list[dict[str, str]]:
+        """``[{what, reason}]``: what the forward produced that the capture did not record."""
+        items = self.coverage.get("not_captured")
+        if not isinstance(items, list):
+            return []
+        return [
+            {"what": str(u.get("what")), "reason": str(u.get("reason"))}
+            for u in items
+            if isinstance(u, dict)
+        ]
+
+    @property
     def requests(self) -> dict[str, int]:
         """Request id -> number of positions, from the row map (empty without one)."""
         if self.row_map is None:

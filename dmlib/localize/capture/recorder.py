@@ -139,6 +139,23 @@ class Recorder(HostDigests):
         self._row_plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # KV-cache shape -> its rows per request (the row map and layout are fixed once set)
         self._cache_plans: dict[tuple[Any, ...], Any] = {}
+        # what the capture saw of the forward passes as a whole: whether the model itself
+        # was hooked, its forward's parameter names (to pair positional and keyword inputs),
+        # and what it produced that was not captured ({"what", "reason"}): a comparison is
+        # never "identical" about those
+        self.coverage: dict[str, Any] = {"root_hooked": None, "arg_names": {}, "not_captured": []}
+
+    def note_unseen(self, what: str, reason: str) -> None:
+        """List ``what`` (a model's output, a state) as produced but not captured (once)."""
+        items = self.coverage["not_captured"]
+        if not any(u["what"] == what for u in items):
+            items.append({"what": what, "reason": reason})
+
+    def _contents(self, error: str | None) -> dict[str, Any]:
+        """The writer's keys after the row map, with the capture's ``coverage``."""
+        m = super()._contents(error)
+        m["coverage"] = self.coverage
+        return m
 
     def is_layout(self, module: str, slot: str) -> bool:
         """Whether input ``slot`` of ``module`` follows the batch layout (a mask, positions)."""
