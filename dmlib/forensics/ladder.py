@@ -21,7 +21,7 @@ import pandas as pd
 
 from dmlib.errors import DmlibError
 from dmlib.forensics.factors import FactorGroup, as_groups, layers_of
-from dmlib.sources import Patterns, Source, name_filter, open_source
+from dmlib.sources import Patterns, Source, name_filter, open_source, select
 from dmlib.stats.matrix import pair_problem, renamed_runs, run_renames
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
@@ -584,8 +584,12 @@ def _check_names(
     """Refuse a pair of checkpoints that would compare nothing (no shared name, or none of
     the same dtype and shape); the pairs sharing few names, one record per run pair."""
     warnings: dict[str, dict[str, Any]] = {}
+    used = {key for step, ra, rb in plan for key in ((ra, step), (rb, step))}
+    names = {id(sets[k]): select([t.name for t in sets[k].disk_order()], include, exclude)
+             for k in used}  # fmt: skip
     for step, ra, rb in plan:
-        p = pair_problem(ra, sets[(ra, step)], rb, sets[(rb, step)], include, exclude)
+        sa, sb = sets[(ra, step)], sets[(rb, step)]
+        p = pair_problem(ra, sa, rb, sb, include, exclude, names=names)
         if p is None:
             continue
         if p["kind"] != "few_shared":

@@ -447,17 +447,42 @@ def renamed_runs(sets: Mapping[str, Any], renames: Mapping[str, list[Any]]) -> d
 
 
 def pair_problem(
-    la: str, sa: Any, lb: str, sb: Any, include: Patterns = None, exclude: Patterns = None
+    la: str,
+    sa: Any,
+    lb: str,
+    sb: Any,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    *,
+    names: Mapping[int, list[str]] | None = None,
 ) -> dict[str, Any] | None:
     """What two runs' names leave uncompared: None when they pair well, else a dict with
     ``kind`` (``"no_shared_name"``: nothing compared; ``"nothing_comparable"``: every
     shared name differs in dtype or shape; ``"few_shared"``: a rename pairs at least twice
     as many), ``message`` (one line, the fix included), ``rename`` (``["RUN:OLD=NEW"]``
-    rules that pair more names, or []), ``shared_before`` and ``shared_after``."""
+    rules that pair more names, or []), ``shared_before`` and ``shared_after``.
+    ``names``: each set's selected names by ``id()``, when a caller checks many pairs."""
+    names_a = _selected(sa, include, exclude, names)
+    names_b = _selected(sb, include, exclude, names)
+    patterns = bool(include or exclude)
+    if names_a == names_b and names_a and any(same_layout(sa[n], sb[n]) for n in names_a):
+        return None  # the common case, at no cost: the same names, some comparable
+    return _problem(la, sa, lb, sb, names_a, names_b, patterns)
+
+
+def _selected(ts: Any, include: Patterns, exclude: Patterns, names: Any) -> list[str]:
+    if names is not None and id(ts) in names:
+        return names[id(ts)]
+    return select([t.name for t in ts.disk_order()], include, exclude)
+
+
+def _problem(
+    la: str, sa: Any, lb: str, sb: Any, names_a: list[str], names_b: list[str], patterns: Any
+) -> dict[str, Any] | None:
+    """:func:`pair_problem` of two name lists that differ (or pair nothing); ``patterns``:
+    whether --include/--exclude chose the names (said when a run keeps none)."""
     from dmlib.names import detect_mapping, suggest_alignment
 
-    names_a = select([t.name for t in sa.disk_order()], include, exclude)
-    names_b = select([t.name for t in sb.disk_order()], include, exclude)
     in_b = set(names_b)
     common = [n for n in names_a if n in in_b]
     found = suggest_alignment(names_a, names_b) or detect_mapping(names_a, names_b)
@@ -472,7 +497,7 @@ def pair_problem(
         empty += [lb] if not names_b else []
         return {**base, "kind": "no_shared_name", "message": f"{what}: nothing would be "
                 f"compared: {' and '.join(map(repr, empty))} holds no tensor"
-                + (" the --include/--exclude patterns keep" if include or exclude else "")}  # fmt: skip
+                + (" the --include/--exclude patterns keep" if patterns else "")}  # fmt: skip
     if not common:
         example = f"e.g. {names_a[0]!r} vs {names_b[0]!r}"
         return {**base, "kind": "no_shared_name", "message": f"{what} share no tensor name "
@@ -509,9 +534,10 @@ def check_pairs(
     labels = list(sets)
     pairs = list(itertools.combinations(labels, 2))
     pairs.sort(key=lambda p: control not in p)  # the control's pairs first
+    names = {id(ts): _selected(ts, include, exclude, None) for ts in sets.values()}
     hints = {}
     for la, lb in pairs:
-        problem = pair_problem(la, sets[la], lb, sets[lb], include, exclude)
+        problem = pair_problem(la, sets[la], lb, sets[lb], include, exclude, names=names)
         if problem is None:
             continue
         if problem["kind"] != "few_shared":
