@@ -104,6 +104,7 @@ def confined_file(
     what: str,
     where: str | os.PathLike[str] | None = None,
     error: type[DmlibError] = DmlibError,
+    folders: dict[str, str] | None = None,
 ) -> tuple[str, int] | None:
     """(real path, size) of ``path`` when it resolves inside the folder ``top`` and is a
     regular file; None when nothing is there.
@@ -113,9 +114,13 @@ def confined_file(
     where it leads, whether or not its target exists; what is there but is not a regular
     file (a FIFO, a device, a folder) is refused without being opened. Messages are
     prefixed with ``where`` (the folder as the user named it; default ``top``).
+
+    ``folders`` caches the real path of each folder met (a reader of thousands of chunk
+    files resolves their folder once, then looks at each file itself with ``lstat``,
+    resolving it whole only where it is a symlink).
     """
     where = top if where is None else where
-    real = os.path.realpath(path)
+    real, st = _resolved(os.fspath(path), folders)
     if not (real == top or real.startswith(top.rstrip(os.sep) + os.sep)):
         raise error(
             f"{what} leads outside the checkpoint (a symlink to {real}); only files "
@@ -123,7 +128,7 @@ def confined_file(
             path=where,
         )
     try:
-        st = os.stat(real)
+        st = st if st is not None else os.stat(real)
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -133,6 +138,29 @@ def confined_file(
             f"{what} is not a regular file (a folder, device or FIFO); not read", path=where
         )
     return real, st.st_size
+
+
+def _resolved(path: str, folders: dict[str, str] | None) -> tuple[str, os.stat_result | None]:
+    """(real path, its stat where already known) of ``path``, through the folder cache."""
+    if folders is None:
+        return os.path.realpath(path), None
+    parent, name = os.path.split(path)
+    top = folders.get(parent)
+    if top is None:
+        top = folders[parent] = os.path.realpath(parent)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return os.path.realpath(path), None  # nothing there (or unreadable): resolved whole
+    if stat.S_ISLNK(st.st_mode) or name in ("", ".", ".."):
+        return os.path.realpath(path), None
+    return os.path.join(top, name), st
+
+
+# read only, never blocking (a FIFO), never through a final symlink
+_READ_FLAGS = (
+    os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 def read_regular(
@@ -149,9 +177,8 @@ def read_regular(
     Opened without following a final symlink and without blocking (a FIFO or device put
     in its place after :func:`confined_file` looked is refused, not waited on).
     """
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(real, flags)
+        fd = os.open(real, _READ_FLAGS)
     except OSError as err:
         raise error(f"{what} cannot be read ({err.strerror})", path=where) from None
     try:

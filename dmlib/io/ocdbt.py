@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,7 @@ def zstd_decompress(data: bytes | memoryview, limit: int, what: str, path: str) 
                 f"{_limits.limit_hint()})",
                 path=path,
             )
-        dctx = zstandard.ZstdDecompressor()
+        dctx = _decompressor(zstandard)
         if size == zstandard.CONTENTSIZE_UNKNOWN:  # read at most limit + 1 bytes
             import io
 
@@ -89,6 +90,18 @@ def zstd_decompress(data: bytes | memoryview, limit: int, what: str, path: str) 
         return dctx.decompress(bytes(data), max_output_size=max(size, 1))
     except zstandard.ZstdError as err:
         raise FormatError(f"{what}: corrupt zstd data ({err})", path=path) from None
+
+
+_LOCAL = threading.local()
+
+
+def _decompressor(zstandard: Any) -> Any:
+    """This thread's ``ZstdDecompressor`` (one per thread: making one per chunk cost as much
+    as decoding a small chunk; one may not be used by two threads at once)."""
+    dctx = getattr(_LOCAL, "dctx", None)
+    if dctx is None:
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 class _Cursor:

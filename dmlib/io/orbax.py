@@ -194,13 +194,17 @@ class _DirStore:
         self.root = root
         self.top = top
         self._real_top = os.path.realpath(top)
+        self._rel_root = _rel(root, top)
+        self._folders: dict[str, str] = {}  # folder -> its real path (safepaths.confined_file)
 
     def _found(self, key: str) -> tuple[str, int] | None:
         _safe_name(key, self.root)
         full = os.path.join(self.root, *key.split("/"))
+        what = key if self._rel_root == "." else f"{self._rel_root}/{key}"
         return confined_file(
-            self._real_top, full, what=_rel(full, self.top), where=self.top, error=FormatError
-        )
+            self._real_top, full, what=what, where=self.top, error=FormatError,
+            folders=self._folders,
+        )  # fmt: skip
 
     def size(self, key: str) -> int | None:
         found = self._found(key)

@@ -133,14 +133,20 @@ class ZarrArray:
             )
             if tail is None:
                 return None
-        parts = tail.split(self.separator) if self.shape else []
-        if not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in parts):
+        if not self.shape:
+            return () if self.chunk_key(()) == key else None
+        parts = tail.split(self.separator)
+        # decimal digits as chunk_key writes them: ASCII, no leading zero
+        if not all(
+            p.isascii() and p.isdigit() and len(p) <= 20 and (len(p) == 1 or p[0] != "0")
+            for p in parts
+        ):
             return None
-        idx = tuple(int(p) for p in parts)
+        idx = tuple(map(int, parts))
         grid = self.grid()
         if len(idx) != len(grid) or any(i >= g for i, g in zip(idx, grid)):
             return None
-        return idx if self.chunk_key(idx) == key else None
+        return idx
 
     def nbytes(self) -> int:
         """The bytes the whole array takes in memory."""
