@@ -623,3 +623,11 @@ def test_jsonl_mask_and_positions(tmp_path: Path) -> None:
     assert v.n_tokens == 3 and v.n_diff == 1 and v.unchecked == []
     assert (v.worst[0]["sequence"], v.worst[0]["position"]) == (1, 0)  # the first counted token
     assert v.figures["max_abs_dlogprob"] == 0.5
+
+
+def test_whole_distributions_given_by_one_side_are_said() -> None:
+    a = {"logprobs": np.array([[-1.0, -2.0]]), "top_logprobs": np.full((1, 2, 2), -1.0)}
+    a["top_ids"] = np.array([[[1, 2], [3, 4]]])
+    v = logprob_verdict(compare_logprobs(a, [np.array([-1.0, -2.0])]))
+    assert "top-k figures (top_logprobs and top_ids given by A only)" in v.unchecked
+    assert "kl_topk_ab" not in v.figures and v.status == "identical"

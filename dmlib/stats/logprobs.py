@@ -323,6 +323,8 @@ def logprob_comparison(
     reason, unchecked = identity_gate(sa, sb)
     if reason is not None:
         return [], _verdict(sa, sb, None, reason=reason, unchecked=unchecked, n_worst=n_worst)
+    if distributions:
+        unchecked += _one_sided(sa, sb)
     opts: dict[str, Any] = {"top_k": top_k, "n_worst": n_worst, "distributions": distributions}
     rows, overall = _pair_rows(sa, sb, "pair", **opts)
     control_overall = None
@@ -343,6 +345,16 @@ def logprob_comparison(
         n_worst=n_worst,
     )
     return rows, verdict
+
+
+def _one_sided(sa: LogprobSide, sb: LogprobSide) -> list[str]:
+    """Whole distributions one side gives and the other does not: no figure from them."""
+    out = []
+    for what, kinds in (("logits", ("logits",)), ("top-k", ("top_logprobs", "top_ids"))):
+        a, b = (all(side.has(k) for k in kinds) for side in (sa, sb))
+        if a != b:
+            out.append(f"{what} figures ({' and '.join(kinds)} given by {'A' if a else 'B'} only)")
+    return out
 
 
 def _blocks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
