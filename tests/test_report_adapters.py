@@ -160,3 +160,28 @@ def test_study_init_and_runs_read_adapter_folders_as_checkpoints(study_dir, tmp_
     (path,) = load_study(one).runs["a"].checkpoints.values()
     assert path == study_dir / "runs" / "base" / "step_2"  # the folder, not its files
     assert sections.adapter_run_labels(load_study(one)) == ["a"]
+
+
+def test_plots_draw_the_frames_values():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from dmlib.plots.adapters import adapter_delta_growth, gradient_l2_steps
+
+    growth = pd.DataFrame({"step": [0, 1, 0, 1], "target": ["q", "q", "k", "k"],
+                           "delta_norm": [1.0, 2.0, 0.0, 3.0]})  # fmt: skip
+    ax = adapter_delta_growth(growth, ax=plt.figure().gca())
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(lines["q"].get_ydata()) == [1.0, 2.0]
+    assert np.isnan(lines["k"].get_ydata()[0]) and lines["k"].get_ydata()[1] == 3.0  # 0: a gap
+    l2 = pd.DataFrame({"pair": ["a vs b"] * 2 + ["a vs c"] * 2, "step": [0, 1, 0, 1],
+                       "rel_l2": [0.0, 0.0, 0.5, 0.25], "control": [False, False, True, True]})  # fmt: skip
+    ax = gradient_l2_steps(l2, ax=plt.figure().gca())
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert lines["a vs c (control)"].get_linestyle() == "--"
+    assert list(lines["a vs c (control)"].get_ydata()) == [0.5, 0.25]
+    assert "a vs b (0 at every step: bit-identical)" in lines
+    plt.close("all")

@@ -38,6 +38,7 @@ def adapter_delta_growth(
         ax.text(0.5, 0.5, f"every {y} is 0", transform=ax.transAxes, ha="center")
     else:
         ax.set_yscale("log")
+    _integer_steps(ax)
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     if names:
@@ -70,15 +71,19 @@ def gradient_l2_steps(
         sub = df[df[hue] == p].sort_values(x)
         ys = floats(sub[y])
         ys = np.where(ys > 0, ys, np.nan)
+        zero = (
+            " (0 at every step: bit-identical)" if len(ys) and np.all(floats(sub[y]) == 0) else ""
+        )
         if p in colors:
-            ax.plot(sub[x], ys, marker="o", lw=2, color=colors[p], label=str(p))
+            ax.plot(sub[x], ys, marker="o", lw=2, color=colors[p], label=f"{p}{zero}")
         else:
             ax.plot(sub[x], ys, marker="s", lw=1.5, ls="--", color="0.45",
-                    label=f"{p} (control)")  # fmt: skip
+                    label=f"{p} (control){zero}")  # fmt: skip
     if len(df) and not (floats(df[y]) > 0).any():
         ax.text(0.5, 0.5, f"every {y} is 0 (bit-identical)", transform=ax.transAxes, ha="center")
     else:
         ax.set_yscale("log")
+    _integer_steps(ax)
     ax.set_xlabel(label(x))
     ax.set_ylabel(label(y))
     if pairs:
@@ -86,3 +91,10 @@ def gradient_l2_steps(
     if title:
         ax.set_title(title)
     return ax
+
+
+def _integer_steps(ax: Any) -> None:
+    """Steps are whole numbers: ticks only there."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))

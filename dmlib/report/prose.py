@@ -736,12 +736,13 @@ NO_GRADIENTS = (
 
 
 def adapter_growth(
-    run: str, n_targets: int, first: int, last: int, worst: str, ratio: float
+    run: str, n_targets: int, first: int, last: int, worst: str, start: float, end: float
 ) -> str:
-    """How much the weight the targets add grew between two steps, the fastest named."""
+    """How the weight the targets add changed between two steps, the fastest-growing named."""
     return (
-        f"In run {_c(run)}, the weight the {n_targets} LoRA targets add grew from step {first} "
-        f"to step {last}; fastest: {_c(worst)}, whose ‖scaling · B A‖_F grew {fmt(ratio)}-fold."
+        f"In run {_c(run)}, from step {first} to step {last}, the target whose added weight "
+        f"grew most of the {n_targets} is {_c(worst)}: ‖scaling · B A‖_F went from "
+        f"{fmt(start)} to {fmt(end)}."
     )
 
 
@@ -750,7 +751,9 @@ def gradient_l2_finding(group: str, last: int, same: Mapping[str, float],
     """The global gradient L2 at the last step, the same-configuration pairs beside the control's."""
     worst = max(same.items(), key=lambda kv: kv[1]) if same else None
     text = f"At step {last}, the global relative L2 of the {_c(group)} gradients"
-    if worst is not None:
+    if worst is not None and worst[1] == 0:
+        text += " is 0 (bit-identical gradients) between same-configuration runs"
+    elif worst is not None:
         text += f" is at most {fmt(worst[1])} between same-configuration runs ({_c(worst[0])})"
     if control:
         low = min(control.values())

@@ -174,7 +174,7 @@ def adapters_finding(ad: Adapters) -> str | None:
             ratio = (b / a).replace([np.inf], np.nan).dropna()
         if first != last and len(ratio):
             worst = str(ratio.idxmax())
-            parts.append(prose.adapter_growth(run, len(b), first, last, worst, float(ratio.max())))
+            parts.append(prose.adapter_growth(run, len(b), first, last, worst, a[worst], b[worst]))
     if ad.l2 is not None and len(ad.l2):
         last_step = int(ad.l2["step"].max())
         at = ad.l2[ad.l2["step"] == last_step]
