@@ -44,10 +44,13 @@ def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     out = []
     for s in steps:
         mine = [r for r in rows if r["_step"] == s]
-        first = next((r["boundary"] for r in mine if r["identical"] is False), None)
+        first = next((r for r in mine if r["identical"] is False), None)
         culprit = next((r["boundary"] for r in mine if r["role"] == "culprit"), None)
-        out.append({"step": s, "n_boundaries": len(mine), "first_divergent_boundary": first,
-                    "culprit": culprit})  # fmt: skip
+        out.append({"step": s, "n_boundaries": len(mine),
+                    "first_divergent_boundary": None if first is None else first["boundary"],
+                    "culprit": culprit,
+                    # the state of the pass before that brought the difference in, if one did
+                    "state_consumed": None if first is None else first.get("_carries")})  # fmt: skip
     return out
 
 
@@ -66,7 +69,8 @@ def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, A
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The rows as the documented columns, with nullable dtypes."""
     df = pd.DataFrame(rows).drop(
-        columns=["_stats", "call", "_layout", "_slot", "_step", "_op", "_state"]
+        columns=["_stats", "call", "_layout", "_slot", "_step", "_op", "_state", "_carries"],
+        errors="ignore",
     )
     df["identical"] = df["identical"].astype("boolean")
     for c in ("n_diff", "n_diff_rows", "max_ulp"):
@@ -183,19 +187,22 @@ def _layer_of(name: str) -> str | None:
     return None if m is None else m.group(1)
 
 
-def _consumed(r: dict[str, Any], states: dict[int, list[dict[str, Any]]]) -> tuple[str, str] | None:
-    """(role, note) of a would-be culprit of a later pass when a state the pass before left
-    behind differs: carrier of that state where it is the module's layer's, undetermined
-    where the layer cannot be told."""
+def _consumed(
+    r: dict[str, Any], states: dict[int, list[dict[str, Any]]]
+) -> tuple[str, str, str] | None:
+    """(role, note, state) of a would-be culprit of a later pass when a state the pass
+    before left behind differs: carrier of that state where it is the module's (or the
+    state's) layer's, else undetermined (a state: carrier of the pass's states)."""
     prior = states.get(r["_step"] - 1)
     if not prior:
         return None
-    layer = _layer_of(r["module"])
+    layer = _layer_of(r["_slot"] if r["_state"] else r["module"])
     mine = [x["boundary"] for x in prior if layer is not None and _layer_of(x["_slot"]) == layer]
     if mine:
-        return "carrier", f"inputs identical, but the state it consumed differs: {mine[0]}"
+        return "carrier", f"inputs identical, but the state it consumed differs: {mine[0]}", mine[0]
     names = ", ".join(x["boundary"] for x in prior[:3])
-    return "undetermined", f"inputs identical, but a state the pass consumed differs: {names}"
+    note = f"inputs identical, but a state the pass consumed differs: {names}"
+    return ("carrier" if r["_state"] else "undetermined"), note, prior[0]["boundary"]
 
 
 def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
@@ -235,8 +242,15 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             r["role"] = "clean"
         elif r["_state"]:
             states.setdefault(r["_step"], []).append(r)
-            r["role"] = "carrier" if r["_step"] in step_diff else "culprit"
-            if r["role"] == "culprit":
+            got = None if r["_step"] in step_diff else _consumed(r, states)
+            if r["_step"] in step_diff:
+                r["role"] = "carrier"
+            elif got is not None:  # the state the pass before left differs: carried on
+                r["role"] = "carrier"
+                r["_carries"] = got[2]
+                r["note"] = f"{r['note']}; {got[1]}" if r["note"] else got[1]
+            else:
+                r["role"] = "culprit"
                 r["note"] = f"{r['note']}; {STATE_NOTE}" if r["note"] else STATE_NOTE
                 base = set()
         elif r["kind"] == "output":
@@ -261,7 +275,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
                 extra = f"inputs identical where judged; not judged: {', '.join(unknown[:4])}"
                 r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
             elif all(i["identical"] for i in ins) and (got := _consumed(r, states)):
-                r["role"], extra = got
+                r["role"], extra, r["_carries"] = got
                 r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
             elif all(i["identical"] for i in ins) and r["module"] == root:
                 r["role"] = "undetermined"
@@ -274,6 +288,10 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             else:
                 r["role"] = "carrier"
                 base = set().union(*(set(i["diff_blocks"]) for i in ins))
+        elif r["_step"] not in step_diff and (got := _consumed(r, states)):
+            r["role"], r["_carries"] = "carrier", got[2]  # brought in by the state consumed
+            extra = got[1].replace("inputs identical, but ", "")
+            r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
         else:
             r["role"] = "carrier" if seen_any else "entry"
         r["new_blocks"] = sorted(diff - base)
