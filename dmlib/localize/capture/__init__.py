@@ -21,8 +21,9 @@ The rooms (each imports only the ones listed before it):
 - :mod:`~dmlib.localize.capture.hostdigests`: a boundary's digests, host or device;
 - :mod:`~dmlib.localize.capture.recorder`: :class:`Recorder`, what the hooks call;
 - :mod:`~dmlib.localize.capture.hooks`: the hooks installed for a ``with`` block;
-- this package: :func:`capture`, the public entry.
-model's outputs are unchanged.
+- :mod:`~dmlib.localize.capture.options`: :class:`CaptureOptions`, every setting once;
+- :mod:`~dmlib.localize.capture.api`: :func:`capture`, the public entry (this package
+  exports it, with :func:`open_capture`, :class:`Capture` and :class:`CaptureOptions`).
 
 Where the time goes, and what is done about it (``benchmarks/bench_capture.py``):
 
@@ -39,7 +40,7 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
   comparable whatever the row maps.
 - Every digest of one boundary (whole, per index of axis 0, each request's blocks and tree
   digest, the requests' dicts) comes from one call into the compiled module on the
-  tensor's own memory (:func:`dmlib.kernels.treehash.hash_boundary`; the Python loop where
+  tensor's own memory (:func:`dmlib.localize.capture.treehash.hash_boundary`; the Python loop where
   it is not built): per block, the interpreter's slice, hash object and hex string cost
   more than hashing a few KiB. XXH3-128 is called there without a Python call per digest
   (the xxhash package's exported ``XXH3_128bits_dispatch``, its AVX2/AVX-512 entry, checked
@@ -49,9 +50,8 @@ Where the time goes, and what is done about it (``benchmarks/bench_capture.py``)
 - How a tensor of a given shape is read (row dims, row axes, per-index digests) is worked
   out once per capture; a row map's requests, JSON text and KV-cache row plans once per row
   map, kept for the next captures of that layout (:meth:`RowMap.shared`); the manifest's entries
-  are written by the compiled JSON writer in one call (:func:`dmlib.kernels.jsonenc.
-  compact_lines`, the text ``json.dumps`` writes; the digests several boundaries share are
-  written once and copied); a manifest is replaced after the old one is removed (ext4
+  are written by orjson in one pass (:func:`dmlib.localize.capture.jsonenc.compact_lines`,
+  the text ``json.dumps`` writes; as fast as the C writer dmlib had for it); a manifest is replaced after the old one is removed (ext4
   writes out a file renamed over another at once: 0.3 ms a manifest).
 - An op's output over the memory of one of its inputs (a view, ``_unsafe_view``) takes the
   input's digests when the op writes nothing (its ATen schema says so); the output of an

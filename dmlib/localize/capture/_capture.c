@@ -3,13 +3,12 @@
  *
  * Optional: setup.py builds it as dmlib.localize.capture._capture where a C compiler is;
  * without it (or with DMLIB_KERNELS=numpy) the capture takes its Python loops, which give
- * the same digests and the same manifest text (tests/test_localize_treehash.py,
- * tests/test_localize_capture_fastpath.py, tests/test_kernels_jsonenc.py).
+ * the same digests (tests/test_localize_treehash.py, tests/test_localize_capture_fastpath.py).
  *
  * - gather(src, dst): a strided array copied into C order;
  * - request_blocks / hash_boundary: every host digest of a boundary (whole, per index of
- *   axis 0, per request and block) in one call; use_xxh3: XXH3-128 called directly;
- * - encode_json / encode_json_lines: the manifest's JSON text.
+ *   axis 0, per request and block) in one call; use_xxh3: XXH3-128 called directly.
+ * (The manifest's JSON, once written here too, is orjson's: as fast, see jsonenc.py.)
  *
  * Callers are library users too: a hasher is Python code run in the middle of these
  * loops. Whatever it does (changes the span list, keeps the memoryview it was handed),
@@ -18,7 +17,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifndef _WIN32
@@ -455,7 +453,13 @@ done:
     return out;
 }
 
-/* use_xxh3(path, hasher): take XXH3_128bits from the shared library at `path` (the xxhash
+/* Measured (benchmarks/bench_capture_json.py, 21 alternating runs, a tiny Llama's ops
+ * capture on one layer, batch 5 x 80): the capture's cost over the plain forward 35.4 ms with
+ * XXH3 called directly, 40.5 ms (+14%) with one Python call of xxh3_128_digest per digest;
+ * the direct call is kept for that. (On a hidden-512 capture, with fewer and larger blocks,
+ * the difference is within the run-to-run noise.)
+ *
+ * use_xxh3(path, hasher): take XXH3_128bits from the shared library at `path` (the xxhash
  * package's compiled module, already loaded) for digests asked of `hasher` (its
  * xxh3_128_digest). It is used only after its digests equal the hasher's on lengths 0 to
  * 300 and a few larger ones (every code path of XXH3-128). Returns True when in use; a
@@ -509,281 +513,10 @@ static PyObject *py_use_xxh3(PyObject *self, PyObject *args) {
 #endif
 }
 
-/* encode_json(obj): json.dumps(obj, separators=(",", ":")) (ASCII out, NaN and Infinity as
- * Python writes them) for plain data: dict with str keys, list, tuple, str, int, float, bool
- * and None, each of exactly that type, nested at most 64 deep; None for anything else (the
- * caller's json encoder then writes it). A capture's manifest is thousands of small dicts
- * of hex digests, where the json module's encoder spends its time on string fragments. */
-typedef struct { /* a dict written before in this call: where its text lies in the buffer */
-    PyObject *key;
-    Py_ssize_t start, len;
-} jmemo_slot;
-
-typedef struct {
-    char *p;
-    Py_ssize_t n, cap;
-    jmemo_slot *memo; /* encode_json_lines only: open addressing by address, or NULL */
-    Py_ssize_t memo_cap, memo_used;
-} jbuf;
-
-static jmemo_slot *memo_find(jbuf *b, PyObject *key) { /* its slot, or the empty one it takes */
-    size_t mask = (size_t)b->memo_cap - 1, i = (((uintptr_t)key >> 4) * 0x9E3779B97F4A7C15ULL) & mask;
-    while (b->memo[i].key && b->memo[i].key != key) i = (i + 1) & mask;
-    return &b->memo[i];
-}
-
-static void memo_add(jbuf *b, PyObject *key, Py_ssize_t start) { /* best effort: no room, no memo */
-    if (2 * (b->memo_used + 1) > b->memo_cap) {
-        Py_ssize_t cap = b->memo_cap ? 2 * b->memo_cap : 256;
-        jmemo_slot *old = b->memo, *fresh = PyMem_Calloc((size_t)cap, sizeof *fresh);
-        if (!fresh) return;
-        Py_ssize_t old_cap = b->memo_cap;
-        b->memo = fresh;
-        b->memo_cap = cap;
-        for (Py_ssize_t i = 0; i < old_cap; i++)
-            if (old[i].key) *memo_find(b, old[i].key) = old[i];
-        PyMem_Free(old);
-    }
-    jmemo_slot *slot = memo_find(b, key);
-    slot->key = key;
-    slot->start = start;
-    slot->len = b->n - start;
-    b->memo_used++;
-}
-
-static int jb_reserve(jbuf *b, Py_ssize_t n) { /* room for n more bytes */
-    if (b->n + n > b->cap) {
-        Py_ssize_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n) cap *= 2;
-        char *q = PyMem_Realloc(b->p, (size_t)cap);
-        if (!q) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        b->p = q;
-        b->cap = cap;
-    }
-    return 0;
-}
-
-static int jb_put(jbuf *b, const char *s, Py_ssize_t n) {
-    if (jb_reserve(b, n) < 0) return -1;
-    memcpy(b->p + b->n, s, (size_t)n);
-    b->n += n;
-    return 0;
-}
-
-/* whether any of the 8 ASCII bytes in v is below ' ', '"', '\\' or DEL (ensure_ascii escapes
- * them); exact for bytes under 0x80 (an ASCII str has no others): a byte x has its high bit
- * set in (x - c) & ~x & 0x80 for c = 0x01 exactly when x == 0, and for c = 0x20 when x < 0x20 */
-#define ONES 0x0101010101010101ULL
-#define HIGHS 0x8080808080808080ULL
-static inline uint64_t zero8(uint64_t v) { return (v - ONES) & ~v & HIGHS; }
-static inline int needs_escape8(uint64_t v) {
-    uint64_t low = (v - ONES * 0x20) & ~v & HIGHS;
-    return (low | zero8(v ^ (ONES * '"')) | zero8(v ^ (ONES * '\\')) | zero8(v ^ (ONES * 0x7f))) != 0;
-}
-
-static int jb_str(jbuf *b, PyObject *o) { /* a str, escaped as ensure_ascii does */
-    static const char hex[] = "0123456789abcdef";
-    Py_ssize_t len = PyUnicode_GET_LENGTH(o);
-    int kind = PyUnicode_KIND(o);
-    const void *data = PyUnicode_DATA(o);
-    if (PyUnicode_IS_ASCII(o)) { /* most often nothing to escape (hex digests, names): one copy */
-        const unsigned char *a = (const unsigned char *)data;
-        Py_ssize_t i = 0;
-        for (; i + 8 <= len; i += 8) { /* 8 bytes at a time: any that needs escaping? */
-            uint64_t v;
-            memcpy(&v, a + i, 8);
-            if (needs_escape8(v)) break;
-        }
-        while (i < len && a[i] >= ' ' && a[i] <= '~' && a[i] != '\\' && a[i] != '"') i++;
-        if (i == len) {
-            if (jb_reserve(b, len + 2) < 0) return -1;
-            b->p[b->n] = '"';
-            memcpy(b->p + b->n + 1, a, (size_t)len);
-            b->p[b->n + 1 + len] = '"';
-            b->n += len + 2;
-            return 0;
-        }
-    }
-    if (jb_put(b, "\"", 1) < 0) return -1;
-    for (Py_ssize_t i = 0; i < len; i++) {
-        Py_UCS4 c = PyUnicode_READ(kind, data, i);
-        char e[12];
-        Py_ssize_t k = 0;
-        if (c >= ' ' && c <= '~' && c != '\\' && c != '"') {
-            e[k++] = (char)c;
-        } else if (c == '\\' || c == '"') {
-            e[k++] = '\\';
-            e[k++] = (char)c;
-        } else if (c == '\b' || c == '\f' || c == '\n' || c == '\r' || c == '\t') {
-            e[k++] = '\\';
-            e[k++] = c == '\b' ? 'b' : c == '\f' ? 'f' : c == '\n' ? 'n' : c == '\r' ? 'r' : 't';
-        } else {
-            Py_UCS4 units[2];
-            int m = 0;
-            if (c >= 0x10000) {
-                Py_UCS4 v = c - 0x10000;
-                units[m++] = 0xd800 | ((v >> 10) & 0x3ff);
-                units[m++] = 0xdc00 | (v & 0x3ff);
-            } else {
-                units[m++] = c;
-            }
-            for (int j = 0; j < m; j++) {
-                e[k++] = '\\';
-                e[k++] = 'u';
-                e[k++] = hex[(units[j] >> 12) & 15];
-                e[k++] = hex[(units[j] >> 8) & 15];
-                e[k++] = hex[(units[j] >> 4) & 15];
-                e[k++] = hex[units[j] & 15];
-            }
-        }
-        if (jb_put(b, e, k) < 0) return -1;
-    }
-    return jb_put(b, "\"", 1);
-}
-
-static int jb_text(jbuf *b, PyObject *text) { /* an ASCII str from repr() */
-    if (!text) return -1;
-    Py_ssize_t n;
-    const char *s = PyUnicode_AsUTF8AndSize(text, &n);
-    int r = s ? jb_put(b, s, n) : -1;
-    Py_DECREF(text);
-    return r;
-}
-
-/* 0: written; 1: not plain data (nothing to report); -1: an exception is set */
-static int jb_value(jbuf *b, PyObject *o, int depth) {
-    if (depth > 64) return 1;
-    if (o == Py_None) return jb_put(b, "null", 4);
-    if (o == Py_True) return jb_put(b, "true", 4);
-    if (o == Py_False) return jb_put(b, "false", 5);
-    if (PyUnicode_CheckExact(o)) return jb_str(b, o);
-    if (PyLong_CheckExact(o)) {
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-        if (overflow || (v == -1 && PyErr_Occurred())) { /* over 64 bits: Python's digits */
-            PyErr_Clear();
-            return jb_text(b, PyLong_Type.tp_repr(o));
-        }
-        char d[24], *q = d + sizeof d; /* digits from the right (snprintf: 3x the time) */
-        unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-        do {
-            *--q = (char)('0' + u % 10);
-            u /= 10;
-        } while (u);
-        if (v < 0) *--q = '-';
-        return jb_put(b, q, d + sizeof d - q);
-    }
-    if (PyFloat_CheckExact(o)) {
-        double d = PyFloat_AS_DOUBLE(o);
-        if (Py_IS_NAN(d)) return jb_put(b, "NaN", 3);
-        if (Py_IS_INFINITY(d)) return d > 0 ? jb_put(b, "Infinity", 8) : jb_put(b, "-Infinity", 9);
-        return jb_text(b, PyFloat_Type.tp_repr(o));
-    }
-    if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
-        PyObject *seq = o;
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-        if (jb_put(b, "[", 1) < 0) return -1;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            /* a list may not change under us: every item is read by index, once */
-            if (i && jb_put(b, ",", 1) < 0) return -1;
-            if (i >= PySequence_Fast_GET_SIZE(seq)) return 1;
-            PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-            Py_INCREF(item);
-            int r = jb_value(b, item, depth + 1);
-            Py_DECREF(item);
-            if (r) return r;
-        }
-        return jb_put(b, "]", 1);
-    }
-    if (PyDict_CheckExact(o)) {
-        PyObject *key, *value;
-        Py_ssize_t pos = 0, first = 1, start = b->n;
-        /* a dict inside an item (a request's digests shared by several boundaries), written
-         * before in this call: its text copied. Nothing can change it meanwhile (no Python
-         * code runs here) and the items hold it alive, so its address names it. */
-        int memo = b->memo_cap && depth >= 2 && PyDict_GET_SIZE(o) >= 2;
-        if (memo) {
-            jmemo_slot *slot = memo_find(b, o);
-            if (slot->key) {
-                if (jb_reserve(b, slot->len) < 0) return -1;
-                memcpy(b->p + b->n, b->p + slot->start, (size_t)slot->len);
-                b->n += slot->len;
-                return 0;
-            }
-        }
-        if (jb_put(b, "{", 1) < 0) return -1;
-        while (PyDict_Next(o, &pos, &key, &value)) {
-            if (!PyUnicode_CheckExact(key)) return 1;
-            if (!first && jb_put(b, ",", 1) < 0) return -1;
-            first = 0;
-            Py_INCREF(key);
-            Py_INCREF(value);
-            int r = jb_str(b, key);
-            if (!r) r = jb_put(b, ":", 1);
-            if (!r) r = jb_value(b, value, depth + 1);
-            Py_DECREF(key);
-            Py_DECREF(value);
-            if (r) return r;
-        }
-        if (jb_put(b, "}", 1) < 0) return -1;
-        if (memo) memo_add(b, o, start);
-        return 0;
-    }
-    return 1;
-}
-
-static PyObject *jb_result(jbuf *b, int r) {
-    PyObject *out = NULL;
-    if (r == 0) {
-        out = PyUnicode_New(b->n, 127);
-        if (out) memcpy(PyUnicode_1BYTE_DATA(out), b->p, (size_t)b->n);
-    } else if (r == 1) {
-        out = Py_None;
-        Py_INCREF(out);
-    }
-    PyMem_Free(b->p);
-    PyMem_Free(b->memo);
-    return out;
-}
-
-/* encode_json_lines(list): the items of a list, each as encode_json writes it, joined by
- * ",\n" (a manifest's boundaries, one per line); None where an item is not plain data. A
- * dict met again inside the items (the same object) is written once and its text copied. */
-static PyObject *py_encode_json_lines(PyObject *self, PyObject *obj) {
-    if (!PyList_CheckExact(obj)) Py_RETURN_NONE;
-    jbuf b = {NULL, 0, 0, NULL, 0, 0};
-    b.memo = PyMem_Calloc(256, sizeof *b.memo);
-    if (!b.memo) return PyErr_NoMemory();
-    b.memo_cap = 256;
-    int r = 0;
-    for (Py_ssize_t i = 0; !r && i < PyList_GET_SIZE(obj); i++) {
-        if (i) r = jb_put(&b, ",\n", 2);
-        if (r) break;
-        PyObject *item = PyList_GET_ITEM(obj, i);
-        Py_INCREF(item);
-        r = jb_value(&b, item, 1);
-        Py_DECREF(item);
-    }
-    return jb_result(&b, r);
-}
-
-static PyObject *py_encode_json(PyObject *self, PyObject *obj) {
-    jbuf b = {NULL, 0, 0, NULL, 0, 0};
-    int r = jb_value(&b, obj, 0);
-    return jb_result(&b, r);
-}
-
 static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "copy a strided array into a C-contiguous buffer"},
     {"request_blocks", py_request_blocks, METH_VARARGS,
      "tree digests of requests on consecutive rows (see the source)"},
-    {"encode_json", py_encode_json, METH_O,
-     "json.dumps(obj, separators=(',', ':')) for plain data, else None (see the source)"},
-    {"encode_json_lines", py_encode_json_lines, METH_O,
-     "a list's items as encode_json writes them, joined by ',\\n' (see the source)"},
     {"use_xxh3", py_use_xxh3, METH_VARARGS,
      "call XXH3_128bits of the xxhash package's module directly (see the source)"},
     {"hash_boundary", py_hash_boundary, METH_VARARGS,

@@ -1,12 +1,21 @@
-"""``json.dumps(obj, separators=(",", ":"))`` of plain data, in one compiled call.
+"""A capture's boundaries and row map as ``json.dumps(obj, separators=(",", ":"))`` writes
+them, at orjson's speed.
 
-A capture's manifest is thousands of small dicts of hex digests; the json module's
-encoder spends its time there building string fragments (about 130 MB/s measured on a
-tiny Llama capture's boundaries). :func:`compact` writes the same text in
-``dmlib/localize/capture/_capture.c`` for dicts with ``str`` keys, lists, tuples, ``str``, ``int``,
-``float``, ``bool`` and None (each of exactly that type, nested at most 64 deep), and
-returns None for anything else, where the caller's json encoder writes it. Off with
-``DMLIB_KERNELS=numpy``, like the other compiled kernels.
+A capture's manifest is hundreds of small dicts of hex digests, where the json module's
+encoder spends its time building string fragments (6-10 ms for the 243 boundaries of a
+tiny Llama's ops capture). orjson writes them in 0.18 ms, as fast as the C writer dmlib
+carried for them before (0.17 ms; 0.09 against 0.11 ms on a hidden-512 capture's 132
+boundaries; ``benchmarks/bench_capture_json.py``), so that writer is gone.
+
+For data without floats (what a capture's boundaries and row maps hold: ``str``, ``int``,
+``bool``, None, lists, tuples and dicts with ``str`` keys) orjson's text is the json
+module's wherever it is ASCII without DEL (tests/test_kernels_jsonenc.py). Anything else comes back
+as None and the caller's json encoder writes it: text with a character past ASCII or DEL
+(the json module escapes them: the manifest stays byte for byte what it was), an int past 64
+bits, a key that is no ``str``, nesting past orjson's limit. Floats are the caller's to
+keep out: orjson writes ``1e-05`` as ``1e-5`` and NaN as null (the manifest's metadata and
+op arguments, which may hold them, go to the json module). ``DMLIB_KERNELS=numpy`` (the
+switch of the compiled paths) and a missing orjson take the json module's path.
 """
 
 from __future__ import annotations
@@ -15,42 +24,55 @@ from typing import Any
 
 from dmlib.localize.capture import treehash
 
-_ENCODE = getattr(treehash._capture, "encode_json", None)
-_LINES = getattr(treehash._capture, "encode_json_lines", None)
+try:
+    import orjson
+except ImportError:  # pragma: no cover - a dependency; the json module writes without it
+    orjson = None
+
+_DUMPS = None if orjson is None else orjson.dumps
+_ERROR: type[Exception] = TypeError if orjson is None else orjson.JSONEncodeError
+
+
+def _as_json_module(raw: bytes) -> bool:
+    """Whether orjson's bytes are the json module's text: ASCII, and no DEL (0x7f), which
+    the json module escapes as ``\\u007f``."""
+    return raw.isascii() and b"\x7f" not in raw
 
 
 def compact(obj: Any) -> str | None:
-    """``json.dumps(obj, separators=(",", ":"))``, or None where ``obj`` is not plain data
-    (or the compiled module is not there).
+    """``json.dumps(obj, separators=(",", ":"))`` of float-free data, or None where the
+    json module must write it (see the module's docstring).
 
     Examples
     --------
-    >>> compact({"a": [1, 2.5, None, "é"]}) in ('{"a":[1,2.5,null,"\\\\u00e9"]}', None)
+    >>> compact({"a": [1, None, "x"]}) in ('{"a":[1,null,"x"]}', None)
     True
     """
-    if _ENCODE is None or not treehash.USE_COMPILED:
+    if _DUMPS is None or not treehash.USE_COMPILED:
         return None
-    out: str | None = _ENCODE(obj)
-    return out
+    try:
+        raw: bytes = _DUMPS(obj)
+    except _ERROR:
+        return None
+    return raw.decode() if _as_json_module(raw) else None
 
 
 def compact_lines(items: list[Any]) -> str | None:
-    r"""``",\n".join(compact(x) for x in items)`` in one compiled call, or None where an item
-    is not plain data (or the compiled module is not there).
-
-    A dict met again inside the items (the same object: a capture's boundaries share the
-    digests of one tensor recorded under several names) is written once and its text
-    copied: the same text as writing it anew, since nothing changes it during the call.
+    r"""``",\n".join(compact(x) for x in items)`` in one pass, or None where one item is
+    not for orjson (see the module's docstring).
 
     Examples
     --------
     >>> compact_lines([{"a": 1}, [2]]) in ('{"a":1},\n[2]', None)
     True
     """
-    if _LINES is None or not treehash.USE_COMPILED or type(items) is not list:
+    if _DUMPS is None or not treehash.USE_COMPILED or type(items) is not list:
         return None
-    out: str | None = _LINES(items)
-    return out
+    try:
+        raw = b",\n".join(map(_DUMPS, items))
+    except _ERROR:
+        return None
+    return raw.decode() if _as_json_module(raw) else None
 
 
 __all__ = ["compact", "compact_lines"]

@@ -44,11 +44,9 @@ if _C_ENCODER is not None:
 
 
 def _encode_compact(obj: Any) -> str:
-    """``_COMPACT.encode(obj)``: in one compiled call for plain data (every manifest entry
-    dmlib builds), else with the json module's encoder, built once."""
-    text = jsonenc.compact(obj)
-    if text is not None:
-        return text
+    """``_COMPACT.encode(obj)`` with the json module's encoder, built once: the manifest's
+    head (settings, metadata, ops: floats and NaN as the json module writes them), and
+    boundaries :func:`jsonenc.compact_lines` leaves to it."""
     if _C_ENCODER is None:  # pragma: no cover
         return _COMPACT.encode(obj)
     return "".join(_C_ENCODER(obj, 0))
