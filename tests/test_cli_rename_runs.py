@@ -232,3 +232,22 @@ def test_report_run_with_rename_quotes_numpy_numbers(runs, tmp_path):
     assert worst["base/seed1"] == pytest.approx(max(_rel_fro(base[k], seed1[k]) for k in base))
     assert worst["base/rep"] == pytest.approx(_rel_fro(base["fc.weight"], rep["fc.weight"]))
     assert "by at least -" not in numbers["finding"]
+
+
+def test_matrix_of_lone_npy_files_compares_their_arrays(tmp_path):
+    """Each .npy holds one array named after its file: the matrix compares them (as compare
+    pairs two), never refuses them as sharing no name, nor passes them as comparing nothing."""
+    g = np.random.default_rng(3)
+    x = g.standard_normal(50).astype(np.float32)
+    y = x.copy()
+    y[[3, 7]] += np.float32(1e-3)
+    np.save(tmp_path / "first.npy", x)
+    np.save(tmp_path / "second.npy", y)
+    np.save(tmp_path / "third.npy", x)
+    r = _dmlib("matrix", f"a={tmp_path / 'first.npy'}", f"b={tmp_path / 'second.npy'}",
+               f"c={tmp_path / 'third.npy'}", "--json")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    pairs = {f"{p['a']}/{p['b']}": p for p in json.loads(r.stdout)["verdict"]["pairs"]}
+    assert pairs["a/b"]["n_diff"] == int((x != y).sum()) == 2
+    assert pairs["a/b"]["worst_rel_fro"] == pytest.approx(_rel_fro(x, y), rel=1e-12)
+    assert pairs["a/c"]["identical"] and pairs["a/c"]["numel"] == 50

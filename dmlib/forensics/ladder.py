@@ -22,7 +22,7 @@ import pandas as pd
 from dmlib.errors import DmlibError
 from dmlib.forensics.factors import FactorGroup, as_groups, layers_of
 from dmlib.sources import Patterns, Source, name_filter, open_source, select
-from dmlib.stats.matrix import pair_problem, renamed_runs, run_renames
+from dmlib.stats.matrix import pair_problem, renamed_runs, run_renames, single_arrays
 from dmlib.tensor import ArrayTensorSet, TensorSet
 
 __all__ = ["check_steps", "growth_rates", "ladder_summary", "small_norm", "step_ladder"]
@@ -465,6 +465,8 @@ def step_ladder(
         checks, sets = _check_all(ladder, step_key, stack)
         for (run, step), ts in list(sets.items()):
             sets[(run, step)] = renamed_runs({run: ts}, renames)[run]
+        for step in {s for _, s in sets}:  # lone .npy files: one array each, as compare pairs them
+            sets.update(single_arrays({k: v for k, v in sets.items() if k[1] == step}))
         sets, mapped = _map_steps(sets, mapping, reference, [str(r) for r in ladder])
         df = _ladder(
             ladder, checks, sets, reference, include, exclude, groups, keep_flagged, engine

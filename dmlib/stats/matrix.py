@@ -150,7 +150,7 @@ def _matrix_rows(
     pair_attrs: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         sets = {label: stack.enter_context(opened(src)) for label, src in runs.items()}
-        sets = renamed_runs(sets, renames)
+        sets = single_arrays(renamed_runs(sets, renames))
         sets, mapped = map_runs(sets, mapping)
         every = list(dict.fromkeys(n for ts in sets.values() for n in ts))
         check_selection(every, [], include, exclude, f"any of the runs {labels}")
@@ -428,6 +428,21 @@ def run_renames(spec: Any, labels: list[str]) -> dict[str, list[Any]]:
                 f"rename {label}:{rule}: expected RUN:OLD=NEW (OLD a prefix, NEW its "
                 "replacement, one may be empty) or RUN:re:REGEX=REPL"
             ) from None
+    return out
+
+
+def single_arrays(sets: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Runs that are each one ``.npy`` file hold one array, named after its file: seen under
+    the first run's name, so that they are compared (as :func:`dmlib.compare` pairs two)."""
+    out = dict(sets)
+    lone = [ts for ts in out.values() if ts.format == "npy" and len(ts) == 1]
+    if len(lone) != len(out) or len(out) < 2:
+        return out
+    (first,) = list(lone[0])
+    for key, ts in out.items():
+        (name,) = list(ts)
+        if name != first:
+            out[key] = ts.renamed({name: first})
     return out
 
 
