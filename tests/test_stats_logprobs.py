@@ -631,3 +631,15 @@ def test_whole_distributions_given_by_one_side_are_said() -> None:
     v = logprob_verdict(compare_logprobs(a, [np.array([-1.0, -2.0])]))
     assert "top-k figures (top_logprobs and top_ids given by A only)" in v.unchecked
     assert "kl_topk_ab" not in v.figures and v.status == "identical"
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_an_id_repeated_within_a_list_is_matched_once(dtype: type) -> None:
+    from dmlib.stats.logprob_figures import topk_kl
+
+    ia = np.array([[5, 5, 7], [1, 2, 3]])
+    ib = np.array([[5, 9, 7], [3, 3, 3]])
+    la = np.log(np.array([[0.3, 0.2, 0.1], [0.5, 0.2, 0.1]])).astype(dtype)
+    lb = np.log(np.array([[0.3, 0.2, 0.1], [0.4, 0.1, 0.1]])).astype(dtype)
+    got = topk_kl(la, ia, lb, ib)
+    assert got["topk_overlap"].tolist() == [2 / 3, 1 / 3]

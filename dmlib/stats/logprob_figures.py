@@ -280,9 +280,10 @@ def _matched_f32(
     key = np.concatenate([a, b], axis=1)
     width = key.shape[1]
     key.sort(axis=1)
-    # ids are distinct within a list: two keys side by side with one id (equal above the
-    # low 33 bits) are A's entry then B's
-    near = np.bitwise_xor(key[:, 1:], key[:, :-1]) < (1 << 33)
+    # two keys side by side with one id and the two sides (their xor above the value's 32
+    # bits is exactly the side bit) are A's entry then B's; an id repeated within one list
+    # is matched once
+    near = (np.bitwise_xor(key[:, 1:], key[:, :-1]) >> 32) == 1
     f = np.flatnonzero(near)
     row = f // (width - 1)
     at = f + row  # the pair's first key in the [n, width] array
@@ -310,18 +311,8 @@ def topk_kl(
     def block(s: int) -> None:
         e = min(n, s + rows)
         row, xa, xb = _matched_values(la[s:e], ia[s:e], lb[s:e], ib[s:e])
-        pa, pb = np.exp(xa), np.exp(xb)
-        d = xa - xb
-        with np.errstate(invalid="ignore"):
-            ab = np.where(pa > 0, pa * d, 0.0)
-            ba = np.where(pb > 0, -pb * d, 0.0)
-        count = np.bincount(row, minlength=e - s)  # rows come in order: segments
-        seg = Segments(count)
-        rest_a = np.maximum(1.0 - seg.sum(pa), 0.0)
-        rest_b = np.maximum(1.0 - seg.sum(pb), 0.0)
-        out["kl_topk_ab"][s:e] = seg.sum(ab) + _bucket(rest_a, rest_b)
-        out["kl_topk_ba"][s:e] = seg.sum(ba) + _bucket(rest_b, rest_a)
-        out["topk_overlap"][s:e] = count / k
+        for key, v in _kl_parts(row, xa, xb, e - s, k).items():
+            out[key][s:e] = v
 
     starts = range(0, n, rows)
     workers = min(len(starts), os.cpu_count() or 1, 8)
@@ -332,6 +323,26 @@ def topk_kl(
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(block, starts))
     return out
+
+
+def _kl_parts(
+    row: np.ndarray, xa: np.ndarray, xb: np.ndarray, m: int, k: int
+) -> dict[str, np.ndarray]:
+    """The top-k figures of ``m`` rows from their matched pairs (``row`` in order)."""
+    pa, pb = np.exp(xa), np.exp(xb)
+    d = xa - xb
+    with np.errstate(invalid="ignore"):
+        ab = np.where(pa > 0, pa * d, 0.0)
+        ba = np.where(pb > 0, -pb * d, 0.0)
+    count = np.bincount(row, minlength=m)
+    seg = Segments(count)
+    rest_a = np.maximum(1.0 - seg.sum(pa), 0.0)
+    rest_b = np.maximum(1.0 - seg.sum(pb), 0.0)
+    return {
+        "kl_topk_ab": seg.sum(ab) + _bucket(rest_a, rest_b),
+        "kl_topk_ba": seg.sum(ba) + _bucket(rest_b, rest_a),
+        "topk_overlap": count / k,
+    }
 
 
 def _bucket(p: np.ndarray, q: np.ndarray) -> np.ndarray:
