@@ -265,9 +265,28 @@ def test_a_fifo_or_device_config_json_is_not_waited_on(tmp_path: Path) -> None:
 
     d = _with_state(tmp_path, '{"global_step": 1}')
     os.mkfifo(d / "config.json")
-    assert _hf_names._architecture(str(d)) == (
+    assert _hf_names._architecture(str(d), 10) == (
         None, "there is no readable config.json naming the architecture"
     )  # fmt: skip
     os.unlink(d / "config.json")
     os.symlink("/dev/zero", d / "config.json")
-    assert _hf_names._architecture(str(d))[0] is None
+    assert _hf_names._architecture(str(d), 10)[0] is None
+
+
+def test_a_config_declaring_a_million_layers_is_not_rebuilt(tmp_path: Path) -> None:
+    """Rebuilding a config's model costs time per layer (2,000 layers: 24 s): a config
+    declaring more layers than the optimizer holds parameters is not built."""
+    from dmlib.io import _hf_names
+
+    d = _with_state(tmp_path, '{"global_step": 1}')
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "text_config": {"num_hidden_layers": 1_000_000}, "num_hidden_layers": 2}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    t0 = time.monotonic()
+    order, why = _hf_names._architecture(str(d), 20)
+    assert order is None and time.monotonic() - t0 < 5
+    assert why == (
+        "config.json declares 1,000,000 layers, more than the 20 parameters the optimizer "
+        "holds: not rebuilt"
+    )
+    assert _hf_names._declared_layers({"a": [{"n_layer": 7}], "encoder_layers": 3}) == 7

@@ -50,7 +50,7 @@ def name_optimizer_state(
     if not ids_shape:
         return ts, ts.metadata.get("optimizer_state_names") or "no per-parameter state to name"
     groups = _groups(ts.scalars)
-    order, why = _order(folder, model)
+    order, why = _order(folder, model, sum(map(len, groups)) or len(ids_shape))
     if order is None:
         return ts, f"state keeps numeric parameter ids ({why})"
     names, problem = _assign(groups, order, ids_shape, model)
@@ -108,9 +108,9 @@ def _assign(
     return names, ""
 
 
-def _order(folder: str, model: TensorSet | None) -> tuple[Order | None, str]:
+def _order(folder: str, model: TensorSet | None, n_params: int) -> tuple[Order | None, str]:
     """The parameters in ``named_parameters()`` order, the decay set, and how it is known."""
-    built, why = _architecture(folder)
+    built, why = _architecture(folder, n_params)
     if built is not None:
         return built, ""
     if model is not None and model.format == "torch":
@@ -121,7 +121,11 @@ def _order(folder: str, model: TensorSet | None) -> tuple[Order | None, str]:
     return None, f"{where} does not record the parameter order, and {why}"
 
 
-def _architecture(folder: str) -> tuple[Order | None, str]:
+def _architecture(folder: str, n_params: int) -> tuple[Order | None, str]:
+    """The order rebuilt from ``config.json``, unless the config declares more layers than
+    the optimizer holds parameters (``n_params``): each layer has at least one, and building
+    a config's model takes time and memory in proportion to its layers (2,000 layers: 24 s
+    on the meta device), so a file cannot make dmlib build a model of a million layers."""
     from dmlib import _limits
     from dmlib.errors import DmlibError
     from dmlib.io.hf_trainer import read_member
@@ -135,7 +139,30 @@ def _architecture(folder: str) -> tuple[Order | None, str]:
         return None, "there is no readable config.json naming the architecture"
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         return None, "config.json does not name one architecture"
+    layers = _declared_layers(json.loads(text))
+    if layers > n_params:
+        return None, (
+            f"config.json declares {layers:,} layers, more than the {n_params:,} parameters "
+            "the optimizer holds: not rebuilt"
+        )
     return _built(text, archs[0])
+
+
+def _declared_layers(config: Any) -> int:
+    """The largest layer count a config declares (``num_hidden_layers``, ``n_layer``,
+    ``encoder_layers``...: any integer under a key naming layers), nested configs included."""
+    most, stack = 0, [config]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+                elif "layer" in str(k).lower() and type(v) is int:
+                    most = max(most, v)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return most
 
 
 @functools.lru_cache(maxsize=8)
