@@ -337,23 +337,32 @@ def parse_metadata(name: str, raw: bytes, zarr_format: int, path: str) -> ZarrAr
     return arr
 
 
+_STEP = 16 << 20  # bytes decoded at a time from a zlib or gzip stream
+
+
 def _inflate(data: bytes, name: str, want: int, what: str, path: str) -> bytes:
     """One compressed stream decoded into at most ``want`` bytes (the chunk's own size) and
     no more than :func:`dmlib._limits.allowed_output` lets its stored size inflate to."""
     limit = min(want, _limits.allowed_output(len(data)))
     if name == "zstd":
         return zstd_decompress(data, limit, what, path)
+    d = zlib.decompressobj(31 if name == "gzip" else 15)
+    out, tail = bytearray(), data
     try:
-        d = zlib.decompressobj(31 if name == "gzip" else 15)
-        out = d.decompress(data, limit + 1)
+        while True:  # in pieces: the output grows by what was decoded, never past the limit
+            piece = d.decompress(tail, _STEP)
+            out += piece
+            if len(out) > limit:
+                raise FormatError(
+                    f"{what}: {len(data)} {name} bytes inflate past {limit} bytes "
+                    f"({_limits.limit_hint()})",
+                    path=path,
+                )
+            tail = d.unconsumed_tail
+            if d.eof or (not tail and len(piece) < _STEP):
+                return bytes(out)
     except zlib.error as err:
         raise FormatError(f"{what}: corrupt {name} data ({err})", path=path) from None
-    if len(out) > limit:
-        raise FormatError(
-            f"{what}: {len(data)} {name} bytes inflate past {limit} bytes ({_limits.limit_hint()})",
-            path=path,
-        )
-    return out
 
 
 def _decode(data: bytes, codecs: list[dict[str, Any]], want: int, what: str, path: str) -> bytes:
