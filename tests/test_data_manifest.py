@@ -17,6 +17,7 @@ def test_every_committed_file_matches_its_manifest_hash():
         "packed",
         "packed_ops",
         "logprob_drift",
+        "lora_steps",
     }
     listed = set()
     for ds in doc["datasets"].values():

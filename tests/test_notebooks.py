@@ -39,8 +39,7 @@ DATASET = {
     "step_growth": "step_ladder",
     "capture_boundaries": "packed",
     "logprob_drift": "logprob_drift",
-    # no lab dataset has LoRA runs: it explains itself on this one (tests/test_report_adapters.py)
-    "adapters": "step_ladder",
+    "adapters": "lora_steps",
 }
 # which notebooks each lab study runs here (the others it would run are covered elsewhere)
 ONLY = {
@@ -48,6 +47,7 @@ ONLY = {
     "step_ladder": ["step_growth"],
     "packed": ["capture_boundaries"],
     "logprob_drift": ["logprob_drift"],
+    "lora_steps": ["adapters"],
 }
 FIGURES = {
     "checkpoint_anatomy": [
@@ -62,6 +62,7 @@ FIGURES = {
     "step_growth": ["step_growth_rel_fro", "step_growth_rates"],
     "capture_boundaries": ["captures_boundary_profile", "captures_block_heatmap"],
     "logprob_drift": ["logprob_drift_k3"],
+    "adapters": ["adapters_delta_growth", "adapters_gradient_l2"],
 }
 
 
@@ -444,6 +445,37 @@ def test_logprob_drift(executed):
     assert n["band"] == pytest.approx(band, rel=1e-9)
 
 
+def test_adapters(executed):
+    """The adapters notebook's numbers against numpy over the raw files (the factors and
+    gradients read by safetensors itself); the generator's truth: at step 0 every run but
+    the control has the same weights, so the micro-batches with the correct normalisation
+    differ from one backward by rounding only, and the per-micro-batch mean by far more."""
+    from safetensors.numpy import load_file
+
+    n = _numbers(executed, "adapters")
+    index = _index("lora_steps")
+    ds = DATA / "lora_steps"
+    assert n["adapter_runs"][0] == index["reference"] == "base"
+    scaling = index["lora"]["lora_alpha"] / index["lora"]["r"]
+    for r in n["delta_growth"]:
+        t = load_file(ds / r["run"] / "adapter" / f"step_{r['step']}" / "adapter_model.safetensors")
+        a = t[f"base_model.model.{r['target']}.lora_A.weight"].astype(np.float64)
+        b = t[f"base_model.model.{r['target']}.lora_B.weight"].astype(np.float64)
+        assert r["delta_norm"] == pytest.approx(np.linalg.norm(scaling * (b @ a)), rel=1e-12)
+    rel = {}
+    for r in n["gradient_l2"]:
+        x, y = (load_file(ds / run / "grads" / f"step_{r['step']}.safetensors")
+                for run in (r["a"], r["b"]))  # fmt: skip
+        names = [k for k in x if "lora_" in k]
+        xa = np.concatenate([x[k].astype(np.float64).ravel() for k in names])
+        ya = np.concatenate([y[k].astype(np.float64).ravel() for k in names])
+        expected = np.linalg.norm(xa - ya) / np.linalg.norm(xa)
+        assert r["rel_l2"] == pytest.approx(expected, rel=1e-12, abs=0)
+        assert r["control"] is (r["b"] == index["control"])
+        rel[(r["b"], r["step"])] = r["rel_l2"]
+    assert rel[("split", 0)] < 1e-5 and rel[("bug", 0)] > 1e3 * max(rel[("split", 0)], 1e-12)
+
+
 @pytest.mark.slow
 def test_notebooks_on_a_study_without_their_data(tmp_path):
     """capture_boundaries, step_growth and qr_first_divergent_column on one checkpoint
@@ -459,6 +491,7 @@ def test_notebooks_on_a_study_without_their_data(tmp_path):
         "step_growth": prose.NO_LADDER_HERE,
         "qr_first_divergent_column": prose.NO_FACTOR_GROUPS_HERE,
         "logprob_drift": NO_LOGPROBS,
+        "adapters": prose.NO_ADAPTERS_HERE,
     }
     paths = [NOTEBOOKS / f"{n}.ipynb" for n in names]
     results = run_notebooks(paths, tmp_path, {"STUDY": str(study), "FIGURE_DIR": "figures"}, jobs=2)

@@ -25,6 +25,7 @@ DATASETS = {
     "packed": "dmlib.lab.packed",
     "packed_ops": "dmlib.lab.packed_ops",
     "logprob_drift": "dmlib.lab.logprob_drift",
+    "lora_steps": "dmlib.lab.lora_steps",
 }
 
 

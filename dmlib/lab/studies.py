@@ -24,6 +24,7 @@ FOLDER = {
     "packed": "packed",
     "packed_ops": "packed",
     "logprob_drift": "logprob_drift",
+    "lora_steps": "lora_steps",
 }
 _HEAD = "# The lab's {what} as a study (format: dmlib.report.study; README).\n"
 
@@ -55,6 +56,11 @@ def made_on(dataset: str, env: dict[str, Any]) -> str:
         return (
             f"{cpu}, torch {libs.get('torch')}, transformers {libs.get('transformers')}, 1 "
             f"thread, bfloat16 forwards (data/MANIFEST.json; {_isa(env)})"
+        )
+    if dataset == "lora_steps":
+        return (
+            f"{cpu}, torch {libs.get('torch')}, transformers {libs.get('transformers')}, peft "
+            f"{libs.get('peft')}, 1 thread, float32 (data/MANIFEST.json; {_isa(env)})"
         )
     raise KeyError(dataset)
 
@@ -89,6 +95,8 @@ def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
     """The study of ``dataset`` whose files are in ``folder`` (what exists there is listed)."""
     if dataset == "logprob_drift":
         return "\n".join(_logprob_drift_lines(env, folder)) + "\n"
+    if dataset == "lora_steps":
+        return "\n".join(_lora_steps_lines(env, folder)) + "\n"
     if dataset == "qr_init":
         runs = {f"p{i}": f"seed7_p{i}.bpk" for i in range(1, 7)} | {"seed8": "seed8_control.bpk"}
         runs = {k: v for k, v in runs.items() if (folder / v).is_file()}
@@ -179,3 +187,27 @@ def write_studies(out: Path, datasets: list[str]) -> list[Path]:
         atomic_write_text(path, study_text(folder, doc[folder]["environment"], out / folder))
         written.append(path)
     return written
+
+
+def _lora_steps_lines(env: dict[str, Any], folder: Path) -> list[str]:
+    """The LoRA dataset's study: the runs' adapter folders, their gradients, the control."""
+    from dmlib.lab.lora_steps import LORA_SEED
+
+    runs = [r for r in LORA_SEED if (folder / r).is_dir()]
+    return [
+        _HEAD.format(what="LoRA dataset").rstrip("\n"),
+        'title = "A tiny Qwen2 with a LoRA: one batch, micro-batches (correct and per-micro-batch '
+        'mean) and another LoRA seed"',
+        f"made_on = {_q(made_on('lora_steps', env))}",
+        'control = "seed8"',
+        'reference = "base"',
+        "",
+        "[runs]",
+        *(f'{r} = "{r}/adapter/"' for r in runs),
+        "",
+        "[adapters]",
+        'group = "adapter"',
+        "",
+        "[adapters.gradients]",
+        *(f'{r} = "{r}/grads/step_*.safetensors"' for r in runs),
+    ]
