@@ -35,9 +35,9 @@ def test_the_kinds_table_has_one_row_per_kind_and_the_reserved_kinds():
     assert len({(k.marker, k.entry_kind) for k in KINDS}) == len(KINDS)
     recorded = {k.name for k in KINDS if k.recorded}
     assert recorded == {"layout", "cache", "op-input", "op-output", "module-input",
-                        "module-output", "state"}  # fmt: skip
+                        "module-output", "state", "router"}  # fmt: skip
     reserved = {k.name for k in KINDS if not k.recorded}
-    assert reserved == {"router", "grad_output", "grad_input", "param_grad", "recorded"}
+    assert reserved == {"grad_output", "grad_input", "param_grad", "recorded"}
     for k in KINDS:  # every row states its identity and its row rule
         assert k.identity and k.rows and k.entry_kind in ("input", "output")
         assert not k.recorded or k.marker is None or k.marker in OPTIONAL_KEYS
@@ -89,13 +89,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _mistral():
-    torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, max_position_embeddings=64,
-                                     sliding_window=4, attn_implementation="eager",
-                                     pad_token_id=0)  # fmt: skip
-    return transformers.MistralForCausalLM(cfg).eval()
+    from test_localize_caches import _mistral_sliding  # (a 4-slot sliding window)
+
+    return _mistral_sliding()
 
 
 def _roundtrip(path: Path) -> list[str]:

@@ -28,15 +28,11 @@ from dmlib.localize.capture.tensors import (
     _require_torch,
     _select,
     default_modules,
+    torch,  # (None where torch is not installed)
 )
 from dmlib.localize.capture.writer import (
     _prepare_dir,
 )
-
-try:
-    import torch
-except ImportError:  # pragma: no cover - reading captures needs no torch; writing does
-    torch = None  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

@@ -23,14 +23,9 @@ from dmlib.localize.capture.digests import (
 from dmlib.localize.capture.rowmap import (
     RowMap,
 )
+from dmlib.localize.capture.tensors import torch  # (None where torch is not installed)
 from dmlib.localize.capture.treehash import request_blocks
 from dmlib.localize.capture.writer import ManifestWriter
-
-try:
-    import torch
-except ImportError:  # pragma: no cover - reading captures needs no torch; writing does
-    torch = None  # type: ignore[assignment]
-
 
 _PERMS: dict[tuple[int, tuple[int, int]], tuple[int, ...]] = {}  # (ndim, row axes) -> order
 

@@ -27,7 +27,7 @@ from dmlib.localize.capture import treehash
 try:
     import orjson
 except ImportError:  # pragma: no cover - a dependency; the json module writes without it
-    orjson = None
+    orjson = None  # type: ignore[assignment]
 
 _DUMPS = None if orjson is None else orjson.dumps
 _ERROR: type[Exception] = TypeError if orjson is None else orjson.JSONEncodeError

@@ -42,14 +42,8 @@ from dmlib.localize.capture.tensors import (
     _SPECIAL,
     _host_view,
     _np_dtype,
-    _to_numpy,
+    _to_numpy,  # (None where torch is not installed)
 )
-
-try:
-    import torch
-except ImportError:  # pragma: no cover - reading captures needs no torch; writing does
-    torch = None  # type: ignore[assignment]
-
 
 MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 
