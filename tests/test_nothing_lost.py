@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -64,6 +65,16 @@ def inputs(tmp_path: Path) -> Path:
     return d
 
 
+def _study(d: Path, *runs: str) -> str:
+    """A study file beside the inputs (not among them) naming some of them as runs."""
+    study = d.parent / "nb_study.toml"
+    study.write_text(
+        "[runs]\n" + "".join(f"r{i} = {json.dumps(r)}\n" for i, r in enumerate(runs)),
+        encoding="utf-8",
+    )
+    return str(study)
+
+
 def _argvs(command: str, d: Path) -> list[list[str]]:
     a1, a2, b1, b2, c, m = (
         str(d / n) for n in ("a1.bpk", "a2.bpk", "b1.bpk", "b2.bpk", "c.safetensors", "multi.bpk")
@@ -93,6 +104,7 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
             ]
         ],
         "map": [["suggest", c, c, "--out", str(d.parent / "map.toml")]],
+        "notebooks": [[str(d.parent / "nbs"), "--study", _study(d, a1, c)]],
         "study": [
             ["init", "--run", f"a={a1}", "--run", f"b={c}", "--out", str(d.parent / "study.toml")]
         ],
