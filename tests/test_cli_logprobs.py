@@ -158,3 +158,16 @@ def test_per_sequence_table(files: dict[str, Path], capsys) -> None:
         ["pair", "1", "5", "1"],
         ["pair", "2", "4", "0"],
     ]
+
+
+def test_metadata_from_the_files_reaches_the_terminal_escaped(tmp_path: Path, capsys) -> None:
+    for name, value in (("a", "\x1b[2J\x1b[32mIDENTICAL"), ("b", "other")):
+        (tmp_path / f"{name}.jsonl").write_text(
+            json.dumps({"metadata": {"weights_hash": value}})
+            + "\n"
+            + json.dumps({"tokens": [1, 2], "logprobs": [-1.0, -2.0]})
+            + "\n"
+        )
+    rc, out, _ = run(["logprobs", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], capsys)
+    assert rc == 5 and "\x1b" not in out and "\\x1b[2J" in out
+    assert out.startswith("NOT COMPARABLE: metadata 'weights_hash' differs")
