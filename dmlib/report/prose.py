@@ -746,18 +746,20 @@ def adapter_growth(
     )
 
 
-def gradient_l2_finding(group: str, last: int, same: Mapping[str, float],
-                        control: Mapping[str, float]) -> str:  # fmt: skip
-    """The global gradient L2 at the last step, the same-configuration pairs beside the control's."""
-    worst = max(same.items(), key=lambda kv: kv[1]) if same else None
-    text = f"At step {last}, the global relative L2 of the {_c(group)} gradients"
-    if worst is not None and worst[1] == 0:
-        text += " is 0 (bit-identical gradients) between same-configuration runs"
-    elif worst is not None:
-        text += f" is at most {fmt(worst[1])} between same-configuration runs ({_c(worst[0])})"
+def gradient_l2_finding(
+    group: str, last: int, reference: str, pairs: Mapping[str, float], control: Mapping[str, float]
+) -> str:
+    """The global gradient L2 of every run against the reference at the last step, the
+    control's last (0 said as bit-identical)."""
+
+    def one(run: str, v: float) -> str:
+        return f"{_c(run)} {fmt(v)}" + (" (bit-identical)" if v == 0 else "")
+
+    text = f"At step {last}, the global relative L2 of the {_c(group)} gradients against {_c(reference)}"
+    if pairs:
+        text += ": " + ", ".join(one(k, v) for k, v in pairs.items())
     if control:
-        low = min(control.values())
-        text += f"{',' if worst else ''} against {fmt(low)} or more with the control"
-        if worst is not None and worst[1] > 0 and low > 0:
-            text += f": {fmt(math.log10(low / worst[1]))} orders of magnitude apart"
+        text += f"{';' if pairs else ':'} the control " + ", ".join(
+            one(k, v) for k, v in control.items()
+        )
     return text + "."

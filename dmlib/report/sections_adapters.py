@@ -159,8 +159,9 @@ def gradient_figure(ad: Adapters) -> Any:
 
 
 def adapters_finding(ad: Adapters) -> str | None:
-    """The notebook's finding: the growth of the fastest target, the gradient L2 at the
-    last step of the same-configuration pairs beside the control's."""
+    """The notebook's finding: the target whose added weight grew most in the first
+    adapter run, and every run's gradient L2 against the reference at the last step, the
+    control's last."""
     if ad.empty:
         return None
     parts = []
@@ -170,19 +171,16 @@ def adapters_finding(ad: Adapters) -> str | None:
         first, last = int(sub["step"].min()), int(sub["step"].max())
         a = sub[sub["step"] == first].set_index("target")["delta_norm"]
         b = sub[sub["step"] == last].set_index("target")["delta_norm"]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = (b / a).replace([np.inf], np.nan).dropna()
-        if first != last and len(ratio):
-            worst = str(ratio.idxmax())
+        grew = (b - a).dropna()
+        if first != last and len(grew):
+            worst = str(grew.idxmax())
             parts.append(prose.adapter_growth(run, len(b), first, last, worst, a[worst], b[worst]))
     if ad.l2 is not None and len(ad.l2):
         last_step = int(ad.l2["step"].max())
         at = ad.l2[ad.l2["step"] == last_step]
-        same = dict(
-            zip(at.loc[~at["control"], "pair"], at.loc[~at["control"], "rel_l2"], strict=True)
-        )
-        ctrl = dict(
-            zip(at.loc[at["control"], "pair"], at.loc[at["control"], "rel_l2"], strict=True)
-        )
-        parts.append(prose.gradient_l2_finding(ad.gradients.group, last_step, same, ctrl))
+        ref = str(at["a"].iloc[0])
+        others, ctrl = at[~at["control"]], at[at["control"]]
+        same = dict(zip(others["b"], others["rel_l2"], strict=True))
+        control = dict(zip(ctrl["b"], ctrl["rel_l2"], strict=True))
+        parts.append(prose.gradient_l2_finding(ad.gradients.group, last_step, ref, same, control))
     return finding(" ".join(parts)) if parts else None
