@@ -93,10 +93,8 @@ def _logprob_drift_lines(env: dict[str, Any], folder: Path) -> list[str]:
 
 def study_text(dataset: str, env: dict[str, Any], folder: Path) -> str:
     """The study of ``dataset`` whose files are in ``folder`` (what exists there is listed)."""
-    if dataset == "logprob_drift":
-        return "\n".join(_logprob_drift_lines(env, folder)) + "\n"
-    if dataset == "lora_steps":
-        return "\n".join(_lora_steps_lines(env, folder)) + "\n"
+    if dataset in _OWN_LINES:  # datasets whose study is written by a helper of its own
+        return "\n".join(_OWN_LINES[dataset](env, folder)) + "\n"
     if dataset == "qr_init":
         runs = {f"p{i}": f"seed7_p{i}.bpk" for i in range(1, 7)} | {"seed8": "seed8_control.bpk"}
         runs = {k: v for k, v in runs.items() if (folder / v).is_file()}
@@ -211,3 +209,7 @@ def _lora_steps_lines(env: dict[str, Any], folder: Path) -> list[str]:
         "[adapters.gradients]",
         *(f'{r} = "{r}/grads/step_*.safetensors"' for r in runs),
     ]
+
+
+# datasets whose study is written by a helper of its own (study_text looks here first)
+_OWN_LINES = {"logprob_drift": _logprob_drift_lines, "lora_steps": _lora_steps_lines}
