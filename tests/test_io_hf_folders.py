@@ -182,3 +182,28 @@ def test_corrupt_config_is_refused_naming_the_file(tmp_path, folders, config, co
     with pytest.raises(FormatError) as info:
         dmlib.open_tensors(bad)
     assert os.path.join(str(bad), config) in str(info.value)
+
+
+def test_config_that_is_a_fifo_is_refused_without_waiting(tmp_path, folders):
+    import threading
+
+    bad = tmp_path / "fifo"
+    bad.mkdir()
+    for f in folders["adapter"].iterdir():
+        if f.name != "adapter_config.json":
+            (bad / f.name).write_bytes(f.read_bytes())
+    os.mkfifo(bad / "adapter_config.json")
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            dmlib.open_tensors(bad)
+        except BaseException as err:  # noqa: BLE001  (the outcome is checked below)
+            errors.append(err)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "opening waited on a FIFO"
+    assert len(errors) == 1 and isinstance(errors[0], FormatError)
+    assert "not a regular file" in str(errors[0])

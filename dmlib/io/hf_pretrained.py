@@ -126,6 +126,8 @@ def near_miss(path: str) -> str | None:
 def _config(path: str, fname: str) -> dict[str, Any]:
     """A folder's JSON config file: an object, or a one-line error naming the file."""
     fpath = os.path.join(path, fname)
+    if not os.path.isfile(fpath):  # a FIFO or a device is never opened (nor waited on)
+        raise FormatError("is not a regular file (a device, socket or pipe?)", path=fpath)
     try:
         if os.path.getsize(fpath) > _MAX_CONFIG:
             raise FormatError(f"larger than {_MAX_CONFIG >> 20} MiB: not a config", path=fpath)
