@@ -171,7 +171,7 @@ def test_half_a_folder_is_named(tmp_path, folders, keep, expected):
 
 
 @pytest.mark.parametrize("config", ["adapter_config.json", "config.json"])
-@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]"])
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"[" * 100_000])
 def test_corrupt_config_is_refused_naming_the_file(tmp_path, folders, config, content):
     src = folders["adapter"] if config.startswith("adapter") else folders["model"]
     bad = tmp_path / "bad"
