@@ -42,7 +42,7 @@ LABELS: dict[str, str] = {
     "max_abs_dlogprob": "max_abs_dlogprob = max |log p_B − log p_A| (nats)",
     "k1": "k1 = mean(−log r), r = p_B / p_A (nats)",
     "k2": "k2 = mean((log r)² / 2), r = p_B / p_A",
-    "k3": "k3 = mean(r − 1 − log r), r = p_B / p_A (estimates KL(A‖B), nats)",
+    "k3": "k3 = mean(r − 1 − log r), r = p_B / p_A (nats)",
     "chi2": "chi2 = mean((r − 1)²), r = p_B / p_A",
     "mean_abs_dp": "mean_abs_dp = mean |p_B − p_A|",
     "frac_over_ln2": "frac_over_ln2 = share of tokens with |log r| > ln 2",
