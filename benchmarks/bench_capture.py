@@ -165,10 +165,19 @@ def _capture_at(rev: str) -> Any:
     capture code of ``rev`` itself, its hashing rule and its hooks.
     """
     root = HERE.parent
-    src = subprocess.run(
+    got = subprocess.run(
         ["git", "show", f"{rev}:dmlib/localize/capture.py"],
-        cwd=root, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=root, capture_output=True, text=True,
+    )  # fmt: skip
+    if got.returncode != 0 or "dmlib.kernels import jsonenc" in got.stdout:
+        # the capture is a package of rooms with its own compiled module since then: a
+        # revision's capture no longer loads beside today's package
+        raise SystemExit(
+            f"--baseline {rev}: that revision's capture module cannot run beside today's "
+            "package; run this benchmark in a checkout of it (git worktree add) and here "
+            "in turn, as benchmarks/README.md describes"
+        )
+    src = got.stdout
     tmp = Path(tempfile.mkdtemp()) / "capture_baseline.py"
     tmp.write_text(src)
     spec = importlib.util.spec_from_file_location("dmlib.localize._capture_baseline", tmp)
