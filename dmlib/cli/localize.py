@@ -41,6 +41,7 @@ _TABLE = [
     "max_ulp",
     "diff_blocks",
     "new_blocks",
+    "diff_positions",
 ]
 
 

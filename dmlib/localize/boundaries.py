@@ -44,6 +44,7 @@ from dmlib.localize.culprits import (
     unjudged_line,
 )
 from dmlib.localize.opalign import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
+from dmlib.localize.routing import flip_notes, routing_report
 
 CaptureLike = Capture | str | os.PathLike
 LAYOUT_NOTE = "layout input: follows the batch layout, not the request's data (not judged)"
@@ -71,6 +72,16 @@ def element_stats(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
         "rel_fro": row.get("rel_fro"),
         "max_ulp": row.get("max_ulp"),
     }
+
+
+def diff_positions(a: np.ndarray, b: np.ndarray) -> list[int]:
+    """The rows (a request's positions) holding a differing bit pattern, in order: the
+    per-position view of a difference (a flipped token standing out), finer than blocks."""
+    if a.ndim == 0 or a.shape[0] == 0 or a.size == 0:
+        return []
+    ua = np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.uint8)
+    ub = np.ascontiguousarray(b).reshape(b.shape[0], -1).view(np.uint8)
+    return [int(i) for i in np.nonzero((ua != ub).any(axis=1))[0]]
 
 
 def _diff_rows(a: np.ndarray, b: np.ndarray) -> int:
@@ -307,7 +318,10 @@ def _stats(
     if requests:
         xa, xb = _rows_of(a, ba, requests), _rows_of(b, bb, requests)
         if xa is not None and xb is not None:
-            return element_stats(xa, xb)
+            st = element_stats(xa, xb)
+            if st["n_diff"] and ba.row_mapped and bb.row_mapped and len(requests) == 1:
+                st["diff_positions"] = diff_positions(xa, xb)
+            return st
     if a.dumped(ba) and b.dumped(bb) and ba.shape == bb.shape:
         return element_stats(a.tensor(ba), b.tensor(bb))
     return None
@@ -457,10 +471,13 @@ def compare_captures(
         for ba in a.boundaries
     ]
     _roles(rows, a.root)
+    routing = routing_report(a, b, requests)
+    flip_notes(rows, routing)
     df = _frame(rows)
     paired = {v for v in alignment.partner.values() if v is not None} | set(aliases.values())
     df.attrs.update(_summary(a, b, requests, index, rows, paired, patterns))
     df.attrs["steps"] = _steps(rows)
+    df.attrs["routing"] = routing
     df.attrs.update(_op_summary(rows, alignment))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)
@@ -567,7 +584,8 @@ def _boundary_row(
     st = _stats(a, b, ba, bb, requests) if (bb is not None and same is not None) else None
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
            "diff_blocks": sorted(diff), "note": note, "_layout": layout, "_slot": ba.slot,
-           "_step": ba.step, "_op": ba.category.marker == "op", "_state": ba.state}  # fmt: skip
+           "_step": ba.step, "_op": ba.category.marker == "op", "_state": ba.state,
+           "_router": ba.router}  # fmt: skip
     row.update(st or _NO_STATS)
     if st is None and same is True:
         # identical hashes imply zero differences even without dumped tensors

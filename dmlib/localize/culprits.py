@@ -23,6 +23,7 @@ from dmlib.localize.capture.format import (
 )
 from dmlib.localize.capture.reader import Capture
 from dmlib.localize.opalign import Alignment
+from dmlib.localize.routing import flip_lines
 
 SECONDARY_NOTE = (
     "a secondary output of an op whose first output matches (e.g. attention's logsumexp): "
@@ -69,7 +70,17 @@ def _op_summary(rows: list[dict[str, Any]], alignment: Alignment) -> dict[str, A
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The rows as the documented columns, with nullable dtypes."""
     df = pd.DataFrame(rows).drop(
-        columns=["_stats", "call", "_layout", "_slot", "_step", "_op", "_state", "_carries"],
+        columns=[
+            "_stats",
+            "call",
+            "_layout",
+            "_slot",
+            "_step",
+            "_op",
+            "_state",
+            "_carries",
+            "_router",
+        ],
         errors="ignore",
     )
     df["identical"] = df["identical"].astype("boolean")
@@ -77,7 +88,13 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         df[c] = df[c].astype("Int64")
     for c in ("max_abs", "rel_fro"):
         df[c] = df[c].astype("Float64")
-    return df[[*COLUMNS, "note"]]
+    if "diff_positions" not in df:
+        df["diff_positions"] = None
+    else:
+        col = df["diff_positions"].astype(object)
+        df["diff_positions"] = col.where(col.notna(), None)
+    # positions (of the one request compared) whose rows differ, where both were dumped
+    return df[[*COLUMNS, "note", "diff_positions"]]
 
 
 def _is_layout(x: Boundary, patterns: tuple[str, ...]) -> bool:
@@ -205,6 +222,40 @@ def _consumed(
     return ("carrier" if r["_state"] else "undetermined"), note, prior[0]["boundary"]
 
 
+def _add_note(r: dict[str, Any], extra: str) -> None:
+    r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+
+
+def _state_role(r: dict[str, Any], states: dict[int, list[dict[str, Any]]], after: bool) -> bool:
+    """Set a differing state's role: a carrier where something before it in its pass
+    differs (``after``) or where it carries on the state the pass before left; else the
+    culprit (returns True then)."""
+    got = None if after else _consumed(r, states)
+    if after:
+        r["role"] = "carrier"
+    elif got is not None:  # the state the pass before left differs: carried on
+        r["role"], r["_carries"] = "carrier", got[2]
+        _add_note(r, got[1])
+    else:
+        r["role"] = "culprit"
+        _add_note(r, STATE_NOTE)
+    return r["role"] == "culprit"
+
+
+def _calls(
+    rows: list[dict[str, Any]],
+) -> tuple[dict[tuple[str, int], list[dict[str, Any]]], dict[tuple[str, int], dict[str, Any]]]:
+    """Per (module, call): its judged-or-not inputs (no layout input), its first output."""
+    inputs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    firsts: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        if r["kind"] == "input" and not r["_layout"]:
+            inputs.setdefault((r["module"], r["call"]), []).append(r)
+        elif r["kind"] == "output" and r["_slot"] == "output0":
+            firsts[(r["module"], r["call"])] = r
+    return inputs, firsts
+
+
 def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
     """Fill role, new_blocks and inherited_blocks (in place).
 
@@ -221,15 +272,9 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
     """
     states: dict[int, list[dict[str, Any]]] = {}  # pass -> its differing states
     step_diff: set[int] = set()  # passes where something not a state differs
-    inputs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    firsts: dict[tuple[str, int], dict[str, Any]] = {}
+    inputs, firsts = _calls(rows)
     seen_diff: set[int] = set()
     seen_any = False
-    for r in rows:
-        if r["kind"] == "input" and not r["_layout"]:
-            inputs.setdefault((r["module"], r["call"]), []).append(r)
-        elif r["kind"] == "output" and r["_slot"] == "output0":
-            firsts[(r["module"], r["call"])] = r
     candidates: list[dict[str, Any]] = []
     for r in rows:
         diff = set(r["diff_blocks"])
@@ -240,18 +285,13 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             r["role"] = "unjudged"
         elif r["identical"]:
             r["role"] = "clean"
+        elif r["_router"]:
+            # the chosen experts: a discrete event, the expert set of some token changed
+            # (the routing report says which); the margins follow the router's scores
+            r["role"] = "flip" if r["_slot"] == "router.indices" else "carrier"
         elif r["_state"]:
             states.setdefault(r["_step"], []).append(r)
-            got = None if r["_step"] in step_diff else _consumed(r, states)
-            if r["_step"] in step_diff:
-                r["role"] = "carrier"
-            elif got is not None:  # the state the pass before left differs: carried on
-                r["role"] = "carrier"
-                r["_carries"] = got[2]
-                r["note"] = f"{r['note']}; {got[1]}" if r["note"] else got[1]
-            else:
-                r["role"] = "culprit"
-                r["note"] = f"{r['note']}; {STATE_NOTE}" if r["note"] else STATE_NOTE
+            if _state_role(r, states, r["_step"] in step_diff):
                 base = set()
         elif r["kind"] == "output":
             ins = [
@@ -276,10 +316,10 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
                 r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
             elif all(i["identical"] for i in ins) and (got := _consumed(r, states)):
                 r["role"], extra, r["_carries"] = got
-                r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+                _add_note(r, extra)
             elif all(i["identical"] for i in ins) and r["module"] == root:
                 r["role"] = "undetermined"
-                r["note"] = f"{r['note']}; {ROOT_NOTE}" if r["note"] else ROOT_NOTE
+                _add_note(r, ROOT_NOTE)
             elif all(i["identical"] for i in ins):
                 r["role"] = "culprit" if r["_slot"] == "output0" or not r["_op"] else ("secondary")
                 base = set()
@@ -290,8 +330,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
                 base = set().union(*(set(i["diff_blocks"]) for i in ins))
         elif r["_step"] not in step_diff and (got := _consumed(r, states)):
             r["role"], r["_carries"] = "carrier", got[2]  # brought in by the state consumed
-            extra = got[1].replace("inputs identical, but ", "")
-            r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+            _add_note(r, got[1].replace("inputs identical, but ", ""))
         else:
             r["role"] = "carrier" if seen_any else "entry"
         r["new_blocks"] = sorted(diff - base)
@@ -354,6 +393,7 @@ class CaptureVerdict(Verdict):
     valid: bool | None
     not_captured: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     identical_up_to: str | None = None
+    routing: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, df: pd.DataFrame) -> CaptureVerdict:
@@ -444,6 +484,7 @@ class CaptureVerdict(Verdict):
                 f"request): {', '.join(lay[:4])}"
                 + (f" and {len(lay) - 4} more" if len(lay) > 4 else "")
             )
+        lines += flip_lines(self.routing)
         if self.stats_missing:
             lines.append(
                 f"statistics: '-' at {len(self.stats_missing)} differing boundaries: they were "

@@ -121,7 +121,8 @@ ENTRY_KEYS = (
 #: its kind's marker keys (:data:`KINDS`), the decode step (from 1), the row axes, the
 #: repeated KV heads.
 OPTIONAL_KEYS = (
-    "layout", "cache", "rolled", "state", "op", "param", "step", "row_axes", "kv_repeat",
+    "layout", "cache", "rolled", "state", "router", "op", "param", "step", "row_axes",
+    "kv_repeat",
 )  # fmt: skip
 
 
@@ -220,9 +221,10 @@ KINDS: tuple[BoundaryKind, ...] = (
                  "keys/values (batch, heads, positions, dim) per request along positions as a "
                  "cache (a sliding window whole); any other state per request by its batch "
                  "row (one state per sequence: leading), never per position"),
-    BoundaryKind("router", "output", "router", "module:router#call: an MoE router's chosen "
-                 "experts and their weights", "per request by leading dims (one decision "
-                 "per token)", recorded=False),
+    BoundaryKind("router", "output", "router", "module:router.indices#call (an MoE "
+                 "router's chosen expert ids, (tokens, k)), module:router.margin#call (per "
+                 "token the lowest chosen and the highest other score): routers.py",
+                 "per request by leading dims (one decision per token), always dumped"),
     BoundaryKind("grad_output", "output", "grad", "module:grad_output<i>#call: the "
                  "gradient reaching a module's output in the backward pass", "as the "
                  "output it is the gradient of", recorded=False),
@@ -299,6 +301,8 @@ class Boundary:
     rolled: bool = False
     # a state the forward pass left behind (its cache after the pass): KINDS' "state"
     state: bool = False
+    # an MoE router's decision (chosen expert ids, or the margin of the choice): "router"
+    router: bool = False
     # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
     op: str | None = None  # an op boundary: the op's id (``module/aten.addmm#0``)
@@ -370,7 +374,7 @@ def _request_dict(h: RequestHash) -> dict[str, Any]:
 def _optional_head(b: Boundary) -> dict[str, Any]:
     """The marker keys of ``b``'s kind as the writer adds them (before ``step``)."""
     extra: dict[str, Any] = {}
-    for key in ("layout", "cache", "rolled", "state"):
+    for key in ("layout", "cache", "rolled", "state", "router"):
         if getattr(b, key):
             extra[key] = True
     if b.op is not None:
@@ -440,6 +444,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             cache=bool(d.get("cache", False)),
             rolled=bool(d.get("rolled", False)),
             state=bool(d.get("state", False)),
+            router=bool(d.get("router", False)),
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
             op=None if d.get("op") is None else str(d["op"]),
             param=None if d.get("param") is None else str(d["param"]),

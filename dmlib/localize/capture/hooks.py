@@ -44,6 +44,9 @@ def _hooked(
         rec.coverage["root_hooked"] = False
         handles += _install_hooks(model, modules, rec, named)
         rec.coverage["arg_names"] = {rec.root: _arg_names(model)}
+        from dmlib.localize.capture import routers
+
+        handles += routers.install(rec, dict(model.named_modules()) if named is None else named)
         # after the root's own hook: what the pass produced and left behind
         handles.append(model.register_forward_hook(_pass_hook(rec), with_kwargs=True))
         if tracker is None:

@@ -1,0 +1,153 @@
+"""The routing report: which tokens' expert sets changed between two captures of an MoE
+model, between which experts, and how near the tie was in each run.
+
+Reads the ``router`` boundaries (:mod:`dmlib.localize.capture.routers`): per router call,
+the chosen expert ids and, per token, the lowest chosen score and the highest other one.
+A flip is a token whose set of chosen experts differs; its margin in a run is the chosen
+minus the best other score (absolute, and in ULP of float32, the scores' dtype): a flip
+with a margin of a few ULP in both runs is a near-tie decided by rounding. A flip is a
+discrete event: what it changes downstream is its doing, not a numerical drift.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dmlib.kernels.ulp import ulp_distance
+from dmlib.localize.capture.format import Boundary
+from dmlib.localize.capture.reader import Capture
+from dmlib.textsafe import escape
+
+INDICES, MARGIN = "router.indices", "router.margin"
+
+
+def _rows(c: Capture, x: Boundary, r: str) -> tuple[np.ndarray, list[int]] | None:
+    """A request's rows of a dumped router boundary and the positions they are at: per
+    token through the row map, or (a decode step) the batch row the request fills alone,
+    at the position after its prompt."""
+    if x.row_mapped and c.dumped(x, r):
+        rows = np.asarray(c.tensor(x, r))
+        return rows, list(range(len(rows)))
+    if c.dumped(x) and c.row_map is not None and c.batch and x.shape[:1] == (c.batch,):
+        row, _ = c.row_map.sequence_row(r)
+        if row is not None:
+            n = c.requests[r]
+            return np.asarray(c.tensor(x))[row : row + 1], [n + x.step - 1]
+    return None
+
+
+def _margin_of(m: np.ndarray) -> tuple[float, int]:
+    """(chosen minus best other score, that distance in float32 ULP)."""
+    kth, nxt = np.float32(m[0]), np.float32(m[1])
+    return float(kth) - float(nxt), int(ulp_distance(np.array([kth]), np.array([nxt]))[0])
+
+
+def _flips(
+    ia: np.ndarray, ib: np.ndarray, ma: np.ndarray | None, mb: np.ndarray | None, pos: list[int]
+) -> list[dict[str, Any]]:
+    out = []
+    for i, p in enumerate(pos):
+        sa, sb = sorted(int(e) for e in ia[i]), sorted(int(e) for e in ib[i])
+        if sa == sb:
+            continue
+        flip: dict[str, Any] = {
+            "position": p, "experts_a": sa, "experts_b": sb,
+            "left": sorted(set(sa) - set(sb)), "joined": sorted(set(sb) - set(sa)),
+        }  # fmt: skip
+        for side, m in (("a", ma), ("b", mb)):
+            if m is not None:
+                flip[f"margin_{side}"], flip[f"margin_ulp_{side}"] = _margin_of(m[i])
+        out.append(flip)
+    return out
+
+
+def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any] | None:
+    """The flips between captures ``a`` and ``b`` (None: no router recorded in ``a``).
+
+    ``{"n_router_calls", "n_flips", "flips": [{request, router, boundary, step, position,
+    experts_a, experts_b, left, joined, margin_a, margin_ulp_a, margin_b, margin_ulp_b}],
+    "per_router": {router: flips}, "not_judged": [{boundary, reason}]}``, flips in
+    execution order.
+    """
+    calls = [x for x in a.boundaries if x.router and x.slot == INDICES]
+    if not calls:
+        return None
+    flips: list[dict[str, Any]] = []
+    not_judged: list[dict[str, str]] = []
+    for x in calls:
+        if x.name not in b:
+            not_judged.append({"boundary": x.name, "reason": "absent from the second capture"})
+            continue
+        y = b.boundary(x.name)
+        mname = x.name.replace(INDICES, MARGIN, 1)
+        for r in requests:
+            got_a, got_b = _rows(a, x, r), _rows(b, y, r)
+            if got_a is None or got_b is None or len(got_a[1]) != len(got_b[1]):
+                not_judged.append({"boundary": x.name, "reason": f"request {r!r}'s rows not "
+                                   "attributable in both captures"})  # fmt: skip
+                continue
+            ma = _rows(a, a.boundary(mname), r) if mname in a else None
+            mb = _rows(b, b.boundary(mname), r) if mname in b else None
+            for f in _flips(got_a[0], got_b[0], None if ma is None else ma[0],
+                            None if mb is None else mb[0], got_a[1]):  # fmt: skip
+                flips.append({"request": r, "router": x.module, "boundary": x.name,
+                              "step": x.step, **f})  # fmt: skip
+    per: dict[str, int] = {}
+    for f in flips:
+        per[f["router"]] = per.get(f["router"], 0) + 1
+    return {"n_router_calls": len(calls), "n_flips": len(flips), "flips": flips,
+            "per_router": per, "not_judged": not_judged}  # fmt: skip
+
+
+def flip_notes(rows: list[dict[str, Any]], report: dict[str, Any] | None) -> None:
+    """Name the expert flip in the note of every boundary that differs after it in its
+    pass (in place): what a flip changes downstream is its doing, a discrete event."""
+    if not report or not report["flips"]:
+        return
+    first: dict[int, dict[str, Any]] = {}
+    for f in report["flips"]:
+        first.setdefault(f["step"], f)
+    seen: set[int] = set()
+    for r in rows:
+        f = first.get(r["_step"])
+        if f is None:
+            continue
+        if r["boundary"] == f["boundary"]:
+            seen.add(r["_step"])
+        elif r["_step"] in seen and r["identical"] is False and not r["_router"]:
+            extra = (f"downstream of the expert flip at {f['boundary']} (request "
+                     f"{f['request']!r}, position {f['position']})")  # fmt: skip
+            r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+
+
+def _margin_text(f: dict[str, Any], side: str) -> str:
+    if f"margin_{side}" not in f:
+        return "?"
+    return f"{f[f'margin_{side}']:.3g} ({f[f'margin_ulp_{side}']} ULP)"
+
+
+def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
+    """The routing report as a few lines of text (none where no router was recorded)."""
+    if report is None:
+        return []
+    if not report["n_flips"]:
+        line = f"routing: no expert set changed ({report['n_router_calls']} router calls)"
+        return [
+            line + (f"; {len(report['not_judged'])} not judged" if report["not_judged"] else "")
+        ]
+    per = escape(", ".join(f"{k}: {v}" for k, v in report["per_router"].items()))
+    lines = [f"routing: {report['n_flips']} tokens changed experts ({per})"]
+    for f in report["flips"][:limit]:
+        ma, mb = _margin_text(f, "a"), _margin_text(f, "b")
+        lines.append(escape(
+            f"  {f['boundary']} request {f['request']!r} position {f['position']}: experts "
+            f"{f['experts_a']} -> {f['experts_b']}; margin k-th minus next: A {ma}, B {mb}"
+        ))  # fmt: skip
+    if len(report["flips"]) > limit:
+        lines.append(f"  and {len(report['flips']) - limit} more")
+    return lines
+
+
+__all__ = ["flip_lines", "flip_notes", "routing_report"]

@@ -1,0 +1,160 @@
+"""The routing report: an MoE router's expert choices per token, compared between runs.
+
+A tiny random-init ``Qwen3MoeForCausalLM`` from its config (8 experts, top-2, 2 layers).
+A near-tie is planted, never left to this CPU: a forward hook on layer 1's router moves the
+logit of token ``T``'s third expert just below its second's (run A) or just above it
+(run B), a few float32 ULP of their softmax scores apart, and recomputes the router's outputs as the router does (softmax in float32, top-2,
+renormalised). The oracle is ``torch.topk`` on the hooked logits' softmax, by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dmlib.cli import main  # noqa: E402
+from dmlib.localize.boundaries import CaptureVerdict, compare_captures  # noqa: E402
+from dmlib.localize.capture import capture, open_capture  # noqa: E402
+from dmlib.localize.capture.routers import router_outputs  # noqa: E402
+from dmlib.localize.hf import row_map_from_attention_mask  # noqa: E402
+
+VOCAB, N, T, ULPS = 64, 10, 6, 4
+
+
+def moe(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+        max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(cfg).eval().to(dtype)
+
+
+class NearTie:
+    """On the router's logits of token ``T`` (flat row), the third-ranked expert's logit is
+    set ``ULPS * 2**-23`` below (``up=False``) or above (``up=True``) the second's; the
+    router's outputs are recomputed from those logits. Keeps the logits it produced."""
+
+    def __init__(self, router, up: bool) -> None:
+        self.up, self.logits = up, None
+        self.top_k, self.norm = router.top_k, router.norm_topk_prob
+        self.handle = router.register_forward_hook(self.hook)
+
+    def hook(self, mod, args, out):
+        logits = out[0].clone()
+        row = logits[T]
+        order = torch.argsort(row.float(), descending=True)
+        second, third = int(order[1]), int(order[2])
+        # a few float32 ULP of the softmax scores: exp() carries an absolute change d of a
+        # logit into a relative change d of its probability
+        delta = ULPS * 2.0**-23
+        row[third] = row[second] + (delta if self.up else -delta)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm:
+            top = top / top.sum(dim=-1, keepdim=True)
+        self.logits = logits
+        return logits, top.to(logits.dtype), idx
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def run(model, path, up: bool):
+    ids = torch.randint(1, VOCAB, (1, N), generator=torch.Generator().manual_seed(4))
+    rows = row_map_from_attention_mask(torch.ones(1, N), ["probe"])
+    plant = NearTie(model.model.layers[1].mlp.gate, up)
+    try:
+        with (
+            torch.no_grad(),
+            capture(model, path, row_map=rows, modules=["", "model.*", "lm_head"], dump=["*mlp"]),
+        ):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        plant.remove()
+    return plant.logits
+
+
+def by_hand(logits):
+    """(top-2 sets per token, k-th minus (k+1)-th softmax score per token), by torch.topk."""
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    vals, idx = torch.topk(probs, 3, dim=-1)
+    sets = [sorted(int(e) for e in r) for r in idx[:, :2]]
+    return sets, (vals[:, 1] - vals[:, 2]).numpy()
+
+
+def test_a_planted_near_tie_is_reported_as_one_flip(tmp_path, capsys):
+    model = moe()
+    la, lb = run(model, tmp_path / "a", up=False), run(model, tmp_path / "b", up=True)
+    sa, ma = by_hand(la)
+    sb, mb = by_hand(lb)
+    changed = [t for t in range(N) if sa[t] != sb[t]]
+    assert changed == [T]  # the oracle: exactly the planted token's top-2 set changed
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    rep = df.attrs["routing"]
+    assert rep["n_router_calls"] == 2 and rep["n_flips"] == 1
+    (f,) = rep["flips"]
+    assert f["router"] == "model.layers.1.mlp.gate" and f["position"] == T
+    assert (f["experts_a"], f["experts_b"]) == (sa[T], sb[T])
+    assert f["left"] == sorted(set(sa[T]) - set(sb[T]))
+    assert f["joined"] == sorted(set(sb[T]) - set(sa[T]))
+    # the margins, in both runs, as the oracle's k-th minus (k+1)-th score
+    assert f["margin_a"] == pytest.approx(float(ma[T]), abs=0)
+    assert f["margin_b"] == pytest.approx(float(mb[T]), abs=0)
+    # ULP between the k-th and (k+1)-th float32 scores, by their bit patterns (both > 0)
+    for side, probs in (("a", la), ("b", lb)):
+        vals = torch.topk(torch.softmax(probs, dtype=torch.float, dim=-1)[T], 3).values
+        bits = vals.numpy().astype(np.float32).view(np.int32).astype(np.int64)
+        assert f[f"margin_ulp_{side}"] == bits[1] - bits[2]
+        assert 0 < f[f"margin_ulp_{side}"] <= 4 * ULPS  # a near-tie, in both runs
+    assert rep["per_router"] == {"model.layers.1.mlp.gate": 1}
+    # the router's indices are a flip, the MoE block after it differs downstream of it
+    by = df.set_index("boundary")
+    assert by.loc["model.layers.1.mlp.gate:router.indices", "role"] == "flip"
+    v = CaptureVerdict.of(df)
+    assert "routing: 1 tokens changed experts" in str(v)
+    assert main(["localize", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert f"position {T}: experts {sa[T]} -> {sb[T]}" in out
+
+
+def test_the_flipped_token_stands_out_downstream(tmp_path):
+    """The MoE block's output after the flip: the positions whose rows differ, per
+    position (oracle: the dumped rows compared by numpy), the flipped token among them, and
+    the note names the flip."""
+    model = moe()
+    run(model, tmp_path / "a", up=False)
+    run(model, tmp_path / "b", up=True)
+    a, b = open_capture(tmp_path / "a"), open_capture(tmp_path / "b")
+    xa = np.asarray(a.tensor("model.layers.1.mlp", "probe"))
+    xb = np.asarray(b.tensor("model.layers.1.mlp", "probe"))
+    rows = np.nonzero((xa != xb).reshape(N, -1).any(axis=1))[0].tolist()
+    # the flipped token differs; others may too where an expert's batch of gathered rows
+    # changed size (which, on this CPU, is not asserted: only what numpy sees is)
+    assert T in rows
+    df = compare_captures(a, b).set_index("boundary")
+    note = df.loc["model.layers.1.mlp", "note"]
+    assert "expert flip at model.layers.1.mlp.gate:router.indices" in note
+    assert df.loc["model.layers.1.mlp", "diff_positions"] == rows
+
+
+def test_no_flip_without_the_plant(tmp_path):
+    model = moe()
+    run(model, tmp_path / "a", up=False)
+    run(model, tmp_path / "b", up=False)
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    assert df.attrs["routing"]["n_flips"] == 0
+    assert df.attrs["status"] == "identical"
+
+
+def test_routers_are_found_by_their_outputs():
+    logits = torch.randn(5, 8)
+    idx = torch.topk(logits, 2).indices
+    assert router_outputs((logits, torch.rand(5, 2), idx)) is not None
+    assert router_outputs(logits) is None  # a plain Linear gate's logits: no choice in it
+    assert router_outputs((logits, torch.rand(5, 8))) is None
