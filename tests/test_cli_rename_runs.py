@@ -251,3 +251,22 @@ def test_matrix_of_lone_npy_files_compares_their_arrays(tmp_path):
     assert pairs["a/b"]["n_diff"] == int((x != y).sum()) == 2
     assert pairs["a/b"]["worst_rel_fro"] == pytest.approx(_rel_fro(x, y), rel=1e-12)
     assert pairs["a/c"]["identical"] and pairs["a/c"]["numel"] == 50
+
+
+def test_matrix_says_aloud_when_a_pair_shares_few_names(tmp_path):
+    """One name shared of four: the pair compares that one, and the command says which
+    rename would pair the other three, before the verdict; never bit-identical."""
+    from safetensors.numpy import save_file
+
+    x = {n: np.full(3, float(i), np.float32) + np.arange(3, dtype=np.float32)
+         for i, n in enumerate(["a.w", "a.b", "a.c", "x"])}  # fmt: skip
+    save_file(x, str(tmp_path / "base.safetensors"))
+    save_file({("x" if n == "x" else "m." + n): v for n, v in x.items()},
+              str(tmp_path / "other.safetensors"))  # fmt: skip
+    r = _dmlib("matrix", f"base={tmp_path / 'base.safetensors'}",
+               f"other={tmp_path / 'other.safetensors'}")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    warn = [ln for ln in r.stdout.splitlines() if ln.startswith("warning:")]
+    assert len(warn) == 1 and "share only 1 tensor name;" in warn[0]
+    assert "--rename other:m.=" in warn[0]
+    assert "bit-identical pairs: none" in r.stdout

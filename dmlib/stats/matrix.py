@@ -526,7 +526,7 @@ def _problem(
                 f"{sb[n].dtype_label}{list(sb[n].shape)})"}  # fmt: skip
     if rules and after >= 2 * len(common):
         return {**base, "kind": "few_shared", "message": f"{what} share only {len(common)} "
-                f"tensor names; {fix}"}  # fmt: skip
+                f"tensor name{'s' * (len(common) != 1)}; {fix}"}  # fmt: skip
     return None
 
 
