@@ -139,3 +139,46 @@ def test_wilson_bounds_at_zero_and_all_are_exact():
     assert wilson_interval(0, 20)[0] == 0.0
     assert wilson_interval(20, 20)[1] == 1.0
     assert f"{wilson_interval(0, 20)[0]:.3g}" == "0"
+
+
+def test_digest_takes_token_lists_numbers_and_nested_python_data():
+    same = [([1, 2, 3], [1, 2, 3]), (5, 5), (2.5, 2.5), (np.int64(3), np.int64(3)),
+            ({"ids": [[1, 2], [3]], "text": "ab"}, {"text": "ab", "ids": [[1, 2], [3]]}),
+            (10**40, 10**40), (None, None)]  # fmt: skip
+    for x, y in same:
+        assert digest(x) == digest(y)
+    # each pair differs in value or in type: never one digest
+    apart = [([1, 2, 3], [1, 2, 4]), ([1, 2], [[1, 2]]), (1, 1.0), (1, True), (0.0, -0.0),
+             (["1"], [1]), (np.int64(3), np.int32(3)), ([[1, 2], [3]], [[1], [2, 3]])]  # fmt: skip
+    for x, y in apart:
+        assert digest(x) != digest(y), (x, y)
+    for bad in ({1, 2}, object(), [1, {2}]):
+        with pytest.raises(DmlibError, match="cannot hash an output of type"):
+            digest(bad)
+    # a str inside a container is text, never opened as a file
+    assert digest(["/etc/passwd"]) != digest(["/etc/hosts"])
+
+
+def test_distinct_outputs_their_frequencies_and_the_share_off_the_most_common():
+    """10 runs of one arm, token-id lists: 7 alike, 2 alike, 1 alone. Off the most common
+    output: 3 of 10, Wilson 95% [0.1078, 0.6032] (the textbook interval for 3/10)."""
+    runs = [[1, 2, 3]] * 7 + [[1, 2, 4]] * 2 + [[9]]
+    study = repeat_rates({"a": [runs[0], *runs[1:]]})
+    t = study.table.set_index("arm")
+    assert t.loc["a", "n_distinct"] == 3
+    assert t.loc["a", "counts"] == [7, 2, 1]
+    assert t.loc["a", "n_off_mode"] == 3 and t.loc["a", "off_mode_rate"] == pytest.approx(0.3)
+    lo, hi = t.loc["a", "off_mode_low"], t.loc["a", "off_mode_high"]
+    assert (round(lo, 4), round(hi, 4)) == (0.1078, 0.6032)
+    assert "runs per output [7, 2, 1]" in study.reason and "3 of 10" in study.reason
+    # the most common output need not be the reference: a reference alone against four
+    # repeats alike differs from all four, yet only one run in five is off the mode
+    t = repeat_rates({"b": [[5], [1], [1], [1], [1]]}).table.set_index("arm")
+    assert t.loc["b", "n_differ"] == 4 and t.loc["b", "counts"] == [4, 1]
+    assert t.loc["b", "n_off_mode"] == 1
+    assert (t.loc["b", "off_mode_low"], t.loc["b", "off_mode_high"]) == pytest.approx(
+        quadratic_roots(1, 5, Z95)
+    )
+    # ints and floats as outputs, too
+    t = repeat_rates({"c": [1.5, 1.5, 1.5000001], "d": [7, 7]}).table.set_index("arm")
+    assert t.loc["c", "counts"] == [2, 1] and t.loc["d", "n_distinct"] == 1

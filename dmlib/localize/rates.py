@@ -24,7 +24,10 @@ import pandas as pd
 from dmlib.errors import DmlibError
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
-COLUMNS = ["arm", "n", "n_differ", "rate", "ci_low", "ci_high", "n_distinct", "reference"]
+COLUMNS = [
+    "arm", "n", "n_differ", "rate", "ci_low", "ci_high", "n_distinct", "reference",
+    "counts", "n_off_mode", "off_mode_rate", "off_mode_low", "off_mode_high",
+]  # fmt: skip
 
 
 def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -56,8 +59,14 @@ def digest(obj: Any) -> str:
     return h.hexdigest()
 
 
-def _feed(h: Any, obj: Any) -> None:
-    if isinstance(obj, (str, os.PathLike)):
+def _feed(h: Any, obj: Any, top: bool = True) -> None:
+    """Feed ``obj``'s exact value: ``top`` (the output itself) reads a str or path as a
+    file or capture; inside a container a str is text."""
+    text_inside = isinstance(obj, str) and not top
+    if obj is None or text_inside or isinstance(obj, (bool, int, float)):
+        _feed_scalar(h, obj)
+        return
+    if isinstance(obj, (str, os.PathLike)) and top:
         p = Path(obj)
         if (p / "manifest.json").is_file():
             from dmlib.localize.capture.reader import open_capture
@@ -81,24 +90,44 @@ def _feed(h: Any, obj: Any) -> None:
     if isinstance(obj, Mapping):
         for k in sorted(obj, key=str):
             h.update(f"key\0{k}\0".encode())
-            _feed(h, obj[k])
+            _feed(h, obj[k], top=False)
         return
     if isinstance(obj, (tuple, list)):
         h.update(f"seq\0{len(obj)}\0".encode())
         for o in obj:
-            _feed(h, o)
+            _feed(h, o, top=False)
         return
     if type(obj).__module__.startswith("torch") and hasattr(obj, "detach"):
         from dmlib.localize.capture.tensors import _to_numpy
 
         obj = _to_numpy(obj)
-    if isinstance(obj, (np.ndarray, np.generic, int, float, bool)):
+    if isinstance(obj, (np.ndarray, np.generic)) and not np.asarray(obj).dtype.hasobject:
         a = np.asarray(obj)
-        a = np.ascontiguousarray(a).reshape(a.shape)  # keep 0-d arrays 0-d
         h.update(f"array\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(a.view(np.uint8).tobytes())
+        h.update(np.ascontiguousarray(a).tobytes())  # C order; a 0-d array's one value
         return
-    raise DmlibError(f"cannot hash an output of type {type(obj).__name__} bit for bit")
+    raise DmlibError(
+        f"cannot hash an output of type {type(obj).__name__} bit for bit; expected tensors, "
+        "arrays, numbers, strings, None, bytes, or tuples, lists and dicts of them (a path "
+        "as the output itself)"
+    )
+
+
+def _feed_scalar(h: Any, obj: Any) -> None:
+    """A Python scalar by its exact value: an int of any size in decimal, a float by its
+    bits (``float.hex``: -0.0 and 0.0 differ, as every NaN payload Python keeps), text as
+    UTF-8; each tagged with its type, so that 1, 1.0, True and "1" all differ."""
+    if obj is None:
+        h.update(b"none\0")
+    elif isinstance(obj, bool):
+        h.update(b"bool\0" + (b"1" if obj else b"0"))
+    elif isinstance(obj, int):
+        h.update(f"int\0{obj}\0".encode())
+    elif isinstance(obj, float):
+        h.update(f"float\0{obj.hex()}\0".encode())
+    else:
+        text = str(obj).encode("utf-8", "surrogatepass")
+        h.update(f"str\0{len(text)}\0".encode() + text)
 
 
 @dataclass
@@ -118,13 +147,32 @@ class RepeatStudy:
         return f"{self.verdict or 'verdict withheld'}: {self.reason}"
 
 
+def output_counts(digests: Sequence[str]) -> list[tuple[str, int]]:
+    """(output digest, how many runs gave it), the most common first (a tie: the output
+    seen first)."""
+    counts: dict[str, int] = {}
+    for d in digests:
+        counts[d] = counts.get(d, 0) + 1
+    order = {d: i for i, d in reversed(list(enumerate(digests)))}
+    return sorted(counts.items(), key=lambda kv: (-kv[1], order[kv[0]]))
+
+
 def _arm_row(arm: str, ref: str, digests: list[str]) -> dict[str, Any]:
+    """One arm: repeats differing from the reference (``n_differ`` of ``n``), and over
+    every run, the reference included, the distinct outputs' frequencies (``counts``) and
+    the runs differing from the most common output, with a Wilson interval."""
     n = len(digests)
     k = sum(d != ref for d in digests)
     lo, hi = wilson_interval(k, n)
+    runs = [ref, *digests]
+    counts = output_counts(runs)
+    off = len(runs) - counts[0][1]
+    olo, ohi = wilson_interval(off, len(runs))
     return {"arm": arm, "n": n, "n_differ": k, "rate": k / n if n else float("nan"),
-            "ci_low": lo, "ci_high": hi, "n_distinct": len({ref, *digests}),
-            "reference": ref[:16]}  # fmt: skip
+            "ci_low": lo, "ci_high": hi, "n_distinct": len(counts),
+            "reference": ref[:16], "counts": [c for _, c in counts], "n_off_mode": off,
+            "off_mode_rate": off / len(runs), "off_mode_low": olo,
+            "off_mode_high": ohi}  # fmt: skip
 
 
 def repeat_rates(
@@ -192,7 +240,10 @@ def _verdict(table: pd.DataFrame, obs: dict[str, Any] | None) -> RepeatStudy:
             f"no repeat differs from its arm's reference in any arm (rate 0, upper 95% bound "
             f"{worst:.3g}){tail}"))  # fmt: skip
     parts = [f"{r.arm}: {r.n_differ}/{r.n} = {r.rate:.3g} [{r.ci_low:.3g}, {r.ci_high:.3g}], "
-             f"{r.n_distinct} distinct" for r in noisy.itertuples()]  # fmt: skip
+             f"{r.n_distinct} distinct (runs per output {r.counts}; {r.n_off_mode} of "
+             f"{r.n + 1} differ from the most common, {r.off_mode_rate:.3g} "
+             f"[{r.off_mode_low:.3g}, {r.off_mode_high:.3g}])"
+             for r in noisy.itertuples()]  # fmt: skip
     return RepeatStudy(table, obs, "nondeterministic", "; ".join(parts) + tail)
 
 
@@ -238,4 +289,7 @@ def repeat_study(
     return _from_digests(outs, obs_outs, observer_arm)
 
 
-__all__ = ["RepeatStudy", "digest", "repeat_rates", "repeat_study", "wilson_interval", "Z95"]
+__all__ = [
+    "RepeatStudy", "digest", "output_counts", "repeat_rates", "repeat_study", "wilson_interval",
+    "Z95",
+]  # fmt: skip
