@@ -49,6 +49,7 @@ from dmlib.localize.culprits import (
     capture_verdict,
     unjudged_line,
 )
+from dmlib.localize.gradients import backward_roles, backward_summary, split_backward
 from dmlib.localize.opalign import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
 from dmlib.localize.routing import flip_notes, routing_report
 
@@ -357,14 +358,17 @@ def compare_captures(
         _boundary_row(a, b, ba, requests, offsets, alignment, patterns, aliases.get(ba.name))
         for ba in a.boundaries
     ]
-    _roles(rows, a.root)
+    fwd, bwd = split_backward(a, rows)  # the backward judged in its own order
+    _roles(fwd, a.root)
     routing = routing_report(a, b, requests)
     flip_notes(rows, routing)
+    backward_roles(bwd, next((r["boundary"] for r in fwd if r["identical"] is False), None))
     df = _frame(rows)
     paired = {v for v in alignment.partner.values() if v is not None} | set(aliases.values())
-    df.attrs.update(_summary(a, b, requests, index, rows, paired, patterns))
-    df.attrs["steps"] = _steps(rows)
+    df.attrs.update(_summary(a, b, requests, index, fwd, paired, patterns))
+    df.attrs["steps"] = _steps(fwd)
     df.attrs["routing"] = routing
+    df.attrs["backward"] = backward_summary(bwd, df.attrs)
     df.attrs.update(_op_summary(rows, alignment))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)

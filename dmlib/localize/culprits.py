@@ -22,6 +22,7 @@ from dmlib.localize.capture.format import (
     is_layout_slot,
 )
 from dmlib.localize.capture.reader import Capture
+from dmlib.localize.gradients import backward_lines
 from dmlib.localize.opalign import Alignment
 from dmlib.localize.routing import flip_lines
 
@@ -394,6 +395,7 @@ class CaptureVerdict(Verdict):
     not_captured: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     identical_up_to: str | None = None
     routing: dict[str, Any] | None = None
+    backward: dict[str, Any] | None = None  # the backward's own summary (gradients.py)
 
     @classmethod
     def of(cls, df: pd.DataFrame) -> CaptureVerdict:
@@ -413,7 +415,7 @@ class CaptureVerdict(Verdict):
         return self.status == "identical" and not self.failed_control
 
     def __str__(self) -> str:
-        return "\n".join([*self._answer(), *self._context(), *self._controls()])
+        return "\n".join([*self._answer_both(), *self._context(), *self._controls()])
 
     def _answer(self) -> list[str]:
         """The status, first divergence and culprit lines."""
@@ -461,6 +463,15 @@ class CaptureVerdict(Verdict):
         if n_un:
             lines.append(f"not judged ({n_un}): {un}")
         return lines
+
+    def _answer_both(self) -> list[str]:
+        """The forward's answer, then the backward's (where the captures recorded one)."""
+        fwd = self._answer()
+        if self.backward is None:
+            return fwd
+        if self.first_divergent_boundary is None and self.backward["status"] == "different":
+            fwd = ["forward: no divergent boundary"]
+        return [*fwd, *backward_lines(self.backward)]
 
     def _context(self) -> list[str]:
         """Op alignment, layout inputs and missing statistics."""

@@ -54,6 +54,8 @@ def capture(
     op_modules: str | Iterable[str] | None = UNSET,
     layout_inputs: str | Iterable[str] | None = UNSET,
     hash: str = UNSET,
+    backward: bool = UNSET,
+    grad_seed: int | None = UNSET,
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -122,6 +124,17 @@ def capture(
         about ten times BLAKE3's speed) or ``"blake3"`` (``blake3-tree-v1``, what dmlib
         wrote before version 4: to compare with such captures). Captures compare only
         digests of one scheme; docs/formats.md says why XXH3 is enough for captures.
+    backward
+        Also record the backward passes run inside the block (:mod:`.backward`): each
+        hooked module's gradients w.r.t. its outputs (``module:grad_output0``) and inputs
+        (``module:grad_input0``), per request like the forward, in the order the hooks
+        fire, and every parameter's ``.grad`` at the end of each backward pass
+        (``name:grad``, ``name:grad#1``...: accumulated over the passes before it).
+    grad_seed
+        The seed of the random upstream gradient ``rec.backward(out)`` sends into ``out``
+        (``out.backward(randn)``, the draws continuing over micro-batches; written in the
+        manifest): a uniform gradient (``out.sum().backward()``) hides a backward whose
+        atomic adds vary in order. None: ones.
 
     KV caches (a transformers ``Cache`` or tuples of past keys and values under
     ``past_key_values`` and kin) entering a hooked module are hashed per layer (keys,
@@ -135,7 +148,8 @@ def capture(
     opts = _options(path, options, modules=modules, row_map=row_map, block_rows=block_rows,
                     dump=dump, dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
                     hash_threads=hash_threads, device_hash=device_hash, ops=ops,
-                    op_modules=op_modules, layout_inputs=layout_inputs, hash=hash)  # fmt: skip
+                    op_modules=op_modules, layout_inputs=layout_inputs, hash=hash,
+                    backward=backward, grad_seed=grad_seed)  # fmt: skip
     named = dict(model.named_modules())  # walked once
     rec = _new_recorder(model, path, opts, named)
     rec.write_manifest(complete=False, durable=False)  # marks a capture in progress

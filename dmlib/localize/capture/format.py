@@ -121,8 +121,8 @@ ENTRY_KEYS = (
 #: its kind's marker keys (:data:`KINDS`), the decode step (from 1), the row axes, the
 #: repeated KV heads.
 OPTIONAL_KEYS = (
-    "layout", "cache", "rolled", "state", "router", "op", "param", "step", "row_axes",
-    "kv_repeat",
+    "layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded", "op",
+    "param", "step", "row_axes", "kv_repeat", "broadcast",
 )  # fmt: skip
 
 
@@ -227,16 +227,17 @@ KINDS: tuple[BoundaryKind, ...] = (
                  "per request by leading dims (one decision per token), always dumped"),
     BoundaryKind("grad_output", "output", "grad", "module:grad_output<i>#call: the "
                  "gradient reaching a module's output in the backward pass", "as the "
-                 "output it is the gradient of", recorded=False),
+                 "output it is the gradient of"),
     BoundaryKind("grad_input", "input", "grad", "module:grad_input<i>#call: the gradient a "
                  "module's backward gives its input", "as the input it is the gradient "
-                 "of", recorded=False),
-    BoundaryKind("param_grad", "output", "param_grad", "<parameter name>:grad#step: a "
-                 "parameter's gradient", "whole (a parameter's first axis is no batch)",
-                 recorded=False),
+                 "of"),
+    BoundaryKind("param_grad", "output", "param_grad", "<parameter name>:grad#k: a "
+                 "parameter's .grad at the end of the k-th backward pass (accumulated over "
+                 "the passes before it): backward.py", "whole (a parameter's first axis is "
+                 "no batch)"),
     BoundaryKind("recorded", "output", "recorded", "<name>#call: a value handed to "
                  "dmlib.record(name, tensor) outside any module", "per request where its "
-                 "leading dims fit the row map, else whole", recorded=False),
+                 "leading dims fit the row map, else whole: record.py"),
     # a module boundary: an entry with no marker
     BoundaryKind("module-input", "input", None, "module:input<i>#call, "
                  "module:input.<keyword>#call", _BY_ROWS),
@@ -303,6 +304,12 @@ class Boundary:
     state: bool = False
     # an MoE router's decision (chosen expert ids, or the margin of the choice): "router"
     router: bool = False
+    grad: bool = False  # a gradient in the backward pass: "grad_output", "grad_input"
+    param_grad: bool = False  # a parameter's .grad after a backward pass: "param_grad"
+    recorded: bool = False  # a value handed to dmlib.record(): "recorded"
+    # per position, broadcast over the batch (rotary cos/sin, [1, L, d] or [L, d]): each
+    # request's digests are of its positions' rows, judged by position
+    broadcast: bool = False
     # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
     op: str | None = None  # an op boundary: the op's id (``module/aten.addmm#0``)
@@ -341,6 +348,8 @@ class Boundary:
                 "groups": g,
                 "requests": {r: _request_dict(h) for r, h in reqs.items()},
             }
+        if self.broadcast:
+            d["broadcast"] = True
         return d
 
     @property
@@ -374,7 +383,7 @@ def _request_dict(h: RequestHash) -> dict[str, Any]:
 def _optional_head(b: Boundary) -> dict[str, Any]:
     """The marker keys of ``b``'s kind as the writer adds them (before ``step``)."""
     extra: dict[str, Any] = {}
-    for key in ("layout", "cache", "rolled", "state", "router"):
+    for key in ("layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded"):
         if getattr(b, key):
             extra[key] = True
     if b.op is not None:
@@ -445,6 +454,10 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             rolled=bool(d.get("rolled", False)),
             state=bool(d.get("state", False)),
             router=bool(d.get("router", False)),
+            grad=bool(d.get("grad", False)),
+            param_grad=bool(d.get("param_grad", False)),
+            recorded=bool(d.get("recorded", False)),
+            broadcast=bool(d.get("broadcast", False)),
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
             op=None if d.get("op") is None else str(d["op"]),
             param=None if d.get("param") is None else str(d["param"]),

@@ -47,6 +47,10 @@ def _hooked(
         from dmlib.localize.capture import routers
 
         handles += routers.install(rec, dict(model.named_modules()) if named is None else named)
+        if rec.options.backward:
+            from dmlib.localize.capture import backward
+
+            handles += backward.install(model, modules, rec, named)
         # after the root's own hook: what the pass produced and left behind
         handles.append(model.register_forward_hook(_pass_hook(rec), with_kwargs=True))
         if tracker is None:

@@ -64,6 +64,10 @@ class CaptureOptions:
     op_modules: str | tuple[str, ...] | None = None
     layout_inputs: tuple[str, ...] = ()
     hash: str = "xxh3"
+    # the backward pass too: each hooked module's gradients and every parameter's .grad
+    backward: bool = False
+    # Recorder.backward(out): a random upstream gradient from this seed (None: ones)
+    grad_seed: int | None = None
 
     def __post_init__(self) -> None:
         n = self.block_rows
@@ -84,7 +88,11 @@ class CaptureOptions:
         reqs = self.dump_requests
         put(self, "dump_requests", None if reqs is None else frozenset(str(r) for r in reqs))
         put(self, "metadata", dict(self.metadata or {}))
-        for key in ("overwrite", "device_hash", "ops"):
+        g = self.grad_seed
+        if g is not None and (isinstance(g, bool) or not hasattr(g, "__index__") or g < 0):
+            raise CaptureError(f"grad_seed={g!r}; expected None or an integer >= 0")
+        put(self, "grad_seed", None if g is None else int(g))
+        for key in ("overwrite", "device_hash", "ops", "backward"):
             put(self, key, bool(getattr(self, key)))
 
     @property

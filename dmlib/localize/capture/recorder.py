@@ -138,6 +138,23 @@ class Recorder(HostDigests):
         # and what it produced that was not captured ({"what", "reason"}): a comparison is
         # never "identical" about those
         self.coverage: dict[str, Any] = {"root_hooked": None, "arg_names": {}, "not_captured": []}
+        self.grads: Any = None  # the backward hooks (backward.py), with backward=True
+        self.recorded_calls: dict[str, int] = {}  # dmlib.record() name -> calls (record.py)
+
+    def backward(self, out: Any) -> None:
+        """``out.backward()`` with the capture's upstream gradient: seeded random with
+        ``grad_seed`` (written in the manifest), else ones (a scalar's own backward)."""
+        from dmlib.localize.capture.backward import run_backward
+
+        run_backward(self, out)
+
+    def upstream(self, out: Any) -> Any:
+        """The upstream gradient :meth:`backward` would send into ``out`` (the next draw)."""
+        from dmlib.localize.capture.backward import GradHooks
+
+        if self.grads is None:
+            self.grads = GradHooks(self, [])
+        return self.grads.upstream(out)
 
     def note_unseen(self, what: str, reason: str) -> None:
         """List ``what`` (a model's output, a state) as produced but not captured (once)."""
