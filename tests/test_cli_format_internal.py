@@ -36,6 +36,8 @@ def _npz_without_suffix(path: Path, scale: float) -> Path:
         "layer.u": rng.standard_normal((4, 2)).astype(np.float32) * scale,
         "layer.s": np.array([2.0, 1.0], np.float32),
         "layer.v": rng.standard_normal((3, 2)).astype(np.float32),
+        # per-token log-probs, so that the log-prob commands read the same archive
+        "logprobs": np.log(np.array([[0.5, 0.25], [0.75, 0.125]], np.float32)) * scale,
     }
     np.savez(path.with_suffix(".npz"), **arrays)
     path.with_suffix(".npz").rename(path)

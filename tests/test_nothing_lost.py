@@ -60,6 +60,10 @@ def inputs(tmp_path: Path) -> Path:
     (d / "b2.bpk").write_bytes(encode_burnpack(_tensors(1.5 + 1e-7), scalars={"step": 2}))
     dmlib.write_safetensors(d / "c.safetensors", _tensors(1.0))
     write_records(d / "multi.bpk", [encode_burnpack(_tensors(1.0)), encode_burnpack(_tensors(2.0))])
+    logprobs = np.log(np.array([[0.5, 0.25, 0.125], [0.75, 0.5, 1.0]], np.float32))
+    mask = np.array([[1, 1, 1], [1, 1, 0]], np.int8)
+    dmlib.write_safetensors(d / "lp_a.safetensors", {"logprobs": logprobs, "mask": mask})
+    dmlib.write_safetensors(d / "lp_b.safetensors", {"logprobs": logprobs * 1.01, "mask": mask})
     for p in d.iterdir():
         os.utime(p, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))  # a fixed, old mtime
     return d
@@ -79,6 +83,7 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
     a1, a2, b1, b2, c, m = (
         str(d / n) for n in ("a1.bpk", "a2.bpk", "b1.bpk", "b2.bpk", "c.safetensors", "multi.bpk")
     )
+    la, lb = str(d / "lp_a.safetensors"), str(d / "lp_b.safetensors")
     table = {
         "inspect": [[a1], [c], [m], ["--json", b1]],
         "compare": [[a1, b1], [a1, c], ["--json", a2, b2]],
@@ -104,6 +109,10 @@ def _argvs(command: str, d: Path) -> list[list[str]]:
             ]
         ],
         "map": [["suggest", c, c, "--out", str(d.parent / "map.toml")]],
+        "logprobs": [[la, lb], ["--json", la, lb, "--control", la]],
+        "logprob-ladder": [
+            [f"r:1={la},{lb}", f"r:2={la},{la}", f"z:1={la},{la}", "--control", "z"]
+        ],
         "notebooks": [[str(d.parent / "nbs"), "--study", _study(d, a1, c)]],
         "study": [
             ["init", "--run", f"a={a1}", "--run", f"b={c}", "--out", str(d.parent / "study.toml")]

@@ -77,7 +77,7 @@ def _add_logprobs(sub: argparse._SubParsersAction) -> None:
         help="only the sampled tokens' figures: skip the KL and top-k overlap of whole "
         "distributions even where logits or top-k log-probs are given",
     )
-    add_common(p, json=ONE_DOCUMENT, epilog=EPILOG)
+    add_common(p, json=ONE_DOCUMENT, format=True, epilog=EPILOG)
     p.set_defaults(func=run_logprobs)
 
 
@@ -99,7 +99,7 @@ def _add_ladder(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--control", metavar="LABEL", help="the control run (lr=0)")
     p.add_argument("--mask", metavar="PATH", help="a mask file applied to every side")
-    add_common(p, json=ONE_DOCUMENT, epilog=EPILOG)
+    add_common(p, json=ONE_DOCUMENT, format=True, epilog=EPILOG)
     p.set_defaults(func=run_ladder)
 
 

@@ -39,6 +39,7 @@ CKPT_ARGV: dict[str, Callable[[str, str], list[str]]] = {
     ],
     "gapcheck": lambda bad, good: [f"a={bad}", f"b={good}"],
     "repeats": lambda bad, good: [f"a={bad},{good}"],
+    "logprobs": lambda bad, good: [bad, good],
     "logprob-ladder": lambda bad, good: [f"r:1={bad},{good}"],
     "report": lambda bad, good: [
         "--run",
