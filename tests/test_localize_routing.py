@@ -158,3 +158,19 @@ def test_routers_are_found_by_their_outputs():
     assert router_outputs((logits, torch.rand(5, 2), idx)) is not None
     assert router_outputs(logits) is None  # a plain Linear gate's logits: no choice in it
     assert router_outputs((logits, torch.rand(5, 8))) is None
+
+
+def test_router_values_that_do_not_fit_their_boundary_are_refused(tmp_path):
+    import json
+
+    from dmlib.errors import CaptureError
+
+    model = moe()
+    run(model, tmp_path / "a", up=False)
+    run(model, tmp_path / "b", up=True)
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    name = "model.layers.1.mlp.gate:router.indices"
+    m["coverage"]["routers"][name] = m["coverage"]["routers"][name][:-1]  # a token short
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CaptureError, match="router values of"):
+        compare_captures(tmp_path / "a", tmp_path / "b")

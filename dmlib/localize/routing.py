@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlib.errors import CaptureError
 from dmlib.kernels.ulp import ulp_distance
 from dmlib.localize.capture.format import Boundary
 from dmlib.localize.capture.reader import Capture
@@ -23,18 +24,37 @@ from dmlib.textsafe import escape
 INDICES, MARGIN = "router.indices", "router.margin"
 
 
+def values(c: Capture, x: Boundary) -> np.ndarray | None:
+    """A router boundary's whole tensor, from the values the capture kept (None: none)."""
+    kept = c.coverage.get("routers")
+    got = kept.get(x.name) if isinstance(kept, dict) else None
+    if got is None:
+        return None
+    try:
+        arr = np.asarray(got, dtype=np.dtype(x.dtype))
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is None or arr.shape != x.shape:
+        raise CaptureError(
+            f"router values of {x.name!r} are not a {x.dtype}{list(x.shape)} tensor", path=c.path
+        )
+    return arr
+
+
 def _rows(c: Capture, x: Boundary, r: str) -> tuple[np.ndarray, list[int]] | None:
-    """A request's rows of a dumped router boundary and the positions they are at: per
-    token through the row map, or (a decode step) the batch row the request fills alone,
-    at the position after its prompt."""
-    if x.row_mapped and c.dumped(x, r):
-        rows = np.asarray(c.tensor(x, r))
+    """A request's rows of a router boundary and the positions they are at: per token
+    through the row map, or (a decode step) the batch row the request fills alone, at the
+    position after its prompt."""
+    whole = values(c, x)
+    if whole is None or c.row_map is None:
+        return None
+    if x.row_mapped and r in x.requests:
+        rows = x.physical_rows(whole)[c.row_map.requests[r]]
         return rows, list(range(len(rows)))
-    if c.dumped(x) and c.row_map is not None and c.batch and x.shape[:1] == (c.batch,):
+    if c.batch and x.shape[:1] == (c.batch,):
         row, _ = c.row_map.sequence_row(r)
         if row is not None:
-            n = c.requests[r]
-            return np.asarray(c.tensor(x))[row : row + 1], [n + x.step - 1]
+            return whole[row : row + 1], [c.requests[r] + x.step - 1]
     return None
 
 
@@ -150,4 +170,4 @@ def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
     return lines
 
 
-__all__ = ["flip_lines", "flip_notes", "routing_report"]
+__all__ = ["flip_lines", "flip_notes", "routing_report", "values"]

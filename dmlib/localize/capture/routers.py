@@ -8,9 +8,10 @@ DeepSeek-V3 routers in transformers return ``(router_logits, weights, indices)``
 of a known router class, or named ``*gate``/``*router``, is hooked; it is recorded only
 where its output has that shape.
 
-Two boundaries per router call, both read per token through the row map and always
-dumped (they are small: ``k`` ids and two scores per token), so that a comparison can say
-which token's expert set changed and how near the tie was in each run:
+Two boundaries per router call, both hashed per token through the row map, their values
+kept in the manifest (``coverage.routers``: they are small, ``k`` ids and two scores per
+token), so that a comparison can say which token's expert set changed and how near the tie
+was in each run:
 
 ``module:router.indices#call``  the chosen expert ids (int64, ``(tokens, k)``)
 ``module:router.margin#call``   per token, the lowest score among the chosen experts and
@@ -122,15 +123,12 @@ def _margins(scores: Any, indices: Any) -> Any:
 
 
 def _record(rec: Recorder, module: str, call: int, slot: str, t: Any) -> None:
-    """Record ``t`` as a router boundary and dump it whole (read back per request)."""
-    rec.record(module, call, "output", slot, t, extra={"router": True})
-    entry = rec.boundaries[-1]
-    if entry["dump"] is None:
-        from dmlib.localize.capture.tensors import _to_numpy
-
-        plan = rec._dump_plan(len(rec.boundaries) - 1, False)
-        entry["dump"] = plan
-        rec._write_dump(plan, _to_numpy(t), None)
+    """Record ``t`` as a router boundary, its values kept in the manifest's coverage
+    (``routers``: boundary name -> the tensor as nested lists, exact: int64 ids and float32
+    scores are exact as JSON numbers). A few numbers per token: a dump file per router call
+    would cost its fsync (measured: 8 of them doubled a tiny hybrid's capture)."""
+    name = rec.record(module, call, "output", slot, t, extra={"router": True})
+    rec.coverage.setdefault("routers", {})[name] = t.detach().cpu().tolist()
 
 
 __all__ = ["SCORES", "choice_scores", "install", "router_outputs", "routers"]
