@@ -222,7 +222,13 @@ def test_training_args_named_for_what_they_are(tmp_path, capsys):
         "a pickled object of class transformers.training_args.TrainingArguments, no tensors" in msg
     )
     assert "add_safe_globals" not in msg and "\n" not in msg
-    assert main(["inspect", str(tmp_path / "training_args.bin")]) == 2
+    # inspect says what the file is (exit 0) without unpickling it; comparing it is refused
+    assert main(["inspect", str(tmp_path / "training_args.bin")]) == 0
+    out = capsys.readouterr().out
+    assert "training arguments" in out and "not unpickled" in out
+    b = tmp_path / "training_args_2.bin"
+    b.write_bytes((tmp_path / "training_args.bin").read_bytes())
+    assert main(["compare", str(tmp_path / "training_args.bin"), str(b)]) == 2
 
 
 def test_zip_and_legacy_files_read_in_a_fresh_interpreter_without_torch(tmp_path):
