@@ -194,9 +194,13 @@ def _module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-#: pairs found importing each other when this check came, each to be made one way by
-#: moving what both need below them (hf_trainer.read_member, used by _hf_names)
-KNOWN_CYCLES = {frozenset({"dmlib.io._hf_names", "dmlib.io.hf_trainer"})}
+#: pairs found importing each other when this check came, each to be made one way: by
+#: moving what both need below them (hf_trainer.read_member, used by _hf_names); by the
+#: recorder's backward() leaving the backward to capture/backward.py's caller
+KNOWN_CYCLES = {
+    frozenset({"dmlib.io._hf_names", "dmlib.io.hf_trainer"}),
+    frozenset({"dmlib.localize.capture.backward", "dmlib.localize.capture.recorder"}),
+}
 
 
 def test_no_two_modules_import_each_other() -> None:
@@ -211,3 +215,24 @@ def test_no_two_modules_import_each_other() -> None:
     cycles = [c for c in _module_cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
     assert not cycles, "modules that import each other:\n" + "\n".join(map(str, cycles))
     assert _module_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: what the capture's rooms (dmlib/localize/capture/) may import besides each other and
+#: base: the readers and writers of io, and localize/ops.py (the op recorder and quiet())
+CAPTURE_MAY_IMPORT = ("dmlib.io", "dmlib.localize.ops")
+
+
+def test_the_capture_imports_none_of_the_comparison() -> None:
+    """Recording and reading a capture stand below comparing captures (boundaries,
+    culprits, controls...): docs/architecture.md, "The capture's rooms"."""
+    bad = []
+    for path in sorted((PKG / "localize" / "capture").rglob("*.py")):
+        for module, name, line in imports(path):
+            if (
+                room_of(module) == "base"
+                or module.startswith("dmlib.localize.capture")
+                or module.startswith(CAPTURE_MAY_IMPORT)
+            ):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {module}" + (f".{name}" if name else ""))
+    assert not bad, "the capture imports above itself:\n" + "\n".join(bad)
