@@ -236,3 +236,41 @@ def test_the_walk_finds_tensors_by_attribute_not_by_class():
         "state.layers.1.values": "positions", "state.layers.1.ssm.0": "batch",
         "state.extra.0": "batch",
     }  # fmt: skip
+
+
+def test_mamba_states_are_captured_and_a_planted_ulp_found(tmp_path):
+    """A Mamba model (float32): its conv and SSM states, walked by hand after the prefill,
+    are the capture's state boundaries, and +1 ULP in layer 1's SSM state is found there."""
+    torch.manual_seed(0)
+    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                   num_hidden_layers=2, conv_kernel=4, expand=2)  # fmt: skip
+    model = transformers.MambaForCausalLM(cfg).eval()
+    ids = probe_ids()
+    rows = row_map_from_attention_mask(torch.ones(1, N_PROBE), ["probe"])
+    got = {}
+    for side, plant in (("a", False), ("b", True)):
+        seen = []
+
+        def hook(mod, args, kwargs, out, plant=plant, seen=seen):
+            if not seen:
+                layers = out.past_key_values.layers
+                if plant:
+                    one_ulp(layers[1].recurrent_states[0][0])
+                seen.append({f"layers.{i}.{part}.0": getattr(layer, part)[0].clone()
+                             for i, layer in enumerate(layers)
+                             for part in ("conv_states", "recurrent_states")})  # fmt: skip
+
+        h = model.register_forward_hook(hook, with_kwargs=True)
+        try:
+            gen = {"input_ids": ids, "max_new_tokens": 2, "do_sample": False}
+            capture_generate(model, tmp_path / side, row_map=rows, generate_kwargs=gen)
+        finally:
+            h.remove()
+        got[side] = seen[0]
+    expected = {k for k in got["a"] if not torch.equal(got["a"][k], got["b"][k])}
+    assert expected == {"layers.1.recurrent_states.0"}
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    states = dmlib_states(df)
+    assert set(states) == set(got["a"])
+    assert {k for k, v in states.items() if v is False} == expected
+    assert df.attrs["first_divergent_boundary"] == "(model):state.layers.1.recurrent_states.0"
