@@ -5,6 +5,7 @@ merged model checked against base + adapter. The library's :mod:`dmlib.forensics
 from __future__ import annotations
 
 import argparse
+import os
 
 from dmlib.cli._common import exit_code, print_json
 from dmlib.cli._table import table
@@ -40,9 +41,16 @@ def wants_adapters(args: argparse.Namespace) -> bool:
         return True
     if getattr(args, "raw", False) or getattr(args, "map", None):
         return False
+    if not all(_may_be_adapter(p) for p in (args.a, args.b)):
+        return False  # two plain files: the usual comparison, no adapter reader imported
     from dmlib.io.hf_pretrained import is_adapter  # not pandas: compare starts without it
 
     return is_adapter(args.a) and is_adapter(args.b)
+
+
+def _may_be_adapter(path: str) -> bool:
+    """A folder, or a file named like PEFT's weights (``adapter_model.*``): worth asking."""
+    return os.path.isdir(path) or os.path.basename(path).startswith("adapter_model")
 
 
 def run(args: argparse.Namespace) -> int:
