@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # what the lazy table below provides, visible to type checker
     from dmlib.localize.arbitrate import arbitrate
     from dmlib.localize.boundaries import CaptureVerdict, compare_captures, repeat_control
     from dmlib.localize.capture import CaptureOptions, capture
+    from dmlib.localize.capture.record import record, recorded
     from dmlib.localize.captures import open_capture
     from dmlib.localize.patch import patch_test
     from dmlib.localize.rates import repeat_rates, repeat_study, wilson_interval
@@ -109,6 +110,8 @@ _LAZY: dict[str, str] = {
     # localisation
     "capture": "dmlib.localize.capture",
     "CaptureOptions": "dmlib.localize.capture",
+    "record": "dmlib.localize.capture.record",
+    "recorded": "dmlib.localize.capture.record",
     "open_capture": "dmlib.localize.captures",
     "compare_captures": "dmlib.localize.boundaries",
     "CaptureVerdict": "dmlib.localize.boundaries",
@@ -168,6 +171,8 @@ __all__ = [
     "padding_census",
     "padding_summary",
     "patch_test",
+    "record",
+    "recorded",
     "repeat_control",
     "repeat_rates",
     "repeat_study",

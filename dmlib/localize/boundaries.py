@@ -51,6 +51,7 @@ from dmlib.localize.culprits import (
 )
 from dmlib.localize.gradients import backward_roles, backward_summary, split_backward
 from dmlib.localize.opalign import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
+from dmlib.localize.recorded import recorded_roles
 from dmlib.localize.routing import flip_notes, routing_report
 
 LAYOUT_NOTE = "layout input: follows the batch layout, not the request's data (not judged)"
@@ -360,6 +361,7 @@ def compare_captures(
     ]
     fwd, bwd = split_backward(a, rows)  # the backward judged in its own order
     _roles(fwd, a.root)
+    recorded_roles(a, fwd)
     routing = routing_report(a, b, requests)
     flip_notes(rows, routing)
     backward_roles(bwd, next((r["boundary"] for r in fwd if r["identical"] is False), None))

@@ -159,7 +159,9 @@ def capture(
 
         chosen = opts.modules if opts.op_modules is None else opts.op_modules
         tracker = OpRecorder(rec, model, _select(model, chosen, named))
-    with _hooked(model, opts.modules, rec, tracker, named):
+    from dmlib.localize.capture.record import active
+
+    with _hooked(model, opts.modules, rec, tracker, named), active(rec):
         yield rec
     _conclude(rec, path)
 
