@@ -120,6 +120,8 @@ def confined_file(
     resolving it whole only where it is a symlink).
     """
     where = top if where is None else where
+    if "\x00" in os.fspath(path):
+        raise error(f"{what} holds a NUL character; not a path", path=where)
     real, st = _resolved(os.fspath(path), folders)
     if not (real == top or real.startswith(top.rstrip(os.sep) + os.sep)):
         raise error(

@@ -653,3 +653,23 @@ def test_a_key_joined_from_its_levels_prefixes_is_bounded(tmp_path):
         else:
             with pytest.raises(DmlibError, match=f"a key of {width + 1} bytes"):
                 ocdbt.open_store(tmp_path)
+
+
+def test_a_nul_in_a_data_file_path_or_a_leaf_name_is_refused(tmp_path):
+    """Found by the fuzz target: a path with a NUL byte made os.path.realpath raise ValueError."""
+    pytest.importorskip("crc32c")
+    from dmlib.io import ocdbt
+
+    lf = _leaf([(b"x", b"1")])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/f").write_bytes(lf)
+    (tmp_path / "manifest.ocdbt").write_bytes(_manifest(b"d/\x00f", 0, len(lf), 0, 1))
+    with pytest.raises(DmlibError, match="not a plain relative path"):
+        ocdbt.open_store(tmp_path)
+    item = tmp_path / "item"
+    item.mkdir()
+    md = {"tree_metadata": {"x": {"key_metadata": [{"key": "w\x00"}],
+                                  "value_metadata": {"value_type": "np.ndarray"}}}}  # fmt: skip
+    (item / "_METADATA").write_text(json.dumps(md))
+    with pytest.raises(DmlibError, match="not a plain relative path"):
+        dmlib.open_tensors(item)

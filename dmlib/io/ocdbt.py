@@ -275,7 +275,8 @@ class OcdbtStore:
     def _file(self, rel: str) -> str:
         """Absolute path of data file ``rel``, which must stay inside the database folder."""
         parts = rel.split("/")
-        if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        bad = "\\" in rel or "\x00" in rel
+        if rel.startswith("/") or bad or any(p in ("", ".", "..") for p in parts):
             raise FormatError(
                 f"data file path {rel!r} is not a plain relative path inside the database",
                 path=self.root,

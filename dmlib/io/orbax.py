@@ -182,7 +182,8 @@ def _leaves(md: Any, folder: str) -> tuple[dict[str, str], dict[str, str]]:
 
 def _safe_name(name: str, folder: str) -> None:
     parts = name.split("/")
-    if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+    bad = "\\" in name or "\x00" in name
+    if not name or name.startswith("/") or bad or any(p in ("", ".", "..") for p in parts):
         raise FormatError(f"leaf name {name!r} is not a plain relative path", path=folder)
 
 
