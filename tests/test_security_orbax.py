@@ -106,7 +106,7 @@ def _copy(src: Path, dst: Path) -> Path:
     [
         pytest.param(H.zarr2_zstd_bomb, id="zarr2-zstd"),
         pytest.param(H.zarr3_zstd_bomb, id="zarr3-zstd"),
-        pytest.param(H.zarr3_gzip_bomb, id="zarr3-gzip"),
+        pytest.param(H.zarr3_gzip_bomb, id="zarr3-gzip", marks=pytest.mark.slow),  # 6-10 s
     ],
 )
 def test_a_small_chunk_declared_as_2_gib_is_refused(tmp_path: Path, build) -> None:
