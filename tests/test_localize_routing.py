@@ -9,6 +9,8 @@ renormalised). The oracle is ``torch.topk`` on the hooked logits' softmax, by ha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -174,3 +176,25 @@ def test_router_values_that_do_not_fit_their_boundary_are_refused(tmp_path):
     (tmp_path / "b" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(CaptureError, match="router values of"):
         compare_captures(tmp_path / "a", tmp_path / "b")
+
+
+def test_the_report_section_lists_the_flips(tmp_path):
+    """The capture notebook's routing cell (report.sections_captures.routing) on the two
+    captures: the flip the routing report found, one row, and the numbers recorded."""
+    from dmlib import report
+    from dmlib.report import sections_captures as sections
+
+    model = moe()
+    la, lb = run(model, tmp_path / "a", up=False), run(model, tmp_path / "b", up=True)
+    sa, _ = by_hand(la)
+    sb, _ = by_hand(lb)
+    report.configure(figure_dir=tmp_path / "stage" / "figures", notebook="routing_test")
+    try:
+        df = compare_captures(tmp_path / "a", tmp_path / "b")
+        table = sections.routing(sections.Captures(study=None, results={"a vs b": df}))
+        assert list(table["position"]) == [T]
+        assert (table["experts_a"].iloc[0], table["experts_b"].iloc[0]) == (sa[T], sb[T])
+        n = report.load_numbers(report.numbers_path())
+        assert n["routing_flips"] == {"a vs b": 1}
+    finally:
+        report.configure(figure_dir=Path("reports") / "figures", notebook="notebook")

@@ -14,7 +14,15 @@ from typing import Any
 import pandas as pd
 
 from dmlib.report import prose
-from dmlib.report.notebook import compare_study_captures, finding, record, save_figure, say, skip
+from dmlib.report.notebook import (
+    compare_study_captures,
+    finding,
+    md_code,
+    record,
+    save_figure,
+    say,
+    skip,
+)
 
 __all__ = [
     "Captures",
@@ -24,6 +32,7 @@ __all__ = [
     "conclude",
     "culprit",
     "op_level",
+    "routing",
 ]
 
 SUMMARY_KEYS = (
@@ -172,6 +181,32 @@ def op_level(cb: Captures) -> pd.DataFrame | None:
         record(key, value)
     say(*ops.lines)
     return ops.table
+
+
+ROUTING_COLUMNS = [
+    "comparison", "request", "router", "step", "position", "experts_a", "experts_b",
+    "margin_a", "margin_ulp_a", "margin_b", "margin_ulp_b",
+]  # fmt: skip
+
+
+def routing(cb: Captures) -> pd.DataFrame | None:
+    """The tokens whose experts changed (``attrs["routing"]`` of each comparison): records
+    the flips per comparison, says how many, returns one row per flip (skipped where no
+    capture recorded an MoE router)."""
+    if cb.empty:
+        return None
+    reports = {k: df.attrs.get("routing") for k, df in cb.results.items()}
+    if all(r is None for r in reports.values()):
+        skip("no MoE router was recorded in these captures (a dense model): no routing report")
+        return None
+    record("routing_flips", {k: (r or {}).get("n_flips") for k, r in reports.items()})
+    rows = [{"comparison": k, **f} for k, r in reports.items() if r is not None for f in r["flips"]]
+    if not rows:
+        say("No token's set of experts changed in any comparison.")
+        return None
+    say(*(f"{md_code(k)}: {r['n_flips']} tokens changed experts" for k, r in reports.items()
+          if r is not None))  # fmt: skip
+    return pd.DataFrame(rows).reindex(columns=ROUTING_COLUMNS)
 
 
 def conclude(cb: Captures) -> None:
