@@ -51,6 +51,7 @@ from dmlib.localize.culprits import (
 )
 from dmlib.localize.gradients import backward_roles, backward_summary, split_backward
 from dmlib.localize.opalign import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
+from dmlib.localize.positions import across_passes, compare_positions
 from dmlib.localize.recorded import recorded_roles
 from dmlib.localize.routing import flip_notes, routing_report
 
@@ -349,6 +350,8 @@ def compare_captures(
     """
     # a version-2 capture meets a version-3 one under one scheme (digests rebuilt, not rehashed)
     a, b = lift_blake3(open_capture(path_a), open_capture(path_b))
+    if across_passes(a, b, request):  # a full-sequence forward against prefill + decode passes
+        return _across_passes(a, b, request, repeat, negative, layout_inputs)
     requests = _check_comparable(a, b, request)
     index = _block_index(a, requests)
     offsets = {r: i for i, (r, k, _, _) in enumerate(index) if k == 0}  # request -> first block id
@@ -372,6 +375,25 @@ def compare_captures(
     df.attrs["routing"] = routing
     df.attrs["backward"] = backward_summary(bwd, df.attrs)
     df.attrs.update(_op_summary(rows, alignment))
+    df.attrs["repeat_control"] = _repeats(a, b, repeat)
+    df.attrs["negative_control"] = _negatives(a, b, requests, negative)
+    rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]
+    df.attrs["valid"] = None if rc is None else bool(rc["held"] and nc["passed"] is not False)
+    return df
+
+
+def _across_passes(
+    a: Capture,
+    b: Capture,
+    request: Any,
+    repeat: CaptureLike | tuple[CaptureLike, ...] | None,
+    negative: CaptureLike | None,
+    layout_inputs: str | list[str] | tuple[str, ...] | None,
+) -> pd.DataFrame:
+    """:func:`compare_captures` of a full-sequence capture and a prefill + decode one:
+    position by position (:mod:`dmlib.localize.positions`), with the same controls."""
+    requests = _requests(a, b, request)
+    df = compare_positions(a, b, requests, _layout_patterns(a, b, layout_inputs))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)
     rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]

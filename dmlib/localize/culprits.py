@@ -25,6 +25,7 @@ from dmlib.localize.capture.reader import Capture
 from dmlib.localize.gradients import backward_lines
 from dmlib.localize.opalign import Alignment
 from dmlib.localize.routing import flip_lines
+from dmlib.textsafe import escape
 
 SECONDARY_NOTE = (
     "a secondary output of an op whose first output matches (e.g. attention's logsumexp): "
@@ -395,6 +396,8 @@ class CaptureVerdict(Verdict):
     not_captured: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     identical_up_to: str | None = None
     routing: dict[str, Any] | None = None
+    # a full-sequence capture against prefill + decode passes: the first divergence's pass
+    first_divergent_position: dict[str, Any] | None = None
     backward: dict[str, Any] | None = None  # the backward's own summary (gradients.py)
 
     @classmethod
@@ -442,6 +445,8 @@ class CaptureVerdict(Verdict):
                 ]
             return [f"identical: all {self.n_comparable} boundaries match"]
         lines = [f"first divergent boundary: {self.first_divergent_boundary}"]
+        if self.first_divergent_position is not None:
+            lines.append(f"  at {escape(str(self.first_divergent_position['note']))}")
         if self.culprit is not None or self.entry is None:
             lines.append(f"culprit (inputs identical, output differs): {self.culprit}")
         if self.entry is not None and self.culprit is None:

@@ -1,0 +1,318 @@
+"""A full-sequence capture against a prefill + decode capture, position by position.
+
+A trainer computes a request's ``L`` positions in one forward pass (padded or packed with
+others, no cache); a sampler computes the prompt's ``P`` positions in a prefill pass, then
+one position per decode pass against its KV cache (``capture_generate``). Their rows are
+paired by position: position ``p`` of the request in the full-sequence capture is
+compared with the pass that computed it in the other, at the boundary of the same module,
+slot and call within the pass:
+
+- the prefill (pass 0): the request's rows through the row map (positions ``0..P-1``); a
+  tensor holding one column per batch row there (the logits of the last prompt position
+  only) is that row's last position;
+- decode pass ``s``: one column per batch row; the request's batch row (the one it fills
+  alone) holds position ``P + s - 1``.
+
+A position is compared by its digest (captures with ``block_rows=1`` keep one per
+position; a one-column tensor's row is digested per batch row) or, where both sides
+dumped it, by its values. What only one side has (the sampler's KV cache and states, a
+module hooked on one side) is a row that is not judged, with the reason; positions of the
+full-sequence capture that no pass computed are listed as not captured, so such a
+comparison is never "identical".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from dmlib.errors import CaptureError
+from dmlib.localize.capture.format import Boundary, request_key, same_scheme
+from dmlib.localize.capture.reader import Capture
+from dmlib.localize.culprits import _frame, _is_layout, _roles, _steps, _summary
+
+Row = tuple[str | None, np.ndarray | None]  # (digest, values) of one position's row
+PER_POSITION = "capture it with block_rows=1 (one digest per position), or dump it in both"
+
+
+def multi_pass(c: Capture) -> bool:
+    """Whether the capture holds more than one forward pass (decode steps)."""
+    return any(x.step for x in c.boundaries)
+
+
+def across_passes(a: Capture, b: Capture, request: Any = None) -> bool:
+    """Whether ``a`` and ``b`` pair as a full-sequence capture and a prefill + decode one:
+    one of them holds several passes, the other one, and a compared request has more
+    positions in the one-pass capture than in the other's prompt."""
+    if multi_pass(a) == multi_pass(b):
+        return False
+    full, passes = (a, b) if multi_pass(b) else (b, a)
+    keys = [request_key(request)] if request is not None else list(full.requests)
+    return any(
+        k in full.requests and k in passes.requests and full.requests[k] > passes.requests[k]
+        for k in keys
+    )
+
+
+def _slots(c: Capture, steps: bool) -> dict[tuple[Any, ...], Boundary]:
+    """(module, kind, slot, step, k-th such boundary in its pass) -> boundary."""
+    seen: dict[tuple[Any, ...], int] = {}
+    out = {}
+    for x in c.boundaries:
+        base = (x.module, x.kind, x.slot, x.step if steps else 0)
+        k = seen[base] = seen.get(base, -1) + 1
+        out[(*base, k)] = x
+    return out
+
+
+class _Plan:
+    """Where each compared request's positions lie in the prefill + decode capture."""
+
+    def __init__(self, full: Capture, passes: Capture, requests: list[str]) -> None:
+        self.requests = requests
+        self.prompt = {r: passes.requests[r] for r in requests}
+        self.length = {r: full.requests[r] for r in requests}
+        self.n_passes = 1 + max(x.step for x in passes.boundaries)
+        rm = passes.row_map
+        self.row: dict[str, tuple[int | None, str]] = {}
+        self.last: dict[str, bool] = {}  # the row's last column holds the prompt's last position
+        for r in requests:
+            b, why = rm.sequence_row(r) if rm is not None else (None, "no row map")
+            self.row[r] = (b, why)
+            seq = len(rm) // rm.batch if rm is not None and rm.batch else 0
+            tail = (
+                rm.entries[b * seq + seq - 1] if rm is not None and b is not None and seq else None
+            )
+            self.last[r] = tail is not None and tail[1] == self.prompt[r] - 1
+
+    def position(self, r: str, step: int) -> int:
+        """The position of request ``r`` a one-column tensor of pass ``step`` holds."""
+        return self.prompt[r] - 1 + step
+
+    def uncovered(self, r: str) -> list[int]:
+        """Positions of ``r`` in the full-sequence capture no pass computed."""
+        done = self.prompt[r] + self.n_passes - 1
+        return list(range(min(done, self.length[r]), self.length[r]))
+
+
+def _full_rows(c: Capture, x: Boundary, r: str) -> tuple[list[Row] | None, str]:
+    """Request ``r``'s rows of a row-mapped boundary, one (digest, values) per position."""
+    h = x.requests.get(r)
+    if h is None:
+        return None, f"request {r!r} has no rows at {x.name}"
+    digests: list[str | None] = list(h.blocks) if c.block_rows == 1 else [None] * h.n_rows
+    vals = c.tensor(x, r) if c.dumped(x, r) else None
+    if vals is None and c.block_rows != 1:
+        return None, f"one digest per {c.block_rows} positions in {c.path.name}: {PER_POSITION}"
+    return [(d, None if vals is None else vals[i]) for i, d in enumerate(digests)], ""
+
+
+def _column(c: Capture, x: Boundary, b: int, row_shape: tuple[int, ...], axis: int) -> Row | None:
+    """Batch row ``b`` of a one-column tensor (the column's axis ``axis`` of size 1)."""
+    if x.leading is None or len(x.leading) <= b:
+        return None
+    shape = x.shape[1:axis] + x.shape[axis + 1 :]
+    if x.shape[axis] != 1 or tuple(shape) != tuple(row_shape):
+        return None
+    vals = c.tensor(x)[b].reshape(row_shape) if c.dumped(x) else None
+    return x.leading[b], vals
+
+
+def _same(p: Row, q: Row) -> bool | None:
+    """Whether two rows hold the same bytes (digests where both have one, else values)."""
+    if p[0] is not None and q[0] is not None:
+        return p[0] == q[0]
+    if p[1] is not None and q[1] is not None:
+        return p[1].dtype == q[1].dtype and p[1].tobytes() == q[1].tobytes()
+    return None
+
+
+def _judge(
+    full: Capture, passes: Capture, t: Boundary, s: Boundary, r: str, plan: _Plan
+) -> tuple[bool | None, list[int], str, list[tuple[np.ndarray, np.ndarray]]]:
+    """(identical or None, differing positions, note, value pairs) for request ``r``."""
+    if not same_scheme(t, s):
+        return None, [], f"not judged: hashed with {t.hash} and {s.hash}", []
+    if t.dtype != s.dtype:
+        return False, [], f"{t.dtype} vs {s.dtype}", []
+    rows, why = _full_rows(full, t, r)
+    if rows is None:
+        return None, [], f"not judged: {why}", []
+    if s.row_mapped:
+        if s.step:
+            return None, [], "not judged: rows per position in a decode pass", []
+        mine, why = _full_rows(passes, s, r)
+        if mine is None:
+            return None, [], f"not judged: {why}", []
+        if t.row_shape != s.row_shape:
+            return None, [], f"not judged: rows {list(t.row_shape)} vs {list(s.row_shape)}", []
+        pairs = list(enumerate(zip(rows[: len(mine)], mine, strict=True)))
+        where = f"positions 0-{len(mine) - 1} (prefill)"
+    else:
+        b, why = plan.row[r]
+        if b is None:
+            return None, [], f"not judged: {why}", []
+        if s.step == 0 and not plan.last[r]:
+            return None, [], "not judged: one column per batch row, not the prompt's last", []
+        p = plan.position(r, s.step)
+        axis = t.row_axes[1] if t.row_axes is not None else 1
+        col = _column(passes, s, b, t.row_shape, axis) if p < len(rows) else None
+        if col is None:
+            why = f"{s.name} {list(s.shape)} holds no row of position {p} of request {r!r}"
+            return None, [], f"not judged: {why} ({t.name} {list(t.shape)})", []
+        pairs = [(p, (rows[p], col))]
+        where = f"position {p}" + (f" (decode step {s.step})" if s.step else " (prefill)")
+    verdicts = {p: _same(x, y) for p, (x, y) in pairs}
+    if None in verdicts.values():
+        return None, [], f"not judged: {where}: {PER_POSITION}", []
+    diff = [p for p, v in verdicts.items() if not v]
+    values = [(x[1], y[1]) for _, (x, y) in pairs if x[1] is not None and y[1] is not None]
+    dumped = len(values) == len(pairs)
+    return not diff, diff, f"{where} of request {r!r}: {t.name}", values if dumped else []
+
+
+def _stats(values: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any] | None:
+    """Element statistics of the compared rows (None: not every one dumped on both sides)."""
+    from dmlib.kernels.pair import compare_arrays
+
+    if not values:
+        return None
+    a = np.stack([v[0] for v in values])
+    b = np.stack([v[1] for v in values])
+    row = compare_arrays(a, b)
+    ua = a.reshape(len(a), -1).view(np.uint8) if a.size else a.reshape(len(a), 0)
+    ub = b.reshape(len(b), -1).view(np.uint8) if b.size else b.reshape(len(b), 0)
+    max_abs = row["max_abs"]
+    return {
+        "n_diff": int(row["n_diff"]),
+        "n_diff_rows": int(np.count_nonzero((ua != ub).any(axis=1))),
+        "max_abs": None if max_abs is None or max_abs != max_abs else float(max_abs),
+        "rel_fro": row.get("rel_fro"),
+        "max_ulp": row.get("max_ulp"),
+    }
+
+
+NO_STATS = {"n_diff": None, "n_diff_rows": None, "max_abs": None, "rel_fro": None, "max_ulp": None}
+CACHE_NOTE = "not judged: only in {side} (a KV-cache tensor; the full-sequence forward keeps none)"
+STATE_NOTE = (
+    "not judged: only in {side} (a state the pass left; the full-sequence forward keeps none)"
+)
+
+
+def _row(x: Boundary, same: bool | None, note: str, layout: bool) -> dict[str, Any]:
+    """A comparison row for boundary ``x`` (named as in its own capture)."""
+    return {"boundary": x.name, "module": x.module, "call": x.call, "kind": x.kind,
+            "identical": same, "diff_blocks": [], "note": note, "_layout": layout,
+            "_slot": x.slot, "_step": x.step, "_op": x.category.marker == "op",
+            "_state": x.state, "_router": x.router, **NO_STATS, "_stats": False}  # fmt: skip
+
+
+def _paired_row(
+    full: Capture, passes: Capture, t: Boundary, s: Boundary, plan: _Plan
+) -> dict[str, Any]:
+    """Pass boundary ``s`` against the rows of the positions it computed in ``t``."""
+    verdicts, diff, notes, values = [], [], [], []
+    for r in plan.requests:
+        same, d, note, v = _judge(full, passes, t, s, r, plan)
+        verdicts.append(same)
+        diff += d
+        notes.append(note)
+        values += v
+    same = False if False in verdicts else (None if None in verdicts else True)
+    row = _row(s, same, "; ".join(dict.fromkeys(notes)), False)
+    st = _stats(values) if same is not None else None
+    if st is not None:
+        row.update(st, _stats=True)
+    elif same is True:
+        zero = 0.0 if np.dtype(s.np_dtype).kind == "f" else None
+        row.update(n_diff=0, n_diff_rows=0, max_abs=0.0, rel_fro=zero,
+                   max_ulp=None if zero is None else 0)  # fmt: skip
+    if len(plan.requests) == 1 and diff:
+        row["diff_positions"] = sorted(diff)
+    return row
+
+
+def position_rows(
+    full: Capture, passes: Capture, requests: list[str], is_layout: Any
+) -> tuple[list[dict[str, Any]], _Plan]:
+    """One row per boundary of ``passes`` in execution order (each pass's boundaries judged
+    at the positions it computed), then the boundaries of ``full`` no pass recorded."""
+    plan = _Plan(full, passes, requests)
+    mine = _slots(full, steps=False)
+    used: set[str] = set()
+    side = f"the prefill + decode capture {passes.path.name}"
+    rows = []
+    for key, s in _slots(passes, steps=True).items():
+        t = mine.get((*key[:3], 0, key[4]))
+        if is_layout(s) or (t is not None and is_layout(t)):
+            rows.append(_row(s, None, "layout input: follows the batch layout (not judged)", True))
+        elif s.cache and not s.state:
+            rows.append(_row(s, None, CACHE_NOTE.format(side=side), False))
+        elif s.state:
+            rows.append(_row(s, None, STATE_NOTE.format(side=side), False))
+        elif t is None:
+            rows.append(_row(s, None, f"not judged: absent from {full.path.name}", False))
+        else:
+            rows.append(_paired_row(full, passes, t, s, plan))
+        if t is not None:
+            used.add(t.name)
+    for t in full.boundaries:
+        if t.name not in used:
+            why = f"not judged: no pass of {passes.path.name} recorded it"
+            rows.append(_row(t, None, why, is_layout(t)))
+    return rows, plan
+
+
+def uncovered(full: Capture, plan: _Plan, side: str) -> list[dict[str, str]]:
+    """``not_captured`` entries for positions of ``full`` that no pass computed."""
+    out = []
+    for r in plan.requests:
+        left = plan.uncovered(r)
+        if left:
+            span = f"{left[0]}" if len(left) == 1 else f"{left[0]}-{left[-1]}"
+            out.append({"capture": side, "what": f"position {span} of request {r!r}",
+                        "reason": f"computed in {full.path.name} only: no pass computed it"})  # fmt: skip
+    return out
+
+
+def first_position(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first differing row's pass and positions (None where nothing differs)."""
+    for r in rows:
+        if r["identical"] is False:
+            return {"boundary": r["boundary"], "step": r["_step"],
+                    "positions": r.get("diff_positions"), "note": r["note"]}  # fmt: skip
+    return None
+
+
+def compare_positions(
+    a: Capture, b: Capture, requests: list[str], patterns: tuple[str, ...]
+) -> Any:
+    """The frame of :func:`dmlib.compare_captures` for a full-sequence capture and a prefill
+    + decode one (either order); the controls are the caller's to add."""
+    full, passes = (a, b) if multi_pass(b) else (b, a)
+    for r in requests:
+        if full.requests[r] < passes.requests[r]:
+            raise CaptureError(
+                f"request {r!r} has {full.requests[r]} positions in the full-sequence capture "
+                f"but a prompt of {passes.requests[r]} in {passes.path}",
+                path=full.path,
+            )
+    rows, plan = position_rows(full, passes, requests, lambda x: _is_layout(x, patterns))
+    _roles(rows, passes.root)
+    df = _frame(rows)
+    names = {x.name for x in a.boundaries} | {x.name for x in b.boundaries}
+    df.attrs.update(_summary(full, passes, requests, [], rows, names, patterns))
+    at = df.attrs
+    at["a"], at["b"] = str(a.path), str(b.path)
+    side = "B" if passes is b else "A"
+    at["not_captured"] = [*at["not_captured"], *uncovered(full, plan, side)]
+    if at["status"] == "identical" and at["not_captured"]:
+        judged = [r["boundary"] for r in rows if r["identical"] is True]
+        at["status"], at["identical_up_to"] = "inconclusive", (judged[-1] if judged else None)
+    at["first_divergent_position"] = first_position(rows)
+    at["steps"] = _steps(rows)
+    at["routing"] = None
+    at.update({"first_divergent_op": None, "culprit_op": None, "op_alignment": None})
+    return df

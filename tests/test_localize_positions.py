@@ -1,0 +1,190 @@
+"""A full-sequence capture (trainer) against a prefill + decode capture (sampler), position
+by position, with real transformers generate() (DynamicCache and StaticCache).
+
+The oracle is plain torch forward hooks on one module (layer 0's q_proj): the trainer's
+row at each position of the probe, the sampler's rows of the prefill and of each decode
+pass, compared by hand with torch.equal. A difference is planted in the sampler run only
+(one element of one decode step's q_proj output moved by 1 ULP with torch.nextafter); what
+the unplanted model does on this CPU is never assumed, only read from the oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import dmlib  # noqa: E402
+from dmlib.localize.boundaries import compare_captures  # noqa: E402
+from dmlib.localize.hf import capture_generate, row_map_from_attention_mask  # noqa: E402
+
+Q = "model.layers.0.self_attn.q_proj"
+PAD = 2  # the probe's prompt is left-padded by this much in the sampler's batch
+NEW = 4  # tokens generated: the prefill, then NEW - 1 decode passes
+
+
+def _model(rowwise=False):
+    """A tiny random Qwen2; ``rowwise``: layer 0's q_proj computes each row by its own call
+    (so a row's value does not depend on how many rows share the pass, by construction)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    if rowwise:
+        q = _q(model)
+        f = torch.nn.functional.linear
+
+        def forward(x):
+            rows = [f(r, q.weight, q.bias) for r in x.reshape(-1, x.shape[-1])]
+            return torch.stack(rows).reshape(*x.shape[:-1], q.out_features)
+
+        q.forward = forward
+    return model
+
+
+def _q(model):
+    return model.model.layers[0].self_attn.q_proj
+
+
+def _sample(model, path, cache, plant_step=None):
+    """generate() captured; returns (probe's full sequence, q_proj outputs per pass)."""
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    calls, outs = [0], []
+
+    def plant(mod, args, out):
+        k = calls[0]
+        calls[0] += 1
+        if k == plant_step:
+            out = out.clone()
+            out[0, 0, 0] = torch.nextafter(out[0, 0, 0], torch.tensor(float("inf")))
+            return out
+        return None
+
+    handles = [_q(model).register_forward_hook(plant)]  # first: what follows sees the plant
+    handles.append(_q(model).register_forward_hook(lambda m, a, o: outs.append(o.detach().clone())))
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": NEW, "do_sample": False,
+          "pad_token_id": 0}  # fmt: skip
+    if cache:
+        kw["cache_implementation"] = cache
+    rm = row_map_from_attention_mask(mask, ["probe", "other"])
+    try:
+        with torch.no_grad():
+            seq = capture_generate(
+                model, path, row_map=rm, generate_kwargs=kw, overwrite=True, block_rows=1
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    return seq[0, PAD:], outs
+
+
+def _train(model, path, seq, **kw):
+    """The probe's full sequence in a right-padded batch of two, captured whole."""
+    other = torch.tensor([3, 1, 4, 1, 5])
+    ids = torch.zeros((2, len(seq)), dtype=torch.long)
+    ids[0], ids[1, : len(other)] = seq, other
+    mask = (ids != 0).long()
+    mask[0] = 1
+    outs = []
+    h = _q(model).register_forward_hook(lambda m, a, o: outs.append(o.detach().clone()))
+    rm = row_map_from_attention_mask(mask, ["probe", "other"])
+    try:
+        with torch.no_grad(), dmlib.capture(model, path, row_map=rm, overwrite=True, **kw):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        h.remove()
+    return outs[0][0]  # the probe's rows, (L, hidden)
+
+
+def _oracle(trainer_rows, sampler_outs):
+    """Per pass: {position: rows equal} for the probe, by hand."""
+    prompt = 5 - PAD
+    out = {0: {p: torch.equal(trainer_rows[p], sampler_outs[0][0, PAD + p]) for p in range(prompt)}}
+    for s in range(1, len(sampler_outs)):
+        p = prompt - 1 + s
+        out[s] = {p: torch.equal(trainer_rows[p], sampler_outs[s][0, 0])}
+    return out
+
+
+def _q_rows(df):
+    rows = df[df["module"] == Q]
+    return rows[rows["kind"] == "output"]
+
+
+def _check_against_oracle(df, oracle):
+    """dmlib's q_proj verdict of every pass (and its differing positions) is the oracle's."""
+    q = _q_rows(df).set_index("boundary")
+    assert len(q) == NEW  # the prefill and each decode pass, none dropped
+    for s, by_pos in oracle.items():
+        name = Q if s == 0 else f"{Q}#{s}"
+        assert bool(q.loc[name, "identical"]) == all(by_pos.values())
+        differing = [p for p, same in by_pos.items() if not same]
+        assert (q.loc[name, "diff_positions"] or []) == differing
+    return q
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_planted_decode_step_found_at_its_module_and_position(tmp_path, cache):
+    model = _model(rowwise=True)
+    step = 2  # the second decode pass computes position prompt + 1
+    pos = 5 - PAD - 1 + step
+    seq0, outs0 = _sample(model, tmp_path / "s0", cache)
+    seq, outs = _sample(model, tmp_path / "s", cache, plant_step=step)
+    assert torch.equal(seq0, seq)  # the plant changed no token: one trainer serves both
+    rows = _train(model, tmp_path / "t", seq, block_rows=1)
+    clean, planted = _oracle(rows, outs0), _oracle(rows, outs)
+    assert clean[step] == {pos: True} and planted[step] == {pos: False}  # by hand
+    df0 = compare_captures(tmp_path / "t", tmp_path / "s0", request="probe")
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="probe")
+    _check_against_oracle(df0, clean)
+    q = _check_against_oracle(df, planted)
+    hit = q.loc[f"{Q}#{step}"]
+    assert hit["role"] == "culprit" and hit["diff_positions"] == [pos]
+    # the first row that differs with the plant and not without it is the planted one
+    differs0 = set(df0["boundary"][df0["identical"].eq(False).fillna(False)])
+    differs = df["boundary"][df["identical"].eq(False).fillna(False)]
+    new = [b for b in differs if b not in differs0]
+    assert new[0] == f"{Q}#{step}"
+    assert df.attrs["status"] == "different"
+    first = df.attrs["first_divergent_position"]
+    assert first["boundary"] == df.attrs["first_divergent_boundary"]
+    if df0.attrs["first_divergent_boundary"] is None:  # nothing else differs: the plant is first
+        assert first["step"] == step and first["positions"] == [pos]
+    text = str(dmlib.localize.boundaries.CaptureVerdict.of(df))
+    assert f"  at {first['note']}" in text.splitlines()
+
+
+def test_unplanted_follows_the_oracle_and_never_says_identical(tmp_path):
+    model = _model()
+    seq, outs = _sample(model, tmp_path / "s", None)
+    rows = _train(model, tmp_path / "t", seq, block_rows=1)
+    oracle = _oracle(rows, outs)
+    df = compare_captures(tmp_path / "s", tmp_path / "t", request="probe")  # either order
+    q = _q_rows(df).set_index("boundary")
+    for s, by_pos in oracle.items():
+        name = Q if s == 0 else f"{Q}#{s}"
+        assert bool(q.loc[name, "identical"]) == all(by_pos.values())
+    # the last position of the full sequence was computed by no pass of the sampler
+    assert len(seq) == 5 - PAD + NEW
+    last = f"position {len(seq) - 1} of request 'probe'"
+    assert any(u["what"] == last for u in df.attrs["not_captured"])
+    assert df.attrs["status"] != "identical"
+    # the sampler's KV cache and states are listed, not dropped
+    un = {u["boundary"]: u["reason"] for u in df.attrs["unjudged"]}
+    cache = [n for n in un if ":input.cache." in n]
+    assert cache and all("KV-cache" in un[n] for n in cache)
+
+
+def test_blocks_of_many_positions_are_not_judged_per_position(tmp_path):
+    model = _model()
+    seq, _ = _sample(model, tmp_path / "s", None, plant_step=1)
+    _train(model, tmp_path / "t", seq, block_rows=64)  # one digest for the probe's 7 rows
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="probe")
+    q = _q_rows(df).set_index("boundary")
+    assert q["identical"].isna().all()
+    assert "block_rows=1" in q.loc[f"{Q}#1", "note"]
+    assert df.attrs["status"] == "inconclusive"
