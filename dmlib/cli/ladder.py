@@ -10,11 +10,14 @@ from typing import Any
 
 from dmlib.cli._common import ONE_DOCUMENT, add_common, exit_code, print_json
 from dmlib.cli._dask import engine as engine_of
+from dmlib.cli._groups import add_group_l2
 from dmlib.cli._table import add_selection, fmt, table
 from dmlib.cli.compare import add_run_rename
 from dmlib.cli.map import add_run_maps, located_lines, mapped_notes, run_maps
 from dmlib.cli.structure import add_group, parse_group
 from dmlib.errors import DmlibError
+from dmlib.numfmt import prose, short
+from dmlib.textsafe import shown
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_selection(lad)
     add_group(lad, required=False)
+    add_group_l2(lad, names="the names as compared (after --rename, --map); per step and pair, "
+                 "with its growth from step to step")  # fmt: skip
     add_common(lad, json=ONE_DOCUMENT, format=True, dask=True)
     lad.set_defaults(func=run_ladder)
 
@@ -169,6 +174,7 @@ def run_ladder(args: argparse.Namespace) -> int:
                 "mapped": df.attrs.get("mapped", {}),
                 "located": df.attrs.get("located", []),
                 "name_warnings": df.attrs.get("name_warnings", []),
+                **_group_docs(df),
             }
         )
         return code
@@ -183,6 +189,8 @@ def run_ladder(args: argparse.Namespace) -> int:
         print(_pair_line(r))
     for line in located_lines(df.attrs.get("located", [])):
         print(line)
+    if "group_l2" in df.attrs:
+        print(group_l2_lines(df.attrs["group_l2"], df.attrs["group_l2_growth"]))
     if args.details and len(df):
         _print_details(df, growth, top=args.top)
     return code
@@ -206,7 +214,45 @@ def _step_ladder(args: argparse.Namespace) -> Any:
             engine=engine,
             mapping=run_maps(args.map),
             rename=args.rename,
+            group_l2=args.group_l2,
         )
+
+
+def _group_docs(df: Any) -> dict[str, Any]:
+    """``group_l2`` and ``group_l2_growth`` for ``--json`` (nothing without --group-l2)."""
+    return {k: df.attrs[k] for k in ("group_l2", "group_l2_growth") if k in df.attrs}
+
+
+def group_l2_lines(rows: list[dict[str, Any]], growth: list[dict[str, Any]]) -> str:
+    """The ladder of each group's global relative L2: a line per pair and step, a column
+    per group (its rel_l2, and its growth over the pair's previous step), then a line per
+    pair and group from its first step to its last."""
+    labels = list(dict.fromkeys(r["group"] for r in rows))
+    heads = {g: shown(g) for g in labels}
+    by_step: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        line = by_step.setdefault((r["pair"], r["step"]), {"pair": r["pair"], "step": r["step"]})
+        line[heads[r["group"]]] = r["rel_l2"]
+        line[heads[r["group"]] + " growth"] = r["growth"]
+    cols = ["pair", "step"] + [c for g in labels for c in (heads[g], heads[g] + " growth")]
+    out = [
+        "global relative L2 ||a - b|| / ||a|| over each group's tensors together (float64), "
+        "growth: its ratio to the pair's previous step",
+        table([by_step[k] for k in sorted(by_step)], cols, key=2),
+    ]
+    for g in growth:
+        slope = (
+            f"{'+' if g['slope'] > 0 else ''}{prose(g['slope'])} decades per step over "
+            f"{g['n_steps']} steps"
+            if g["slope"] == g["slope"]
+            else f"no rate (rel_l2 > 0 at {g['n_steps']} step{'s' if g['n_steps'] != 1 else ''})"
+        )
+        out.append(
+            f"{shown(g['pair'])} {heads[g['group']]}: rel_l2 {short(g['rel_l2_first'])} at step "
+            f"{g['step_first']}, {short(g['rel_l2_last'])} at step {g['step_last']} "
+            f"(x{short(g['factor'])}); growth {slope}"
+        )
+    return "\n".join(out)
 
 
 def _refuse_missing(checks: Any) -> None:

@@ -407,6 +407,7 @@ def step_ladder(
     engine: str = "local",
     mapping: Any = None,
     rename: Any = None,
+    group_l2: Any = None,
 ) -> pd.DataFrame:
     """Divergence of every tensor between runs, at every step of a ladder.
 
@@ -441,6 +442,14 @@ def step_ladder(
         checkpoints of a step that share no tensor name compare nothing: refused with the
         rename that would pair them; a pair sharing few names is listed in
         ``attrs["name_warnings"]``.
+    group_l2
+        Groups of tensors whose global relative L2 (:func:`dmlib.group_l2`: ``||a - b|| /
+        ||a||`` over the concatenation of the group's tensors, in float64) is also given
+        per step and pair: ``"all"``, ``"adapter"``, a pattern, ``"LABEL=PATTERN"``, a
+        list of them or a mapping ``{label: pattern}``; the patterns match the names as
+        compared (after ``rename`` and ``mapping``). Computed in this process whatever the
+        ``engine``. A group that matches no float tensor held by both checkpoints of a
+        step's pair is refused (a relative L2 over nothing is no figure).
 
     Returns
     -------
@@ -454,6 +463,15 @@ def step_ladder(
         ``attrs["located"]`` lists each differing tensor's first difference per step and
         pair: ``step``, ``pair``, ``name``, ``target`` (``name[k, l]``) and, per mapped
         side, ``source_a``/``source_b`` (``source[i, j]`` in the source's coordinates).
+        With ``group_l2``, ``attrs["group_l2"]`` holds one record per (step, pair, group):
+        ``step``, ``pair``, ``a``, ``b``, the columns of :func:`dmlib.group_l2`
+        (``group``, ``pattern``, ``n_tensors``, ``numel``, ``norm_a``, ``norm_diff``,
+        ``rel_l2``, ``n_not_compared``) and ``growth`` (``rel_l2`` over the pair's
+        ``rel_l2`` at its previous step compared; NaN at its first step or after a 0);
+        ``attrs["group_l2_growth"]`` one per (pair, group): ``step_first``, ``step_last``,
+        ``rel_l2_first``, ``rel_l2_last``, ``factor`` (last over first) and ``slope``
+        (decades of ``rel_l2`` per step, least squares over the steps where it is > 0, as
+        :func:`growth_rates`; NaN with fewer than two), ``n_steps``.
     """
     from dmlib.engine import check_engine
 
@@ -469,8 +487,9 @@ def step_ladder(
             sets.update(single_arrays({k: v for k, v in sets.items() if k[1] == step}))
         sets, mapped = _map_steps(sets, mapping, reference, [str(r) for r in ladder])
         df = _ladder(
-            ladder, checks, sets, reference, include, exclude, groups, keep_flagged, engine
-        )
+            ladder, checks, sets, reference, include, exclude, groups, keep_flagged, engine,
+            group_l2,
+        )  # fmt: skip
         df.attrs["mapped"] = mapped
         return df
 
@@ -512,6 +531,7 @@ def _ladder(
     groups: FactorGroup | Iterable[FactorGroup] | None,
     keep_flagged: bool,
     engine: str = "local",
+    group_l2: Any = None,
 ) -> pd.DataFrame:
     runs = list(dict.fromkeys(str(r) for r in ladder))
     if len(runs) < 2:
@@ -554,6 +574,8 @@ def _ladder(
                     together.append((ta, tb))
         shared.pair_row.prepare(together)  # type: ignore[attr-defined]
     warnings = _check_names(plan, sets, include, exclude)
+    # before the comparisons: a group that matches nothing is refused at once
+    by_group = None if group_l2 is None else _group_l2_rows(plan, sets, group_l2)
     located = []
     for step, ra, rb in plan:
         sa, sb = sets[(ra, step)], sets[(rb, step)]
@@ -574,7 +596,65 @@ def _ladder(
         df["rank"] = df["rank"].astype("Int64")
     df.attrs["checks"] = checks.astype(object).where(checks.notna(), None).to_dict("records")
     df.attrs["excluded"] = [c for c, u in zip(df.attrs["checks"], usable, strict=True) if not u]
+    if by_group is not None:
+        df.attrs["group_l2"] = by_group
+        df.attrs["group_l2_growth"] = _group_l2_growth(by_group)
     return df
+
+
+def _group_l2_rows(
+    plan: list[tuple[int, str, str]], sets: dict[tuple[str, int], TensorSet], groups: Any
+) -> list[dict[str, Any]]:
+    """The global relative L2 of each group per step and pair (``attrs["group_l2"]``),
+    over the checkpoints as compared; a group of no comparable tensor refused."""
+    from dmlib.stats.group_l2 import group_l2_records, parse_groups
+
+    wanted = parse_groups(groups)
+    rows: list[dict[str, Any]] = []
+    before: dict[tuple[str, str], float] = {}
+    for step, ra, rb in sorted(plan):
+        sa, sb = sets[(ra, step)], sets[(rb, step)]
+        for r in group_l2_records(sa, sb, wanted):
+            if r["n_tensors"] == 0:
+                raise DmlibError(_empty_group(r, f"{ra} and {rb} at step {step}"), path=sa.path)
+            key = (f"{ra}/{rb}", r["group"])
+            prev = before.get(key)
+            before[key] = r["rel_l2"]
+            growth = r["rel_l2"] / prev if prev else float("nan")  # prev 0: no ratio
+            rows.append({"step": step, "pair": key[0], "a": ra, "b": rb, **r, "growth": growth})
+    return rows
+
+
+def _empty_group(row: dict[str, Any], where: str) -> str:
+    """Why a group's relative L2 is refused: it matches no float tensor both sides hold."""
+    pattern = "every tensor" if row["pattern"] is None else f"pattern {row['pattern']!r}"
+    text = f"group {row['group']!r} ({pattern}) matches no float tensor held by both {where}"
+    if row["n_not_compared"]:
+        text += (
+            f" ({row['n_not_compared']} of its names one side lacks, or not float tensors of "
+            "the same shape)"
+        )
+    return text + ": a relative L2 over nothing is no figure"
+
+
+def _group_l2_growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pair and group: its relative L2 at the first and last step, their ratio and the
+    slope of log10 rel_l2 per step (``attrs["group_l2_growth"]``)."""
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        series.setdefault((r["pair"], r["group"]), []).append(r)
+    out = []
+    for (pair, group), rs in series.items():
+        first, last = rs[0]["rel_l2"], rs[-1]["rel_l2"]
+        steps = np.array([r["step"] for r in rs])
+        fit = _fit(steps, np.array([r["rel_l2"] for r in rs], dtype=np.float64))
+        factor = last / first if first else float("nan")
+        out.append({
+            "pair": pair, "group": group, "step_first": int(steps[0]),
+            "step_last": int(steps[-1]), "rel_l2_first": first, "rel_l2_last": last,
+            "factor": factor, "slope": fit["slope"], "n_steps": fit["n_steps"],
+        })  # fmt: skip
+    return out
 
 
 def _check_names(
