@@ -3,7 +3,8 @@
 A tiny random-init ``Qwen3MoeForCausalLM`` from its config (8 experts, top-2, 2 layers).
 A near-tie is planted, never left to this CPU: a forward hook on layer 1's router moves the
 logit of token ``T``'s third expert just below its second's (run A) or just above it
-(run B), a few float32 ULP of their softmax scores apart, and recomputes the router's outputs as the router does (softmax in float32, top-2,
+(run B), a few float32 ULP of their softmax scores apart (in bfloat16: one ULP of the
+logit), and recomputes the router's outputs as the router does (softmax in float32, top-2,
 renormalised). The oracle is ``torch.topk`` on the hooked logits' softmax, by hand.
 """
 
@@ -52,10 +53,14 @@ class NearTie:
         row = logits[T]
         order = torch.argsort(row.float(), descending=True)
         second, third = int(order[1]), int(order[2])
-        # a few float32 ULP of the softmax scores: exp() carries an absolute change d of a
-        # logit into a relative change d of its probability
-        delta = ULPS * 2.0**-23
-        row[third] = row[second] + (delta if self.up else -delta)
+        if row.dtype == torch.float32:
+            # a few float32 ULP of the softmax scores: exp() carries an absolute change d of
+            # a logit into a relative change d of its probability
+            delta = ULPS * 2.0**-23
+            row[third] = row[second] + (delta if self.up else -delta)
+        else:  # bfloat16 logits: one ULP of the logit itself, above or below
+            toward = torch.tensor(float("inf") if self.up else float("-inf"), dtype=row.dtype)
+            row[third] = torch.nextafter(row[second], toward)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm:
@@ -90,8 +95,9 @@ def by_hand(logits):
     return sets, (vals[:, 1] - vals[:, 2]).numpy()
 
 
-def test_a_planted_near_tie_is_reported_as_one_flip(tmp_path, capsys):
-    model = moe()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_planted_near_tie_is_reported_as_one_flip(tmp_path, capsys, dtype):
+    model = moe(dtype)
     la, lb = run(model, tmp_path / "a", up=False), run(model, tmp_path / "b", up=True)
     sa, ma = by_hand(la)
     sb, mb = by_hand(lb)
@@ -113,7 +119,9 @@ def test_a_planted_near_tie_is_reported_as_one_flip(tmp_path, capsys):
         vals = torch.topk(torch.softmax(probs, dtype=torch.float, dim=-1)[T], 3).values
         bits = vals.numpy().astype(np.float32).view(np.int32).astype(np.int64)
         assert f[f"margin_ulp_{side}"] == bits[1] - bits[2]
-        assert 0 < f[f"margin_ulp_{side}"] <= 4 * ULPS  # a near-tie, in both runs
+        assert f[f"margin_ulp_{side}"] > 0
+        if dtype == torch.float32:
+            assert f[f"margin_ulp_{side}"] <= 4 * ULPS  # a near-tie, in both runs
     assert rep["per_router"] == {"model.layers.1.mlp.gate": 1}
     # the router's indices are a flip, the MoE block after it differs downstream of it
     by = df.set_index("boundary")
