@@ -99,8 +99,9 @@ def test_per_sequence_head_difference_is_found_and_attributed(tmp_path):
     ua, ub = xa.view(np.int32).astype(np.int64), xb.view(np.int32).astype(np.int64)
     assert rows.loc["head", "n_diff"] == int((ua != ub).sum()) == tn.CLASSES
     assert rows.loc["head", "max_ulp"] == int(np.abs(ua - ub).max()) == 1
-    # positional embeddings [1, T, D] have no batch axis: compared whole, shapes agree
-    assert rows.loc["pos", "identical"] and "compared whole" in rows.loc["pos", "note"]
+    # positional embeddings [1, T, D] are per position, broadcast over the batch: judged
+    # by the positions the probe occupies in each capture (not whole)
+    assert rows.loc["pos", "identical"] and cb.boundary("pos").broadcast
 
 
 def test_flat_row_map_infers_the_batch(tmp_path):

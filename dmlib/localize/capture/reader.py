@@ -131,7 +131,9 @@ class Capture:
         ]
         if self.row_map is not None and self.row_map.batch is None:
             # captures written before the batch size was recorded: the same rule as capture
-            seen = {b.shape[0] for b in self.boundaries if (b.row_dims or 0) >= 2}
+            seen = {
+                b.shape[0] for b in self.boundaries if (b.row_dims or 0) >= 2 and not b.broadcast
+            }
             if len(seen) == 1 and len(self.row_map) % min(seen) == 0:
                 self.row_map.batch = seen.pop()
         self._by_name = {b.name: b for b in self.boundaries}

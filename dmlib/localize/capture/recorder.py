@@ -19,6 +19,7 @@ import numpy as np
 
 from dmlib.errors import CaptureError
 from dmlib.localize.capture import treehash
+from dmlib.localize.capture.broadcast import position_dims, record_broadcast
 from dmlib.localize.capture.digests import (
     TREE_TAGS,
     _leaf_hasher,
@@ -295,6 +296,10 @@ class Recorder(HostDigests):
         # would stand between the recorder and the bytes
         original, t = t, (t.detach() if t.requires_grad else t)
         shape = tuple(t.shape)  # torch.Size: ints
+        if row_mapped and not extra and self.layout is not None and self.layout[0] > 1:
+            k_pos = position_dims(self, shape)  # per position, broadcast over the batch
+            if k_pos is not None:
+                return record_broadcast(self, module, call, kind, slot, t, k_pos)
         entry = self._entry(module, call, kind, slot, t.dtype, shape, extra)
         name = entry["name"]
         k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
@@ -533,7 +538,9 @@ class Recorder(HostDigests):
         """
         if self.row_map is None:
             return
-        mapped = [b for b in self.boundaries if b["row_dims"] is not None]
+        mapped = [
+            b for b in self.boundaries if b["row_dims"] is not None and not b.get("broadcast")
+        ]
         if not mapped:
             shapes = sorted({tuple(b["shape"]) for b in self.boundaries}, key=len)[:4]
             raise CaptureError(
