@@ -10,6 +10,7 @@ the unplanted model does on this CPU is never assumed, only read from the oracle
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -188,3 +189,89 @@ def test_blocks_of_many_positions_are_not_judged_per_position(tmp_path):
     assert q["identical"].isna().all()
     assert "block_rows=1" in q.loc[f"{Q}#1", "note"]
     assert df.attrs["status"] == "inconclusive"
+
+
+def _join_sampler(model, path, plant_step, join=1, passes=5):
+    """A sampler loop of its own: request A's prompt prefilled in pass 0, request B joining
+    the batch at pass ``join`` and fed one prompt token per pass (its row padding before);
+    each pass's (request, position) per batch row written as ``pass_rows``. Returns A's
+    tokens fed and the q_proj outputs per pass; +1 ULP planted in B's row at
+    ``plant_step``."""
+    a, b = [5, 6, 7], [9, 8, 4, 2]
+    calls, outs = [0], []
+
+    def plant(mod, args, out):
+        k = calls[0]
+        calls[0] += 1
+        if k != plant_step:
+            return None
+        out = out.clone()
+        out[1, 0, 0] = torch.nextafter(out[1, 0, 0], torch.tensor(float("inf")))
+        return out
+
+    handles = [_q(model).register_forward_hook(plant)]
+    handles.append(_q(model).register_forward_hook(lambda m, x, o: outs.append(o.detach().clone())))
+    ids, mask = torch.tensor([a, [0, 0, 0]]), torch.tensor([[1, 1, 1], [0, 0, 0]])
+    rm = [[("A", 0), ("A", 1), ("A", 2)], [None, None, None]]
+    cache, fed, table = transformers.DynamicCache(config=model.config), [], {}
+    try:
+        with (
+            torch.no_grad(),
+            dmlib.capture(model, path, row_map=rm, overwrite=True, block_rows=1) as rec,
+        ):
+            logits = model(input_ids=ids, attention_mask=mask, cache=cache).logits
+            for s in range(1, passes):
+                fed.append(int(logits[0, -1].argmax()))
+                tok_b = b[s - join] if join <= s < join + len(b) else 0
+                mask = torch.cat([mask, torch.tensor([[1], [int(s >= join)]])], 1)
+                pos = (mask.cumsum(1) - 1).clamp(min=0)[:, -1:]
+                logits = model(input_ids=torch.tensor([[fed[-1]], [tok_b]]), attention_mask=mask,
+                               position_ids=pos, cache=cache).logits  # fmt: skip
+                table[str(s)] = [["A", 2 + s], ["B", s - join] if s >= join else None]
+            rec.metadata["pass_rows"] = table
+    finally:
+        for h in handles:
+            h.remove()
+    return a + fed, b, outs
+
+
+@pytest.mark.parametrize("request_id", ["B", None])
+def test_a_request_joining_at_a_later_pass(tmp_path, request_id):
+    model = _model(rowwise=True)
+    join, step = 1, 3  # B's position 2 is computed by pass 3
+    seq_a, seq_b, outs = _join_sampler(model, tmp_path / "s", plant_step=step, join=join)
+    ids = torch.zeros((2, len(seq_a)), dtype=torch.long)
+    ids[0], ids[1, : len(seq_b)] = torch.tensor(seq_a), torch.tensor(seq_b)
+    mask = (torch.arange(len(seq_a))[None] < torch.tensor([[len(seq_a)], [len(seq_b)]])).long()
+    trainer = []
+    h = _q(model).register_forward_hook(lambda m, x, o: trainer.append(o.detach().clone()))
+    rm = row_map_from_attention_mask(mask, ["A", "B"])
+    try:
+        with torch.no_grad(), dmlib.capture(model, tmp_path / "t", row_map=rm, block_rows=1):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        h.remove()
+    t = trainer[0]
+    # the oracle, by hand: per pass, per request, the rows of the positions it computed
+    oracle = {0: {("A", p): torch.equal(t[0, p], outs[0][0, p]) for p in range(3)}}
+    for s in range(1, len(outs)):
+        oracle[s] = {("A", 2 + s): torch.equal(t[0, 2 + s], outs[s][0, 0])}
+        if s >= join:
+            oracle[s][("B", s - join)] = torch.equal(t[1, s - join], outs[s][1, 0])
+    assert oracle[step][("B", step - join)] is False  # the plant, seen by the hooks
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request=request_id)
+    q = _q_rows(df).set_index("boundary")
+    for s, by in oracle.items():
+        mine = {k: v for k, v in by.items() if request_id is None or k[0] == request_id}
+        name = Q if s == 0 else f"{Q}#{s}"
+        if not mine:  # B computed nothing in the prefill
+            assert pd.isna(q.loc[name, "identical"])
+            continue
+        assert bool(q.loc[name, "identical"]) == all(mine.values())
+        if request_id is not None:
+            assert (q.loc[name, "diff_positions"] or []) == [
+                p for (_, p), v in mine.items() if not v
+            ]
+    assert q.loc[f"{Q}#{step}", "identical"] == False  # noqa: E712
+    assert df.attrs["status"] == "different"
+    assert not [u for u in df.attrs["not_captured"] if u["what"].startswith("position")]

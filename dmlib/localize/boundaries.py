@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
 from dmlib import hashing
 from dmlib.dtypes import is_float
 from dmlib.errors import CaptureError
@@ -392,8 +393,8 @@ def _across_passes(
 ) -> pd.DataFrame:
     """:func:`compare_captures` of a full-sequence capture and a prefill + decode one:
     position by position (:mod:`dmlib.localize.positions`), with the same controls."""
-    requests = _requests(a, b, request)
-    df = compare_positions(a, b, requests, _layout_patterns(a, b, layout_inputs))
+    df = compare_positions(a, b, request, _layout_patterns(a, b, layout_inputs))
+    requests = df.attrs["requests"]
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)
     rc, nc = df.attrs["repeat_control"], df.attrs["negative_control"]

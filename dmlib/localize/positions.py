@@ -50,8 +50,9 @@ def across_passes(a: Capture, b: Capture, request: Any = None) -> bool:
         return False
     full, passes = (a, b) if multi_pass(b) else (b, a)
     keys = [request_key(request)] if request is not None else list(full.requests)
+    mine = pass_requests(passes)
     return any(
-        k in full.requests and k in passes.requests and full.requests[k] > passes.requests[k]
+        k in full.requests and k in mine and full.requests[k] > passes.requests.get(k, 0)
         for k in keys
     )
 
@@ -67,19 +68,54 @@ def _slots(c: Capture, steps: bool) -> dict[tuple[Any, ...], Boundary]:
     return out
 
 
+#: the metadata key of a prefill + decode capture whose passes' batch rows a sampler
+#: assigns itself (requests joining the batch at later passes): ``{"<pass>": [[request,
+#: position] or None per batch row]}`` for the one-column passes it covers
+PASS_ROWS = "pass_rows"
+
+
+def pass_rows(c: Capture) -> dict[int, list[tuple[str, int] | None]]:
+    """The capture's ``pass_rows`` table (pass -> one (request, position) or None per batch
+    row); CaptureError where it is malformed."""
+    table = c.metadata.get(PASS_ROWS)
+    if table is None:
+        return {}
+    try:
+        return {
+            int(k): [None if e is None else (request_key(e[0]), int(e[1])) for e in rows]
+            for k, rows in dict(table).items()
+        }
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise CaptureError(
+            f"metadata {PASS_ROWS!r} is malformed; expected {{pass: [[request, position] or "
+            "null per batch row]}}",
+            path=c.path,
+        ) from None
+
+
+def pass_requests(c: Capture) -> set[str]:
+    """Requests of a prefill + decode capture: its row map's and its ``pass_rows``'."""
+    return set(c.requests) | {e[0] for rows in pass_rows(c).values() for e in rows if e}
+
+
 class _Plan:
     """Where each compared request's positions lie in the prefill + decode capture."""
 
     def __init__(self, full: Capture, passes: Capture, requests: list[str]) -> None:
         self.requests = requests
-        self.prompt = {r: passes.requests[r] for r in requests}
+        self.prompt = {r: passes.requests.get(r, 0) for r in requests}
         self.length = {r: full.requests[r] for r in requests}
         self.n_passes = 1 + max(x.step for x in passes.boundaries)
+        self.table = pass_rows(passes)
         rm = passes.row_map
         self.row: dict[str, tuple[int | None, str]] = {}
         self.last: dict[str, bool] = {}  # the row's last column holds the prompt's last position
         for r in requests:
-            b, why = rm.sequence_row(r) if rm is not None else (None, "no row map")
+            b, why = (
+                rm.sequence_row(r)
+                if rm is not None and r in rm.requests
+                else (None, f"request {r!r} is not in the row map")
+            )
             self.row[r] = (b, why)
             seq = len(rm) // rm.batch if rm is not None and rm.batch else 0
             tail = (
@@ -87,14 +123,43 @@ class _Plan:
             )
             self.last[r] = tail is not None and tail[1] == self.prompt[r] - 1
 
-    def position(self, r: str, step: int) -> int:
-        """The position of request ``r`` a one-column tensor of pass ``step`` holds."""
-        return self.prompt[r] - 1 + step
+    def column(self, r: str, step: int) -> tuple[int | None, int | None, str]:
+        """(batch row, position, why not) of request ``r`` in a one-column tensor of pass
+        ``step``: from ``pass_rows`` where it covers the pass, else the row the request fills
+        and the position after its prompt (None, None, "") where it computed nothing there."""
+        if step in self.table:
+            hit = [(b, e[1]) for b, e in enumerate(self.table[step]) if e and e[0] == r]
+            return (hit[0][0], hit[0][1], "") if hit else (None, None, "")
+        if self.prompt[r] == 0:
+            return None, None, ""
+        b, why = self.row[r]
+        if step == 0 and b is not None and not self.last[r]:
+            return None, None, "one column per batch row, not the prompt's last position"
+        return b, (None if b is None else self.prompt[r] - 1 + step), why
 
     def uncovered(self, r: str) -> list[int]:
         """Positions of ``r`` in the full-sequence capture no pass computed."""
-        done = self.prompt[r] + self.n_passes - 1
-        return list(range(min(done, self.length[r]), self.length[r]))
+        done = set(range(self.prompt[r]))
+        for s in range(1, self.n_passes):
+            p = self.column(r, s)[1]
+            if p is not None:
+                done.add(p)
+        return [p for p in range(self.length[r]) if p not in done]
+
+
+def select_requests(full: Capture, passes: Capture, request: Any) -> list[str]:
+    """The requests to compare: ``request``, else those of both captures."""
+    mine = pass_requests(passes)
+    if request is not None:
+        key = request_key(request)
+        for c, have in ((full, set(full.requests)), (passes, mine)):
+            if key not in have:
+                raise CaptureError(
+                    f"request {request!r} is not in this capture (it has {sorted(have)})",
+                    path=c.path,
+                )
+        return [key]
+    return sorted(set(full.requests) & mine)
 
 
 def _full_rows(c: Capture, x: Boundary, r: str) -> tuple[list[Row] | None, str]:
@@ -129,6 +194,10 @@ def _same(p: Row, q: Row) -> bool | None:
     return None
 
 
+#: what _judge returns for a request that computed nothing in a pass
+ABSENT: tuple[Any, list[int], str, list[Any]] = (None, [], "", [])
+
+
 def _judge(
     full: Capture, passes: Capture, t: Boundary, s: Boundary, r: str, plan: _Plan
 ) -> tuple[bool | None, list[int], str, list[tuple[np.ndarray, np.ndarray]]]:
@@ -141,6 +210,8 @@ def _judge(
     if rows is None:
         return None, [], f"not judged: {why}", []
     if s.row_mapped:
+        if plan.prompt[r] == 0:
+            return ABSENT
         if s.step:
             return None, [], "not judged: rows per position in a decode pass", []
         mine, why = _full_rows(passes, s, r)
@@ -151,12 +222,9 @@ def _judge(
         pairs = list(enumerate(zip(rows[: len(mine)], mine, strict=True)))
         where = f"positions 0-{len(mine) - 1} (prefill)"
     else:
-        b, why = plan.row[r]
-        if b is None:
-            return None, [], f"not judged: {why}", []
-        if s.step == 0 and not plan.last[r]:
-            return None, [], "not judged: one column per batch row, not the prompt's last", []
-        p = plan.position(r, s.step)
+        b, p, why = plan.column(r, s.step)
+        if b is None or p is None:
+            return (None, [], f"not judged: {why}", []) if why else ABSENT
         axis = t.row_axes[1] if t.row_axes is not None else 1
         col = _column(passes, s, b, t.row_shape, axis) if p < len(rows) else None
         if col is None:
@@ -216,10 +284,14 @@ def _paired_row(
     verdicts, diff, notes, values = [], [], [], []
     for r in plan.requests:
         same, d, note, v = _judge(full, passes, t, s, r, plan)
+        if same is None and not note:
+            continue  # the request computed nothing in this pass
         verdicts.append(same)
         diff += d
         notes.append(note)
         values += v
+    if not verdicts:
+        return _row(s, None, "not judged: no compared request computed a position here", False)
     same = False if False in verdicts else (None if None in verdicts else True)
     row = _row(s, same, "; ".join(dict.fromkeys(notes)), False)
     st = _stats(values) if same is not None else None
@@ -286,17 +358,16 @@ def first_position(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def compare_positions(
-    a: Capture, b: Capture, requests: list[str], patterns: tuple[str, ...]
-) -> Any:
+def compare_positions(a: Capture, b: Capture, request: Any, patterns: tuple[str, ...]) -> Any:
     """The frame of :func:`dmlib.compare_captures` for a full-sequence capture and a prefill
     + decode one (either order); the controls are the caller's to add."""
     full, passes = (a, b) if multi_pass(b) else (b, a)
+    requests = select_requests(full, passes, request)
     for r in requests:
-        if full.requests[r] < passes.requests[r]:
+        if full.requests[r] < passes.requests.get(r, 0):
             raise CaptureError(
                 f"request {r!r} has {full.requests[r]} positions in the full-sequence capture "
-                f"but a prompt of {passes.requests[r]} in {passes.path}",
+                f"but a prompt of {passes.requests.get(r, 0)} in {passes.path}",
                 path=full.path,
             )
     rows, plan = position_rows(full, passes, requests, lambda x: _is_layout(x, patterns))
