@@ -92,6 +92,8 @@ def test_root_hooked_sees_the_logits_differ(tmp_path):
     assert row["module"] == root
     assert root not in [df.set_index("boundary").loc[c, "module"] for c in v.culprits]
     assert row["role"] == "undetermined"
+    assert "never the culprit" in row["note"]
+    assert "no culprit claimed there" in str(v)
 
 
 def test_default_modules_capture_the_logits_through_lm_head(tmp_path):

@@ -459,7 +459,8 @@ class CaptureVerdict(Verdict):
         if self.undetermined:
             more = f" and {len(self.undetermined) - 6} more" if len(self.undetermined) > 6 else ""
             lines.append(
-                "differs, but an input was not judged (no culprit claimed there): "
+                "differs, but no culprit claimed there (an input not judged, a state the "
+                "pass consumed, or the model's own output: see the note): "
                 + ", ".join(self.undetermined[:6])
                 + more
             )
