@@ -155,6 +155,11 @@ def test_cli_json_against_numpy(runs, capsys):
     assert main(["ladder", *argv, "--group-l2", "all", "--json"]) == 1
     again = json.loads(capsys.readouterr().out)["group_l2"]
     assert [r["rel_l2"] for r in sorted(again, key=lambda r: r["step"])] == got
+    # a group is its own selection: --include narrows the tensor table, not the group
+    assert main(["ladder", *argv, "--group-l2", "all", "--include", "mlp", "--json"]) == 0
+    narrowed = json.loads(capsys.readouterr().out)
+    assert {r["name"] for r in narrowed["rows"]} == {"m.l1.mlp.weight"}
+    assert [r["rel_l2"] for r in sorted(narrowed["group_l2"], key=lambda r: r["step"])] == got
 
 
 def test_a_pattern_matching_no_tensor_is_refused(runs, capsys):

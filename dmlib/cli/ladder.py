@@ -69,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_selection(lad)
     add_group(lad, required=False)
-    add_group_l2(lad, names="the names as compared (after --rename, --map); per step and pair, "
-                 "with its growth from step to step")  # fmt: skip
+    add_group_l2(lad, names="the names as compared (after --rename, --map; whatever --include "
+                 "and --exclude); per step and pair, with its growth from step to step")  # fmt: skip
     add_common(lad, json=ONE_DOCUMENT, format=True, dask=True)
     lad.set_defaults(func=run_ladder)
 

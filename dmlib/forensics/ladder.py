@@ -447,8 +447,8 @@ def step_ladder(
         ||a||`` over the concatenation of the group's tensors, in float64) is also given
         per step and pair: ``"all"``, ``"adapter"``, a pattern, ``"LABEL=PATTERN"``, a
         list of them or a mapping ``{label: pattern}``; the patterns match the names as
-        compared (after ``rename`` and ``mapping``). Computed in this process whatever the
-        ``engine``. A group that matches no float tensor held by both checkpoints of a
+        compared (after ``rename`` and ``mapping``), whatever ``include`` and ``exclude``
+        (a group is its own selection). Computed in this process whatever the ``engine``. A group that matches no float tensor held by both checkpoints of a
         step's pair is refused (a relative L2 over nothing is no figure).
 
     Returns
