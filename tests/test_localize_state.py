@@ -11,6 +11,7 @@ a plain forward hook: each layer's ``recurrent_states``/``conv_states`` and ``ke
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -142,11 +143,33 @@ def pd_na():
 
 def test_every_cache_tensor_is_a_state_boundary(tmp_path):
     model = hybrid()
-    got, _, _ = run(model, tmp_path / "a", padded=False, new_tokens=1)
+    chosen: dict[str, list] = {}  # the oracle: each router's indices output, plain hooks
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(
+            lambda mod, args, out, i=i: chosen.setdefault(f"model.layers.{i}.mlp.gate", []).append(
+                out[2].clone()
+            )
+        )
+        for i in range(4)
+    ]
+    try:
+        got, _, _ = run(model, tmp_path / "a", padded=False, new_tokens=1)
+    finally:
+        for h in hooks:
+            h.remove()
     c = open_capture(tmp_path / "a")
     names = {b.name.split(":state.", 1)[1] for b in c if b.state and b.step == 0}
     assert names == set(got)  # the hand walk's tensors, no more, no fewer
     assert all(b.category.name == "state" for b in c if b.state)
+    # the MoE routers (Qwen3NextTopKRouter) of the 4 layers, each pass: ids and margins
+    routers = {b.module for b in c if b.router}
+    assert routers == {f"model.layers.{i}.mlp.gate" for i in range(4)}
+    assert all(b.category.name == "router" for b in c if b.router)
+    from dmlib.localize.routing import values
+
+    for name, outs in chosen.items():
+        x = c.boundary(f"{name}:router.indices")  # the prefill's call
+        assert np.array_equal(values(c, x), outs[0].numpy())
 
 
 def test_one_ulp_in_a_recurrent_state_is_found_at_that_state(tmp_path):
