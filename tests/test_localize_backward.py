@@ -137,7 +137,7 @@ def test_captured_gradients_equal_plain_autograd(tmp_path):
     assert order.index(grads[-1].name) < order.index(params[0].name)
 
 
-def test_planted_ulp_in_one_grad_input_is_the_backward_culprit(tmp_path):
+def test_planted_ulp_in_one_grad_input_is_the_backward_culprit(tmp_path, capsys):
     m = _model()
     _run(m, tmp_path / "a")
     _run(m, tmp_path / "a2")
@@ -158,6 +158,13 @@ def test_planted_ulp_in_one_grad_input_is_the_backward_culprit(tmp_path):
     assert roles["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight:grad"] == (
         "carrier"
     )
+    # the command line: exit 1, the backward's lines apart from the forward's
+    from dmlib.cli import main
+
+    assert main(["localize", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "forward: no divergent boundary" in out
+    assert f"backward: first divergent boundary (backward order): {O_PROJ}:grad_input0" in out
     # the same run twice: identical, backward included
     same = CaptureVerdict.of(compare_captures(tmp_path / "a", tmp_path / "a2"))
     assert same.backward["status"] == "identical" and same.first_divergent_boundary is None
