@@ -252,7 +252,12 @@ def test_the_walk_finds_tensors_by_attribute_not_by_class():
             self.layers = [Layer(), Layer()]
             self.extra = (torch.zeros(2, 7),)
 
-    found = {slot: how for slot, _, how in state_tensors(Odd())}
+    from dmlib.localize.capture.states import find_cache
+
+    odd = Odd()
+    assert find_cache((torch.zeros(1), odd)) == ("output1", odd)  # return_dict=False
+    assert find_cache((torch.zeros(1),)) is None
+    found = {slot: how for slot, _, how in state_tensors(odd)}
     assert found == {
         "state.layers.0.keys": "positions", "state.layers.0.values": "positions",
         "state.layers.0.ssm.0": "batch", "state.layers.1.keys": "positions",

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dmlib.localize.capture.digests import digest_hex
 from dmlib.localize.capture.format import ENTRY_KEYS, OPTIONAL_KEYS, boundary_name, new_entry
-from dmlib.localize.capture.tensors import _filled, _np_dtype, _to_numpy
+from dmlib.localize.capture.tensors import _filled, _np_dtype, _to_numpy, is_cache
 
 try:
     import torch
@@ -40,7 +40,14 @@ _MAX_DEPTH = 6  # attribute levels walked below the cache object
 
 
 def find_cache(output: Any) -> tuple[str, Any] | None:
-    """(name, cache) of the cache a model's output holds, or None."""
+    """(name, cache) of the cache a model's output holds (under one of
+    :data:`CACHE_OUTPUTS`, or, for a tuple output (``return_dict=False``), the first
+    element that is a cache object), or None."""
+    if isinstance(output, (tuple, list)):
+        for i, obj in enumerate(output):
+            if is_cache(obj):
+                return f"output{i}", obj
+        return None
     for key in CACHE_OUTPUTS:
         try:
             obj = output[key] if isinstance(output, dict) else getattr(output, key, None)
