@@ -275,3 +275,39 @@ def test_a_request_joining_at_a_later_pass(tmp_path, request_id):
     assert q.loc[f"{Q}#{step}", "identical"] == False  # noqa: E712
     assert df.attrs["status"] == "different"
     assert not [u for u in df.attrs["not_captured"] if u["what"].startswith("position")]
+
+
+def test_a_prefill_alone_against_the_full_sequence(tmp_path):
+    """generate(max_new_tokens=1) is one pass: its prompt's positions are compared, the
+    token it chose (the full sequence's last position) is not captured."""
+    model = _model()
+    ids, mask = torch.tensor([[1, 2, 3, 4, 9]]), torch.ones((1, 5), dtype=torch.long)
+    sampler = []
+    h = _q(model).register_forward_hook(lambda m, x, o: sampler.append(o.detach().clone()))
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 1, "do_sample": False}
+    try:
+        with torch.no_grad():
+            seq = capture_generate(model, tmp_path / "s", row_map=[[("p", i) for i in range(5)]],
+                                   generate_kwargs=kw, block_rows=1)[0]  # fmt: skip
+    finally:
+        h.remove()
+    rows = _train_alone(model, tmp_path / "t", seq)
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="p")
+    q = _q_rows(df).set_index("boundary")
+    equal = [torch.equal(rows[p], sampler[0][0, p]) for p in range(5)]
+    assert bool(q.loc[Q, "identical"]) == all(equal)
+    assert (q.loc[Q, "diff_positions"] or []) == [p for p in range(5) if not equal[p]]
+    assert [u["what"] for u in df.attrs["not_captured"]] == ["position 5 of request 'p'"]
+    assert df.attrs["status"] != "identical"
+
+
+def _train_alone(model, path, seq):
+    out = []
+    h = _q(model).register_forward_hook(lambda m, x, o: out.append(o.detach().clone()))
+    try:
+        rm = [[("p", i) for i in range(len(seq))]]
+        with torch.no_grad(), dmlib.capture(model, path, row_map=rm, block_rows=1):
+            model(input_ids=seq[None])
+    finally:
+        h.remove()
+    return out[0][0]

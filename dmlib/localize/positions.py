@@ -38,8 +38,10 @@ PER_POSITION = "capture it with block_rows=1 (one digest per position), or dump 
 
 
 def multi_pass(c: Capture) -> bool:
-    """Whether the capture holds more than one forward pass (decode steps)."""
-    return any(x.step for x in c.boundaries)
+    """Whether the capture is of a prefill + decode loop: more than one forward pass
+    (decode steps), or ``generate()`` / ``pass_rows`` metadata (a loop of one pass)."""
+    meta = c.manifest.get("metadata") or {}
+    return any(x.step for x in c.boundaries) or "generate" in meta or PASS_ROWS in meta
 
 
 def across_passes(a: Capture, b: Capture, request: Any = None) -> bool:
