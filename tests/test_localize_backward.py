@@ -212,3 +212,16 @@ def test_backward_settings_are_checked():
     with pytest.raises(dmlib.errors.CaptureError, match="grad_seed"):
         dmlib.CaptureOptions(grad_seed=-1)
     assert dmlib.CaptureOptions(backward=1, grad_seed=3).backward is True
+
+
+def test_a_backward_only_one_side_recorded_is_never_identical(tmp_path):
+    m = _model()
+    _run(m, tmp_path / "a")
+    m.zero_grad(set_to_none=True)
+    with dmlib.capture(m, tmp_path / "f", modules=MODULES, row_map=ROWS) as _:
+        m(input_ids=IDS).logits.sum().backward()  # a backward the capture does not record
+    for x, y in (("a", "f"), ("f", "a")):
+        df = compare_captures(tmp_path / x, tmp_path / y)
+        assert df.attrs["first_divergent_boundary"] is None  # the forwards match
+        assert df.attrs["backward"]["status"] == "inconclusive"
+        assert df.attrs["status"] == "inconclusive"

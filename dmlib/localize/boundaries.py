@@ -374,7 +374,7 @@ def compare_captures(
     df.attrs.update(_summary(a, b, requests, index, fwd, paired, patterns))
     df.attrs["steps"] = _steps(fwd)
     df.attrs["routing"] = routing
-    df.attrs["backward"] = backward_summary(bwd, df.attrs)
+    df.attrs["backward"] = backward_summary(bwd, df.attrs, b)
     df.attrs.update(_op_summary(rows, alignment))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
     df.attrs["negative_control"] = _negatives(a, b, requests, negative)

@@ -92,13 +92,20 @@ def backward_roles(rows: list[dict[str, Any]], forward_first: str | None) -> Non
             r["role"] = "encloses-culprit"
 
 
-def backward_summary(rows: list[dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any] | None:
+def backward_summary(
+    rows: list[dict[str, Any]], attrs: dict[str, Any], b: Capture | None = None
+) -> dict[str, Any] | None:
     """``attrs["backward"]``: the backward's first divergent boundary, culprit, entry and
     status (None where neither capture recorded a backward); a difference there makes
-    ``attrs["status"]`` "different", a backward boundary not judged an "identical" forward
-    "inconclusive"."""
+    ``attrs["status"]`` "different", a backward boundary not judged (or one only the
+    second capture ``b`` recorded) an "identical" forward "inconclusive"."""
     if not rows:
-        return None
+        only_b = [x.name for x in (b.boundaries if b is not None else [])
+                  if x.category.name in BACKWARD_KINDS]  # fmt: skip
+        if not only_b:
+            return None
+        rows = [{"boundary": n, "identical": None, "role": "unjudged",
+                 "note": "not judged: absent from the first capture"} for n in only_b]  # fmt: skip
     diverged = [r["boundary"] for r in rows if r["identical"] is False]
     culprits = [r["boundary"] for r in rows if r["role"] == "culprit"]
     entries = [r["boundary"] for r in rows if r["role"] == "entry"]
