@@ -206,3 +206,43 @@ def test_the_report_section_lists_the_flips(tmp_path):
         assert n["routing_flips"] == {"a vs b": 1}
     finally:
         report.configure(figure_dir=Path("reports") / "figures", notebook="notebook")
+
+
+def test_a_deepseek_v3_router_is_recorded_with_its_choices(tmp_path):
+    """DeepSeek-V3's group-limited router (sigmoid scores plus a correction bias): its
+    chosen ids as plain forward hooks see them; its margin row is the lowest chosen and
+    the highest other score (sigmoid + bias, by hand from the hooked logits)."""
+    from dmlib.localize.routing import values
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    gate = model.model.layers[1].mlp.gate
+    seen = []
+
+    def hook(mod, args, out):
+        seen.append((out[0].clone(), out[2].clone()))
+
+    h = gate.register_forward_hook(hook)
+    try:
+        with (
+            torch.no_grad(),
+            capture(model, tmp_path / "a", row_map=[[("p", j) for j in range(9)]]),
+        ):
+            model(input_ids=torch.randint(1, VOCAB, (1, 9)), use_cache=False)
+    finally:
+        h.remove()
+    (logits, idx), c = seen[0], open_capture(tmp_path / "a")
+    name = "model.layers.1.mlp.gate"
+    assert np.array_equal(values(c, c.boundary(f"{name}:router.indices")), idx.numpy())
+    scores = logits.float().sigmoid() + gate.e_score_correction_bias.float()
+    chosen = scores.gather(1, idx).min(dim=1).values
+    other = scores.scatter(1, idx, float("-inf")).max(dim=1).values
+    margin = values(c, c.boundary(f"{name}:router.margin"))
+    assert np.array_equal(margin, torch.stack([chosen, other], 1).numpy())

@@ -21,7 +21,7 @@ was in each run:
 The scores are those the router ranks by (:data:`SCORES`): the softmax in float32 of the
 logits for the softmax routers, sigmoid plus the correction bias for DeepSeek-V3 (whose
 group limit may pass over a higher score: the margin is then taken against the best
-expert not chosen), the logits themselves for a router of another class.
+expert not chosen, and is negative where the limit decided), the logits themselves for a router of another class.
 """
 
 from __future__ import annotations
