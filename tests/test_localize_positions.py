@@ -50,7 +50,7 @@ def _q(model):
     return model.model.layers[0].self_attn.q_proj
 
 
-def _sample(model, path, cache, plant_step=None):
+def _sample(model, path, cache, plant_step=None, **capture_kw):
     """generate() captured; returns (probe's full sequence, q_proj outputs per pass)."""
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
@@ -74,9 +74,8 @@ def _sample(model, path, cache, plant_step=None):
     rm = row_map_from_attention_mask(mask, ["probe", "other"])
     try:
         with torch.no_grad():
-            seq = capture_generate(
-                model, path, row_map=rm, generate_kwargs=kw, overwrite=True, block_rows=1
-            )
+            opts = {"block_rows": 1, **capture_kw}
+            seq = capture_generate(model, path, row_map=rm, generate_kwargs=kw, **opts)
     finally:
         for h in handles:
             h.remove()
@@ -311,3 +310,22 @@ def _train_alone(model, path, seq):
     finally:
         h.remove()
     return out[0][0]
+
+
+def test_dumped_rows_compared_by_value_with_statistics(tmp_path):
+    """Blocks of 64 positions on both sides, but the q_proj rows dumped: compared by value,
+    the planted element counted (one element, 1 ULP: the plant's own size)."""
+    model = _model(rowwise=True)
+    step, pos = 1, 5 - PAD
+    dump = {"block_rows": 64, "dump": [Q + "*"]}  # its input and output, every pass
+    seq, outs = _sample(model, tmp_path / "s", None, plant_step=step, **dump)
+    rows = _train(model, tmp_path / "t", seq, **dump)
+    oracle = _oracle(rows, outs)
+    assert oracle[step] == {pos: False}
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="probe")
+    q = _check_against_oracle(df, oracle)
+    hit = q.loc[f"{Q}#{step}"]
+    assert hit["diff_positions"] == [pos] and hit["role"] == "culprit"
+    d = (rows[pos] - outs[step][0, 0]).abs()
+    assert hit["n_diff"] == int((d != 0).sum()) == 1 and hit["max_ulp"] == 1
+    assert hit["max_abs"] == float(d.max())
