@@ -329,3 +329,31 @@ def test_dumped_rows_compared_by_value_with_statistics(tmp_path):
     d = (rows[pos] - outs[step][0, 0]).abs()
     assert hit["n_diff"] == int((d != 0).sum()) == 1 and hit["max_ulp"] == 1
     assert hit["max_abs"] == float(d.max())
+
+
+def test_a_packed_trainer_batch(tmp_path):
+    """The trainer packs the probe and another sequence in one row (position ids restarting
+    at 0): the probe's positions are its rows in the pack."""
+    from dmlib.localize.hf import row_map_packed
+
+    model = _model(rowwise=True)
+    step = 3
+    pos = 5 - PAD - 1 + step
+    seq, outs = _sample(model, tmp_path / "s", None, plant_step=step)
+    other = torch.tensor([3, 1, 4, 1, 5])
+    ids = torch.cat([seq, other])[None]
+    position_ids = torch.cat([torch.arange(len(seq)), torch.arange(len(other))])[None]
+    rm = row_map_packed(position_ids=position_ids, request_ids=["probe", "other"])
+    trainer = []
+    h = _q(model).register_forward_hook(lambda m, x, o: trainer.append(o.detach().clone()))
+    try:
+        with torch.no_grad(), dmlib.capture(model, tmp_path / "t", row_map=rm, block_rows=1):
+            model(input_ids=ids, position_ids=position_ids)
+    finally:
+        h.remove()
+    oracle = _oracle(trainer[0][0, : len(seq)], outs)
+    assert oracle[step] == {pos: False}
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="probe")
+    q = _check_against_oracle(df, oracle)
+    assert q.loc[f"{Q}#{step}", "diff_positions"] == [pos]
+    assert df.attrs["status"] == "different"
