@@ -109,6 +109,7 @@ class _Plan:
         self.length = {r: full.requests[r] for r in requests}
         self.n_passes = 1 + max(x.step for x in passes.boundaries)
         self.table = pass_rows(passes)
+        self.memo: dict[Any, Any] = {}  # the full capture's rows, read once per boundary
         rm = passes.row_map
         self.row: dict[str, tuple[int | None, str]] = {}
         self.last: dict[str, bool] = {}  # the row's last column holds the prompt's last position
@@ -164,8 +165,21 @@ def select_requests(full: Capture, passes: Capture, request: Any) -> list[str]:
     return sorted(set(full.requests) & mine)
 
 
-def _full_rows(c: Capture, x: Boundary, r: str) -> tuple[list[Row] | None, str]:
-    """Request ``r``'s rows of a row-mapped boundary, one (digest, values) per position."""
+def _full_rows(
+    c: Capture, x: Boundary, r: str, memo: dict[Any, Any] | None = None
+) -> tuple[list[Row] | None, str]:
+    """Request ``r``'s rows of a row-mapped boundary, one (digest, values) per position
+    (kept in ``memo``: a full-sequence boundary is read once, not once per pass)."""
+    key = (str(c.path), x.name, r)
+    if memo is not None and key in memo:
+        return memo[key]
+    out = _read_rows(c, x, r)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _read_rows(c: Capture, x: Boundary, r: str) -> tuple[list[Row] | None, str]:
     h = x.requests.get(r)
     if h is None:
         return None, f"request {r!r} has no rows at {x.name}"
@@ -208,7 +222,7 @@ def _judge(
         return None, [], f"not judged: hashed with {t.hash} and {s.hash}", []
     if t.dtype != s.dtype:
         return False, [], f"{t.dtype} vs {s.dtype}", []
-    rows, why = _full_rows(full, t, r)
+    rows, why = _full_rows(full, t, r, plan.memo)
     if rows is None:
         return None, [], f"not judged: {why}", []
     if s.row_mapped:
