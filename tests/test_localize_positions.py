@@ -357,3 +357,20 @@ def test_a_packed_trainer_batch(tmp_path):
     q = _check_against_oracle(df, oracle)
     assert q.loc[f"{Q}#{step}", "diff_positions"] == [pos]
     assert df.attrs["status"] == "different"
+
+
+def test_the_command_line_names_the_position(tmp_path, capsys):
+    from dmlib.cli import main
+
+    model = _model(rowwise=True)
+    seq, outs = _sample(model, tmp_path / "sampler", None, plant_step=2)
+    rows = _train(model, tmp_path / "trainer", seq, block_rows=1)
+    oracle = _oracle(rows, outs)
+    argv = ["localize", str(tmp_path / "trainer"), str(tmp_path / "sampler"), "--request", "probe"]
+    assert main(argv) == 1  # different (it exited 2 on the lengths before)
+    out = capsys.readouterr().out
+    df = compare_captures(tmp_path / "trainer", tmp_path / "sampler", request="probe")
+    first = df.attrs["first_divergent_position"]
+    assert f"first divergent boundary: {first['boundary']}\n  at {first['note']}\n" in out
+    assert oracle[2] == {4: False}
+    assert f"{Q}#2 " in out  # the planted pass's q_proj, a differing row, is in the table
