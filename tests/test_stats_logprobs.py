@@ -643,3 +643,88 @@ def test_an_id_repeated_within_a_list_is_matched_once(dtype: type) -> None:
     lb = np.log(np.array([[0.3, 0.2, 0.1], [0.4, 0.1, 0.1]])).astype(dtype)
     got = topk_kl(la, ia, lb, ib)
     assert got["topk_overlap"].tolist() == [2 / 3, 1 / 3]
+
+
+def test_a_repeated_id_counts_with_its_first_entry() -> None:
+    from dmlib.stats.logprob_figures import topk_kl
+
+    # A lists 7 twice (0.1 first, 0.3 after); B lists 7 twice too (0.2 first, 0.05 after)
+    ia, ib = np.array([[7, 7, 2]]), np.array([[9, 7, 7]])
+    la, lb = np.log([[0.1, 0.3, 0.2]]), np.log([[0.5, 0.2, 0.05]])
+    got = topk_kl(la, ia, lb, ib)
+    # the common ids: {7}, with A's 0.1 and B's 0.2; the rest: 0.9 in A, 0.8 in B
+    want_ab = 0.1 * math.log(0.1 / 0.2) + 0.9 * math.log(0.9 / 0.8)
+    want_ba = 0.2 * math.log(0.2 / 0.1) + 0.8 * math.log(0.8 / 0.9)
+    assert got["kl_topk_ab"][0] == pytest.approx(want_ab, rel=1e-12)
+    assert got["kl_topk_ba"][0] == pytest.approx(want_ba, rel=1e-12)
+    assert got["topk_overlap"][0] == pytest.approx(1 / 3)
+
+
+def dict_topk(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) -> np.ndarray:
+    """``[n, 3]``: kl_topk_ab, kl_topk_ba, topk_overlap token by token with plain dicts
+    (an id's first entry in its list counts; docs/logprobs.md)."""
+
+    def first(ids: np.ndarray, lps: np.ndarray) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for i, v in zip(ids.tolist(), lps.astype(np.float64).tolist(), strict=True):
+            out.setdefault(i, v)
+        return out
+
+    def bucket(p: float, q: float) -> float:
+        if p == 0:
+            return 0.0
+        return math.inf if q == 0 else p * (math.log(p) - math.log(q))
+
+    def kl(xa: dict[int, float], xb: dict[int, float], common: list[int]) -> float:
+        total = 0.0
+        for c in common:
+            p = math.exp(xa[c])
+            total += p * (xa[c] - xb[c]) if p > 0 else 0.0
+        rest_a = max(1.0 - sum(math.exp(xa[c]) for c in common), 0.0)
+        rest_b = max(1.0 - sum(math.exp(xb[c]) for c in common), 0.0)
+        return total + bucket(rest_a, rest_b)
+
+    k = min(ia.shape[1], ib.shape[1])
+    rows = []
+    for t in range(len(la)):
+        xa, xb = first(ia[t], la[t]), first(ib[t], lb[t])
+        common = [c for c in xa if c in xb]
+        rows.append([kl(xa, xb, common), kl(xb, xa, common), len(common) / k])
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type) -> None:
+    from dmlib.stats.logprob_figures import topk_kl
+
+    rng = np.random.default_rng(ka * 100 + kb)
+    n = 3000
+    # ids from a small pool (the other list lacks some), distinct in most lists and one
+    # repeated in about a third; ids equal in their low 16 bits (7, 7 + 2**16, 7 + 2**40)
+    # are different ids
+    extra = [7, 7 + (1 << 16), 7 + (1 << 40), 2**46 - 1, 70_000, 3]
+    pool = np.array(extra + [100 + i for i in range(max(ka, kb))])
+
+    def lists(k: int) -> np.ndarray:
+        ids = np.stack([rng.permutation(pool)[:k] for _ in range(n)])
+        twice = np.flatnonzero(rng.random(n) < 0.3)
+        ids[twice, rng.integers(0, k, len(twice))] = ids[twice, rng.integers(0, k, len(twice))]
+        return ids
+
+    ia, ib = lists(ka), lists(kb)
+    agree = rng.random(n) < 0.3  # some tokens list the same ids in the same order
+    ib[agree, : min(ka, kb)] = ia[agree, : min(ka, kb)]
+    # values from a small set (ties within and across the lists) and -inf
+    levels = np.array([-0.1, -0.7, -1.5, -3.0, -8.0, -np.inf])
+    la = levels[rng.integers(0, len(levels), (n, ka))].astype(dtype)
+    lb = levels[rng.integers(0, len(levels), (n, kb))].astype(dtype)
+    want = dict_topk(la, ia, lb, ib)
+    assert (want[:, 2] < 1).any() and (want[:, 2] > 0).any()
+    assert np.isinf(want[:, :2]).any() and np.isfinite(want[:, :2]).any()
+    repeated = np.array([len(set(r)) < ka for r in ia.tolist()])
+    assert repeated.any() and (~repeated).any()
+    for rows in (1 << 13, 7):
+        got = topk_kl(la, ia, lb, ib, rows=rows)
+        for col, key in enumerate(("kl_topk_ab", "kl_topk_ba", "topk_overlap")):
+            assert got[key] == pytest.approx(want[:, col], rel=1e-12, abs=1e-15), (key, rows)

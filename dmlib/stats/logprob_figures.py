@@ -251,98 +251,181 @@ def _matches(ia: np.ndarray, ib: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return match, col_a, col_b
 
 
-def _matched_values(
-    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(row, xa, xb)``: one entry per id both lists of a row hold: the row, and A's and
-    B's log-prob of that id (float64)."""
-    if la.dtype == lb.dtype == np.float32:
-        return _matched_f32(la, ia, lb, ib)
-    match, col_a, col_b = _matches(ia, ib)
-    row, col = np.nonzero(match)
-    xa = la[row, col_a[row, col]].astype(np.float64)
-    xb = lb[row, col_b[row, col]].astype(np.float64)
-    return row, xa, xb
-
-
-def _matched_f32(
-    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_matched_values` for float32 log-probs: the key carries the value's 32 bits
-    in place of the column (id, then side, then bits), so no gather is needed."""
-    a = ia.astype(np.int64)
-    a <<= 33
-    a |= la.view(np.uint32)
-    b = ib.astype(np.int64)
-    b <<= 33
-    b |= lb.view(np.uint32)
-    b |= 1 << 32
-    key = np.concatenate([a, b], axis=1)
-    width = key.shape[1]
-    key.sort(axis=1)
-    # two keys side by side with one id and the two sides (their xor above the value's 32
-    # bits is exactly the side bit) are A's entry then B's; an id repeated within one list
-    # is matched once
-    near = (np.bitwise_xor(key[:, 1:], key[:, :-1]) >> 32) == 1
-    f = np.flatnonzero(near)
-    row = f // (width - 1)
-    at = f + row  # the pair's first key in the [n, width] array
-    flat = key.ravel()
-    xa = flat[at].astype(np.uint32).view(np.float32)  # the low 32 bits: the value
-    xb = flat[at + 1].astype(np.uint32).view(np.float32)
-    return row, xa.astype(np.float64), xb.astype(np.float64)
-
-
 def topk_kl(
-    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray, rows: int = 1 << 15
+    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray, rows: int = 1 << 13
 ) -> dict[str, np.ndarray]:
     """Per token, from top-k log-probs with their ids: ``topk_overlap`` (ids both lists
     hold / the shorter list's length) and ``kl_topk_ab`` / ``kl_topk_ba``: the KL of the
     two distributions coarsened to the ids both lists hold plus one bucket for the rest of
-    the vocabulary (a lower bound of the whole KL: coarsening never raises a KL).
+    the vocabulary (a lower bound of the whole KL: coarsening never raises a KL). An id a
+    list holds twice counts once, with its first entry's log-prob.
 
-    Worked through ``rows`` tokens at a time (small temporaries), on threads where there
-    are several blocks (numpy's sorts and element-wise loops release the interpreter lock).
+    Worked through ``rows`` tokens at a time in buffers made once per thread (fresh
+    temporaries of a block each time would fault in new pages), on threads where there
+    are several blocks (numpy's loops release the interpreter lock).
     """
     n = la.shape[0]
     out = {k: np.empty(n) for k in ("kl_topk_ab", "kl_topk_ba", "topk_overlap")}
     k = max(1, min(ia.shape[1], ib.shape[1]))
+    starts = list(range(0, n, rows))
+    workers = max(1, min(len(starts), os.cpu_count() or 1, 8))
 
-    def block(s: int) -> None:
-        e = min(n, s + rows)
-        row, xa, xb = _matched_values(la[s:e], ia[s:e], lb[s:e], ib[s:e])
-        for key, v in _kl_parts(row, xa, xb, e - s, k).items():
-            out[key][s:e] = v
+    def run(mine: list[int]) -> None:
+        work = _TopkWork(min(rows, n), ia.shape[1])
+        for s in mine:
+            e = min(n, s + rows)
+            mask, y = _topk_pairs(ia[s:e], ib[s:e], lb[s:e], work)
+            for key, v in _topk_sums(la[s:e], mask, y, k, work).items():
+                out[key][s:e] = v
 
-    starts = range(0, n, rows)
-    workers = min(len(starts), os.cpu_count() or 1, 8)
-    if workers <= 1:
-        for s in starts:
-            block(s)
+    parts = [starts[w::workers] for w in range(workers)]
+    if workers == 1:
+        run(parts[0])
     else:
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(block, starts))
+            list(pool.map(run, parts))
     return out
 
 
-def _kl_parts(
-    row: np.ndarray, xa: np.ndarray, xb: np.ndarray, m: int, k: int
+class _TopkWork:
+    """The buffers one thread reuses block after block (views of their first rows)."""
+
+    def __init__(self, rows: int, k: int) -> None:
+        self.k = k
+        self.f64 = [np.empty(rows * k) for _ in range(6)]
+        self.flags = [np.empty(rows * k, dtype=bool) for _ in range(2)]
+        self.ids = [np.empty(rows * k, dtype=np.uint16) for _ in range(2)]
+        self.tag = np.empty(rows * k, dtype=np.int64)
+        self.eq = np.zeros(-(-max(k - 1, 1) * k * rows // 8) * 8, dtype=bool)  # 8-byte words
+
+    def f(self, i: int, n: int) -> np.ndarray:
+        return self.f64[i][: n * self.k].reshape(n, self.k)
+
+
+def _topk_pairs(
+    ia: np.ndarray, ib: np.ndarray, lb: np.ndarray, work: _TopkWork | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(mask, y)``, both ``[n, Ka]`` in A's entries: ``mask`` where the entry is the first
+    of its id in A's list and B's list holds the id, ``y`` B's log-prob of it there (B's
+    first entry of the id; float64).
+
+    Nothing is sorted: A's entry ``i`` is compared with B's entry ``i`` (the lists' orders
+    mostly agree), then for each shift ``t`` with B's entry ``(i + t) % K`` of the same
+    token, on the id lists transposed (``[K, n]``: each shift is two contiguous
+    comparisons) and cut to their low 16 bits; the few candidates of every shift are then
+    checked on the whole ids at once. Where an id of one list meets two entries of the
+    other (a repeated id), the token is done again by :func:`_pairs_general`.
+    """
+    n, ka = ia.shape
+    if ka != ib.shape[1] or n == 0 or work is None or work.k != ka:
+        return _pairs_general(ia, ib, lb)
+    ia, ib, lb = (np.ascontiguousarray(v) for v in (ia, ib, lb))
+    flat_m, flat_h = (f[: n * ka] for f in work.flags)
+    mask = flat_m.reshape(n, ka)
+    np.equal(ia, ib, out=mask)
+    flat_h[:] = flat_m
+    y = work.f(0, n)
+    y[:] = lb
+    at, bt = (v[: n * ka].reshape(ka, n) for v in work.ids)
+    np.copyto(at, ia.T, casting="unsafe")  # the low 16 bits: a match is a candidate
+    np.copyto(bt, ib.T, casting="unsafe")
+    size = ka * n
+    eq = work.eq[: (ka - 1) * size].reshape(ka - 1, ka, n)
+    for t in range(1, ka):
+        np.equal(at[: ka - t], bt[t:], out=eq[t - 1, : ka - t])
+        np.equal(at[ka - t :], bt[:t], out=eq[t - 1, ka - t :])
+    fa, fb, r = _candidates(work.eq, (ka - 1) * size, n, ka)
+    fa, fb, r = (v[ia.ravel()[fa] == ib.ravel()[fb]] for v in (fa, fb, r))
+    dirty = r[flat_m[fa] | flat_h[fb] | _repeated(fa, work.tag) | _repeated(fb, work.tag)]
+    flat_m[fa] = True
+    flat_h[fb] = True
+    y.ravel()[fa] = lb.ravel()[fb]
+    if len(dirty):
+        again = np.unique(dirty)
+        mask[again], y[again] = _pairs_general(ia[again], ib[again], lb[again])
+    return mask, y
+
+
+def _candidates(
+    eq: np.ndarray, used: int, n: int, ka: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The true entries of the ``[K - 1, K, n]`` comparisons as flat entries of A and B
+    (``[n, K]``) and their token: found by 8-byte words, then within the words."""
+    w = np.flatnonzero(eq[: -(-used // 8) * 8].view(np.uint64) != 0)
+    p = (w[:, None] * 8 + np.arange(8)).ravel()
+    p = p[p < used]
+    p = p[eq[p]]
+    t, p = np.divmod(p, ka * n)
+    i, r = np.divmod(p, n)
+    return r * ka + i, r * ka + (i + t + 1) % ka, r
+
+
+def _repeated(flat: np.ndarray, tag: np.ndarray) -> np.ndarray:
+    """Where ``flat`` holds an entry more than once (every occurrence but the last)."""
+    order = np.arange(len(flat))
+    tag[flat] = order
+    return tag[flat] != order
+
+
+def _pairs_general(ia: np.ndarray, ib: np.ndarray, lb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_topk_pairs` by comparing every entry of A with every entry of B
+    (``[n, Ka, Kb]``): for lists of two lengths and for tokens with a repeated id."""
+    ka, kb = ia.shape[1], ib.shape[1]
+    if not kb:
+        return np.zeros(ia.shape, dtype=bool), np.zeros(ia.shape)
+    dup_a = ((ia[:, :, None] == ia[:, None, :]) & np.tri(ka, k=-1, dtype=bool)).any(axis=2)
+    dup_b = ((ib[:, :, None] == ib[:, None, :]) & np.tri(kb, k=-1, dtype=bool)).any(axis=2)
+    eq = (ia[:, :, None] == ib[:, None, :]) & ~dup_b[:, None, :]
+    mask = eq.any(axis=2) & ~dup_a
+    y = np.take_along_axis(lb, eq.argmax(axis=2), axis=1).astype(np.float64)
+    return mask, y
+
+
+def _topk_sums(
+    la: np.ndarray, mask: np.ndarray, y: np.ndarray, k: int, work: _TopkWork | None = None
 ) -> dict[str, np.ndarray]:
-    """The top-k figures of ``m`` rows from their matched pairs (``row`` in order)."""
-    pa, pb = np.exp(xa), np.exp(xb)
-    d = xa - xb
-    with np.errstate(invalid="ignore"):
-        ab = np.where(pa > 0, pa * d, 0.0)
-        ba = np.where(pb > 0, -pb * d, 0.0)
-    count = np.bincount(row, minlength=m)
-    seg = Segments(count)
-    rest_a = np.maximum(1.0 - seg.sum(pa), 0.0)
-    rest_b = np.maximum(1.0 - seg.sum(pb), 0.0)
+    """The top-k figures of ``n`` tokens from :func:`_topk_pairs`' ``mask`` and ``y``.
+
+    Without guards first (products with the 0/1 mask, sums as dot products); a token
+    where any log-prob is not finite (or ``exp`` overflows) comes out non-finite there and
+    is done again with the guards (``0 log 0 = 0``, an entry with no mass adds nothing).
+    """
+    n = la.shape[0]
+    if work is None or work.k != la.shape[1] or y.shape != la.shape:
+        work = _TopkWork(n, la.shape[1])
+    x, w, pa, pb, d = (work.f(i, n) for i in range(1, 6))
+    x[:] = la
+    w[:] = mask
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.exp(x, out=pa)
+        np.exp(y, out=pb)
+        pa *= w
+        pb *= w
+        np.subtract(x, y, out=d)
+        ab = np.einsum("ij,ij->i", pa, d)
+        ba = -np.einsum("ij,ij->i", pb, d)
+    sa, sb = np.einsum("ij->i", pa), np.einsum("ij->i", pb)
+    bad = np.flatnonzero(~(np.isfinite(ab) & np.isfinite(ba)))
+    if len(bad):
+        ab[bad], ba[bad], sa[bad], sb[bad] = _guarded_sums(x[bad], mask[bad], y[bad])
+    rest_a = np.maximum(1.0 - sa, 0.0)
+    rest_b = np.maximum(1.0 - sb, 0.0)
     return {
-        "kl_topk_ab": seg.sum(ab) + _bucket(rest_a, rest_b),
-        "kl_topk_ba": seg.sum(ba) + _bucket(rest_b, rest_a),
-        "topk_overlap": count / k,
+        "kl_topk_ab": ab + _bucket(rest_a, rest_b),
+        "kl_topk_ba": ba + _bucket(rest_b, rest_a),
+        "topk_overlap": np.einsum("ij->i", w) / k,
     }
+
+
+def _guarded_sums(
+    x: np.ndarray, mask: np.ndarray, y: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore", invalid="ignore"):
+        pa, pb = np.exp(x), np.exp(y)
+        d = x - y
+        ab = np.where(mask & (pa > 0), pa * d, 0.0).sum(axis=1)
+        ba = np.where(mask & (pb > 0), -pb * d, 0.0).sum(axis=1)
+    return ab, ba, np.where(mask, pa, 0.0).sum(axis=1), np.where(mask, pb, 0.0).sum(axis=1)
 
 
 def _bucket(p: np.ndarray, q: np.ndarray) -> np.ndarray:
