@@ -252,6 +252,9 @@ def _judge(
     if None in verdicts.values():
         return None, [], f"not judged: {where}: {PER_POSITION}", []
     diff = [p for p, v in verdicts.items() if not v]
+    if diff and len(pairs) > 1:  # name the differing positions among those compared
+        shown = ", ".join(map(str, diff[:8])) + (", ..." if len(diff) > 8 else "")
+        where = f"position{'s' if len(diff) > 1 else ''} {shown} of {where}"
     values = [(x[1], y[1]) for _, (x, y) in pairs if x[1] is not None and y[1] is not None]
     dumped = len(values) == len(pairs)
     return not diff, diff, f"{where} of request {r!r}: {t.name}", values if dumped else []
