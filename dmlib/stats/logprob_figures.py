@@ -292,7 +292,7 @@ class _TopkWork:
 
     def __init__(self, rows: int, k: int) -> None:
         self.k = k
-        self.f64 = [np.empty(rows * k) for _ in range(6)]
+        self.f64 = [np.empty(rows * k) for _ in range(5)]
         self.flags = [np.empty(rows * k, dtype=bool) for _ in range(2)]
         self.ids = [np.empty(rows * k, dtype=np.uint16) for _ in range(2)]
         self.tag = np.empty(rows * k, dtype=np.int64)
@@ -393,21 +393,23 @@ def _topk_sums(
     n = la.shape[0]
     if work is None or work.k != la.shape[1] or y.shape != la.shape:
         work = _TopkWork(n, la.shape[1])
-    x, w, pa, pb, d = (work.f(i, n) for i in range(1, 6))
-    x[:] = la
+    if la.dtype not in (np.float32, np.float64):
+        la = la.astype(np.float64)
+    w, pa, pb, d = (work.f(i, n) for i in range(1, 5))
     w[:] = mask
     with np.errstate(over="ignore", invalid="ignore"):
-        np.exp(x, out=pa)
+        np.exp(la, out=pa, dtype=np.float64)  # float64 from the stored values, no copy
         np.exp(y, out=pb)
         pa *= w
         pb *= w
-        np.subtract(x, y, out=d)
+        np.subtract(la, y, out=d, dtype=np.float64)
         ab = np.einsum("ij,ij->i", pa, d)
         ba = -np.einsum("ij,ij->i", pb, d)
     sa, sb = np.einsum("ij->i", pa), np.einsum("ij->i", pb)
     bad = np.flatnonzero(~(np.isfinite(ab) & np.isfinite(ba)))
     if len(bad):
-        ab[bad], ba[bad], sa[bad], sb[bad] = _guarded_sums(x[bad], mask[bad], y[bad])
+        x = la[bad].astype(np.float64)
+        ab[bad], ba[bad], sa[bad], sb[bad] = _guarded_sums(x, mask[bad], y[bad])
     rest_a = np.maximum(1.0 - sa, 0.0)
     rest_b = np.maximum(1.0 - sb, 0.0)
     return {
@@ -430,9 +432,13 @@ def _guarded_sums(
 
 def _bucket(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """``p log(p / q)`` with ``0 log 0 = 0`` and ``inf`` where ``p > 0 = q``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = p * (np.log(p) - np.log(q))
-    return np.where(p > 0, v, 0.0)
+    v = np.zeros(np.shape(p))
+    some = np.flatnonzero(p > 0)  # log(0) is a slow path: taken only where it counts
+    if len(some):
+        ps, qs = p[some], q[some]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v[some] = ps * (np.log(ps) - np.log(qs))
+    return v
 
 
 # -- per sequence and overall ----------------------------------------------------------

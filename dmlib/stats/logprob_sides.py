@@ -221,7 +221,9 @@ def _side_of(ts: TensorSet, label: str, where: str) -> LogprobSide:
 
 
 def _load(ts: TensorSet, name: str) -> np.ndarray:
-    return ts[name].load()
+    # a plain ndarray over the reader's bytes (a memmap subclass runs Python code for
+    # each of the thousands of per-sequence views taken below)
+    return np.asarray(ts[name].load())
 
 
 def _padded(
