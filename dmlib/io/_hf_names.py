@@ -128,7 +128,7 @@ def _architecture(folder: str, n_params: int) -> tuple[Order | None, str]:
     on the meta device), so a file cannot make dmlib build a model of a million layers."""
     from dmlib import _limits
     from dmlib.errors import DmlibError
-    from dmlib.io.hf_trainer import read_member
+    from dmlib.io._folderfiles import read_member
 
     # a regular file inside the folder, of bounded size and keys (a FIFO is not waited on)
     hook = _limits.json_pairs_hook(os.path.join(folder, "config.json"), "config")

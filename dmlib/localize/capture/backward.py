@@ -26,14 +26,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dmlib.localize.capture.format import boundary_name
-from dmlib.localize.capture.recorder import Recorder
 from dmlib.localize.capture.tensors import _select, torch
 
 
 class GradHooks:
     """The backward hooks of one capture and what they count (calls per module, passes)."""
 
-    def __init__(self, rec: Recorder, params: list[tuple[str, Any]]) -> None:
+    def __init__(self, rec: Any, params: list[tuple[str, Any]]) -> None:  # rec: a Recorder
         self.rec = rec
         self.params = params  # (name, parameter) of every parameter that requires grad
         self.calls: dict[str, int] = {}  # module -> backward calls begun
@@ -122,7 +121,7 @@ class GradHooks:
 
 
 def install(
-    model: Any, modules: str | Iterable[str] | None, rec: Recorder, named: dict[str, Any] | None
+    model: Any, modules: str | Iterable[str] | None, rec: Any, named: dict[str, Any] | None
 ) -> Iterator[Any]:
     """Register the backward hooks on every selected module; yields the handles."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -135,7 +134,7 @@ def install(
         yield mod.register_full_backward_hook(grads.post(label))
 
 
-def run_backward(rec: Recorder, out: Any) -> None:
+def run_backward(rec: Any, out: Any) -> None:
     """``out.backward(upstream)``: a scalar's own backward where no seed was given, else
     the upstream gradient of :meth:`GradHooks.upstream` (seeded random, or ones)."""
     grads = rec.grads if rec.grads is not None else GradHooks(rec, [])
