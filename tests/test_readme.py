@@ -14,7 +14,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_capture_example_runs(tmp_path, monkeypatch, capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (code,) = [b for b in blocks if "dmlib.capture(" in b and "row_map=" in b]
+    # the runnable example: captures two layouts and compares them (other blocks are fragments)
+    (code,) = [b for b in blocks if "dmlib.capture(" in b and "compare_captures(" in b]
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
