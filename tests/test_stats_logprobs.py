@@ -693,7 +693,7 @@ def dict_topk(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) ->
     return np.array(rows)
 
 
-@pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4)])
+@pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4), (70, 70)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type) -> None:
     from dmlib.stats.logprob_figures import topk_kl
@@ -716,9 +716,11 @@ def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type) -> Non
     agree = rng.random(n) < 0.3  # some tokens list the same ids in the same order
     ib[agree, : min(ka, kb)] = ia[agree, : min(ka, kb)]
     # values from a small set (ties within and across the lists) and -inf
-    levels = np.array([-0.1, -0.7, -1.5, -3.0, -8.0, -np.inf])
+    levels = np.array([-0.1, -0.7, -1.5, -3.0, -8.0])
     la = levels[rng.integers(0, len(levels), (n, ka))].astype(dtype)
     lb = levels[rng.integers(0, len(levels), (n, kb))].astype(dtype)
+    la[rng.random(la.shape) < 0.5 / ka] = -np.inf
+    lb[rng.random(lb.shape) < 0.5 / kb] = -np.inf
     want = dict_topk(la, ia, lb, ib)
     assert (want[:, 2] < 1).any() and (want[:, 2] > 0).any()
     assert np.isinf(want[:, :2]).any() and np.isfinite(want[:, :2]).any()

@@ -35,6 +35,10 @@ __all__ = ["LN2", "Segments", "Sums", "block_sums", "combine", "full_kl", "per_s
 
 LN2 = math.log(2.0)
 
+#: Top-k lists up to this length are matched by shifts (K comparisons per entry); longer
+#: ones by a sort per token (:func:`_pairs_general`).
+_SHIFTS_UP_TO = 64
+
 _SUMS = ("k1", "k2", "k3", "chi2", "abs_dp", "abs_d", "over")
 
 
@@ -266,12 +270,17 @@ def topk_kl(
     """
     n = la.shape[0]
     out = {k: np.empty(n) for k in ("kl_topk_ab", "kl_topk_ba", "topk_overlap")}
-    k = max(1, min(ia.shape[1], ib.shape[1]))
+    ka, kb = ia.shape[1], ib.shape[1]
+    k = max(1, min(ka, kb))
+    shifts = ka == kb <= _SHIFTS_UP_TO
+    # the shifts' comparisons take K * K bytes per token, the sort's keys 8 (Ka + Kb)
+    cap = (1 << 22) // max(1, ka * ka) if shifts else (1 << 20) // max(1, ka + kb)
+    rows = max(1, min(rows, cap))
     starts = list(range(0, n, rows))
     workers = max(1, min(len(starts), os.cpu_count() or 1, 8))
 
     def run(mine: list[int]) -> None:
-        work = _TopkWork(min(rows, n), ia.shape[1])
+        work = _TopkWork(min(rows, n), ka, shifts)
         for s in mine:
             e = min(n, s + rows)
             mask, y = _topk_pairs(ia[s:e], ib[s:e], lb[s:e], work)
@@ -290,13 +299,15 @@ def topk_kl(
 class _TopkWork:
     """The buffers one thread reuses block after block (views of their first rows)."""
 
-    def __init__(self, rows: int, k: int) -> None:
+    def __init__(self, rows: int, k: int, shifts: bool = True) -> None:
         self.k = k
+        self.shifts = shifts
         self.f64 = [np.empty(rows * k) for _ in range(5)]
         self.flags = [np.empty(rows * k, dtype=bool) for _ in range(2)]
         self.ids = [np.empty(rows * k, dtype=np.uint16) for _ in range(2)]
         self.tag = np.empty(rows * k, dtype=np.int64)
-        self.eq = np.zeros(-(-max(k - 1, 1) * k * rows // 8) * 8, dtype=bool)  # 8-byte words
+        size = max(k - 1, 1) * k * rows if shifts else 0
+        self.eq = np.zeros(-(-size // 8) * 8, dtype=bool)  # whole 8-byte words
 
     def f(self, i: int, n: int) -> np.ndarray:
         return self.f64[i][: n * self.k].reshape(n, self.k)
@@ -317,7 +328,7 @@ def _topk_pairs(
     other (a repeated id), the token is done again by :func:`_pairs_general`.
     """
     n, ka = ia.shape
-    if ka != ib.shape[1] or n == 0 or work is None or work.k != ka:
+    if ka != ib.shape[1] or n == 0 or work is None or work.k != ka or not work.shifts:
         return _pairs_general(ia, ib, lb)
     ia, ib, lb = (np.ascontiguousarray(v) for v in (ia, ib, lb))
     flat_m, flat_h = (f[: n * ka] for f in work.flags)
@@ -370,16 +381,36 @@ def _repeated(flat: np.ndarray, tag: np.ndarray) -> np.ndarray:
 
 
 def _pairs_general(ia: np.ndarray, ib: np.ndarray, lb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_topk_pairs` by comparing every entry of A with every entry of B
-    (``[n, Ka, Kb]``): for lists of two lengths and for tokens with a repeated id."""
-    ka, kb = ia.shape[1], ib.shape[1]
-    if not kb:
-        return np.zeros(ia.shape, dtype=bool), np.zeros(ia.shape)
-    dup_a = ((ia[:, :, None] == ia[:, None, :]) & np.tri(ka, k=-1, dtype=bool)).any(axis=2)
-    dup_b = ((ib[:, :, None] == ib[:, None, :]) & np.tri(kb, k=-1, dtype=bool)).any(axis=2)
-    eq = (ia[:, :, None] == ib[:, None, :]) & ~dup_b[:, None, :]
-    mask = eq.any(axis=2) & ~dup_a
-    y = np.take_along_axis(lb, eq.argmax(axis=2), axis=1).astype(np.float64)
+    """:func:`_topk_pairs` by one sort per token of keys holding the id, the side and the
+    entry: an id's keys sort together, A's before B's, each list's in its order, so the
+    first key of an id is A's first entry of it and the first B key after an A key of the
+    same id is B's first entry. For long lists, lists of two lengths and tokens with a
+    repeated id; ids below 2**46 and lists shorter than 2**16 (the caller checks).
+    """
+    n, ka = ia.shape
+    kb = ib.shape[1]
+    mask, y = np.zeros((n, ka), dtype=bool), np.zeros((n, ka))
+    if not (n and ka and kb):
+        return mask, y
+    key = np.concatenate(
+        [
+            (ia.astype(np.int64) << 17) | np.arange(ka, dtype=np.int64),
+            (ib.astype(np.int64) << 17) | np.arange(kb, dtype=np.int64) | (1 << 16),
+        ],
+        axis=1,
+    )
+    key.sort(axis=1)
+    ident, side = key >> 17, (key >> 16) & 1
+    start = np.ones(key.shape, dtype=bool)
+    start[:, 1:] = ident[:, 1:] != ident[:, :-1]
+    first = np.maximum.accumulate(np.where(start, np.arange(ka + kb), 0), axis=1)
+    b_first = np.zeros(key.shape, dtype=bool)
+    b_first[:, 1:] = (side[:, 1:] == 1) & (side[:, :-1] == 0) & ~start[:, 1:]
+    row, at = np.nonzero(b_first)
+    col_a = key[row, first[row, at]] & 0xFFFF
+    col_b = key[row, at] & 0xFFFF
+    mask[row, col_a] = True
+    y[row, col_a] = lb[row, col_b]
     return mask, y
 
 
