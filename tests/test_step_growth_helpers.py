@@ -57,7 +57,10 @@ def test_grid_has_one_titled_panel_per_pair_and_hides_the_rest() -> None:
             "r/b: bit-identical at every step",
             "r/c: max 2e-05 at step 20",
         ]
-        assert fig._suptitle.get_text() == "rel_fro of each saved parameter against r, by step"
+        assert (
+            fig._suptitle.get_text()
+            == "rel_fro of each saved parameter against r, by step (each panel its own y range)"
+        )
         labels = [t.get_text() for t in fig.legends[0].get_texts()]
         assert "b (norm < 0.1)" in labels and "other parameters" in labels
     finally:
