@@ -543,6 +543,23 @@ def test_op_level_of_a_planted_change(op_capture_report):
     assert [p.name for p in resolved.captures.ops.values()] == ["base", "nudged"]
 
 
+def test_study_captures_section_type(tmp_path):
+    """[captures] reads into a StudyCaptures (the old name Capture still imports as the same
+    class); it is not the capture-folder reader's Capture."""
+    from dmlib.localize.capture.reader import Capture as FolderCapture
+    from dmlib.report.study import Capture, StudyCaptures
+
+    for k in ("a", "b"):
+        (tmp_path / "cap" / k).mkdir(parents=True)
+        (tmp_path / "cap" / k / "manifest.json").write_text("{}")  # a study checks only it exists
+    (tmp_path / "study.toml").write_text('[captures.folders]\na = "cap/a"\nb = "cap/b"\n')
+    got = load_study(tmp_path / "study.toml").captures
+    assert type(got) is StudyCaptures and Capture is StudyCaptures
+    assert StudyCaptures is not FolderCapture
+    assert got.folders == {"a": tmp_path / "cap" / "a", "b": tmp_path / "cap" / "b"}
+    assert got.reference == "a" and got.request is None and got.ops == {}
+
+
 def test_op_captures_need_two_folders(capture_report, tmp_path):
     root = capture_report[3]
     text = (root / "study.toml").read_text()

@@ -55,7 +55,7 @@ def op_level(captures: Any, *, backend: str = "auto") -> OpLevel:
     Parameters
     ----------
     captures
-        A study's :class:`~dmlib.report.study.Capture` with ``ops`` (two folders) and
+        A study's :class:`~dmlib.report.study.StudyCaptures` with ``ops`` (two folders) and
         optionally ``op_findings`` (the JSON written by ``python -m dmlib.lab packed_ops``
         or any file with the same ``machine`` and ``findings`` keys).
     backend

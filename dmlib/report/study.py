@@ -95,7 +95,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Capture", "Run", "Study", "load_study", "resolve_runs"]
+__all__ = ["Capture", "Run", "Study", "StudyCaptures", "load_study", "resolve_runs"]
 
 STUDY_FILE = "study.toml"
 _TOP_KEYS = {
@@ -141,8 +141,11 @@ class Run:
 
 
 @dataclass
-class Capture:
-    """The captures section: folders by label, the request, repeats and negative control."""
+class StudyCaptures:
+    """A study.toml's [captures] section: folders by label, the request, repeats and negative control.
+
+    Not a capture folder read back (that is :class:`dmlib.localize.capture.reader.Capture`).
+    """
 
     folders: dict[str, Path]
     request: str | None = None
@@ -151,6 +154,10 @@ class Capture:
     negative: Path | None = None
     ops: dict[str, Path] = field(default_factory=dict)
     op_findings: Path | None = None
+
+
+# The name this class had before: kept so that ``from dmlib.report.study import Capture`` works.
+Capture = StudyCaptures
 
 
 @dataclass
@@ -168,7 +175,7 @@ class Study:
     groups: dict[str, str] = field(default_factory=dict)
     names: dict[str, list[str]] = field(default_factory=dict)
     anatomy: list[Path] = field(default_factory=list)
-    captures: Capture | None = None
+    captures: StudyCaptures | None = None
     made_on: str | None = None
     logprobs: Any = None  # [logprobs]: a report.study_logprobs.LogprobRuns
     adapters: Any = None  # [adapters]: a report.study_adapters.AdapterRuns
@@ -640,7 +647,7 @@ def _isna(x: Any) -> bool:
         return False
 
 
-def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | None:
+def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> StudyCaptures | None:
     if not spec:
         return None
     valid = {"folders", "request", "reference", "repeats", "negative", "ops"}
@@ -676,7 +683,7 @@ def _captures(spec: Mapping[str, Any], root: Path, where: Path) -> Capture | Non
         )
     negative = spec.get("negative")
     ops, op_findings = _op_captures(_table(spec, "ops", where), root, where)
-    return Capture(
+    return StudyCaptures(
         folders=folders,
         request=None if spec.get("request") is None else str(spec["request"]),
         reference=reference or next(iter(folders)),
