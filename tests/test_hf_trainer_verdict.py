@@ -176,3 +176,79 @@ def test_format_hf_trainer_on_a_file(tmp_path) -> None:
     np.save(p, ARR["w"])
     with pytest.raises(dmlib.DmlibError, match="names a folder"):
         dmlib.open_tensors(p, format="hf-trainer")
+
+
+# ----------------------------------------------------------------------------------------
+# two run folders (compare_runs' RunsVerdict): made by hand, a difference planted
+
+
+def _run(root, steps: dict[int, np.ndarray]):
+    """A Trainer output folder: checkpoint-N/ with model.safetensors (written by the
+    safetensors package) and trainer_state.json for each step."""
+    import json
+
+    st = pytest.importorskip("safetensors.numpy")
+    for step, w in steps.items():
+        d = root / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        st.save_file({"w": w}, str(d / "model.safetensors"))
+        state = {"global_step": step, "log_history": [{"step": step, "loss": 1.5}]}
+        (d / "trainer_state.json").write_text(json.dumps(state))
+    return root
+
+
+_W = {1: np.array([1.0, 2.0, 3.0], np.float32), 2: np.array([4.0, 5.0, 6.0], np.float32)}
+_KEYS = [
+    "steps", "only_in_a", "only_in_b", "by_step", "first_diff", "first_step",
+    "first_components", "loss_parts_at", "bit_exact", "inconclusive",
+]  # fmt: skip
+
+
+def test_identical_runs_are_bit_exact_and_exit_0(tmp_path, capsys) -> None:
+    import json
+
+    from dmlib.stats.components import compare_runs
+    from dmlib.stats.verdicts import RunsVerdict
+
+    a, b = _run(tmp_path / "a", _W), _run(tmp_path / "b", _W)
+    r = compare_runs(a, b)
+    assert isinstance(r, RunsVerdict) and bool(r) and r["bit_exact"] is True
+    assert str(r) == "BIT-EXACT: every component identical at every shared step (1, 2)"
+    assert list(r.to_dict()) == _KEYS and r["steps"] == [1, 2] and r["first_step"] is None
+    assert main(["compare", str(a), str(b)]) == 0
+    assert "BIT-EXACT" in capsys.readouterr().out
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc) == _KEYS and doc["bit_exact"] is True and doc["steps"] == [1, 2]
+
+
+def test_one_planted_ulp_makes_runs_different_and_exit_1(tmp_path, capsys) -> None:
+    import json
+
+    from dmlib.stats.components import compare_runs
+
+    planted = {1: _W[1].copy(), 2: _W[2].copy()}
+    planted[2][1] = np.nextafter(np.float32(5.0), np.float32(np.inf))  # +1 ULP at step 2
+    a, b = _run(tmp_path / "a", _W), _run(tmp_path / "b", planted)
+    r = compare_runs(a, b)
+    assert not r and r["bit_exact"] is False
+    assert r.first_step == 2 and r.first_components == ["weights"]
+    assert r.first_diff == {"weights": 2}
+    assert str(r) == "DIFFERENT from step 2: weights differ there"
+    assert main(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT from step 2: weights differ there" in out and "BIT-EXACT" not in out
+    assert main(["compare", str(a), str(b), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bit_exact"] is False and doc["first_step"] == 2
+
+
+def test_runs_sharing_no_step_are_not_bit_exact(tmp_path, capsys) -> None:
+    from dmlib.stats.components import compare_runs
+
+    a, b = _run(tmp_path / "a", {1: _W[1]}), _run(tmp_path / "b", {2: _W[2]})
+    r = compare_runs(a, b)
+    assert not r and r.steps == [] and r.only_in_a == [1] and r.only_in_b == [2]
+    assert str(r) == "NOT ALL COMPARED: nothing compared differs, but the runs share no step"
+    assert main(["compare", str(a), str(b)]) == 1
+    assert "NOT ALL COMPARED" in capsys.readouterr().out

@@ -132,11 +132,24 @@ def _repeats(verdict):
     return RepeatStudy(table=pd.DataFrame(), observer=None, verdict=verdict, reason="")
 
 
+def _runs(bit_exact, steps=(1,)):
+    """Two Trainer runs compared (compare_runs' RunsVerdict), made by hand."""
+    from dmlib.stats.verdicts import RunsVerdict
+
+    first = None if bit_exact or not steps else 1
+    return RunsVerdict(
+        steps=list(steps), only_in_a=[], only_in_b=[], by_step={}, first_diff={},
+        first_step=first, first_components=[] if first is None else ["weights"],
+        loss_parts_at=None, bit_exact=bit_exact, inconclusive=[],
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("result", "code"),
     [
-        ({"bit_exact": True, "steps": [1]}, 0),
-        ({"bit_exact": False, "steps": [1]}, 1),
+        (_runs(True), 0),
+        (_runs(False), 1),  # a difference at step 1
+        (_runs(False, steps=[]), 1),  # the runs share no step: nothing compared
         (_capture(), 0),
         (_capture(first="enc.0", status="different"), 1),
         (_capture(held=False), 1),  # a failed repeat control is never "same"
@@ -160,7 +173,11 @@ def test_exit_code_of_a_judged_table() -> None:
 def test_exit_code_refuses_what_it_cannot_judge() -> None:
     with pytest.raises(TypeError):
         exit_code({"rows": []})
-    for keys in ({"identical": True}, {"first_divergent_boundary": None, "status": "identical"}):
+    for keys in (
+        {"identical": True},
+        {"first_divergent_boundary": None, "status": "identical"},
+        {"bit_exact": True, "steps": [1]},  # two runs' verdict is a RunsVerdict, not a dict
+    ):
         with pytest.raises(TypeError):  # a result is recognised by its type, not its keys
             exit_code(keys)
     with pytest.raises(TypeError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 EXIT_CODES = """exit status:
@@ -150,16 +150,16 @@ def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
     (:class:`~dmlib.kernels.verdict.Verdict`: ``bool()`` says same; ``status`` "not
     comparable" is 5, "inconclusive" with no divergence and no failed control 3), an
     :class:`~dmlib.localize.arbitrate.Arbitration` or a
-    :class:`~dmlib.localize.rates.RepeatStudy` (``bool()`` says same), or two Trainer runs
-    compared (the one plain dict left: ``bit_exact``). ``differs``: a command that judges
-    its table itself says so here instead. Bad input never gets here: a
-    :class:`dmlib.errors.DmlibError` is exit 2 in :func:`dmlib.cli.main`.
+    :class:`~dmlib.localize.rates.RepeatStudy` (``bool()`` says same); two Trainer runs
+    compared are a :class:`~dmlib.stats.verdicts.RunsVerdict` (``bool()`` is ``bit_exact``).
+    ``differs``: a command that judges its table itself says so here instead. Bad input
+    never gets here: a :class:`dmlib.errors.DmlibError` is exit 2 in :func:`dmlib.cli.main`.
     """
     if differs is not None:
         return EXIT_DIFFERS if differs else EXIT_SAME
     from dmlib.kernels.verdict import Verdict
 
-    if isinstance(result, Verdict):  # Summary, MatrixVerdict, CaptureVerdict...: bool() is "same"
+    if isinstance(result, Verdict):  # Summary, RunsVerdict, CaptureVerdict...: bool() is "same"
         if result:
             return EXIT_SAME
         status = getattr(result, "status", None)
@@ -173,9 +173,6 @@ def exit_code(result: Any = None, *, differs: bool | None = None) -> int:
         ):
             return EXIT_INCONCLUSIVE
         return EXIT_DIFFERS
-    if isinstance(result, Mapping) and "bit_exact" in result:
-        # two Trainer runs (stats.components.compare_runs): the one result still a dict
-        return EXIT_SAME if result["bit_exact"] else EXIT_DIFFERS
     from dmlib.localize.arbitrate import Arbitration
     from dmlib.localize.rates import RepeatStudy
 

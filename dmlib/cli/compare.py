@@ -290,22 +290,10 @@ def _compare_runs(args: argparse.Namespace) -> int:
         if r[f"only_in_{side}"]:
             steps = ", ".join(map(str, r[f"only_in_{side}"]))
             print(f"steps only in {side.upper()} (not compared): {steps}")
-    if r["bit_exact"]:
-        steps = ", ".join(map(str, r["steps"]))
-        print(f"BIT-EXACT: every component identical at every shared step ({steps})")
-        return exit_code(r)
-    if r["first_step"] is None:
-        print(
-            "NOT ALL COMPARED: nothing compared differs, but "
-            + (
-                f"{', '.join(r['inconclusive'])} could not be compared"
-                if r["inconclusive"]
-                else "the runs share no step"
-            )
-        )
+    print(r)  # the verdict line: BIT-EXACT, NOT ALL COMPARED or DIFFERENT from step N
+    if r.bit_exact or r.first_step is None:
         return exit_code(r)
     first = r["by_step"][r["first_step"]]
-    print(f"DIFFERENT from step {r['first_step']}: {', '.join(r['first_components'])} differ there")
     for line in component_lines([c for c in first if c["status"] != "identical"]):
         print("  " + line)
     later = {k: v for k, v in r["first_diff"].items() if v != r["first_step"]}

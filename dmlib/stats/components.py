@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dmlib.stats.verdicts import RunsVerdict
+
 __all__ = ["COMPONENTS", "compare_runs", "component_of", "components", "printable"]
 
 COMPONENTS = ("weights", "optimizer", "scheduler", "rng", "trainer")
@@ -129,20 +131,22 @@ def _generators(
     return [(g, words[v]) for g, v in sorted(worst.items())]
 
 
-def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -> dict[str, Any]:
+def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -> RunsVerdict:
     """Two Trainer output folders (``checkpoint-N/`` inside) compared at every shared step.
 
     Returns
     -------
-    dict
-        ``steps`` (compared), ``only_in_a`` / ``only_in_b`` (steps of one run only),
-        ``by_step``: ``{step: components(...)}``, ``first_diff``: ``{component: the first
-        step at which it differs}`` (components never differing are absent),
-        ``first_step`` (the first step at which anything differs, else None),
-        ``first_components`` (those differing there), ``loss_parts_at`` (the first logged
-        step whose loss differs, from ``trainer.log_history.loss``, else None),
-        ``bit_exact`` (every component identical at every shared step; a resumed run
-        lacks the steps before its resume, listed in ``only_in_a``), ``inconclusive`` (components not compared at some step).
+    RunsVerdict
+        ``bool()`` is ``bit_exact``, ``str()`` the verdict line the command line prints; a
+        read-only mapping of ``to_dict()`` (the JSON): ``steps`` (compared), ``only_in_a``
+        / ``only_in_b`` (steps of one run only), ``by_step``: ``{step: components(...)}``,
+        ``first_diff``: ``{component: the first step at which it differs}`` (components
+        never differing are absent), ``first_step`` (the first step at which anything
+        differs, else None), ``first_components`` (those differing there),
+        ``loss_parts_at`` (the first logged step whose loss differs, from
+        ``trainer.log_history.loss``, else None), ``bit_exact`` (every component identical
+        at every shared step; a resumed run lacks the steps before its resume, listed in
+        ``only_in_a``), ``inconclusive`` (components not compared at some step).
     """
     from dmlib.io import hf_trainer, open_tensors
     from dmlib.stats.compare import compare_records
@@ -173,15 +177,15 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
                 logged = ts["trainer.log_history.loss.steps"].load()
                 loss_at = int(logged[loss["first_diff"][0]])
     first_step = min(first.values()) if first else None
-    return {
-        "steps": steps,
-        "only_in_a": sorted(set(ca) - set(cb)),
-        "only_in_b": sorted(set(cb) - set(ca)),
-        "by_step": by_step,
-        "first_diff": dict(sorted(first.items(), key=lambda kv: kv[1])),
-        "first_step": first_step,
-        "first_components": [k for k, v in first.items() if v == first_step],
-        "loss_parts_at": loss_at,
-        "bit_exact": bool(steps) and not first and not inconclusive,
-        "inconclusive": sorted(inconclusive),
-    }
+    return RunsVerdict(
+        steps=steps,
+        only_in_a=sorted(set(ca) - set(cb)),
+        only_in_b=sorted(set(cb) - set(ca)),
+        by_step=by_step,
+        first_diff=dict(sorted(first.items(), key=lambda kv: kv[1])),
+        first_step=first_step,
+        first_components=[k for k, v in first.items() if v == first_step],
+        loss_parts_at=loss_at,
+        bit_exact=bool(steps) and not first and not inconclusive,
+        inconclusive=sorted(inconclusive),
+    )

@@ -1,8 +1,10 @@
-"""Typed verdicts of a comparison (:class:`Summary`) and of a matrix of runs (:class:`MatrixVerdict`).
+"""Typed verdicts of a comparison (:class:`Summary`), of a matrix of runs
+(:class:`MatrixVerdict`) and of two Trainer runs step by step (:class:`RunsVerdict`).
 
 Each is a frozen dataclass and a read-only mapping of its ``to_dict()`` (the dict
-:func:`dmlib.summarize` and :func:`dmlib.stats.matrix.verdict` returned before, key for
-key, so JSON output is unchanged); ``bool()`` is True only when identical, ``str()`` is
+:func:`dmlib.summarize`, :func:`dmlib.stats.matrix.verdict` and
+:func:`dmlib.stats.components.compare_runs` returned before, key for key, so JSON output
+is unchanged); ``bool()`` is True only when identical, ``str()`` is
 the verdict the command line prints. Names from data are escaped and cut
 (:func:`dmlib.textsafe.shown`): a name holding escape codes cannot rewrite the verdict
 word a terminal shows.
@@ -19,7 +21,7 @@ from dmlib.kernels.verdict import cell as fmt
 from dmlib.numfmt import general, sci
 from dmlib.textsafe import names_list, shown
 
-__all__ = ["MatrixVerdict", "Summary"]
+__all__ = ["MatrixVerdict", "RunsVerdict", "Summary"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,3 +177,51 @@ class MatrixVerdict(Verdict):
         lines.append(f"bit-identical pairs: {names_list(self.identical_pairs) or 'none'}")
         lines.append(f"tensors that never differ (same-seed pairs): {len(self.never_differ)}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, eq=False)
+class RunsVerdict(Verdict):
+    """Two Trainer output folders compared at every shared step (see
+    :func:`dmlib.stats.components.compare_runs`, which documents each field).
+
+    True only when ``bit_exact``: the runs share a step, and every component is compared
+    and identical at every shared step. Runs sharing no step, or a component left
+    uncompared, are never bit-exact.
+    """
+
+    steps: list[int]
+    only_in_a: list[int]
+    only_in_b: list[int]
+    by_step: dict[int, list[dict[str, Any]]]
+    first_diff: dict[str, int]
+    first_step: int | None
+    first_components: list[str]
+    loss_parts_at: int | None
+    bit_exact: bool
+    inconclusive: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.bit_exact)
+
+    @property
+    def word(self) -> str:
+        """``BIT-EXACT``, ``DIFFERENT`` or ``NOT ALL COMPARED``."""
+        if self.bit_exact:
+            return "BIT-EXACT"
+        return "NOT ALL COMPARED" if self.first_step is None else "DIFFERENT"
+
+    def __str__(self) -> str:
+        if self.bit_exact:
+            steps = ", ".join(map(str, self.steps))
+            return f"BIT-EXACT: every component identical at every shared step ({steps})"
+        if self.first_step is None:
+            why = (
+                f"{names_list(self.inconclusive)} could not be compared"
+                if self.inconclusive
+                else "the runs share no step"
+            )
+            return f"NOT ALL COMPARED: nothing compared differs, but {why}"
+        return (
+            f"DIFFERENT from step {self.first_step}: "
+            f"{names_list(self.first_components)} differ there"
+        )
