@@ -62,13 +62,16 @@ _PATTERN_KEYS = ("rank_pattern", "alpha_pattern")
 _MAX_CONFIG = 16 << 20
 
 
-def _names(path: str) -> set[str]:
+# the names these formats look for in a folder: each is looked up by name (one lstat), so
+# a folder of 100,000 entries costs what a folder of three does
+_WANTED = (MODEL_CONFIG, *MODEL_WEIGHTS, ADAPTER_CONFIG, *ADAPTER_WEIGHTS)
+
+
+def _names(path: str, wanted: tuple[str, ...] = _WANTED) -> set[str]:
+    """Those of ``wanted`` that are entries of the folder ``path`` (none for a non-folder)."""
     if not os.path.isdir(path):
         return set()
-    try:
-        return set(os.listdir(path))
-    except OSError:
-        return set()
+    return {w for w in wanted if os.path.lexists(os.path.join(path, w))}
 
 
 def _first(names: set[str], wanted: tuple[str, ...]) -> str | None:
@@ -77,13 +80,13 @@ def _first(names: set[str], wanted: tuple[str, ...]) -> str | None:
 
 def can_open_model(path: str) -> bool:
     """True for a folder holding ``config.json`` and a model weights file."""
-    names = _names(path)
+    names = _names(path, (MODEL_CONFIG, *MODEL_WEIGHTS))
     return MODEL_CONFIG in names and _first(names, MODEL_WEIGHTS) is not None
 
 
 def can_open_adapter(path: str) -> bool:
     """True for a folder holding ``adapter_config.json`` and an adapter weights file."""
-    names = _names(path)
+    names = _names(path, (ADAPTER_CONFIG, *ADAPTER_WEIGHTS))
     return ADAPTER_CONFIG in names and _first(names, ADAPTER_WEIGHTS) is not None
 
 

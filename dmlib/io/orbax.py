@@ -90,12 +90,64 @@ def can_open(path: str) -> bool:
 FOLDER_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "orbax.checkpoint")
 
 
+#: format detection reads at most this many entries of one folder, and looks into at most
+#: :data:`SNIFF_SUBFOLDERS` of its subfolders (a folder of 100,000 entries is not stat'ed
+#: entry by entry: Orbax marks its folders with named files, and a step or manager folder
+#: holds a few item or step folders)
+SNIFF_ENTRIES = 1024
+SNIFF_SUBFOLDERS = 16
+
+
+def _subfolders(path: str, match: Callable[[str], Any]) -> list[str]:
+    """Up to :data:`SNIFF_SUBFOLDERS` subfolders of ``path`` whose name ``match``es, from
+    its first :data:`SNIFF_ENTRIES` entries (one ``os.scandir``, no stat per entry)."""
+    found: list[str] = []
+    try:
+        with os.scandir(path) as it:
+            for n, e in enumerate(it):
+                if n >= SNIFF_ENTRIES or len(found) >= SNIFF_SUBFOLDERS:
+                    break
+                if match(e.name) and e.is_dir():
+                    found.append(e.path)
+    except OSError:
+        return []
+    return found
+
+
+def _has_item_marks(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, m)) for m in ("manifest.ocdbt", TREE_METADATA))
+
+
+def _sniff_step(path: str) -> bool:
+    """:func:`_is_step` for detection: the marker files, else a bounded look for an item."""
+    marks = (CHECKPOINT_METADATA, V1_MARKER)
+    if any(os.path.isfile(os.path.join(path, m)) for m in marks):
+        return True
+    return any(map(_has_item_marks, _subfolders(path, bool)))
+
+
+def _sniff_kind(path: str) -> str | None:
+    """:func:`kind` in bounded work: named files, and a few subfolders looked into."""
+    if not os.path.isdir(path):
+        return None
+    if _has_item_marks(path):
+        return "item"
+    if _sniff_step(path):
+        return "step"
+    if any(map(_sniff_step, _subfolders(path, _STEP_DIR.match))):
+        return "manager"
+    return None
+
+
 def checkpoint_folder(path: str | os.PathLike[str]) -> str | None:
-    """The Orbax folder ``path`` is (or names by one of :data:`FOLDER_FILES`), else None."""
+    """The Orbax folder ``path`` is (or names by one of :data:`FOLDER_FILES`), else None.
+
+    Detection's test: bounded work whatever the folder holds (:data:`SNIFF_ENTRIES`).
+    """
     path = os.fspath(path)
     if os.path.basename(path) in FOLDER_FILES and os.path.isfile(path):
         path = os.path.dirname(path) or "."
-    return path if kind(path) is not None else None
+    return path if _sniff_kind(path) is not None else None
 
 
 def locate(path: str | os.PathLike[str]) -> str:
