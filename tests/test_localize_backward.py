@@ -225,3 +225,81 @@ def test_a_backward_only_one_side_recorded_is_never_identical(tmp_path):
         assert df.attrs["first_divergent_boundary"] is None  # the forwards match
         assert df.attrs["backward"]["status"] == "inconclusive"
         assert df.attrs["status"] == "inconclusive"
+
+
+class _Boom(Exception):
+    pass
+
+
+class _MaybeRaise(torch.autograd.Function):
+    """Identity forward; its backward raises the given exception where one is given."""
+
+    @staticmethod
+    def forward(ctx, x, err):
+        ctx.err = err
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.err is not None:
+            raise ctx.err
+        return g, None
+
+
+class _Net(torch.nn.Module):
+    """lin1 -> a step whose backward may raise -> lin2 (backward order: lin2, then lin1)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin1, self.lin2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x, err=None):
+        return self.lin2(_MaybeRaise.apply(self.lin1(x), err))
+
+
+X = torch.randn(2, 4, generator=torch.Generator().manual_seed(5))
+
+
+def _failing_then_ok(m, backward):
+    """A backward that raises partway (lin2's gradients made, lin1's not), then one that
+    ends; returns the exception the first raised."""
+    m.zero_grad(set_to_none=True)
+    err = _Boom("planted failure")
+    with pytest.raises(_Boom) as info:
+        backward(m(X, err).sum())
+    backward(m(X).sum())
+    assert info.value is err  # the user's exception, unchanged
+    return err
+
+
+@pytest.mark.parametrize("how", ["rec.backward", "plain .backward()"])
+def test_a_backward_that_raises_leaves_the_capture_consistent(tmp_path, how):
+    m = _Net()
+    _failing_then_ok(m, lambda out: out.backward())  # the oracle: plain torch
+    want = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for side in ("a", "b"):
+        with dmlib.capture(m, tmp_path / side, modules=("lin1", "lin2"), backward=True,
+                           dump=("*:grad*",)) as rec:  # fmt: skip
+            _failing_then_ok(m, rec.backward if how == "rec.backward" else lambda o: o.backward())
+    c = dmlib.open_capture(tmp_path / "a")
+    failed = c.metadata["backward"]["failed"]
+    assert [f["pass"] for f in failed] == [0]
+    if how == "rec.backward":  # seen as it went by; else at the next pass's first hook
+        assert failed[0]["error"] == "_Boom: planted failure"
+    # the failed pass: lin2's gradients recorded, no parameter's .grad; the second pass's
+    # .grad (over both passes, as torch accumulates them) recorded and equal to torch's
+    params = {b.module: b for b in c.boundaries if b.param_grad}
+    assert set(params) == set(want) and {b.call for b in params.values()} == {1}
+    for n, b in params.items():
+        assert b.name == f"{n}:grad#1"
+        assert np.array_equal(c.tensor(b), want[n].numpy()), n
+    # lin2's backward ran in both passes, lin1's in the second only
+    assert "lin2:grad_input0#1" in c and "lin1:grad_output0" in c
+    assert "lin1:grad_output0#1" not in c
+    # two such captures: the backward is not identical (a failed pass), never a false match
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    bw = df.attrs["backward"]
+    assert bw["status"] == "inconclusive" and bw["n_divergent"] == 0
+    assert any("raised before its end" in u["reason"] for u in bw["unjudged"])
+    assert df.attrs["status"] == "inconclusive"

@@ -16,7 +16,10 @@ and given roles of their own, in that order:
 
 The summary is ``attrs["backward"]`` of :func:`~dmlib.localize.boundaries.compare_captures`,
 apart from the forward's ``first_divergent_boundary`` and ``culprit``; a difference in the
-backward alone makes the comparison's status ``different``.
+backward alone makes the comparison's status ``different``. A backward pass that raised
+partway in either capture (``metadata.backward.failed``) is listed among the unjudged:
+what it recorded is partial and its parameters' ``.grad`` absent, so the backward is
+never ``identical`` then (``inconclusive`` where nothing differs).
 """
 
 from __future__ import annotations
@@ -29,12 +32,27 @@ BACKWARD_KINDS = ("grad_output", "grad_input", "param_grad")
 FORWARD_NOTE = "the forward differs ({}): the backward reads its saved tensors"
 
 
+class _BackwardRows(list[dict[str, Any]]):
+    """The backward rows of a comparison, with the first capture's failed passes."""
+
+    failed: list[dict[str, Any]]
+
+
+def _failed(c: Capture | None) -> list[dict[str, Any]]:
+    """The backward passes of capture ``c`` that raised before their end (its manifest)."""
+    bw = c.metadata.get("backward") if c is not None else None
+    failed = bw.get("failed") if isinstance(bw, dict) else None
+    return [f for f in failed if isinstance(f, dict)] if isinstance(failed, list) else []
+
+
 def split_backward(
     a: Capture, rows: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(forward rows, backward rows) of a comparison; each backward row gets ``_bkind``."""
     kinds = {x.name: x.category.name for x in a.boundaries}
-    fwd, bwd = [], []
+    fwd: list[dict[str, Any]] = []
+    bwd = _BackwardRows()
+    bwd.failed = _failed(a)
     for r in rows:
         kind = kinds.get(r["boundary"])
         if kind in BACKWARD_KINDS:
@@ -98,11 +116,14 @@ def backward_summary(
     """``attrs["backward"]``: the backward's first divergent boundary, culprit, entry and
     status (None where neither capture recorded a backward); a difference there makes
     ``attrs["status"]`` "different", a backward boundary not judged (or one only the
-    second capture ``b`` recorded) an "identical" forward "inconclusive"."""
+    second capture ``b`` recorded, or a backward pass that raised in either) an "identical"
+    forward "inconclusive"."""
+    failed = [("first", f) for f in getattr(rows, "failed", [])]
+    failed += [("second", f) for f in _failed(b)]
     if not rows:
         only_b = [x.name for x in (b.boundaries if b is not None else [])
                   if x.category.name in BACKWARD_KINDS]  # fmt: skip
-        if not only_b:
+        if not only_b and not failed:
             return None
         rows = [{"boundary": n, "identical": None, "role": "unjudged",
                  "note": "not judged: absent from the first capture"} for n in only_b]  # fmt: skip
@@ -114,6 +135,12 @@ def backward_summary(
         for r in rows
         if r["identical"] is None
     ]
+    unjudged += [
+        {"boundary": f"backward pass {f.get('pass')} ({side} capture)",
+         "reason": f"it raised before its end ({f.get('error')}): its gradients are partial, "
+                   "its parameters' .grad not recorded"}
+        for side, f in failed
+    ]  # fmt: skip
     status = "different" if diverged else ("inconclusive" if unjudged else "identical")
     if status == "different":
         attrs["status"] = "different"

@@ -17,11 +17,20 @@ gives the same bits far more often with a uniform gradient than with a random on
 addend equal: their order hardly matters), so the test that shows such a backward is one
 with a random upstream gradient. The seed and the draws are written in the manifest
 (``metadata.backward``).
+
+A backward that raises partway (an op's backward, a hook) never reaches its end: torch
+drops the end-of-pass callback, and the pass's parameters' ``.grad`` are not recorded.
+The pass is listed in ``metadata.backward.failed`` (its index and the exception's type and
+message): by :func:`run_backward` as the exception goes by (re-raised unchanged), else at
+the next pass's first hook (the dropped callback is seen freed without having run) or at
+the end of the capture. A comparison of a capture with a failed pass is never identical
+about the backward (:mod:`dmlib.localize.gradients`).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -41,6 +50,8 @@ class GradHooks:
         self.passes = 0  # backward passes finished
         self.generator: Any = None
         self.draws = 0
+        self.failed: list[dict[str, Any]] = []  # passes that never reached their end
+        self._end: Any = None  # a weak reference to the pass's queued end callback
 
     def pre(self, name: str) -> Any:
         """The full backward pre-hook of module ``name``: its gradients w.r.t. its outputs."""
@@ -76,16 +87,39 @@ class GradHooks:
         return hook
 
     def _begin(self) -> None:
-        """At the first hook of a backward pass: the parameters' grads recorded at its end."""
+        """At the first hook of a backward pass: the parameters' grads recorded at its end.
+
+        A pass still open whose end callback was freed without running (torch drops it
+        where the backward raised) failed: it is closed as such before this one begins."""
+        if self.in_pass and self._end is not None and self._end() is None:
+            self.fail("the backward ended without reaching its end (an exception)")
         if not self.in_pass:
             self.in_pass = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
+            end = _PassEnd(self)
+            self._end = weakref.ref(end)  # only the autograd engine holds it
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def fail(self, error: str) -> None:
+        """Close the current backward pass as failed (its ``.grad`` left unrecorded): listed
+        in ``metadata.backward.failed``, so a comparison is never identical about it."""
+        self.failed.append({"pass": self.passes, "error": error[:300]})
+        self.in_pass = False
+        self._end = None
+        self.open.clear()
+        self.passes += 1
+        self.rec.metadata.setdefault("backward", {})["failed"] = list(self.failed)
+
+    def close(self) -> None:
+        """At the end of the capture: a pass begun and never ended failed."""
+        if self.in_pass:
+            self.fail("the backward never reached its end inside the capture")
 
     def end_pass(self) -> None:
         """Every parameter's ``.grad`` as the backward pass leaves it (``<name>:grad#k``)."""
         from dmlib.localize.ops import quiet
 
         self.in_pass = False
+        self._end = None
         self.open.clear()
         with quiet():
             for pname, p in self.params:
@@ -112,12 +146,21 @@ class GradHooks:
             grad = torch.randn(out.shape, generator=self.generator, dtype=out.dtype,
                                device=out.device)  # fmt: skip
         self.draws += 1
-        self.rec.metadata["backward"] = {
-            "upstream": "ones" if seed is None else "randn",
-            "grad_seed": seed,
-            "draws": self.draws,
-        }
+        self.rec.metadata.setdefault("backward", {}).update(
+            {"upstream": "ones" if seed is None else "randn", "grad_seed": seed,
+             "draws": self.draws}
+        )  # fmt: skip
         return grad
+
+
+class _PassEnd:
+    """The end-of-pass callback queued on torch's autograd engine for one backward pass."""
+
+    def __init__(self, grads: GradHooks) -> None:
+        self.grads = grads
+
+    def __call__(self) -> None:
+        self.grads.end_pass()
 
 
 def install(
@@ -141,11 +184,16 @@ def run_backward(rec: Any, out: Any) -> None:
     if rec.grads is None:
         rec.grads = grads
     grad = None if out.numel() == 1 and rec.options.grad_seed is None else grads.upstream(out)
-    with warnings.catch_warnings():
-        # torch's note on a hooked module whose inputs need no grad (an embedding): its
-        # gradient w.r.t. its output is recorded all the same
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        out.backward(grad)
+    try:
+        with warnings.catch_warnings():
+            # torch's note on a hooked module whose inputs need no grad (an embedding): its
+            # gradient w.r.t. its output is recorded all the same
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            out.backward(grad)
+    except BaseException as err:
+        # the pass is over, its end never reached: listed as failed, the error unchanged
+        grads.fail(f"{type(err).__name__}: {err}")
+        raise
 
 
 __all__ = ["GradHooks", "install", "run_backward"]

@@ -510,6 +510,8 @@ class Recorder(HostDigests):
 
     def finish(self) -> None:
         """Wait for every pending hash (re-raising a worker's error) and stop the workers."""
+        if self.grads is not None:
+            self.grads.close()  # a backward pass begun and never ended: failed
         try:
             while self._pending:
                 self._wait_oldest()
