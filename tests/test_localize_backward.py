@@ -303,3 +303,14 @@ def test_a_backward_that_raises_leaves_the_capture_consistent(tmp_path, how):
     assert bw["status"] == "inconclusive" and bw["n_divergent"] == 0
     assert any("raised before its end" in u["reason"] for u in bw["unjudged"])
     assert df.attrs["status"] == "inconclusive"
+
+
+def test_capture_generate_refuses_a_backward(tmp_path):
+    from dmlib.localize.hf import capture_generate
+
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    for kw in ({"backward": True}, {"options": dmlib.CaptureOptions(backward=True)}):
+        with pytest.raises(dmlib.errors.CaptureError, match="generate\\(\\) runs without grad"):
+            capture_generate(_model(), tmp_path / "g", row_map=[[("r0", j) for j in range(3)]],
+                             generate_kwargs={"input_ids": ids, "max_new_tokens": 1}, **kw)  # fmt: skip
+        assert not (tmp_path / "g").exists()  # refused before anything was written

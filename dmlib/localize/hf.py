@@ -151,9 +151,16 @@ def capture_generate(
     length and, per request filling a batch row alone, the token ids it generated.
     ``options`` and ``capture_kwargs``: the capture's settings, as :func:`dmlib.capture`
     takes them (a :class:`~dmlib.localize.capture.options.CaptureOptions`, keywords).
+    ``backward=True`` is refused: ``generate()`` runs without gradients (there is no
+    backward to record).
     """
     from dmlib.localize.capture import capture
 
+    wants = capture_kwargs.get("backward", options.backward if options is not None else False)
+    if wants:
+        raise CaptureError("capture_generate records no backward: generate() runs without "
+                           "gradients (capture a forward pass with dmlib.capture and "
+                           "rec.backward instead)", path=path)  # fmt: skip
     rows = [list(r) for r in row_map]
     if not rows or not all(isinstance(r, list) for r in rows):
         raise CaptureError("capture_generate needs a nested row map (one list per batch row)")
