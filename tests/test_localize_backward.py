@@ -314,3 +314,32 @@ def test_capture_generate_refuses_a_backward(tmp_path):
             capture_generate(_model(), tmp_path / "g", row_map=[[("r0", j) for j in range(3)]],
                              generate_kwargs={"input_ids": ids, "max_new_tokens": 1}, **kw)  # fmt: skip
         assert not (tmp_path / "g").exists()  # refused before anything was written
+
+
+def test_backward_with_op_level_capture(tmp_path):
+    """ops=True beside backward=True: the module gradients and .grad still equal plain
+    autograd's, and a planted ULP in one grad_input is still the backward's first
+    divergent boundary (the op boundaries are the forward's)."""
+    m = _model()
+    want = _oracle(m)
+    _run(m, tmp_path / "a", dump=("*grad*",), ops=True)
+    c = dmlib.open_capture(tmp_path / "a")
+    order = [b.name for b in c.boundaries]
+    ops = [i for i, n in enumerate(order) if "/aten." in n]
+    first_grad = next(i for i, b in enumerate(c.boundaries) if b.grad)
+    assert ops and max(ops) < first_grad  # the ops recorded are the forward's
+    grads = [b for b in c.boundaries if b.grad and b.slot in ("grad_input0", "grad_output0")]
+    assert {b.name for b in grads} == set(want) - {"params"}
+    for b in grads:
+        assert np.array_equal(c.tensor(b), want[b.name].numpy()), b.name
+    params = [b for b in c.boundaries if b.param_grad]
+    assert {b.module for b in params} == set(want["params"])
+    for b in params:
+        assert np.array_equal(c.tensor(b), want["params"][b.module].numpy()), b.name
+    _run(m, tmp_path / "b", plant=True, ops=True)
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    assert df.attrs["first_divergent_boundary"] is None  # the forward, ops included, matches
+    bw = df.attrs["backward"]
+    assert bw["first_divergent_boundary"] == f"{O_PROJ}:grad_input0"
+    assert bw["culprit"] == f"{O_PROJ}:grad_input0"
+    assert df.attrs["status"] == "different"
