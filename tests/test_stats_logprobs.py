@@ -296,7 +296,18 @@ def test_topk_kl_matches_the_hand_rule_and_bounds_the_whole_kl(dtype: type) -> N
     assert v.figures["kl_topk_ab"] <= full.mean() + 1e-6
 
 
-def test_topk_kl_over_many_blocks_on_threads() -> None:
+@pytest.fixture(params=["compiled", "numpy"])
+def topk_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each top-k test twice: the compiled pass (``_fused.topk``) and the numpy path."""
+    from dmlib.stats import logprob_figures as figs
+
+    if request.param == "compiled" and figs.compiled_topk() is None:
+        pytest.skip("dmlib.kernels._fused (with topk) not built, or DMLIB_KERNELS=numpy")
+    monkeypatch.setattr(figs, "USE_COMPILED", request.param == "compiled")
+    return str(request.param)
+
+
+def test_topk_kl_over_many_blocks_on_threads(topk_engine: str) -> None:
     from dmlib.stats.logprob_figures import topk_kl
 
     rng = np.random.default_rng(14)
@@ -634,7 +645,7 @@ def test_whole_distributions_given_by_one_side_are_said() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_an_id_repeated_within_a_list_is_matched_once(dtype: type) -> None:
+def test_an_id_repeated_within_a_list_is_matched_once(dtype: type, topk_engine: str) -> None:
     from dmlib.stats.logprob_figures import topk_kl
 
     ia = np.array([[5, 5, 7], [1, 2, 3]])
@@ -645,7 +656,7 @@ def test_an_id_repeated_within_a_list_is_matched_once(dtype: type) -> None:
     assert got["topk_overlap"].tolist() == [2 / 3, 1 / 3]
 
 
-def test_a_repeated_id_counts_with_its_first_entry() -> None:
+def test_a_repeated_id_counts_with_its_first_entry(topk_engine: str) -> None:
     from dmlib.stats.logprob_figures import topk_kl
 
     # A lists 7 twice (0.1 first, 0.3 after); B lists 7 twice too (0.2 first, 0.05 after)
@@ -695,7 +706,7 @@ def dict_topk(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) ->
 
 @pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4), (70, 70)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type) -> None:
+def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type, topk_engine: str) -> None:
     from dmlib.stats.logprob_figures import topk_kl
 
     rng = np.random.default_rng(ka * 100 + kb)
@@ -730,3 +741,78 @@ def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type) -> Non
         got = topk_kl(la, ia, lb, ib, rows=rows)
         for col, key in enumerate(("kl_topk_ab", "kl_topk_ba", "topk_overlap")):
             assert got[key] == pytest.approx(want[:, col], rel=1e-12, abs=1e-15), (key, rows)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_topk_against_the_numpy_path_on_extreme_values(
+    dtype: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaN, +-inf, values whose exp overflows or is subnormal, ids as int64 and int32 and
+    a list of each length: the compiled pass gives the numpy path's figures (to the order
+    of the float64 sums; NaN where it gives NaN, inf where it gives inf)."""
+    from dmlib.stats import logprob_figures as figs
+
+    if figs.compiled_topk() is None:
+        pytest.skip("dmlib.kernels._fused (with topk) not built, or DMLIB_KERNELS=numpy")
+    rng = np.random.default_rng(5)
+    n, ka, kb = 4000, 8, 5
+    odd = np.array([np.nan, np.inf, -np.inf, 720.0, -720.0, -740.0, -1e30, 0.0])
+    ia = rng.integers(0, 12, (n, ka))
+    ib = rng.integers(0, 12, (n, kb)).astype(np.int32)
+    # each list holds part of the mass: 1 - (its sum) is no cancellation near 0
+    la = np.log(rng.dirichlet(np.ones(ka + 6), n)[:, :ka]).astype(dtype)
+    lb = np.log(rng.dirichlet(np.ones(kb + 6), n)[:, :kb]).astype(dtype)
+    for arr in (la, lb):
+        where = rng.random(arr.shape) < 0.08
+        arr[where] = rng.choice(odd, int(where.sum())).astype(dtype)
+    monkeypatch.setattr(figs, "USE_COMPILED", False)
+    with np.errstate(invalid="ignore"):  # inf - inf of +inf log-probs: NaN, as wanted
+        want = figs.topk_kl(la, ia, lb, ib)
+    monkeypatch.setattr(figs, "USE_COMPILED", True)
+    got = figs.topk_kl(la, ia, lb, ib, rows=333)
+    for key in want:
+        assert np.isnan(want[key]).any() or key == "topk_overlap"
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-9, atol=1e-12, err_msg=key)
+
+
+def test_topk_lists_of_unlike_shapes_are_refused_before_the_kernel() -> None:
+    from dmlib.stats.logprob_figures import topk_kl
+
+    la, ia = np.zeros((5, 4), np.float32), np.zeros((5, 4), np.int64)
+    with pytest.raises(DmlibError, match="top_ids"):
+        topk_kl(la, ia[:, :3], la, ia)  # A lists 4 log-probs and 3 ids per token
+    with pytest.raises(DmlibError, match="5 tokens in A, 4 in B"):
+        topk_kl(la, ia, la[:4], ia[:4])
+    with pytest.raises(DmlibError, match="expected one"):
+        topk_kl(la.ravel(), ia.ravel(), la, ia)
+
+
+def test_the_compiled_topk_checks_every_length_it_is_given() -> None:
+    """Called directly with lengths that lie about its buffers, the C refuses (it reads
+    nothing past what it checked); non-contiguous buffers are refused by the buffer
+    protocol."""
+    from dmlib.stats import logprob_figures as figs
+
+    if figs.compiled_topk() is None:
+        pytest.skip("dmlib.kernels._fused (with topk) not built, or DMLIB_KERNELS=numpy")
+    topk = figs.compiled_topk()
+    la, ia = np.zeros((5, 4), np.float32), np.zeros((5, 4), np.int64)
+    outs = [np.zeros(5) for _ in range(3)]
+    topk(la, ia, la, ia, *outs, 5, 4, 4, 4, 4, 8, 8)  # the honest call
+    np.testing.assert_array_equal(outs[2], [0.25] * 5)  # id 0 in both lists: 1 of 4 ids
+    for lie in (
+        (6, 4, 4, 4, 4, 8, 8),  # one token more than the buffers hold
+        (5, 5, 4, 4, 4, 8, 8),  # A's lists one longer
+        (5, 4, 8, 4, 4, 8, 8),  # B's lists twice as long
+        (5, 4, 4, 8, 4, 8, 8),  # A's log-probs read as float64
+        (5, 4, 4, 4, 4, 4, 8),  # A's ids read as int32
+        (5, 4, 4, 4, 3, 8, 8),  # a width that is no float
+        (5, 0, 4, 4, 4, 8, 8),  # empty lists
+        (-1, 4, 4, 4, 4, 8, 8),
+    ):
+        with pytest.raises(ValueError, match="do not match"):
+            topk(la, ia, la, ia, *outs, *lie)
+    with pytest.raises(ValueError, match="do not match"):
+        topk(la, ia, la, ia, outs[0][:4], outs[1], outs[2], 5, 4, 4, 4, 4, 8, 8)
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        topk(la[:, ::2], ia[:, ::2], la, ia, *outs, 5, 2, 4, 4, 4, 8, 8)

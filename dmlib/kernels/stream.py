@@ -269,6 +269,11 @@ def compiled_same() -> Any:
     return _fused.same if _fused is not None and USE_COMPILED else None
 
 
+def compiled_topk() -> Any:
+    """The compiled top-k pass (``_fused.topk``, used by ``stats.logprob_figures``), or None."""
+    return getattr(_fused, "topk", None) if _fused is not None and USE_COMPILED else None
+
+
 def kernel_name() -> str:
     """Which kernels compare float32/float64 chunks here: ``"compiled"`` or ``"numpy"``."""
     return "compiled" if _fused is not None and USE_COMPILED else "numpy"

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from dmlib.errors import DmlibError
+from dmlib.kernels.stream import compiled_topk
 from dmlib.kernels.ulp import ulp_distance
 
 __all__ = ["LN2", "Segments", "Sums", "block_sums", "combine", "full_kl", "per_sequence", "topk_kl"]
@@ -38,6 +40,11 @@ LN2 = math.log(2.0)
 #: Top-k lists up to this length are matched by shifts (K comparisons per entry); longer
 #: ones by a sort per token (:func:`_pairs_general`).
 _SHIFTS_UP_TO = 64
+
+#: False (tests): :func:`topk_kl` takes its numpy path even where the compiled pass
+#: (``dmlib/kernels/_fused.c``'s ``topk``) is built; ``DMLIB_KERNELS=numpy`` turns that
+#: off everywhere (``dmlib.kernels.stream.compiled_topk``).
+USE_COMPILED = True
 
 _SUMS = ("k1", "k2", "k3", "chi2", "abs_dp", "abs_d", "over")
 
@@ -256,7 +263,7 @@ def _matches(ia: np.ndarray, ib: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 
 
 def topk_kl(
-    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray, rows: int = 1 << 13
+    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray, rows: int | None = None
 ) -> dict[str, np.ndarray]:
     """Per token, from top-k log-probs with their ids: ``topk_overlap`` (ids both lists
     hold / the shorter list's length) and ``kl_topk_ab`` / ``kl_topk_ba``: the KL of the
@@ -264,22 +271,32 @@ def topk_kl(
     the vocabulary (a lower bound of the whole KL: coarsening never raises a KL). An id a
     list holds twice counts once, with its first entry's log-prob.
 
-    Worked through ``rows`` tokens at a time in buffers made once per thread (fresh
-    temporaries of a block each time would fault in new pages), on threads where there
-    are several blocks (numpy's loops release the interpreter lock).
+    By the compiled pass (``_fused.topk``: one pass per token) where it is built, else in
+    numpy; both worked through ``rows`` tokens at a time (numpy: in buffers made once per
+    thread; fresh temporaries of a block each time would fault in new pages), on threads
+    where there are several blocks (both release the interpreter lock).
     """
+    _check_topk_shapes(la, ia, lb, ib)
     n = la.shape[0]
     out = {k: np.empty(n) for k in ("kl_topk_ab", "kl_topk_ba", "topk_overlap")}
     ka, kb = ia.shape[1], ib.shape[1]
     k = max(1, min(ka, kb))
     shifts = ka == kb <= _SHIFTS_UP_TO
-    # the shifts' comparisons take K * K bytes per token, the sort's keys 8 (Ka + Kb)
-    cap = (1 << 22) // max(1, ka * ka) if shifts else (1 << 20) // max(1, ka + kb)
-    rows = max(1, min(rows, cap))
+    compiled = _topk_compiled(la, ia, lb, ib)
+    if compiled is not None:
+        rows = rows or 1 << 16  # no buffers to keep in the cache: larger blocks
+    else:
+        # the shifts' comparisons take K * K bytes per token, the sort's keys 8 (Ka + Kb)
+        cap = (1 << 22) // max(1, ka * ka) if shifts else (1 << 20) // max(1, ka + kb)
+        rows = max(1, min(rows or 1 << 13, cap))
     starts = list(range(0, n, rows))
     workers = max(1, min(len(starts), os.cpu_count() or 1, 8))
 
     def run(mine: list[int]) -> None:
+        if compiled is not None:
+            for s in mine:
+                compiled(s, min(n, s + rows), out)
+            return
         work = _TopkWork(min(rows, n), ka, shifts)
         for s in mine:
             e = min(n, s + rows)
@@ -294,6 +311,46 @@ def topk_kl(
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, parts))
     return out
+
+
+def _check_topk_shapes(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) -> None:
+    """Both sides' log-probs and ids ``[n, K]`` of one ``n``, each side's two of one ``K``."""
+    for side, lp, ids in (("A", la, ia), ("B", lb, ib)):
+        if lp.ndim != 2 or lp.shape != ids.shape:
+            raise DmlibError(
+                f"top_logprobs of {side} have shape {list(lp.shape)}, its top_ids "
+                f"{list(ids.shape)}: expected one [tokens, K]"
+            )
+    if la.shape[0] != lb.shape[0]:
+        raise DmlibError(f"top-k lists of {la.shape[0]} tokens in A, {lb.shape[0]} in B")
+
+
+def _topk_compiled(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) -> Any:
+    """``run(s, e, out)``: the compiled pass (``_fused.topk``) over tokens ``s:e``, or None
+    where it is not built, is switched off, or the lists are empty. The shapes are checked
+    before (:func:`_check_topk_shapes`), then the C checks every buffer's length against
+    them; it reads C-ordered float32/float64 log-probs and
+    int32/int64 ids (others are converted first: ids are below 2**46, as the caller checks).
+    """
+    topk = compiled_topk() if USE_COMPILED else None
+    if topk is None:
+        return None
+    if not (la.shape[1] and lb.shape[1]):
+        return None
+
+    def fit(v: np.ndarray, kinds: tuple[type, ...], other: type) -> np.ndarray:
+        return np.ascontiguousarray(v if v.dtype in kinds else v.astype(other))
+
+    la, lb = (fit(v, (np.float32, np.float64), np.float64) for v in (la, lb))
+    ia, ib = (fit(v, (np.int32, np.int64), np.int64) for v in (ia, ib))
+    ka, kb = la.shape[1], lb.shape[1]
+    widths = (la.itemsize, lb.itemsize, ia.itemsize, ib.itemsize)
+
+    def run(s: int, e: int, out: dict[str, np.ndarray]) -> None:
+        res = [out[k][s:e] for k in ("kl_topk_ab", "kl_topk_ba", "topk_overlap")]
+        topk(la[s:e], ia[s:e], lb[s:e], ib[s:e], *res, e - s, ka, kb, *widths)
+
+    return run
 
 
 class _TopkWork:
