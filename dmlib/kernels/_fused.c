@@ -399,6 +399,50 @@ static void topk_match(const char *la, const char *ia, const char *lb, const cha
     }
 }
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define TOPK_AVX512 1
+/* topk_match for lists of at most 64 ids on a machine with AVX-512: an id's entries in B
+ * and A's entries before it as bit masks of 8-wide comparisons, B's first entry the
+ * lowest bit (the same pairs as topk_match's table). */
+__attribute__((target("avx512f"))) static void topk_match_512(
+    const char *la, const char *ia, const char *lb, const char *ib, Py_ssize_t t0, Py_ssize_t t1,
+    Py_ssize_t ka, Py_ssize_t kb, int fa, int fb, int wa, int wb, double *v, int32_t *cnt) {
+    int64_t a[64], b[64];
+    __m512i va[8], vb[8];
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    int na = (int)((ka + 7) / 8), nb = (int)((kb + 7) / 8);
+    uint64_t bmask = kb == 64 ? ~(uint64_t)0 : ((uint64_t)1 << kb) - 1;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        const char *ta = ia + t * ka * wa, *tb = ib + t * kb * wb;
+        for (Py_ssize_t i = 0; i < ka; i++) a[i] = load_i(ta, i, wa);
+        for (Py_ssize_t j = 0; j < kb; j++) b[j] = load_i(tb, j, wb);
+        for (int q = 0; q < na; q++) va[q] = _mm512_loadu_si512((const void *)(a + 8 * q));
+        for (int q = 0; q < nb; q++) vb[q] = _mm512_loadu_si512((const void *)(b + 8 * q));
+        const char *xa = la + t * ka * fa, *xb = lb + t * kb * fb;
+        int32_t c = 0;
+        for (Py_ssize_t i = 0; i < ka; i++) {
+            __m512i x = _mm512_set1_epi64(a[i]);
+            uint64_t mb = 0, ma = 0;
+            for (int q = 0; q < nb; q++)
+                mb |= (uint64_t)_mm512_cmpeq_epi64_mask(vb[q], x) << (8 * q);
+            mb &= bmask;
+            if (!mb) continue;
+            for (int q = 0; q < (int)((i + 7) / 8); q++)
+                ma |= (uint64_t)_mm512_cmpeq_epi64_mask(va[q], x) << (8 * q);
+            if (ma & (((uint64_t)1 << i) - 1)) continue; /* not A's first entry of the id */
+            v[2 * m] = load_f(xa, i, fa);
+            v[2 * m + 1] = load_f(xb, __builtin_ctzll(mb), fb);
+            m++;
+            c++;
+        }
+        cnt[t - t0] = c;
+    }
+}
+#endif
+
 static void topk_run(const char *la, const char *ia, const char *lb, const char *ib, double *o_ab,
                      double *o_ba, double *o_ov, Py_ssize_t n, Py_ssize_t ka, Py_ssize_t kb, int fa,
                      int fb, int wa, int wb, topk_slot *table, uint64_t mask, Py_ssize_t block,
@@ -407,7 +451,12 @@ static void topk_run(const char *la, const char *ia, const char *lb, const char 
     if (k < 1.0) k = 1.0;
     for (Py_ssize_t t0 = 0; t0 < n; t0 += block) {
         Py_ssize_t t1 = t0 + block < n ? t0 + block : n, m = 0;
-        topk_match(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, table, mask, v, cnt);
+#ifdef TOPK_AVX512
+        if (ka <= 64 && kb <= 64 && __builtin_cpu_supports("avx512f"))
+            topk_match_512(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, v, cnt);
+        else
+#endif
+            topk_match(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, table, mask, v, cnt);
         for (Py_ssize_t t = t0; t < t1; t++) m += cnt[t - t0];
         topk_exp(v, ev, 2 * m);
         topk_terms(v, ev, m);
