@@ -707,7 +707,7 @@ def dict_topk(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) ->
 @pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4), (70, 70)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type, topk_engine: str) -> None:
-    from dmlib.stats.logprob_figures import topk_kl
+    from dmlib.stats.logprob_figures import compiled_topk, topk_kl
 
     rng = np.random.default_rng(ka * 100 + kb)
     n = 3000
@@ -741,6 +741,13 @@ def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type, topk_e
         got = topk_kl(la, ia, lb, ib, rows=rows)
         for col, key in enumerate(("kl_topk_ab", "kl_topk_ba", "topk_overlap")):
             assert got[key] == pytest.approx(want[:, col], rel=1e-12, abs=1e-15), (key, rows)
+    topk = compiled_topk()
+    if topk_engine == "compiled" and topk is not None:  # the hash table's matching as well
+        out = [np.empty(n) for _ in range(3)]
+        widths = (la.itemsize, lb.itemsize, ia.itemsize, ib.itemsize)
+        topk(la, ia, lb, ib, *out, n, ka, kb, *widths, True)
+        for col in range(3):
+            assert out[col] == pytest.approx(want[:, col], rel=1e-12, abs=1e-15), col
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -250,7 +250,8 @@ static PyObject *py_f64(PyObject *self, PyObject *args) { return call(args, 8, 1
  * ba = sum exp(y) (y - x) where exp(y) > 0, sa = sum exp(x), sb = sum exp(y); then with
  * rest = max(1 - s, 0) (NaN stays NaN) and bucket(p, q) = p (log p - log q) where p > 0
  * (else 0): kl_ab = ab + bucket(rest_a, rest_b), kl_ba = ba + bucket(rest_b, rest_a),
- * overlap = matched ids / max(1, min(ka, kb)).
+ * overlap = matched ids / max(1, min(ka, kb)). An optional last argument, true: the hash
+ * table even where the AVX-512 comparisons would match (tests: both matchers checked).
  */
 typedef struct {
     int64_t id;
@@ -446,13 +447,13 @@ __attribute__((target("avx512f"))) static void topk_match_512(
 static void topk_run(const char *la, const char *ia, const char *lb, const char *ib, double *o_ab,
                      double *o_ba, double *o_ov, Py_ssize_t n, Py_ssize_t ka, Py_ssize_t kb, int fa,
                      int fb, int wa, int wb, topk_slot *table, uint64_t mask, Py_ssize_t block,
-                     double *v, double *ev, int32_t *cnt) {
+                     double *v, double *ev, int32_t *cnt, int table_only) {
     double k = (double)(ka < kb ? ka : kb);
     if (k < 1.0) k = 1.0;
     for (Py_ssize_t t0 = 0; t0 < n; t0 += block) {
         Py_ssize_t t1 = t0 + block < n ? t0 + block : n, m = 0;
 #ifdef TOPK_AVX512
-        if (ka <= 64 && kb <= 64 && __builtin_cpu_supports("avx512f"))
+        if (ka <= 64 && kb <= 64 && !table_only && __builtin_cpu_supports("avx512f"))
             topk_match_512(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, v, cnt);
         else
 #endif
@@ -481,9 +482,9 @@ static void topk_run(const char *la, const char *ia, const char *lb, const char 
 static PyObject *py_topk(PyObject *self, PyObject *args) {
     Py_buffer b[7];
     Py_ssize_t n, ka, kb;
-    int fa, fb, wa, wb;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*nnniiii", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5],
-                          &b[6], &n, &ka, &kb, &fa, &fb, &wa, &wb))
+    int fa, fb, wa, wb, table_only = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*nnniiii|p", &b[0], &b[1], &b[2], &b[3], &b[4],
+                          &b[5], &b[6], &n, &ka, &kb, &fa, &fb, &wa, &wb, &table_only))
         return NULL;
     PyObject *res = NULL;
     int ok = n >= 0 && ka > 0 && kb > 0 && ka < (1 << 30) && kb < (1 << 30) &&
@@ -510,7 +511,7 @@ static PyObject *py_topk(PyObject *self, PyObject *args) {
             for (uint64_t i = 0; i < size; i++) table[i].stamp = -1;
             Py_BEGIN_ALLOW_THREADS
             topk_run(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[5].buf, b[6].buf, n, ka,
-                     kb, fa, fb, wa, wb, table, size - 1, block, v, ev, cnt);
+                     kb, fa, fb, wa, wb, table, size - 1, block, v, ev, cnt, table_only);
             Py_END_ALLOW_THREADS
             res = Py_None;
             Py_INCREF(res);
