@@ -375,3 +375,96 @@ def test_the_command_line_names_the_position(tmp_path, capsys):
     assert f"first divergent boundary: {first['boundary']}\n  at {first['note']}\n" in out
     assert oracle[2] == {4: False}
     assert f"{Q}#2 " in out  # the planted pass's q_proj, a differing row, is in the table
+
+
+def _generate_two(model, path, eos, plant_step):
+    """generate() over A (5 prompt tokens) and B (3, left-padded by 2) with ``eos`` as the
+    end-of-sequence token; +1 ULP planted in B's row (batch row 1) of q_proj's output at
+    pass ``plant_step``. Returns the output and the q_proj outputs per pass (hooks)."""
+    ids = torch.tensor([[1, 2, 3, 4, 9], [0, 0, 5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    calls, outs = [0], []
+
+    def plant(mod, args, out):
+        calls[0] += 1
+        if calls[0] - 1 != plant_step:
+            return None
+        out = out.clone()
+        out[1, -1, 0] = torch.nextafter(out[1, -1, 0], torch.tensor(float("inf")))
+        return out
+
+    handles = [_q(model).register_forward_hook(plant)]
+    handles.append(_q(model).register_forward_hook(lambda m, a, o: outs.append(o.detach().clone())))
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 5, "do_sample": False,
+          "pad_token_id": 0, "eos_token_id": eos}  # fmt: skip
+    rm = row_map_from_attention_mask(mask, ["A", "B"])
+    try:
+        with torch.no_grad():
+            seq = capture_generate(model, path, row_map=rm, generate_kwargs=kw, block_rows=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return seq, outs
+
+
+def test_generate_writes_pass_rows_and_a_planted_step_of_the_second_request(tmp_path):
+    """capture_generate names each pass's rows (left padding counted out, a finished row
+    None); the trainer's full forward of each final sequence against it finds +1 ULP
+    planted in B's row of one decode pass at B's position, as plain hooks see it."""
+    from dmlib.localize.capture.reader import open_capture
+
+    model = _model(rowwise=True)
+    with torch.no_grad():  # A's first generated token, made its end of sequence
+        probe = model.generate(input_ids=torch.tensor([[1, 2, 3, 4, 9]]), max_new_tokens=1,
+                               do_sample=False, pad_token_id=0)  # fmt: skip
+    eos = int(probe[0, -1])
+    step = 2  # B (prompt positions 0-2) computes position 2 + 2 = 4 in decode pass 2
+    out, outs = _generate_two(model, tmp_path / "s", eos, plant_step=step)
+    gen_a, gen_b = out[0, 5:].tolist(), out[1, 5:].tolist()
+    assert gen_a[0] == eos and eos not in gen_b  # A finished at once, B ran all 5 passes
+    assert len(outs) == 5
+    # by hand: pass 0 holds A's position 4 and B's 2 in its last column; pass s feeds the
+    # token pass s - 1 chose: A's position 4 + s, B's 2 + s; A after its EOS was fed: None
+    expected = {"0": [["A", 4], ["B", 2]], "1": [["A", 5], ["B", 3]], "2": [None, ["B", 4]],
+                "3": [None, ["B", 5]], "4": [None, ["B", 6]]}  # fmt: skip
+    assert open_capture(tmp_path / "s").metadata["pass_rows"] == expected
+    # the trainer: each final sequence (A up to its EOS) in a right-padded batch, no cache
+    seq_a, seq_b = out[0, :6], out[1, 2:]
+    ids = torch.zeros((2, 8), dtype=torch.long)
+    ids[0, :6], ids[1] = seq_a, seq_b
+    mask = (torch.arange(8)[None] < torch.tensor([[6], [8]])).long()
+    trainer = []
+    h = _q(model).register_forward_hook(lambda m, x, o: trainer.append(o.detach().clone()))
+    rm = row_map_from_attention_mask(mask, ["A", "B"])
+    try:
+        with torch.no_grad(), dmlib.capture(model, tmp_path / "t", row_map=rm, block_rows=1):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        h.remove()
+    t = trainer[0]
+    # the oracle: B's trainer row at each position against the sampler row that computed it
+    oracle = {0: {p: torch.equal(t[1, p], outs[0][1, 2 + p]) for p in range(3)}}
+    for s in range(1, 5):
+        oracle[s] = {2 + s: torch.equal(t[1, 2 + s], outs[s][1, 0])}
+    assert oracle[step] == {4: False}  # the plant, seen by the hooks
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="B")
+    q = _q_rows(df).set_index("boundary")
+    for s, by in oracle.items():
+        name = Q if s == 0 else f"{Q}#{s}"
+        assert bool(q.loc[name, "identical"]) == all(by.values())
+        assert (q.loc[name, "diff_positions"] or []) == [p for p, v in by.items() if not v]
+    assert q.loc[f"{Q}#{step}", "role"] == "culprit"
+    assert df.attrs["status"] == "different"
+    # B's last token was never fed: its position 7 is not captured, and nothing else
+    left = [u["what"] for u in df.attrs["not_captured"] if u["what"].startswith("position")]
+    assert left == ["position 7 of request 'B'"]
+    # A: its 6 positions all computed (prefill, pass 1); passes after its EOS are not its
+    da = compare_captures(tmp_path / "t", tmp_path / "s", request="A")
+    qa = _q_rows(da).set_index("boundary")
+    same_a = [torch.equal(t[0, p], outs[0][0, p]) for p in range(5)]
+    assert bool(qa.loc[Q, "identical"]) == all(same_a)
+    assert bool(qa.loc[f"{Q}#1", "identical"]) == torch.equal(t[0, 5], outs[1][0, 0])
+    for s in (2, 3, 4):
+        assert pd.isna(qa.loc[f"{Q}#{s}", "identical"])
+        assert "no compared request computed" in qa.loc[f"{Q}#{s}", "note"]
+    assert not [u for u in da.attrs["not_captured"] if u["what"].startswith("position")]

@@ -178,7 +178,56 @@ def capture_generate(
         }
         rec.metadata["generate"] = {"prompt_positions": prompt, "tokens": tokens,
                                     "passes": rec.step + 1}  # fmt: skip
+        rec.metadata["pass_rows"] = _pass_rows(rows, seq, rec.step + 1, *_ends(model, kw))
     return out
+
+
+def _ends(model: Any, kw: dict[str, Any]) -> tuple[set[int], int]:
+    """The token ids that finish a sequence in this ``generate()`` call, and its beams."""
+    cfg = kw.get("generation_config") or getattr(model, "generation_config", None)
+    eos: Any = kw.get("eos_token_id", getattr(cfg, "eos_token_id", None))
+    beams = int(kw.get("num_beams") or getattr(cfg, "num_beams", 1) or 1)
+    if eos is not None and hasattr(eos, "tolist"):
+        eos = eos.tolist()
+    ids = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
+    return {int(e) for e in ids}, beams
+
+
+def _pass_rows(
+    rows: RowEntries, seq: np.ndarray, passes: int, eos: set[int], beams: int = 1
+) -> dict[str, list[list[Any] | None]]:
+    """``pass_rows`` of a ``generate()`` run: per pass, [request, position] or None per batch
+    row. The prefill's entry is the row's last prompt column (what a one-column tensor of
+    it holds); decode pass ``s`` feeds the token chosen by pass ``s - 1``, so the request
+    filling row ``b`` alone, with ``P_b`` prompt positions (padding not counted), computes
+    position ``P_b + s - 1``. A row is None where several requests or none fill it, and
+    after its sequence finished: once the token fed follows an end-of-sequence token
+    (``generate()`` still computes such rows, on padding). Where the decode batch is not
+    the prompt's rows (beam search, several sequences per prompt) no decode row is named,
+    so those positions are listed as not captured rather than paired by guess."""
+    prompt = len(rows[0])
+    owners = _row_owners(rows)
+    table: dict[str, list[list[Any] | None]] = {
+        "0": [
+            None if not r or r[-1] is None or o is None else [o, int(r[-1][1])]
+            for r, o in zip(rows, owners, strict=True)
+        ]
+    }
+    if len(seq) != len(rows) or beams > 1:  # the decode batch is not the prompt batch's rows
+        return {**table, **{str(s): [None] * len(seq) for s in range(1, passes)}}
+    done = []  # per row: the first pass feeding a token after the end of its sequence
+    for b in range(len(rows)):
+        gen = [int(t) for t in seq[b, prompt:]] if b < len(seq) else []
+        end = next((i for i, t in enumerate(gen) if t in eos), None)
+        done.append(passes if end is None else end + 2)
+    for s in range(1, passes):
+        table[str(s)] = [
+            [o, 1 + max(e[1] for e in r if e is not None) + s - 1]
+            if o is not None and s < done[b]
+            else None
+            for b, (r, o) in enumerate(zip(rows, owners, strict=True))
+        ]
+    return table
 
 
 def compare_generations(
