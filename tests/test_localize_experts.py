@@ -158,3 +158,78 @@ def test_grouped_mm_not_judged_with_its_reason() -> None:
     assert all("torch.sort" in r and "grouped_mm" in r for r in a.not_judged.values())
     res = compare_expert_rows(a, a)
     assert res["identical"] == 0 and res["differ"] == [] and len(res["not_judged"]) == 2
+
+
+class _Oracle(TorchFunctionMode):
+    """Plain record of each expert's gate_up_proj / down_proj output rows, each row's token
+    found by its gathered input equal to that token's hidden row (no assumed order)."""
+
+    def __init__(self, model: object) -> None:
+        super().__init__()
+        self.mods = {
+            n: m for n, m in model.named_modules() if type(m).__name__ == "Qwen3MoeExperts"
+        }  # type: ignore[attr-defined]
+        self.hidden: tuple[str, torch.Tensor] | None = None
+        self.tokens: list[int] = []
+        self.rows: dict[tuple[str, int, int, str], bytes] = {}
+        for n, m in self.mods.items():
+            m.register_forward_pre_hook(
+                lambda m, a, n=n: setattr(self, "hidden", (n, a[0].clone()))
+            )
+            m.register_forward_hook(lambda *_: setattr(self, "hidden", None))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.nn.functional.linear or self.hidden is None or len(args) < 2:
+            return out
+        name, hidden = self.hidden
+        mod = self.mods[name]
+        with torch._C.DisableTorchFunction():
+            for stage in ("gate_up_proj", "down_proj"):
+                for e in range(getattr(mod, stage).shape[0]):
+                    if args[1].data_ptr() != getattr(mod, stage)[e].data_ptr():
+                        continue
+                    if stage == "gate_up_proj":
+                        self.tokens = []
+                        for r in range(args[0].shape[0]):
+                            hits = [
+                                t
+                                for t in range(hidden.shape[0])
+                                if torch.equal(args[0][r], hidden[t])
+                            ]
+                            assert len(hits) == 1
+                            self.tokens.append(hits[0])
+                    for r, t in enumerate(self.tokens):
+                        self.rows[(name, e, t, stage)] = out[r].numpy().tobytes()
+        return out
+
+
+def test_request_alone_against_packed_with_planted_ulp() -> None:
+    model = _model()
+    name = "model.layers.0.mlp.experts"
+    expert = int(_routing(model)[name][4, 0])  # token 4's first choice, alone
+    other = torch.tensor([[40, 41, 8, 6, 50, 11, 13, 21, 30, 35, 36, 38]])
+    packed = torch.cat([other, IDS])
+    oa, ob = _Oracle(model), _Oracle(model)
+    mod = model.get_submodule(name)
+    plant = _Plant(mod, expert, 4)
+    h1 = mod.register_forward_pre_hook(lambda m, args: setattr(plant, "hidden", args[0].clone()))
+    h2 = mod.register_forward_hook(lambda *_: setattr(plant, "hidden", None))
+    with torch.no_grad(), plant, oa, record_expert_rows(model) as a:
+        model(input_ids=IDS)
+    h1.remove()
+    h2.remove()
+    assert plant.done == 1
+    with torch.no_grad(), ob, record_expert_rows(model) as b:
+        model(input_ids=packed)
+    res = compare_expert_rows(a, b, tokens={t: 12 + t for t in range(12)})
+    # by hand from the oracle: B's rows of the probe (flat tokens 12..23) against A's
+    rb = {(n, e, t - 12, s): v for (n, e, t, s), v in ob.rows.items() if t >= 12}
+    common = oa.rows.keys() & rb.keys()
+    want = sorted(
+        (n, 0, e, t, s) for n, e, t, s in common if oa.rows[(n, e, t, s)] != rb[(n, e, t, s)]
+    )
+    assert res["differ"] == want
+    assert (name, 0, expert, 4, "down_proj") in res["differ"]
+    assert res["identical"] == len(common) - len(want)
+    assert res["one_side"] == sorted((n, 0, e, t, s) for n, e, t, s in oa.rows.keys() ^ rb.keys())

@@ -182,21 +182,32 @@ def _pre(mode: _Mode, calls: dict[str, int], name: str) -> Any:
     return hook
 
 
-def compare_expert_rows(a: ExpertRows, b: ExpertRows) -> dict[str, Any]:
+def compare_expert_rows(
+    a: ExpertRows, b: ExpertRows, tokens: dict[int, int] | None = None
+) -> dict[str, Any]:
     """Judge each ``(module, call, expert, token, stage)`` row of A against B's.
 
-    Returns ``{"differ": [keys], "identical": n, "one_side": [keys], "not_judged":
-    {module: reason}}``; a key of one run only is a token routed to that expert in one
-    run (not judged, never counted identical). Modules not judged in either run are
-    listed and their rows left out of the counts."""
+    ``tokens`` maps A's flat token index (batch x positions, as the experts module sees
+    them) to B's, for one request alone in A and packed or padded in B; then only A's
+    tokens in it and B's tokens it maps to are judged, keyed by A's index. Without it the
+    same index is paired. Returns ``{"differ": [keys], "identical": n, "one_side": [keys],
+    "not_judged": {module: reason}}``; a key of one run only is a token routed to that
+    expert in one run (not judged, never counted identical). Modules not judged in
+    either run are listed and their rows left out of the counts."""
     skip = {**a.not_judged, **b.not_judged}
-    ka = {k for k in a.rows if k[0] not in skip}
-    kb = {k for k in b.rows if k[0] not in skip}
-    both = ka & kb
-    differ = sorted(k for k in both if a.rows[k] != b.rows[k])
+    pair = tokens if tokens is not None else {k[3]: k[3] for k in (*a.rows, *b.rows)}
+    back = {tb: ta for ta, tb in pair.items()}
+    ra = {k: v for k, v in a.rows.items() if k[0] not in skip and k[3] in pair}
+    rb = {
+        (*k[:3], back[k[3]], k[4]): v
+        for k, v in b.rows.items()
+        if k[0] not in skip and k[3] in back
+    }
+    both = ra.keys() & rb.keys()
+    differ = sorted(k for k in both if ra[k] != rb[k])
     return {
         "differ": differ,
         "identical": len(both) - len(differ),
-        "one_side": sorted(ka ^ kb),
+        "one_side": sorted(ra.keys() ^ rb.keys()),
         "not_judged": dict(sorted(skip.items())),
     }
