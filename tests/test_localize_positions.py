@@ -468,3 +468,88 @@ def test_generate_writes_pass_rows_and_a_planted_step_of_the_second_request(tmp_
         assert pd.isna(qa.loc[f"{Q}#{s}", "identical"])
         assert "no compared request computed" in qa.loc[f"{Q}#{s}", "note"]
     assert not [u for u in da.attrs["not_captured"] if u["what"].startswith("position")]
+
+
+def _two_per_pass(model, path, plant, dump=True):
+    """A loop of one's own: A's prompt (3 positions) prefilled, then two tokens per pass
+    against a DynamicCache (as a speculative verification does), ``pass_rows`` naming both
+    positions of each pass; +1 ULP planted in q_proj's output at (pass, column) ``plant``.
+    Returns the full sequence and the q_proj outputs per pass (hooks)."""
+    seq = [5, 6, 7, 9, 8, 4, 2]
+    calls, outs = [0], []
+
+    def hook(mod, args, out):
+        calls[0] += 1
+        if calls[0] - 1 != plant[0]:
+            return None
+        out = out.clone()
+        out[0, plant[1], 0] = torch.nextafter(out[0, plant[1], 0], torch.tensor(float("inf")))
+        return out
+
+    handles = [_q(model).register_forward_hook(hook)]
+    handles.append(_q(model).register_forward_hook(lambda m, a, o: outs.append(o.detach().clone())))
+    cache = transformers.DynamicCache(config=model.config)
+    kw = {"block_rows": 1, "overwrite": True, **({"dump": [Q + "*"]} if dump else {})}
+    try:
+        with torch.no_grad(), dmlib.capture(model, path, row_map=[[("A", p) for p in range(3)]],
+                                            **kw) as rec:  # fmt: skip
+            model(input_ids=torch.tensor([seq[:3]]), cache=cache)
+            for start in (3, 5):
+                pos = torch.arange(start, start + 2)[None]
+                model(input_ids=torch.tensor([seq[start : start + 2]]), position_ids=pos,
+                      attention_mask=torch.ones((1, start + 2), dtype=torch.long), cache=cache)  # fmt: skip
+            rec.metadata["pass_rows"] = {"1": [[["A", 3], ["A", 4]]], "2": [[["A", 5], ["A", 6]]]}
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.tensor(seq), outs
+
+
+def test_two_positions_of_one_request_in_a_pass_judged_each(tmp_path):
+    model = _model(rowwise=True)
+    seq, outs = _two_per_pass(model, tmp_path / "s", plant=(2, 1))  # pass 2's second column
+    dump = {"block_rows": 1, "dump": [Q + "*"]}
+    trainer = []
+    h = _q(model).register_forward_hook(lambda m, x, o: trainer.append(o.detach().clone()))
+    rm = [[("A", p) for p in range(len(seq))]]
+    try:
+        with torch.no_grad(), dmlib.capture(model, tmp_path / "t", row_map=rm, **dump):
+            model(input_ids=seq[None])
+    finally:
+        h.remove()
+    t = trainer[0][0]
+    # the oracle, by hand: pass 0 computed positions 0-2; pass s, column c: position 1 + 2s + c
+    oracle = {0: {p: torch.equal(t[p], outs[0][0, p]) for p in range(3)}}
+    for s in (1, 2):
+        oracle[s] = {1 + 2 * s + c: torch.equal(t[1 + 2 * s + c], outs[s][0, c]) for c in (0, 1)}
+    assert oracle[2][6] is False  # the plant, seen by the hooks
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="A")
+    q = _q_rows(df).set_index("boundary")
+    assert len(q) == 3
+    for s, by in oracle.items():
+        name = Q if s == 0 else f"{Q}#{s}"
+        assert bool(q.loc[name, "identical"]) == all(by.values())
+        assert (q.loc[name, "diff_positions"] or []) == [p for p, v in by.items() if not v]
+    hit = q.loc[f"{Q}#2"]
+    assert hit["role"] == "culprit" and "decode step 2" in hit["note"]
+    d = (t[6] - outs[2][0, 1]).abs()
+    assert hit["n_diff"] == int((d != 0).sum()) == 1 and hit["max_ulp"] == 1
+    assert df.attrs["status"] == "different"
+    assert not [u for u in df.attrs["not_captured"] if u["what"].startswith("position")]
+
+
+def test_two_positions_in_a_pass_without_dumps_are_not_judged(tmp_path):
+    """A batch row's digest covers both its columns: without values, no position is judged."""
+    model = _model(rowwise=True)
+    seq, _ = _two_per_pass(model, tmp_path / "s", plant=(2, 1), dump=False)
+    rm = [[("A", p) for p in range(len(seq))]]
+    with torch.no_grad(), dmlib.capture(model, tmp_path / "t", row_map=rm, block_rows=1):
+        model(input_ids=seq[None])
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="A")
+    q = _q_rows(df).set_index("boundary")
+    for s in (1, 2):
+        assert pd.isna(q.loc[f"{Q}#{s}", "identical"])
+        assert (
+            "one digest covers a batch row's columns: dump it in both" in q.loc[f"{Q}#{s}", "note"]
+        )
+    assert df.attrs["status"] != "identical"

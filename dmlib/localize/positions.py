@@ -11,7 +11,9 @@ slot and call within the pass:
   tensor holding one column per batch row there (the logits of the last prompt position
   only) is that row's last position;
 - decode pass ``s``: one column per batch row; the request's batch row (the one it fills
-  alone) holds position ``P + s - 1``.
+  alone) holds position ``P + s - 1``; where the capture's ``pass_rows`` names a pass's
+  rows (``capture_generate`` writes it for every pass), that table says which position
+  each batch row (or each column of a row, for a pass of several positions) computed.
 
 A position is compared by its digest (captures with ``block_rows=1`` keep one per
 position; a one-column tensor's row is digested per batch row) or, where both sides
@@ -72,21 +74,31 @@ def _slots(c: Capture, steps: bool) -> dict[tuple[Any, ...], Boundary]:
 
 #: the metadata key of a prefill + decode capture whose passes' batch rows a sampler
 #: assigns itself (requests joining the batch at later passes): ``{"<pass>": [[request,
-#: position] or None per batch row]}`` for the one-column passes it covers
+#: position] or None per batch row]}`` for the one-column passes it covers; a pass of
+#: several columns (chunked prefill, speculative decoding) gives a batch row a list of
+#: ``[request, position]`` or None per column instead
 PASS_ROWS = "pass_rows"
 
+Cell = tuple[str, int] | None
 
-def pass_rows(c: Capture) -> dict[int, list[tuple[str, int] | None]]:
-    """The capture's ``pass_rows`` table (pass -> one (request, position) or None per batch
-    row); CaptureError where it is malformed."""
+
+def _cells(e: Any) -> list[Cell]:
+    """A batch row's entry of ``pass_rows``: one cell per column."""
+    if e is None:
+        return [None]
+    if len(e) and (e[0] is None or isinstance(e[0], (list, tuple))):
+        return [None if x is None else (request_key(x[0]), int(x[1])) for x in e]
+    return [(request_key(e[0]), int(e[1]))]
+
+
+def pass_rows(c: Capture) -> dict[int, list[list[Cell]]]:
+    """The capture's ``pass_rows`` table (pass -> per batch row, one (request, position) or
+    None per column); CaptureError where it is malformed."""
     table = c.metadata.get(PASS_ROWS)
     if table is None:
         return {}
     try:
-        return {
-            int(k): [None if e is None else (request_key(e[0]), int(e[1])) for e in rows]
-            for k, rows in dict(table).items()
-        }
+        return {int(k): [_cells(e) for e in rows] for k, rows in dict(table).items()}
     except (TypeError, ValueError, IndexError, KeyError):
         raise CaptureError(
             f"metadata {PASS_ROWS!r} is malformed; expected {{pass: [[request, position] or "
@@ -97,7 +109,8 @@ def pass_rows(c: Capture) -> dict[int, list[tuple[str, int] | None]]:
 
 def pass_requests(c: Capture) -> set[str]:
     """Requests of a prefill + decode capture: its row map's and its ``pass_rows``'."""
-    return set(c.requests) | {e[0] for rows in pass_rows(c).values() for e in rows if e}
+    table = pass_rows(c).values()
+    return set(c.requests) | {e[0] for rows in table for row in rows for e in row if e}
 
 
 class _Plan:
@@ -126,27 +139,26 @@ class _Plan:
             )
             self.last[r] = tail is not None and tail[1] == self.prompt[r] - 1
 
-    def column(self, r: str, step: int) -> tuple[int | None, int | None, str]:
-        """(batch row, position, why not) of request ``r`` in a one-column tensor of pass
-        ``step``: from ``pass_rows`` where it covers the pass, else the row the request fills
-        and the position after its prompt (None, None, "") where it computed nothing there."""
+    def cells(self, r: str, step: int) -> tuple[list[tuple[int, int, int, int]], str]:
+        """((batch row, column, columns, position) per position of request ``r`` in pass
+        ``step``'s column tensors, why not): from ``pass_rows`` where it covers the pass,
+        else the row the request fills (one column) and the position after its prompt; no
+        cell and "" where it computed nothing there."""
         if step in self.table:
-            hit = [(b, e[1]) for b, e in enumerate(self.table[step]) if e and e[0] == r]
-            return (hit[0][0], hit[0][1], "") if hit else (None, None, "")
+            return [(b, c, len(row), e[1]) for b, row in enumerate(self.table[step])
+                    for c, e in enumerate(row) if e and e[0] == r], ""  # fmt: skip
         if self.prompt[r] == 0:
-            return None, None, ""
+            return [], ""
         b, why = self.row[r]
         if step == 0 and b is not None and not self.last[r]:
-            return None, None, "one column per batch row, not the prompt's last position"
-        return b, (None if b is None else self.prompt[r] - 1 + step), why
+            return [], "one column per batch row, not the prompt's last position"
+        return ([] if b is None else [(b, 0, 1, self.prompt[r] - 1 + step)]), why
 
     def uncovered(self, r: str) -> list[int]:
         """Positions of ``r`` in the full-sequence capture no pass computed."""
         done = set(range(self.prompt[r]))
         for s in range(1, self.n_passes):
-            p = self.column(r, s)[1]
-            if p is not None:
-                done.add(p)
+            done.update(cell[3] for cell in self.cells(r, s)[0])
         return [p for p in range(self.length[r]) if p not in done]
 
 
@@ -190,15 +202,19 @@ def _read_rows(c: Capture, x: Boundary, r: str) -> tuple[list[Row] | None, str]:
     return [(d, None if vals is None else vals[i]) for i, d in enumerate(digests)], ""
 
 
-def _column(c: Capture, x: Boundary, b: int, row_shape: tuple[int, ...], axis: int) -> Row | None:
-    """Batch row ``b`` of a one-column tensor (the column's axis ``axis`` of size 1)."""
+def _column(
+    c: Capture, x: Boundary, cell: tuple[int, int, int, int], row_shape: tuple[int, ...], axis: int
+) -> Row | None:
+    """Column ``k`` of batch row ``b`` of a tensor of ``n`` columns (on axis ``axis``); its
+    digest where it is the row's only column (the row's digest covers all its columns)."""
+    b, k, n, _ = cell
     if x.leading is None or len(x.leading) <= b:
         return None
     shape = x.shape[1:axis] + x.shape[axis + 1 :]
-    if x.shape[axis] != 1 or tuple(shape) != tuple(row_shape):
+    if x.shape[axis] != n or tuple(shape) != tuple(row_shape):
         return None
-    vals = c.tensor(x)[b].reshape(row_shape) if c.dumped(x) else None
-    return x.leading[b], vals
+    vals = np.take(c.tensor(x)[b], k, axis=axis - 1).reshape(row_shape) if c.dumped(x) else None
+    return (x.leading[b] if n == 1 else None), vals
 
 
 def _same(p: Row, q: Row) -> bool | None:
@@ -238,19 +254,25 @@ def _judge(
         pairs = list(enumerate(zip(rows[: len(mine)], mine, strict=True)))
         where = f"positions 0-{len(mine) - 1} (prefill)"
     else:
-        b, p, why = plan.column(r, s.step)
-        if b is None or p is None:
+        cells, why = plan.cells(r, s.step)
+        if not cells:
             return (None, [], f"not judged: {why}", []) if why else ABSENT
         axis = t.row_axes[1] if t.row_axes is not None else 1
-        col = _column(passes, s, b, t.row_shape, axis) if p < len(rows) else None
-        if col is None:
-            why = f"{s.name} {list(s.shape)} holds no row of position {p} of request {r!r}"
-            return None, [], f"not judged: {why} ({t.name} {list(t.shape)})", []
-        pairs = [(p, (rows[p], col))]
-        where = f"position {p}" + (f" (decode step {s.step})" if s.step else " (prefill)")
+        pairs = []
+        for cell in cells:
+            p = cell[3]
+            col = _column(passes, s, cell, t.row_shape, axis) if p < len(rows) else None
+            if col is None:
+                why = f"{s.name} {list(s.shape)} holds no row of position {p} of request {r!r}"
+                return None, [], f"not judged: {why} ({t.name} {list(t.shape)})", []
+            pairs.append((p, (rows[p], col)))
+        where = f"position{'s' if len(pairs) > 1 else ''} " + ", ".join(str(p) for p, _ in pairs)
+        where += f" (decode step {s.step})" if s.step else " (prefill)"
     verdicts = {p: _same(x, y) for p, (x, y) in pairs}
     if None in verdicts.values():
-        return None, [], f"not judged: {where}: {PER_POSITION}", []
+        wide = not s.row_mapped and any(y[0] is None for _, (_, y) in pairs)  # several columns
+        how = "one digest covers a batch row's columns: dump it in both" if wide else PER_POSITION
+        return None, [], f"not judged: {where}: {how}", []
     diff = [p for p, v in verdicts.items() if not v]
     if diff and len(pairs) > 1:  # name the differing positions among those compared
         shown = ", ".join(map(str, diff[:8])) + (", ..." if len(diff) > 8 else "")
