@@ -170,27 +170,14 @@ def parse_steps(items: list[str]) -> dict[str, dict[int, tuple[str, str]]]:
 
 def run_ladder(args: argparse.Namespace) -> int:
     """``dmlib logprob-ladder``: one row per run and step."""
-    from dmlib.stats.logprobs import logprob_ladder
+    from dmlib.stats.logprobs import LADDER_SHOWN, logprob_ladder
 
     df = logprob_ladder(parse_steps(args.steps), control=args.control, mask=args.mask)
     code = _ladder_code(df)
     if args.json:
         print_json({"control": args.control, "rows": df})
         return code
-    cols = [
-        "run",
-        "step",
-        "status",
-        "n_tokens",
-        "n_diff",
-        "mean_abs_dlogprob",
-        "max_abs_dlogprob",
-        "k3",
-        "chi2",
-        "frac_over_ln2",
-        "max_ulp",
-    ]
-    print(table(df, [c for c in cols if c in df.columns]))
+    print(table(df, [c for c in LADDER_SHOWN if c in df.columns]))
     for r in df[df["status"] == "not comparable"].itertuples(index=False):
         print(f"not comparable: run {fmt(r.run)} step {r.step}: {fmt(r.reason)}")
     return code

@@ -17,6 +17,7 @@ import pandas as pd
 from dmlib.numfmt import prose, sci
 from dmlib.report.htmlsafe import md_code
 from dmlib.report.notebook import finding, record, save_figure, say, skip
+from dmlib.stats.logprobs import LADDER_SHOWN
 
 __all__ = ["Drift", "drift_figure", "drift_finding", "drift_runs", "drift_table"]
 
@@ -27,21 +28,6 @@ NO_LOGPROBS = (
     '(policy = { a = "lp/policy/sampler_*.jsonl", b = "lp/policy/trainer_*.safetensors" }) '
     'and control = "RUN" for an lr=0 run (see docs/logprobs.md)'
 )
-
-#: The figures the table shows (the rest are in the recorded numbers).
-SHOWN = [
-    "run",
-    "step",
-    "status",
-    "n_tokens",
-    "n_diff",
-    "mean_abs_dlogprob",
-    "max_abs_dlogprob",
-    "k3",
-    "chi2",
-    "frac_over_ln2",
-    "max_ulp",
-]
 
 
 @dataclass
@@ -88,7 +74,7 @@ def drift_table(d: Drift) -> pd.DataFrame | None:
         return None
     assert d.df is not None
     record("ladder", d.df.to_dict("records"))
-    return d.df[[c for c in SHOWN if c in d.df.columns]]
+    return d.df[[c for c in LADDER_SHOWN if c in d.df.columns]]
 
 
 def drift_figure(d: Drift, y: str = "k3") -> Any:

@@ -78,6 +78,21 @@ FIGURES = (
     "max_ulp",
 )
 _OPTIONAL = ("kl_ab", "kl_ba", "max_kl_ab", "kl_topk_ab", "kl_topk_ba", "topk_overlap")
+#: The columns a ladder's table shows, in order (the command line and the report alike; the
+#: rest of each row is in its JSON and recorded numbers).
+LADDER_SHOWN = (
+    "run",
+    "step",
+    "status",
+    "n_tokens",
+    "n_diff",
+    "mean_abs_dlogprob",
+    "max_abs_dlogprob",
+    "k3",
+    "chi2",
+    "frac_over_ln2",
+    "max_ulp",
+)
 
 BLOCK_TOKENS = 1 << 18  # counted tokens per block of sequences (bounds the temporaries)
 BLOCK_BYTES = 1 << 26  # where whole distributions are given: their bytes per block
