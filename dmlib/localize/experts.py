@@ -26,10 +26,13 @@ capture folder.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from dmlib.hashing import SHA256
+from dmlib.localize.capture.digests import digest_hex
+from dmlib.localize.capture.tensors import _to_numpy
 
 try:
     import torch
@@ -77,11 +80,6 @@ def gathered_tokens(top_k_index: Any, expert: int) -> list[int]:
     return [int(t) for t in torch.where(mask)[1]]
 
 
-def _digest(row: Any) -> str:
-    data = row.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
-
-
 class _Active:
     def __init__(self, name: str, mod: Any, call: int, index: Any) -> None:
         self.name, self.mod, self.call, self.index = name, mod, call, index
@@ -125,8 +123,9 @@ class _Mode(TorchFunctionMode):
                     f"expert {e}: {result.shape[0]} rows computed for {len(tokens)} routed tokens"
                 )
                 return
+            arr = _to_numpy(result)  # one copy to the host; a SHA-256 per row of its bytes
             for r, t in enumerate(tokens):
-                self.out.rows[(a.name, a.call, e, t, stage)] = _digest(result[r])
+                self.out.rows[(a.name, a.call, e, t, stage)] = digest_hex(arr[r], SHA256)
             a.kept += 1
             return
 
