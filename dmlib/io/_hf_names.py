@@ -134,12 +134,13 @@ def _architecture(folder: str, n_params: int) -> tuple[Order | None, str]:
     hook = _limits.json_pairs_hook(os.path.join(folder, "config.json"), "config")
     try:
         text = read_member(folder, "config.json").decode("utf-8")
-        archs = json.loads(text, object_pairs_hook=hook).get("architectures")
+        config = json.loads(text, object_pairs_hook=hook)
+        archs = config.get("architectures")
     except (DmlibError, ValueError, AttributeError, RecursionError):
         return None, "there is no readable config.json naming the architecture"
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         return None, "config.json does not name one architecture"
-    layers = _declared_layers(json.loads(text))
+    layers = _declared_layers(config)
     if layers > n_params:
         return None, (
             f"config.json declares {layers:,} layers, more than the {n_params:,} parameters "
