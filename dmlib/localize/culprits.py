@@ -314,8 +314,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
                 # identical where judged, but an input was not judged (a rolling KV cache,
                 # a tensor absent from one capture): it may have brought the difference in
                 r["role"] = "undetermined"
-                extra = f"inputs identical where judged; not judged: {', '.join(unknown[:4])}"
-                r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
+                _add_note(r, f"inputs identical where judged; not judged: {', '.join(unknown[:4])}")
             elif all(i["identical"] for i in ins) and (got := _consumed(r, states)):
                 r["role"], extra, r["_carries"] = got
                 _add_note(r, extra)
