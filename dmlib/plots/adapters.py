@@ -34,17 +34,9 @@ def adapter_delta_growth(
         ys = floats(sub[y])
         ax.plot(sub[x], np.where(ys > 0, ys, np.nan), marker="o", lw=1.4, color=color,
                 label=str(name))  # fmt: skip
-    if len(df) and not (floats(df[y]) > 0).any():
-        ax.text(0.5, 0.5, f"every {y} is 0", transform=ax.transAxes, ha="center")
-    else:
-        ax.set_yscale("log")
-    _integer_steps(ax)
-    ax.set_xlabel(label(x))
-    ax.set_ylabel(label(y))
+    _log_steps(ax, df, x, y, title, f"every {y} is 0")
     if names:
         ax.legend(fontsize="small", ncol=2 if len(names) > 8 else 1)
-    if title:
-        ax.set_title(title)
     return ax
 
 
@@ -79,22 +71,23 @@ def gradient_l2_steps(
         else:
             ax.plot(sub[x], ys, marker="s", lw=1.5, ls="--", color="0.45",
                     label=f"{p} (control){zero}")  # fmt: skip
-    if len(df) and not (floats(df[y]) > 0).any():
-        ax.text(0.5, 0.5, f"every {y} is 0 (bit-identical)", transform=ax.transAxes, ha="center")
-    else:
-        ax.set_yscale("log")
-    _integer_steps(ax)
-    ax.set_xlabel(label(x))
-    ax.set_ylabel(label(y))
+    _log_steps(ax, df, x, y, title, f"every {y} is 0 (bit-identical)")
     if pairs:
         ax.legend(fontsize="small")
-    if title:
-        ax.set_title(title)
     return ax
 
 
-def _integer_steps(ax: Any) -> None:
-    """Steps are whole numbers: ticks only there."""
+def _log_steps(ax: Any, df: pd.DataFrame, x: str, y: str, title: str | None, none: str) -> None:
+    """The axes both figures share: log y (``none`` written instead when no value is above
+    0), ticks only at whole steps, the columns' labels and the title."""
     from matplotlib.ticker import MaxNLocator
 
+    if len(df) and not (floats(df[y]) > 0).any():
+        ax.text(0.5, 0.5, none, transform=ax.transAxes, ha="center")
+    else:
+        ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    if title:
+        ax.set_title(title)
