@@ -71,11 +71,10 @@ def test_two_tokens_by_hand() -> None:
     assert row["max_abs_dlogprob"] == 0.25 and row["worst_position"] == 1
     assert row["k1"] == pytest.approx(0.125, rel=1e-15)
     assert row["k2"] == pytest.approx(0.0625 / 2 / 2, rel=1e-15)
-    # exp(-0.25) = 0.7788007830714049; k3 = (0.7788007830714049 - 1 + 0.25) / 2
-    assert row["k3"] == pytest.approx(0.0288007830714049 / 2, rel=1e-12)
-    assert row["chi2"] == pytest.approx(0.2211992169285951**2 / 2, rel=1e-12)
-    # exp(-1.25) = 0.2865047968601901, exp(-1) = 0.36787944117144233
-    assert row["mean_abs_dp"] == pytest.approx((0.36787944117144233 - 0.2865047968601901) / 2)
+    # the log ratio is 0 at token 0 and -0.25 at token 1: k3 = (exp(-0.25) - 1 + 0.25) / 2
+    assert row["k3"] == pytest.approx((math.exp(-0.25) - 1 + 0.25) / 2, rel=1e-12)
+    assert row["chi2"] == pytest.approx((1 - math.exp(-0.25)) ** 2 / 2, rel=1e-12)
+    assert row["mean_abs_dp"] == pytest.approx((math.exp(-1.0) - math.exp(-1.25)) / 2)
     assert row["pearson_r"] == pytest.approx(1.0)
     assert row["frac_over_ln2"] == 0.0
     assert row["max_ulp"] == 2**50  # 0.25 apart in [1, 2): 0.25 / 2**-52 float64 steps
