@@ -17,20 +17,17 @@ no key is needed for them.
 
 from __future__ import annotations
 
-import glob
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dmlib.errors import DmlibError
+from dmlib.report.study_logprobs import step_files
 
 __all__ = ["AdapterRuns", "adapter_runs", "adapters_toml"]
 
 _KEYS = {"group", "control", "gradients"}
-_NUMBER = re.compile(r"(\d+)")
 
 
 @dataclass
@@ -46,38 +43,6 @@ class AdapterRuns:
         return [p for steps in self.gradients.values() for p in steps.values()]
 
 
-def _files(root: Path, spec: Any, key: str, where: Path) -> dict[int, Path]:
-    """A glob or a list of files -> ``{step: file}``, the step the last number of the name."""
-
-    def path(text: Any) -> Path:
-        if not isinstance(text, str) or not text:
-            raise DmlibError(f"{key} must name files (strings), got {text!r}", path=where)
-        p = Path(os.path.expanduser(text))
-        return Path(os.path.normpath(p if p.is_absolute() else root / p))
-
-    if isinstance(spec, str):
-        found = sorted(Path(p) for p in glob.glob(os.fspath(path(spec))))
-        if not found:
-            raise DmlibError(f"{key} {spec!r} matches no file (paths are relative to the study)",
-                             path=where)  # fmt: skip
-    elif isinstance(spec, list):
-        found = [path(s) for s in spec]
-    else:
-        raise DmlibError(f"{key} must be a glob or a list of files", path=where)
-    steps: dict[int, Path] = {}
-    for f in found:
-        numbers = _NUMBER.findall(f.name)
-        if not f.is_file() or not numbers:
-            raise DmlibError(f"{key}: {f.name!r} is not a file with its step as the last "
-                             "number of its name", path=where)  # fmt: skip
-        step = int(numbers[-1])
-        if step in steps:
-            raise DmlibError(f"{key}: {steps[step].name!r} and {f.name!r} are both step {step}",
-                             path=where)  # fmt: skip
-        steps[step] = f
-    return dict(sorted(steps.items()))
-
-
 def adapter_runs(spec: Mapping[str, Any], root: Path, where: Path) -> AdapterRuns | None:
     """The ``[adapters]`` table resolved (None when the study has none)."""
     if not spec:
@@ -89,7 +54,9 @@ def adapter_runs(spec: Mapping[str, Any], root: Path, where: Path) -> AdapterRun
     table = spec.get("gradients", {})
     if not isinstance(table, dict):
         raise DmlibError("[adapters.gradients] must be a table: label = FILES", path=where)
-    grads = {str(k): _files(root, v, f"adapters.gradients.{k}", where) for k, v in table.items()}
+    grads = {
+        str(k): step_files(root, v, f"adapters.gradients.{k}", where) for k, v in table.items()
+    }
     group = spec.get("group", "adapter")
     if not isinstance(group, str) or not group:
         raise DmlibError(f"adapters.group must be a string, got {group!r}", path=where)

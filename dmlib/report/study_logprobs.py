@@ -52,8 +52,9 @@ def _path(root: Path, text: Any, key: str, where: Path) -> Path:
     return Path(os.path.normpath(p if p.is_absolute() else root / p))
 
 
-def _files(root: Path, spec: Any, key: str, where: Path) -> dict[int, Path]:
-    """A glob or a list of files -> {step: file}, the step the last number of the name."""
+def step_files(root: Path, spec: Any, key: str, where: Path) -> dict[int, Path]:
+    """A glob or a list of files -> ``{step: file}`` in step order, the step the last number
+    of the name (``key`` names the entry in messages; also read by ``[adapters]``)."""
     if isinstance(spec, str):
         found = sorted(Path(p) for p in glob.glob(os.fspath(_path(root, spec, key, where))))
         if not found:
@@ -79,7 +80,7 @@ def _files(root: Path, spec: Any, key: str, where: Path) -> dict[int, Path]:
                 f"{key}: {steps[step].name!r} and {f.name!r} are both step {step}", path=where
             )
         steps[step] = f
-    return steps
+    return dict(sorted(steps.items()))
 
 
 def logprob_runs(spec: Mapping[str, Any], root: Path, where: Path) -> LogprobRuns | None:
@@ -101,8 +102,8 @@ def logprob_runs(spec: Mapping[str, Any], root: Path, where: Path) -> LogprobRun
         key = f"logprobs.runs.{label}"
         if not isinstance(sides, dict) or set(sides) != {"a", "b"}:
             raise DmlibError(f"{key} must be a table {{ a = FILES, b = FILES }}", path=where)
-        a = _files(root, sides["a"], f"{key}.a", where)
-        b = _files(root, sides["b"], f"{key}.b", where)
+        a = step_files(root, sides["a"], f"{key}.a", where)
+        b = step_files(root, sides["b"], f"{key}.b", where)
         lonely = sorted(set(a) ^ set(b))
         if lonely:
             raise DmlibError(f"{key}: step {lonely[0]} has a file on one side only", path=where)
