@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from dmlib._limits import nesting_depth
 from dmlib.errors import DmlibError
 
 __all__ = [
@@ -200,19 +201,6 @@ def read_regular(
         os.close(fd)
 
 
-def _depth(obj: Any, limit: int) -> int:
-    """Nesting depth of lists and dicts in ``obj``, counted without recursion (stops past limit)."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, (list, dict)):
-            deepest = max(deepest, d)
-            if deepest > limit:
-                return deepest
-            stack += [(v, d + 1) for v in (o.values() if isinstance(o, dict) else o)]
-    return deepest
-
-
 def bounded_json(
     text: str,
     *,
@@ -232,7 +220,7 @@ def bounded_json(
         ) from None
     except ValueError as err:
         raise error(f"is not valid JSON ({err})", path=where) from None
-    if _depth(obj, limit) > limit:
+    if nesting_depth(obj, limit) > limit:
         raise error(
             f"is nested too deeply (more than {limit} levels of lists or objects)", path=where
         )
