@@ -153,3 +153,21 @@ def test_gradient_l2_of_the_per_micro_batch_mean_bug(tmp_path, capsys):
 
 def test_dmlib_exports_group_l2():
     assert dmlib.group_l2 is group_l2
+
+
+def test_figures_do_not_depend_on_blas_threads():
+    # a threaded BLAS dot splits its sum by the thread count, so its last bits follow the
+    # machine's cores; the same inputs must give the same bits under 1 and 4 BLAS threads
+    from threadpoolctl import threadpool_limits
+
+    from dmlib.stats.group_l2 import group_l2_records
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(3_000_001).astype(np.float32)
+    b = a + (rng.standard_normal(a.size) * 1e-3).astype(np.float32)
+    got = []
+    for n in (1, 4):
+        with threadpool_limits(limits=n, user_api="blas"):
+            r = group_l2_records({"w": a}, {"w": b})[0]
+        got.append((r["norm_a"].hex(), r["norm_diff"].hex()))
+    assert got[0] == got[1]

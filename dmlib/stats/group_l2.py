@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlib._blas import one_thread
 from dmlib.errors import DmlibError
 from dmlib.sources import Source, name_filter, open_source
 from dmlib.tensor import Tensor, TensorSet
@@ -78,11 +79,12 @@ def _sums(ta: Tensor, tb: Tensor) -> tuple[float, float]:
         a, b = a.view(a.real.dtype), b.view(b.real.dtype)
     sq_a: list[float] = []
     sq_d: list[float] = []
-    for start in range(0, a.size, _CHUNK):
-        x = a[start : start + _CHUNK].astype(np.float64)
-        d = x - b[start : start + _CHUNK].astype(np.float64)
-        sq_a.append(float(np.dot(x, x)))
-        sq_d.append(float(np.dot(d, d)))
+    with one_thread():  # a threaded dot splits the sum by the number of threads
+        for start in range(0, a.size, _CHUNK):
+            x = a[start : start + _CHUNK].astype(np.float64)
+            d = x - b[start : start + _CHUNK].astype(np.float64)
+            sq_a.append(float(np.dot(x, x)))
+            sq_d.append(float(np.dot(d, d)))
     return math.fsum(sq_a), math.fsum(sq_d)
 
 
