@@ -59,9 +59,6 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _WEIGHT_KEYS = ("peft_type", "r", "lora_alpha", "use_rslora", "fan_in_fan_out", "use_dora")
 _PATTERN_KEYS = ("rank_pattern", "alpha_pattern")
 # config files are small; a larger one is not a config
-_MAX_CONFIG = 16 << 20
-
-
 # the names these formats look for in a folder: each is looked up by name (one lstat), so
 # a folder of 100,000 entries costs what a folder of three does
 _WANTED = (MODEL_CONFIG, *MODEL_WEIGHTS, ADAPTER_CONFIG, *ADAPTER_WEIGHTS)
@@ -127,19 +124,24 @@ def near_miss(path: str) -> str | None:
 
 
 def _config(path: str, fname: str) -> dict[str, Any]:
-    """A folder's JSON config file: an object, or a one-line error naming the file."""
+    """A folder's JSON config file: an object, or a one-line error naming the file.
+
+    Read as the Trainer folder's JSON is (:func:`dmlib.io._folderfiles.read_member`): a
+    regular file inside the folder (a symlink leading out, a FIFO or a device refused,
+    never waited on), of bounded size, keys per object and nesting."""
+    from dmlib import _limits
+    from dmlib.io._folderfiles import read_member
+
     fpath = os.path.join(path, fname)
-    if not os.path.isfile(fpath):  # a FIFO or a device is never opened (nor waited on)
-        raise FormatError("is not a regular file (a device, socket or pipe?)", path=fpath)
     try:
-        if os.path.getsize(fpath) > _MAX_CONFIG:
-            raise FormatError(f"larger than {_MAX_CONFIG >> 20} MiB: not a config", path=fpath)
-        with open(fpath, encoding="utf-8") as f:
-            value = json.load(f)
+        text = read_member(path, fname).decode("utf-8")
+        value = json.loads(text, object_pairs_hook=_limits.json_pairs_hook(fpath, "config"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FormatError(f"corrupt JSON ({err})", path=fpath) from None
     except RecursionError:
         raise FormatError("nests too deeply to be a config", path=fpath) from None
+    if _limits.nesting_depth(value) > _limits.MAX_NESTING:
+        raise FormatError(f"nests deeper than {_limits.MAX_NESTING} levels", path=fpath)
     if not isinstance(value, dict):
         raise FormatError(f"a JSON {type(value).__name__}, not an object", path=fpath)
     return value
