@@ -87,3 +87,57 @@ def test_a_planted_ulp_in_one_position_of_cos_is_found_for_the_requests_there(tm
     # the padded batch against itself with the plant: request a (5 tokens) sees column 4
     both = compare_captures(tmp_path / "late", tmp_path / "hit", request="a")
     assert dict(zip(both["boundary"], both["identical"], strict=True))[ROT] == False  # noqa: E712
+
+
+def _bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=16,
+    )  # fmt: skip
+    return transformers.BertModel(cfg).float().eval()
+
+
+POS = "embeddings.position_embeddings"
+
+
+def _bert_capture(m, path, ids, rows, shift=None):
+    """One capture of ``m``'s embeddings; ``shift``: the position id column moved by one in
+    the [1, L] position ids the embedding table receives (a planted layout bug)."""
+    handle = None
+    if shift is not None:
+
+        def pre(mod, args):
+            pos = args[0].clone()
+            pos[0, shift] += 1
+            return (pos,)
+
+        handle = m.get_submodule(POS).register_forward_pre_hook(pre)
+    try:
+        with torch.no_grad(), dmlib.capture(m, path, modules=("embeddings", "embeddings.*"),
+                                            overwrite=True, row_map=rows):  # fmt: skip
+            m(input_ids=torch.tensor(ids), attention_mask=(torch.tensor(ids) > 0).long())
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def test_position_ids_of_shape_1_by_L_judged_by_position(tmp_path):
+    """An absolute position table's input, position ids [1, L] shared by a right-padded
+    batch: judged per request by the columns it occupies (the request's positions 0..2 are
+    ids 0..2 in both runs: identical by construction); a column moved by one in the batch
+    run is found, and only for the request occupying it."""
+    m = _bert()
+    _bert_capture(m, tmp_path / "alone", [PROBE], [[("p", j) for j in range(3)]])
+    ids = [[1, 2, 3, 4, 6], [*PROBE, 0, 0]]
+    rows = [[("a", j) for j in range(5)], [("p", 0), ("p", 1), ("p", 2), None, None]]
+    _bert_capture(m, tmp_path / "batch", ids, rows)
+    _bert_capture(m, tmp_path / "moved", ids, rows, shift=3)  # a column p does not occupy
+    b = dmlib.open_capture(tmp_path / "batch").boundary(f"{POS}:input0")
+    assert b.broadcast and b.shape == (1, 5) and b.requests["p"].n_rows == 3
+    df = compare_captures(tmp_path / "alone", tmp_path / "batch", request="p")
+    assert dict(zip(df["boundary"], df["identical"], strict=True))[f"{POS}:input0"] == True  # noqa: E712
+    moved = compare_captures(tmp_path / "alone", tmp_path / "moved", request="p")
+    assert dict(zip(moved["boundary"], moved["identical"], strict=True))[f"{POS}:input0"] == True  # noqa: E712
+    a = compare_captures(tmp_path / "batch", tmp_path / "moved", request="a")
+    assert dict(zip(a["boundary"], a["identical"], strict=True))[f"{POS}:input0"] == False  # noqa: E712

@@ -1,6 +1,7 @@
 """Per-position tensors broadcast over the batch, read per request by position.
 
-A rotary embedding's cos and sin (``[1, L, d]``, or ``[L, d]``) hold one row per position,
+A rotary embedding's cos and sin (``[1, L, d]``, or ``[L, d]``) and an absolute position table's
+position ids (``[1, L]``) hold one row per position,
 shared by every batch row of a ``(batch, L)`` layout: their leading dims do not flatten to
 the row map's ``batch x L`` rows, so they were hashed whole and never judged against a
 capture of another batch. Here each request's digests are of the rows of the positions it
@@ -29,7 +30,7 @@ def position_dims(rec: Any, shape: tuple[int, ...]) -> int | None:
     n = layout[1]
     if len(rec.row_map) != layout[0] * n:
         return None
-    if len(shape) >= 3 and shape[0] == 1 and shape[1] == n:
+    if len(shape) >= 2 and shape[0] == 1 and shape[1] == n:  # [1, L, ...], position ids [1, L]
         return 2
     if len(shape) >= 2 and shape[0] == n:
         return 1
