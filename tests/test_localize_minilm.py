@@ -6,6 +6,7 @@ comparing the request's rows with ``torch.equal``.
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -112,7 +113,13 @@ def test_lab_findings_are_computed_from_the_captures(model, tmp_path):
     )
     got = found["layouts"]["padded"]
     assert got["first_divergent_boundary"] == df.attrs["first_divergent_boundary"]
-    assert got["differing_boundaries"] == int((~df["identical"].astype(bool)).sum())
+    # counted row by row: a boundary not judged (identical missing) is no difference
+    verdicts = [df["identical"].iloc[i] for i in range(len(df))]
+    missing = [v is None or v is pd.NA for v in verdicts]
+    assert got["differing_boundaries"] == sum(
+        1 for v, m in zip(verdicts, missing, strict=True) if not m and not bool(v)
+    )
+    assert got["not_judged_boundaries"] == sum(missing)
     sentence = packed.finding_sentence(found)
     from dmlib.lab.manifest import environment
 

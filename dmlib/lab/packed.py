@@ -87,10 +87,14 @@ def findings(ds: Path, layouts: list[str]) -> dict[str, Any]:
             continue
         repeat = ds / "alone_repeat" if "alone_repeat" in layouts else None
         df = compare_captures(ds / "alone", ds / name, request=REQUEST, repeat=repeat)
+        # identical is True, False, or missing (a boundary not judged: counted apart, never
+        # as a difference nor as identical)
+        judged = df["identical"].notna()
         out["layouts"][name] = {
             "first_divergent_boundary": df.attrs.get("first_divergent_boundary"),
             "culprit": df.attrs.get("culprit"),
-            "differing_boundaries": int((~df["identical"].astype(bool)).sum()),
+            "differing_boundaries": int((judged & (df["identical"] == False)).sum()),  # noqa: E712
+            "not_judged_boundaries": int((~judged).sum()),
             "boundaries": len(df),
             "repeat_held": (df.attrs.get("repeat_control") or {}).get("held"),
         }
@@ -108,6 +112,8 @@ def finding_sentence(found: dict[str, Any]) -> str:
                 f"{name}: first divergent boundary {f['first_divergent_boundary']}"
                 f" (culprit {f['culprit']}), {f['differing_boundaries']} of {f['boundaries']} differ"
             )
+        if f.get("not_judged_boundaries"):
+            parts[-1] += f" ({f['not_judged_boundaries']} not judged)"
     return f"On {found['machine']}: " + "; ".join(parts) + "."
 
 
