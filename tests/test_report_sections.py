@@ -231,3 +231,31 @@ def test_ulp_pairs_table_keeps_each_pair(lab):
     assert set(per.loc[per["pair"].eq("a/b"), "group"]) == {"pairs without the control"}
     # the buckets from the first to the last holding a differing element: 1 ULP .. > 65,536
     assert str(per["bucket"].iloc[0]) == "ulp_1" and str(per["bucket"].iloc[-1]) == "ulp_gt_65536"
+
+
+def test_ulp_title_quotes_the_weights_when_the_matrix_holds_optimizer_state():
+    """A training checkpoint's matrix: the histogram counts weights and optimizer elements,
+    so the title says both are counted and quotes the weights' worst rel_fro (worked out by
+    hand from the rows below), not the optimizer's larger pooled one."""
+    from dmlib.report import prose
+
+    frame = pd.DataFrame(
+        [
+            {"a": "r1", "b": "r2", "name": "w", "rel_fro": 1e-7, "max_ulp": 3},
+            {"a": "r1", "b": "r2", "name": "optimizer.state.0.exp_avg", "rel_fro": 1e-3,
+             "max_ulp": 900},
+            {"a": "r1", "b": "c", "name": "w", "rel_fro": 1e-2, "max_ulp": 10**6},
+            {"a": "r1", "b": "c", "name": "optimizer.state.0.exp_avg", "rel_fro": 0.5,
+             "max_ulp": 10**7},
+        ]
+    )  # fmt: skip
+    pooled = {"separation_orders": 2.7, "same_worst_rel_fro": 1e-3, "control_rel_fro": 0.5}
+    title = prose.ulp_title(pooled, "at step 5", "c", frame)
+    assert "(weights and optimizer elements)" in title
+    assert "model weights' worst rel_fro without the control 1e-07" in title
+    assert "vs control 0.01, 5.0 orders of magnitude apart" in title
+    # weights alone: the title is as before
+    only_w = frame[frame["name"].eq("w")]
+    assert prose.ulp_title(pooled, "at step 5", "c", only_w) == prose.ulp_title(
+        pooled, "at step 5", "c"
+    )

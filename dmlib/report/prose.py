@@ -558,11 +558,28 @@ def matrix_runs(title: str, n_runs: int, when: str, control: str | None) -> str:
     return f"{_t(title)}: {n_runs} runs {_t(when)}{tail}."
 
 
-def ulp_title(verdict: Mapping[str, Any], when: str, control: str | None) -> str:
-    """The ULP histogram's title: the worst rel_fro without the control, and against it."""
+def ulp_title(
+    verdict: Mapping[str, Any],
+    when: str,
+    control: str | None,
+    frame: pd.DataFrame | None = None,
+) -> str:
+    """The ULP histogram's title: the worst rel_fro without the control, and against it.
+
+    ``frame``: the matrix's rows; when they hold more than the model weights (a training
+    checkpoint's optimizer state), the histogram counts every component's elements and the
+    title says so, quoting the weights' numbers (as the finding does), not a pooled worst."""
+    parts = by_component(frame, control) if frame is not None else {}
+    what, whose = "", ""
+    if "weights" in parts and len(parts) > 1:
+        w = parts["weights"]
+        verdict = {**verdict, "same_worst_rel_fro": w["same"], "control_rel_fro": w["control"],
+                   "separation_orders": w["separation"]}  # fmt: skip
+        what = f" ({' and '.join(parts)} elements)"  # fixed words: component_of's names
+        whose = "model weights' "
     sep = verdict["separation_orders"]
     title = (
-        f"ULP distance of differing elements, {when}: worst rel_fro "
+        f"ULP distance of differing elements{what}, {when}: {whose}worst rel_fro "
         f"{'without the control ' if control else 'over the pairs '}"
         f"{fmt(verdict['same_worst_rel_fro'])}"
     )

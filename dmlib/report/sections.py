@@ -272,7 +272,7 @@ def ulp_histogram(sm: StudyMatrix) -> Any:
     plots.ulp_histogram_by_pair(
         ulp_pairs_table(sm), ax=ax,
         # on two lines: one long line widens the image and the page shrinks the plot
-        title=prose.ulp_title(sm.verdict, sm.when, sm.control).replace(": ", ":\n", 1),
+        title=prose.ulp_title(sm.verdict, sm.when, sm.control, sm.frame).replace(": ", ":\n", 1),
     )  # fmt: skip
     save_figure(fig, "ulp_histogram")
     return fig
