@@ -1,25 +1,53 @@
-"""Expert internals judged per (expert, token): the rows an experts module gathers for
+"""Expert internals judged per (expert, token): the rows an experts module computes for
 each expert, mapped back to tokens through the routing it was called with.
 
-A transformers experts module (``Qwen3MoeExperts`` and the other classes decorated with
-``use_experts_implementation``) is called as ``experts(hidden_states (T, d), top_k_index
-(T, k), top_k_weights (T, k))``: its inputs carry the routing. With
-``experts_implementation="eager"`` it runs, for each expert ``e`` hit, ``torch.where`` on
-the ``(k, T)`` mask of ``top_k_index == e`` and gathers those tokens' rows, so row ``r`` of
-expert ``e``'s computation is the ``r``-th ``(k, t)`` pair in row-major order of that
-mask; that order follows from ``top_k_index`` alone. :func:`record_expert_rows` hooks the
-experts modules and, through a ``TorchFunctionMode``, every ``F.linear`` run with a slice
-of their 3-D ``gate_up_proj`` / ``down_proj`` weights (the expert is read from the slice's
-storage offset), and keeps one SHA-256 digest per row of each output, keyed by
-``(module, call, expert, token, stage)``. :func:`compare_expert_rows` judges run A's row
-of ``(e, t)`` against run B's row of the same ``(e, t)``.
+A transformers experts module (``Qwen3MoeExperts``, ``MixtralExperts``, ``OlmoeExperts``,
+``Qwen3NextExperts`` and the other classes decorated with ``use_experts_implementation``)
+holds 3-D ``gate_up_proj`` / ``down_proj`` weights, one slice per expert, and is called as
+``experts(hidden_states (T, d), top_k_index (T, k), top_k_weights (T, k))``: its inputs
+carry the routing. :func:`record_expert_rows` hooks these modules and, through a
+``TorchFunctionMode``, keeps one SHA-256 digest per row of each expert's two matmuls
+(``STAGES``: the ``gate_up_proj`` output before the gate, the ``down_proj`` output before
+the routing weight), keyed ``(module, call, expert, token, stage)`` with ``token`` the
+index into the module's ``hidden_states`` rows (batch x positions, flattened). Which
+token a row belongs to is read from what the module ran, never assumed, under each
+``config._experts_implementation``:
 
-Not judged, with the reason: a module run by another implementation (``grouped_mm``
-gathers the ``(token, k)`` pairs in the order of ``torch.sort(top_k_index.flatten())``,
-which is not stable, so the rows within an expert follow no order the routing fixes, and
-no per-expert ``F.linear`` is run; ``batched_mm`` likewise runs no per-expert op), and
-an ``(e, t)`` pair routed in one run only (a routing flip, reported by
-:mod:`dmlib.localize.routing`). This record is kept in memory; it is not written into a
+- ``eager``: per expert ``e`` hit, ``torch.where`` over the ``(k, T)`` mask of
+  ``top_k_index == e`` gathers the tokens, then ``F.linear`` on a slice of the 3-D
+  weight (the expert is read from the slice's storage offset); row ``r`` is the ``r``-th
+  pair of that mask in row-major order, a function of ``top_k_index`` alone.
+- ``grouped_mm``: the flattened ``(token, slot)`` pairs are ordered by
+  ``torch.sort(top_k_index.reshape(-1))``, which is not stable, so the permutation the
+  sort returned is recorded as it runs (``torch.sort`` / ``argsort`` of that tensor
+  inside the module's call), and row ``i`` of each grouped matmul (``torch._grouped_mm``,
+  which ``F.grouped_mm`` calls and which is what runs on CPU with torch >= 2.10, or
+  transformers' own ``grouped_mm_fallback`` op) is pair ``perm[i]``: token
+  ``perm[i] // k``, expert ``top_k_index.reshape(-1)[perm[i]]``. Checked before any row
+  is kept: the matmul's groups (its ``offs``) hold exactly those experts in that order,
+  and the first matmul's input rows equal ``hidden_states[perm // k]``; the gate between
+  the two keeps the row order and the second matmul must have the same groups.
+- ``batched_mm``: ``gate_up_proj[expert_ids]`` / ``down_proj[expert_ids]`` gathered with
+  ``expert_ids = top_k_index.reshape(-1)`` (recorded as they are indexed), then one
+  ``torch.bmm`` over all ``T*k`` pairs in flattened order: row ``s`` is token ``s // k``,
+  expert ``expert_ids[s]``; checked: the gather's ids equal ``top_k_index.reshape(-1)``
+  and the first bmm's input rows equal ``hidden_states.repeat_interleave(k)``.
+
+So the same forward gives the same keys under the three implementations (the values may
+differ in their last bits: different kernels). :func:`compare_expert_rows` judges run A's
+row of ``(e, t)`` against run B's row of the same ``(e, t)``, or of the token a map names
+(a request alone against it packed in a batch).
+
+Not judged, with the reason in ``ExpertRows.not_judged``: a module run by any other
+implementation (``deepgemm``, ``sonicmoe``: their kernels are not read row by row), one
+whose observed run fails a check above (the rows are then not mapped to tokens), a
+token routed twice to one expert, and an ``(e, t)`` pair routed in one run only (listed
+apart by the comparison: a routing flip, reported by :mod:`dmlib.localize.routing`).
+A shared expert (Qwen3-Next's ``shared_expert``, DeepSeek-style ``shared_experts``) is an
+ordinary MLP of 2-D ``nn.Linear`` layers that sees every token: it is not an experts
+module here, and is judged per token by the capture's module boundaries like any MLP.
+Experts classes without a ``gate_up_proj`` (transformers' ``has_gate=False``, an
+``up_proj`` alone) are not found. This record is kept in memory; it is not written into a
 capture folder.
 """
 
@@ -44,11 +72,13 @@ except ImportError:  # pragma: no cover - the record needs torch
 #: the 3-D per-expert weights of a transformers experts module, in the order they run
 STAGES = ("gate_up_proj", "down_proj")
 
-#: why a module run by a non-eager implementation is not judged per expert
-NOT_EAGER = (
-    "experts_implementation {impl!r}: no per-expert op to read; grouped_mm orders the "
-    "gathered (token, k) pairs by torch.sort(top_k_index.flatten()), not stable, so the "
-    "rows within an expert follow no order the routing fixes"
+#: the experts implementations whose rows are mapped to tokens
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+#: why a module run by another implementation is not judged per expert
+UNSUPPORTED = (
+    "experts_implementation {impl!r}: its kernels are not read row by row (rows are "
+    "judged under " + ", ".join(IMPLEMENTATIONS) + ")"
 )
 
 Key = tuple[str, int, int, int, str]
@@ -81,9 +111,30 @@ def gathered_tokens(top_k_index: Any, expert: int) -> list[int]:
 
 
 class _Active:
-    def __init__(self, name: str, mod: Any, call: int, index: Any) -> None:
-        self.name, self.mod, self.call, self.index = name, mod, call, index
+    """One call of an experts module: its routing and what was seen of its run so far."""
+
+    def __init__(self, name: str, mod: Any, call: int, impl: str, hidden: Any, index: Any):
+        self.name, self.mod, self.call, self.impl = name, mod, call, impl
+        self.hidden, self.index = hidden, index
         self.kept = 0
+        self.stages: list[str] = []  # grouped / batched: the stages recorded, in order
+        self.perm: Any = None  # grouped_mm: the permutation the sort returned
+        self.offs: Any = None  # grouped_mm: the first matmul's group ends
+        self.gathers: dict[int, tuple[str, Any, Any]] = {}  # batched_mm: id -> (stage, w, ids)
+
+
+def _matmul_ops() -> tuple[set[Any], set[Any], set[Any]]:
+    """(sorts, grouped matmuls, tensor gathers) as the mode sees them."""
+    sorts = {torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort}
+    grouped: set[Any] = {f for f in (getattr(torch, "_grouped_mm", None),) if f is not None}
+    if hasattr(torch.nn.functional, "grouped_mm"):  # a torch whose F.grouped_mm dispatches itself
+        grouped.add(torch.nn.functional.grouped_mm)
+    try:  # transformers' fallback op, registered when transformers.integrations.moe loads
+        packet = torch.ops.transformers.grouped_mm_fallback
+        grouped |= {packet, *(getattr(packet, o) for o in packet.overloads())}
+    except (AttributeError, RuntimeError):
+        pass
+    return sorts, grouped, {torch.Tensor.__getitem__}
 
 
 class _Mode(TorchFunctionMode):
@@ -91,22 +142,39 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.out = out
         self.active: list[_Active] = []
+        self.sorts, self.grouped, self.gathers = _matmul_ops()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         a = self.active[-1] if self.active else None
-        if (
-            func is torch.nn.functional.linear
-            and a
-            and a.name not in self.out.not_judged
-            and len(args) >= 2
-        ):
-            with torch._C.DisableTorchFunction():
-                self._keep(a, args[1], result)
+        if a is None or a.name in self.out.not_judged or not args:
+            return result
+        with torch._C.DisableTorchFunction():
+            if a.impl == "eager" and func is torch.nn.functional.linear and len(args) >= 2:
+                self._keep_eager(a, args[1], result)
+            elif a.impl == "grouped_mm" and func in self.sorts:
+                self._sorted(a, args[0], result)
+            elif a.impl == "grouped_mm" and func in self.grouped and len(args) >= 2:
+                self._keep_grouped(a, args, kwargs, result)
+            elif a.impl == "batched_mm" and func in self.gathers and len(args) >= 2:
+                self._gathered(a, args[0], args[1], result)
+            elif a.impl == "batched_mm" and func is torch.bmm and len(args) >= 2:
+                self._keep_batched(a, args, result)
         return result
 
-    def _keep(self, a: _Active, weight: Any, result: Any) -> None:
+    def _fail(self, a: _Active, reason: str) -> None:
+        self.out.not_judged[a.name] = f"{a.impl}: {reason}"
+
+    def _keep(self, a: _Active, stage: str, result: Any, keys: list[tuple[int, int, int]]):
+        """Digest output rows ``r`` of ``keys = [(r, expert, token)]`` under ``stage``."""
+        arr = _to_numpy(result.reshape(result.shape[0], -1))  # one host copy; a SHA-256 a row
+        for r, e, t in keys:
+            self.out.rows[(a.name, a.call, e, t, stage)] = digest_hex(arr[r], SHA256)
+        a.kept += 1
+        a.stages.append(stage)
+
+    def _keep_eager(self, a: _Active, weight: Any, result: Any) -> None:
         for stage in STAGES:
             whole = getattr(a.mod, stage)
             if (
@@ -123,11 +191,110 @@ class _Mode(TorchFunctionMode):
                     f"expert {e}: {result.shape[0]} rows computed for {len(tokens)} routed tokens"
                 )
                 return
-            arr = _to_numpy(result)  # one copy to the host; a SHA-256 per row of its bytes
-            for r, t in enumerate(tokens):
-                self.out.rows[(a.name, a.call, e, t, stage)] = digest_hex(arr[r], SHA256)
-            a.kept += 1
+            self._keep(a, stage, result, [(r, e, t) for r, t in enumerate(tokens)])
             return
+
+    def _sorted(self, a: _Active, x: Any, result: Any) -> None:
+        flat = a.index.reshape(-1)
+        if torch.is_tensor(x) and x.shape == flat.shape and torch.equal(x, flat):
+            a.perm = result if torch.is_tensor(result) else result[1]
+
+    def _keep_grouped(self, a: _Active, args: Any, kwargs: Any, result: Any) -> None:
+        x, w = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        stage = _stage_of(a.mod, w)
+        if stage is None:
+            return
+        if a.perm is None:
+            return self._fail(
+                a,
+                "no torch.sort of top_k_index.reshape(-1) seen before "
+                f"the {stage} grouped matmul, so its rows map to no token",
+            )
+        why, keys = _grouped_rows(a, x, offs, stage)
+        if why:
+            return self._fail(a, f"{stage} grouped matmul: {why}")
+        if stage == STAGES[0]:
+            a.offs = offs.detach().clone()
+        self._keep(a, stage, result, keys)
+
+    def _gathered(self, a: _Active, w: Any, ids: Any, result: Any) -> None:
+        for stage in STAGES:
+            if w is getattr(a.mod, stage) and torch.is_tensor(ids) and ids.dim() == 1:
+                a.gathers[id(result)] = (stage, result, ids.detach().clone())
+
+    def _keep_batched(self, a: _Active, args: Any, result: Any) -> None:
+        for i in (0, 1):
+            g = a.gathers.get(id(args[i]))
+            if g is None or g[1] is not args[i]:
+                continue
+            stage, _, ids = a.gathers.pop(id(args[i]))  # the gathered weights freed
+            flat = a.index.reshape(-1)
+            k = a.index.shape[-1] if a.index.dim() > 1 else 1
+            if result.shape[0] != flat.numel() or args[1 - i].shape[0] != flat.numel():
+                return self._fail(
+                    a, f"{stage} bmm of {result.shape[0]} rows for {flat.numel()} routed pairs"
+                )
+            if ids.shape != flat.shape or not torch.equal(ids, flat):
+                return self._fail(
+                    a,
+                    f"{stage} gathered for expert ids other than "
+                    "top_k_index.reshape(-1), so its rows map to no token",
+                )
+            x = args[1 - i].reshape(flat.numel(), -1)
+            if stage == STAGES[0] and not _rows_equal(x, a.hidden.repeat_interleave(k, dim=0)):
+                return self._fail(
+                    a,
+                    f"{stage} bmm input rows are not hidden_states "
+                    "repeated k times, so its rows map to no token",
+                )
+            keys = [(s, int(e), s // k) for s, e in enumerate(flat.tolist())]
+            self._keep(a, stage, result, keys)
+            return
+
+
+def _stage_of(mod: Any, w: Any) -> str | None:
+    """The stage whose 3-D weight ``w`` is (itself or its last two axes swapped)."""
+    if not torch.is_tensor(w) or w.dim() != 3:
+        return None
+    for stage in STAGES:
+        whole = getattr(mod, stage)
+        same = (
+            w.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            and w.storage_offset() == whole.storage_offset()
+        )
+        shapes = (tuple(whole.shape), tuple(whole.transpose(-2, -1).shape))
+        if same and tuple(w.shape) in shapes:
+            return stage
+    return None
+
+
+def _rows_equal(x: Any, want: Any) -> bool:
+    return bool(x.shape == want.shape and torch.equal(x, want.to(x.dtype)))
+
+
+def _grouped_rows(a: _Active, x: Any, offs: Any, stage: str) -> tuple[str, Any]:
+    """(why not, []) or ("", [(row, expert, token)]) for a grouped matmul's rows, from the
+    observed sort's permutation, checked against the matmul's groups and input."""
+    flat = a.index.reshape(-1)
+    k = a.index.shape[-1] if a.index.dim() > 1 else 1
+    perm = a.perm
+    if not torch.is_tensor(offs) or offs.dim() != 1:
+        return "no 1-D offs", []
+    n = int(offs[-1]) if offs.numel() else 0
+    if perm.shape != flat.shape or x.shape[0] != flat.numel() or n > x.shape[0]:
+        return f"{x.shape[0]} rows for {flat.numel()} routed pairs", []
+    if stage != STAGES[0] and (a.offs is None or not torch.equal(offs, a.offs)):
+        return f"its groups are not those of the {STAGES[0]} matmul", []
+    rows = torch.arange(n, device=offs.device)
+    group = torch.searchsorted(offs.to(rows.dtype), rows, right=True)
+    experts = flat[perm[:n]]
+    if not torch.equal(group.to(experts.device), experts.to(torch.long)):
+        return "its groups do not hold the experts of the sorted pairs in that order", []
+    tokens = perm[:n] // k
+    if stage == STAGES[0] and not _rows_equal(x[:n], a.hidden[tokens]):
+        return "its input rows are not hidden_states[perm // k]", []
+    return "", list(zip(range(n), experts.tolist(), tokens.tolist(), strict=True))
 
 
 @contextlib.contextmanager
@@ -153,11 +320,17 @@ def _post(mode: _Mode) -> Any:
         if not mode.active:
             return
         a = mode.active.pop()
-        if a.kept == 0 and a.name not in mode.out.not_judged and a.index is not None:
-            if bool((a.index < a.mod.gate_up_proj.shape[0]).any()):
-                mode.out.not_judged[a.name] = (
-                    "no per-expert F.linear on a slice of its weights was seen"
-                )
+        if a.name in mode.out.not_judged or a.index is None:
+            return
+        if not bool((a.index < a.mod.gate_up_proj.shape[0]).any()):
+            return  # no pair routed to an expert of this module: nothing to judge
+        if a.impl == "eager" and a.kept == 0:
+            mode.out.not_judged[a.name] = (
+                "no per-expert F.linear on a slice of its weights was seen"
+            )
+        elif a.impl != "eager" and a.stages != list(STAGES):
+            seen = ", ".join(a.stages) or "none"
+            mode._fail(a, f"stages recorded: {seen}; expected {', '.join(STAGES)} once each")
 
     return hook
 
@@ -167,16 +340,22 @@ def _pre(mode: _Mode, calls: dict[str, int], name: str) -> Any:
         call = calls.get(name, 0)
         calls[name] = call + 1
         impl = getattr(getattr(mod, "config", None), "_experts_implementation", None) or "eager"
-        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
-        if impl != "eager" or not torch.is_tensor(index):
-            mode.out.not_judged[name] = (
-                NOT_EAGER.format(impl=impl)
-                if impl != "eager"
-                else "top_k_index not among the inputs"
-            )
-        mode.active.append(
-            _Active(name, mod, call, index.detach() if torch.is_tensor(index) else None)
-        )
+        hidden: Any = args[0] if args else kwargs.get("hidden_states")
+        index: Any = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        ok = torch.is_tensor(index) and torch.is_tensor(hidden)
+        if impl not in IMPLEMENTATIONS:
+            mode.out.not_judged[name] = UNSUPPORTED.format(impl=impl)
+        elif not ok:
+            mode.out.not_judged[name] = "hidden_states or top_k_index not among the inputs"
+        elif index.dim() == 2 and index.shape[1] > 1:
+            s = index.sort(dim=1).values
+            if bool((s[:, 1:] == s[:, :-1]).any()):
+                mode.out.not_judged[name] = "a token routed twice to one expert"
+        if ok:
+            hidden, index = hidden.detach(), index.detach()
+        else:
+            hidden = index = None
+        mode.active.append(_Active(name, mod, call, impl, hidden, index))
 
     return hook
 
