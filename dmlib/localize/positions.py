@@ -16,8 +16,9 @@ slot and call within the pass:
   each batch row (or each column of a row, for a pass of several positions) computed.
 
 A position is compared by its digest (captures with ``block_rows=1`` keep one per
-position; a one-column tensor's row is digested per batch row) or, where both sides
-dumped it, by its values. What only one side has (the sampler's KV cache and states, a
+position; a one-column tensor's row is digested per batch row, and with ``block_rows=1`` a
+later pass's batch row of several columns per column: ``capture/columns.py``) or, where
+both sides dumped it, by its values. What only one side has (the sampler's KV cache and states, a
 module hooked on one side) is a row that is not judged, with the reason; positions of the
 full-sequence capture that no pass computed are listed as not captured, so such a
 comparison is never "identical".
@@ -37,6 +38,10 @@ from dmlib.localize.culprits import _frame, _is_layout, _roles, _steps, _summary
 
 Row = tuple[str | None, np.ndarray | None]  # (digest, values) of one position's row
 PER_POSITION = "capture it with block_rows=1 (one digest per position), or dump it in both"
+WIDE = (
+    "one digest covers a batch row's columns: capture the passes with block_rows=1 (one "
+    "digest per column), or dump it in both"
+)
 
 
 def multi_pass(c: Capture) -> bool:
@@ -203,18 +208,25 @@ def _read_rows(c: Capture, x: Boundary, r: str) -> tuple[list[Row] | None, str]:
 
 
 def _column(
-    c: Capture, x: Boundary, cell: tuple[int, int, int, int], row_shape: tuple[int, ...], axis: int
+    c: Capture, x: Boundary, cell: tuple[int, int, int, int], t: Boundary, axis: int
 ) -> Row | None:
-    """Column ``k`` of batch row ``b`` of a tensor of ``n`` columns (on axis ``axis``); its
-    digest where it is the row's only column (the row's digest covers all its columns)."""
+    """Column ``k`` of batch row ``b`` of a tensor of ``n`` columns (on axis ``axis``), to be
+    compared with full-sequence boundary ``t``'s row: its digest where it is the row's only
+    column, or where the pass kept one per column (``columns``, block_rows=1) in ``t``'s
+    scheme; else only its values, where dumped."""
     b, k, n, _ = cell
     if x.leading is None or len(x.leading) <= b:
         return None
     shape = x.shape[1:axis] + x.shape[axis + 1 :]
-    if x.shape[axis] != n or tuple(shape) != tuple(row_shape):
+    if x.shape[axis] != n or tuple(shape) != tuple(t.row_shape):
         return None
-    vals = np.take(c.tensor(x)[b], k, axis=axis - 1).reshape(row_shape) if c.dumped(x) else None
-    return (x.leading[b] if n == 1 else None), vals
+    vals = np.take(c.tensor(x)[b], k, axis=axis - 1).reshape(t.row_shape) if c.dumped(x) else None
+    digest = x.leading[b] if n == 1 else None
+    cols = x.columns
+    if n > 1 and axis == 1 and cols is not None and cols[0] == t.hash and len(cols[1]) > b:
+        mine = cols[1][b]
+        digest = mine.blocks[k] if mine.n_rows == n and len(mine.blocks) == n else None
+    return digest, vals
 
 
 def _same(p: Row, q: Row) -> bool | None:
@@ -261,7 +273,7 @@ def _judge(
         pairs = []
         for cell in cells:
             p = cell[3]
-            col = _column(passes, s, cell, t.row_shape, axis) if p < len(rows) else None
+            col = _column(passes, s, cell, t, axis) if p < len(rows) else None
             if col is None:
                 why = f"{s.name} {list(s.shape)} holds no row of position {p} of request {r!r}"
                 return None, [], f"not judged: {why} ({t.name} {list(t.shape)})", []
@@ -271,7 +283,7 @@ def _judge(
     verdicts = {p: _same(x, y) for p, (x, y) in pairs}
     if None in verdicts.values():
         wide = not s.row_mapped and any(y[0] is None for _, (_, y) in pairs)  # several columns
-        how = "one digest covers a batch row's columns: dump it in both" if wide else PER_POSITION
+        how = WIDE if wide else PER_POSITION
         return None, [], f"not judged: {where}: {how}", []
     diff = [p for p, v in verdicts.items() if not v]
     if diff and len(pairs) > 1:  # name the differing positions among those compared

@@ -119,10 +119,10 @@ ENTRY_KEYS = (
 )  # fmt: skip
 #: The keys an entry has only where they apply, in the order they follow :data:`ENTRY_KEYS`:
 #: its kind's marker keys (:data:`KINDS`), the decode step (from 1), the row axes, the
-#: repeated KV heads.
+#: repeated KV heads, a later pass's per-column digests (``columns``: columns.py).
 OPTIONAL_KEYS = (
     "layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded", "op",
-    "param", "step", "row_axes", "kv_repeat", "broadcast",
+    "param", "step", "row_axes", "kv_repeat", "broadcast", "columns",
 )  # fmt: skip
 
 
@@ -314,6 +314,9 @@ class Boundary:
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
     op: str | None = None  # an op boundary: the op's id (``module/aten.addmm#0``)
     param: str | None = None  # an op's input that is a parameter or buffer: its name
+    # (scheme, per batch row: its columns along axis 1 as a request's rows, one block per
+    # column) of a later pass's (batch, n > 1, ...) tensor captured with block_rows=1
+    columns: tuple[str, list[RequestHash]] | None = None
 
     @property
     def category(self) -> BoundaryKind:
@@ -350,6 +353,9 @@ class Boundary:
             }
         if self.broadcast:
             d["broadcast"] = True
+        if self.columns is not None:
+            d["columns"] = {"hash": self.columns[0],
+                            "rows": [_request_dict(h) for h in self.columns[1]]}  # fmt: skip
         return d
 
     @property
@@ -402,6 +408,15 @@ def _kv_repeat(d: Any, key: str) -> tuple[int, dict[str, RequestHash]] | None:
         for k, v in d["requests"].items()
     }
     return int(d["groups"]), reqs
+
+
+def _columns(d: Any) -> tuple[str, list[RequestHash]] | None:
+    """A boundary's ``columns`` entry (a later pass's per-column digests), or None."""
+    if d is None:
+        return None
+    rows = [RequestHash(str(v["digest"]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
+            for v in d["rows"]]  # fmt: skip
+    return str(d["hash"]), rows
 
 
 def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
@@ -461,6 +476,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
             op=None if d.get("op") is None else str(d["op"]),
             param=None if d.get("param") is None else str(d["param"]),
+            columns=_columns(d.get("columns")),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CaptureError(

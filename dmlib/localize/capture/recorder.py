@@ -20,6 +20,7 @@ import numpy as np
 from dmlib.errors import CaptureError
 from dmlib.localize.capture import treehash
 from dmlib.localize.capture.broadcast import position_dims, record_broadcast
+from dmlib.localize.capture.columns import record_columns, wants_columns
 from dmlib.localize.capture.digests import (
     TREE_TAGS,
     _leaf_hasher,
@@ -305,6 +306,8 @@ class Recorder(HostDigests):
         k, axes = self._read_rows(entry, shape, row_mapped, bool(extra))
         wants_dump = self._wants_dump(name)
         self.boundaries.append(entry)
+        if wants_columns(self, entry, shape):  # a later pass's rows of several positions
+            record_columns(self, entry, t)
         how = (k, axes, entry["leading"] is not None)
         if not fresh and self._share(entry, original, how, wants_dump):
             return name
