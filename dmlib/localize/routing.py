@@ -83,19 +83,36 @@ def _flips(
     return out
 
 
+def unread(c: Capture) -> list[dict[str, str]]:
+    """``[{boundary, reason}]``: the routers capture ``c`` found but could not read
+    (``coverage.routers_unread``, :mod:`dmlib.localize.capture.routers`)."""
+    items = c.coverage.get("routers_unread")
+    if not isinstance(items, list):
+        return []
+    return [
+        {"boundary": str(u.get("module")), "reason": f"router not read: {u.get('reason')}"}
+        for u in items
+        if isinstance(u, dict)
+    ]
+
+
 def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any] | None:
-    """The flips between captures ``a`` and ``b`` (None: no router recorded in ``a``).
+    """The flips between captures ``a`` and ``b`` (None: no router recorded or listed as
+    not read in either).
 
     ``{"n_router_calls", "n_flips", "flips": [{request, router, boundary, step, position,
     experts_a, experts_b, left, joined, margin_a, margin_ulp_a, margin_b, margin_ulp_b}],
     "per_router": {router: flips}, "not_judged": [{boundary, reason}]}``, flips in
-    execution order.
+    execution order; a router either capture could not read is among ``not_judged``.
     """
     calls = [x for x in a.boundaries if x.router and x.slot == INDICES]
-    if not calls:
+    not_judged: list[dict[str, str]] = []
+    for u in unread(a) + unread(b):
+        if u not in not_judged:
+            not_judged.append(u)
+    if not calls and not not_judged:
         return None
     flips: list[dict[str, Any]] = []
-    not_judged: list[dict[str, str]] = []
     for x in calls:
         if x.name not in b:
             not_judged.append({"boundary": x.name, "reason": "absent from the second capture"})
@@ -152,13 +169,18 @@ def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
     """The routing report as a few lines of text (none where no router was recorded)."""
     if report is None:
         return []
+    skipped = report["not_judged"]
     if not report["n_flips"]:
         line = f"routing: no expert set changed ({report['n_router_calls']} router calls)"
-        return [
-            line + (f"; {len(report['not_judged'])} not judged" if report["not_judged"] else "")
-        ]
-    per = escape(", ".join(f"{k}: {v}" for k, v in report["per_router"].items()))
-    lines = [f"routing: {report['n_flips']} tokens changed experts ({per})"]
+        lines = [line + (f"; {len(skipped)} not judged" if skipped else "")]
+    else:
+        per = escape(", ".join(f"{k}: {v}" for k, v in report["per_router"].items()))
+        lines = [f"routing: {report['n_flips']} tokens changed experts ({per})"]
+    # the routers no choice was read from, by name (a request's rows are counted above)
+    blind = [u for u in skipped if u["reason"].startswith("router not read")]
+    lines += [escape(f"  not judged: {u['boundary']}: {u['reason']}") for u in blind[:limit]]
+    if not report["n_flips"]:
+        return lines
     for f in report["flips"][:limit]:
         ma, mb = _margin_text(f, "a"), _margin_text(f, "b")
         lines.append(escape(
@@ -170,4 +192,4 @@ def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
     return lines
 
 
-__all__ = ["flip_lines", "flip_notes", "routing_report", "values"]
+__all__ = ["flip_lines", "flip_notes", "routing_report", "unread", "values"]

@@ -18,10 +18,24 @@ was in each run:
                                 the highest among the others (``(tokens, 2)``, float32):
                                 the k-th and the (k+1)-th score where the choice is the top k
 
-The scores are those the router ranks by (:data:`SCORES`): the softmax in float32 of the
-logits for the softmax routers, sigmoid plus the correction bias for DeepSeek-V3 (whose
-group limit may pass over a higher score: the margin is then taken against the best
-expert not chosen, and is negative where the limit decided), the logits themselves for a router of another class.
+The scores are those the router ranks by (:data:`SCORES`, each row read from the class's
+``forward`` in transformers 5.25; every one ranks by a score computed before its top-k,
+the weights' renormalisation after it changes no choice): the softmax in float32 of the
+logits for the softmax routers, sigmoid plus the correction bias for DeepSeek-V3 and, for
+DeepSeek-V2, the softmax of logits it computes in float32 whatever the model's dtype. A
+group-limited router (DeepSeek-V3; DeepSeek-V2 with ``topk_method="group_limited_greedy"``)
+may pass over a higher score in a group it left out: the margin is then taken against the
+best expert not chosen, and is negative where the limit decided. A router of another
+class is ranked by its logits themselves.
+
+A candidate whose output holds no such pair but does hold scores for several experts
+(``(tokens, E)`` floats, E >= 2: DBRX's router returns its logits and leaves the choice to
+its caller; Llama 4's returns the chosen scores scattered over all experts), or any module
+of a class in :data:`SCORES` that returned something else, is listed in the manifest's
+``coverage.routers_unread`` (``[{module, reason}]``) and in the routing report as not
+judged: never skipped unseen. A scalar gate (Qwen2-MoE's ``shared_expert_gate``,
+``(tokens, 1)``) chooses nothing and is not listed; nor is a candidate inside another
+(AFMoE's ``router.gate``, the ``Linear`` its router calls).
 """
 
 from __future__ import annotations
@@ -37,10 +51,15 @@ except ImportError:  # pragma: no cover - reading captures needs no torch; writi
 if TYPE_CHECKING:
     from dmlib.localize.capture.recorder import Recorder
 
-#: router classes -> how the scores they rank experts by follow from their logits
+#: router classes -> how the scores they rank experts by follow from their logits:
+#: "softmax" ``softmax(logits, dtype=float32)``, "float-softmax" ``softmax(logits.float())``
+#: (Mixtral upcasts first; the same numbers where the softmax kernel computes in float32
+#: either way, kept apart so that a device where they differ is followed exactly),
+#: "sigmoid+bias" ``sigmoid(logits) + e_score_correction_bias``. Tested on tiny models of
+#: each family: tests/test_localize_routing_families.py (and test_localize_routing.py).
 SCORES: dict[str, str] = {
     "Qwen3MoeTopKRouter": "softmax", "Qwen3NextTopKRouter": "softmax",
-    "Qwen3_5MoeTopKRouter": "softmax", "MixtralTopKRouter": "softmax",
+    "Qwen3_5MoeTopKRouter": "softmax", "MixtralTopKRouter": "float-softmax",
     "OlmoeTopKRouter": "softmax", "Qwen2MoeTopKRouter": "softmax",
     "DeepseekV3TopkRouter": "sigmoid+bias", "DeepseekV2TopkRouter": "softmax",
 }  # fmt: skip
@@ -62,11 +81,14 @@ def routers(named: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def install(rec: Recorder, named: dict[str, Any]) -> Iterator[Any]:
     """A forward hook on each router candidate; yields the handles."""
-    for name, mod in routers(named):
-        yield mod.register_forward_hook(_hook(rec, name or rec.root))
+    found = routers(named)
+    names = [n for n, _ in found]
+    for name, mod in found:
+        inner = any(name.startswith(f"{p}.") for p in names if p != name)
+        yield mod.register_forward_hook(_hook(rec, name or rec.root, inner))
 
 
-def _hook(rec: Recorder, name: str) -> Callable[..., None]:
+def _hook(rec: Recorder, name: str, inner: bool = False) -> Callable[..., None]:
     from dmlib.localize.ops import quiet
 
     calls = [0]
@@ -74,6 +96,9 @@ def _hook(rec: Recorder, name: str) -> Callable[..., None]:
     def hook(mod: Any, args: Any, output: Any) -> None:
         found = router_outputs(output)
         if found is None:
+            why = None if inner else unread_reason(mod, output)
+            if why is not None:
+                _note_unread(rec, name, why)
             return
         with quiet(), torch.no_grad():
             call = calls[0]
@@ -102,11 +127,37 @@ def router_outputs(output: Any) -> tuple[Any, Any] | None:
     return None
 
 
+def unread_reason(mod: Any, output: Any) -> str | None:
+    """Why a router candidate's output cannot be read as a choice of experts, or None
+    where the candidate chooses nothing (no ``(tokens, E >= 2)`` scores, not a known
+    router class)."""
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    tensors = [t for t in outs if torch.is_tensor(t)]
+    wide = [t for t in tensors if t.is_floating_point() and t.dim() == 2 and t.shape[1] >= 2]
+    if type(mod).__name__ not in SCORES and not wide:
+        return None
+    shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+    return (
+        f"{type(mod).__name__} returned ({shapes or 'no tensor'}): no chosen expert ids "
+        "beside the experts' scores, so its choice (made by its caller, if at all) is not "
+        "recorded and no token's experts are judged here"
+    )
+
+
+def _note_unread(rec: Recorder, name: str, why: str) -> None:
+    """List router ``name`` as not read (once) in the manifest's coverage."""
+    items = rec.coverage.setdefault("routers_unread", [])
+    if not any(u["module"] == name for u in items):
+        items.append({"module": name, "reason": why})
+
+
 def choice_scores(mod: Any, logits: Any) -> Any:
     """The scores the router ranks experts by (:data:`SCORES`), in float32."""
     how = SCORES.get(type(mod).__name__)
     if how == "softmax":
         return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if how == "float-softmax":
+        return torch.softmax(logits.float(), dim=-1)
     if how == "sigmoid+bias":
         bias = getattr(mod, "e_score_correction_bias", None)
         s = logits.float().sigmoid()
@@ -131,4 +182,4 @@ def _record(rec: Recorder, module: str, call: int, slot: str, t: Any) -> None:
     rec.coverage.setdefault("routers", {})[name] = t.detach().cpu().tolist()
 
 
-__all__ = ["SCORES", "choice_scores", "install", "router_outputs", "routers"]
+__all__ = ["SCORES", "choice_scores", "install", "router_outputs", "routers", "unread_reason"]

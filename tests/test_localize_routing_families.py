@@ -1,0 +1,345 @@
+"""The routing report on the MoE families beside Qwen3-MoE: Mixtral, OLMoE, Qwen2-MoE,
+Qwen3-Next (its sparse MoE blocks between Gated DeltaNet layers, on the torch fallback) and
+DeepSeek-V2, tiny random-init models from transformers' own config classes, float32 and
+bfloat16.
+
+A near-tie is planted, never left to this CPU. While the router runs, the output of its own
+``F.linear`` (its logits) is rewritten for one token of the second request: the logit of
+the expert ranked (k+1)-th is put a few steps from the k-th's, below in run A, and in run B
+above it (a flip) or less far below (the margin shrinks, no flip). A step is ``2**-23`` of a
+float32 logit (a relative change of that size in its softmax score) or one bfloat16 ULP of a
+bfloat16 logit. The router's own ``forward`` then computes its scores, top-k and weights.
+
+The oracle, written here from each router's ``forward`` in transformers: the scores it ranks
+by recomputed from the planted logits (softmax in float32; Mixtral upcasts before its
+softmax; DeepSeek-V2's logits are float32 whatever the model's dtype), ``torch.topk`` by
+hand, and the margin as the k-th minus the (k+1)-th score, absolute and in float32 ULP
+(numpy's bit patterns, and ``numpy.nextafter`` steps for the float32 near-ties). The ids the
+router returned (a plain forward hook) must equal the oracle's, so the oracle is the model's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dmlib.localize.boundaries import compare_captures  # noqa: E402
+from dmlib.localize.capture import capture, open_capture  # noqa: E402
+from dmlib.localize.hf import row_map_from_attention_mask  # noqa: E402
+from dmlib.localize.routing import flip_lines, values  # noqa: E402
+
+VOCAB, N, T, K = 64, 8, 5, 2
+ROW = N + T  # the planted token: request "second", position T, in the router's flat rows
+REQUESTS = ["first", "second"]
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, max_position_embeddings=64)  # noqa: C408
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=K,
+    ))  # fmt: skip
+
+
+def _olmoe():
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        **SMALL, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=K, norm_topk_prob=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    ))  # fmt: skip
+
+
+def _qwen2_moe():
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=K, norm_topk_prob=True,
+    ))  # fmt: skip
+
+
+def _qwen3_next():
+    # layers 0-2 Gated DeltaNet, layer 3 full attention, a sparse MoE block in each
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=K,
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ))  # fmt: skip
+
+
+def _deepseek_v2(topk_method="greedy"):
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=K,
+        n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        topk_method=topk_method, n_group=2, topk_group=1,
+    ))  # fmt: skip
+
+
+def _softmax_f32(logits):  # Qwen2-MoE, Qwen3-Next, OLMoE: softmax(logits, dtype=torch.float)
+    return torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+
+
+def _upcast_softmax(logits):  # Mixtral: softmax(router_logits.float())
+    return torch.nn.functional.softmax(logits.float(), dim=-1)
+
+
+def _v2_softmax(logits):  # DeepSeek-V2: float32 logits, logits.softmax(dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    return logits.softmax(dim=-1, dtype=torch.float32)
+
+
+# family -> (model, the layer whose router is planted, its router class, its scores by hand)
+FAMILIES = {
+    "mixtral": (_mixtral, 1, "MixtralTopKRouter", _upcast_softmax),
+    "olmoe": (_olmoe, 1, "OlmoeTopKRouter", _softmax_f32),
+    "qwen2_moe": (_qwen2_moe, 1, "Qwen2MoeTopKRouter", _softmax_f32),
+    "qwen3_next": (_qwen3_next, 2, "Qwen3NextTopKRouter", _softmax_f32),
+    "deepseek_v2": (_deepseek_v2, 1, "DeepseekV2TopkRouter", _v2_softmax),
+}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_of(family, dtype):
+    torch.manual_seed(0)
+    return FAMILIES[family][0]().eval().to(dtype)
+
+
+class Plant:
+    """Rewrites the logits the router's own ``F.linear`` returns, at flat row ``ROW`` only:
+    the (k+1)-th ranked expert's logit set ``steps`` steps from the k-th's (negative:
+    below). Keeps the logits and the ids the router returned, per router call."""
+
+    def __init__(self, router, steps: int) -> None:
+        self.router, self.steps, self.active = router, steps, False
+        self.logits: list = []
+        self.ids: list = []
+
+    def __enter__(self):
+        self.linear = torch.nn.functional.linear
+        torch.nn.functional.linear = self._linear
+        self.handles = [
+            self.router.register_forward_pre_hook(self._pre),
+            self.router.register_forward_hook(self._post),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.linear = self.linear
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, mod, args):
+        self.active = True
+
+    def _post(self, mod, args, out):
+        self.active = False
+        self.ids.append(out[2].clone())
+
+    def _linear(self, x, w, b=None):
+        y = self.linear(x, w, b)
+        if not self.active:
+            return y
+        self.active = False  # the router's one F.linear: its logits
+        y = y.clone()
+        row = y[ROW]
+        order = torch.argsort(row.float(), descending=True, stable=True)
+        kth, nxt = int(order[K - 1]), int(order[K])
+        if row.dtype == torch.float32:
+            row[nxt] = row[kth] + self.steps * 2.0**-23
+        else:
+            toward = torch.tensor(
+                float("inf") if self.steps > 0 else float("-inf"), dtype=row.dtype
+            )
+            v = row[kth]
+            for _ in range(abs(self.steps)):
+                v = torch.nextafter(v, toward)
+            row[nxt] = v
+        self.logits.append(y.detach().clone())
+        return y
+
+
+def run(model, family, path, steps, dump=()):
+    ids = torch.randint(1, VOCAB, (2, N), generator=torch.Generator().manual_seed(7))
+    rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
+    layer = FAMILIES[family][1]
+    with Plant(model.model.layers[layer].mlp.gate, steps) as plant:
+        with (
+            torch.no_grad(),
+            capture(model, path, row_map=rows, modules=["", "model.*", "lm_head"], dump=dump),
+        ):
+            model(input_ids=ids, use_cache=False)
+    assert len(plant.logits) == 1  # the planted router ran once
+    return plant
+
+
+def by_hand(family, plant):
+    """(top-k id sets per flat row, (k-th, (k+1)-th) float32 scores per row) by torch.topk on
+    the router's scores recomputed from the planted logits; the router's own ids agree."""
+    scores = FAMILIES[family][3](plant.logits[0])
+    vals, idx = torch.topk(scores, K + 1, dim=-1)
+    sets = [sorted(int(e) for e in r) for r in idx[:, :K]]
+    assert sets == [sorted(int(e) for e in r) for r in plant.ids[0]]  # as the model chose
+    return sets, vals[:, K - 1 : K + 1].numpy()
+
+
+def ulps_by_nextafter(hi: np.float32, lo: np.float32, limit: int = 1 << 12) -> int:
+    """float32 values from ``lo`` up to ``hi``, counted one ``nextafter`` at a time."""
+    n, v = 0, lo
+    while v < hi and n < limit:
+        v, n = np.nextafter(v, np.float32(np.inf)), n + 1
+    return n
+
+
+def ulps_by_bits(hi: np.float32, lo: np.float32) -> int:
+    """The same count from the bit patterns (both scores are positive)."""
+    return int(np.int64(np.float32(hi).view(np.int32)) - np.int64(np.float32(lo).view(np.int32)))
+
+
+def n_routers(model, family):
+    return sum(type(m).__name__ == FAMILIES[family][2] for m in model.modules())
+
+
+CASES = [(f, d) for f in FAMILIES for d in DTYPES]
+
+
+@pytest.mark.parametrize(("family", "dt"), CASES)
+def test_a_planted_flip_is_named_with_its_margins(tmp_path, family, dt):
+    model = model_of(family, DTYPES[dt])
+    pa = run(model, family, tmp_path / "a", steps=-4)
+    pb = run(model, family, tmp_path / "b", steps=+4)
+    (sa, va), (sb, vb) = by_hand(family, pa), by_hand(family, pb)
+    assert [i for i in range(2 * N) if sa[i] != sb[i]] == [ROW]  # the oracle's one flip
+    router = f"model.layers.{FAMILIES[family][1]}.mlp.gate"
+    rep = compare_captures(tmp_path / "a", tmp_path / "b").attrs["routing"]
+    assert rep["n_router_calls"] == n_routers(model, family)
+    assert rep["n_flips"] == 1 and rep["not_judged"] == []
+    (f,) = rep["flips"]
+    assert (f["router"], f["request"], f["position"]) == (router, "second", T)
+    assert (f["experts_a"], f["experts_b"]) == (sa[ROW], sb[ROW])
+    assert f["left"] == sorted(set(sa[ROW]) - set(sb[ROW]))
+    assert f["joined"] == sorted(set(sb[ROW]) - set(sa[ROW]))
+    assert rep["per_router"] == {router: 1}
+    for side, v in (("a", va[ROW]), ("b", vb[ROW])):
+        assert f[f"margin_{side}"] == float(v[0]) - float(v[1])  # exact: float64 of two f32
+        assert f[f"margin_ulp_{side}"] == ulps_by_bits(v[0], v[1]) > 0
+    if pa.logits[0].dtype == torch.float32:  # a few float32 ULP apart: a near-tie in each run
+        for side, v in (("a", va[ROW]), ("b", vb[ROW])):
+            assert f[f"margin_ulp_{side}"] == ulps_by_nextafter(v[0], v[1]) <= 16
+    # every token's recorded (k-th, (k+1)-th) scores are the oracle's, in both runs
+    for path, v in ((tmp_path / "a", va), (tmp_path / "b", vb)):
+        c = open_capture(path)
+        got = values(c, c.boundary(f"{router}:router.margin"))
+        np.testing.assert_array_equal(got, v)
+        assert "routers_unread" not in c.coverage  # a scalar shared_expert_gate is no router
+    line = f"position {T}: experts {sa[ROW]} -> {sb[ROW]}"
+    assert any(line in s for s in flip_lines(rep))
+
+
+@pytest.mark.parametrize(("family", "dt"), CASES)
+def test_a_margin_that_shrinks_without_a_flip_is_no_flip(tmp_path, family, dt):
+    model = model_of(family, DTYPES[dt])
+    pa = run(model, family, tmp_path / "a", steps=-8)
+    pb = run(model, family, tmp_path / "b", steps=-2)
+    (sa, va), (sb, vb) = by_hand(family, pa), by_hand(family, pb)
+    assert sa == sb  # the oracle: no token's set changed
+    assert 0 < float(vb[ROW, 0]) - float(vb[ROW, 1]) < float(va[ROW, 0]) - float(va[ROW, 1])
+    router = f"model.layers.{FAMILIES[family][1]}.mlp.gate"
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    rep = df.attrs["routing"]
+    assert rep["n_flips"] == 0 and rep["flips"] == [] and rep["per_router"] == {}
+    assert rep["not_judged"] == []
+    by = df.set_index("boundary")
+    same = by.loc[f"{router}:router.indices", "identical"]
+    assert same is not None and bool(same) and by.loc[f"{router}:router.indices", "role"] == "clean"
+    moved = by.loc[f"{router}:router.margin", "identical"]
+    assert moved is not None and not moved  # judged, and the margin moved
+    for path, v in ((tmp_path / "a", va), (tmp_path / "b", vb)):
+        c = open_capture(path)
+        np.testing.assert_array_equal(values(c, c.boundary(f"{router}:router.margin")), v)
+    assert flip_lines(rep)[0].startswith("routing: no expert set changed")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next"])
+def test_the_flipped_token_stands_out_downstream(tmp_path, family):
+    """The MoE block's output after the planted flip, request "second" alone: the positions
+    whose rows differ are those numpy finds in the dumped rows, the flipped token has the
+    largest difference, and the block's note names the flip."""
+    model = model_of(family, torch.float32)
+    run(model, family, tmp_path / "a", steps=-4, dump=["*mlp"])
+    run(model, family, tmp_path / "b", steps=+4, dump=["*mlp"])
+    block = f"model.layers.{FAMILIES[family][1]}.mlp"
+    a, b = open_capture(tmp_path / "a"), open_capture(tmp_path / "b")
+    xa = np.asarray(a.tensor(block, "second"), dtype=np.float64).reshape(N, -1)
+    xb = np.asarray(b.tensor(block, "second"), dtype=np.float64).reshape(N, -1)
+    per_pos = np.abs(xa - xb).max(axis=1)
+    assert int(np.argmax(per_pos)) == T and per_pos[T] > 0  # the planted flip's expert swap
+    df = compare_captures(a, b, request="second").set_index("boundary")
+    assert df.loc[block, "diff_positions"] == np.nonzero(per_pos)[0].tolist()
+    assert f"expert flip at {block}.gate:router.indices" in df.loc[block, "note"]
+    assert "position 5" in df.loc[block, "note"] and "'second'" in df.loc[block, "note"]
+
+
+def test_a_group_limited_deepseek_v2_router_records_its_margins(tmp_path):
+    """DeepSeek-V2 with ``topk_method="group_limited_greedy"`` (2 groups of 4, one kept):
+    the ids are the router's own; the margin row per token is the lowest chosen softmax
+    score and the highest score not chosen in any group (negative where the group limit
+    passed over a higher one), by hand from the router's logits."""
+    model = model_of("deepseek_v2", torch.float32)
+    model.model.layers[1].mlp.gate.topk_method = "group_limited_greedy"
+    seen = []
+    gate = model.model.layers[1].mlp.gate
+    h = gate.register_forward_hook(lambda m, a, out: seen.append((out[0].clone(), out[2].clone())))
+    rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
+    try:
+        with torch.no_grad(), capture(model, tmp_path / "a", row_map=rows):
+            model(input_ids=torch.randint(1, VOCAB, (2, N)), use_cache=False)
+    finally:
+        h.remove()
+    (logits, idx), c = seen[0], open_capture(tmp_path / "a")
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    groups = scores.view(-1, 2, 4).max(dim=-1).values.argmax(dim=-1)
+    assert all(set((idx[i] // 4).tolist()) == {int(groups[i])} for i in range(2 * N))
+    got = values(c, c.boundary("model.layers.1.mlp.gate:router.margin"))
+    chosen = scores.gather(1, idx).min(dim=1).values
+    other = scores.scatter(1, idx, float("-inf")).max(dim=1).values
+    np.testing.assert_array_equal(got, torch.stack([chosen, other], 1).numpy())
+    got_ids = values(c, c.boundary("model.layers.1.mlp.gate:router.indices"))
+    np.testing.assert_array_equal(got_ids, idx.numpy())
+
+
+def test_a_router_without_ids_is_listed_not_judged(tmp_path):
+    """Llama 4's router returns (the chosen scores scattered over all experts, the logits):
+    no ids to read. Every such router (found here by a plain walk of the modules) is listed
+    in the capture's coverage and as not judged in the routing report and its text."""
+    torch.manual_seed(0)
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64,
+        interleave_moe_layer_step=1,
+    )  # fmt: skip
+    model = transformers.Llama4ForCausalLM(cfg).eval()
+    expected = [n for n, m in model.named_modules() if type(m).__name__ == "Llama4Router"]
+    assert len(expected) == 2
+    rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
+    ids = torch.randint(1, VOCAB, (2, N), generator=torch.Generator().manual_seed(7))
+    for side in ("a", "b"):
+        with torch.no_grad(), capture(model, tmp_path / side, row_map=rows):
+            model(input_ids=ids, use_cache=False)
+    c = open_capture(tmp_path / "a")
+    listed = c.coverage["routers_unread"]
+    assert [u["module"] for u in listed] == expected
+    assert all("Llama4Router returned" in u["reason"] for u in listed)
+    assert not any(x.router for x in c.boundaries)
+    rep = compare_captures(tmp_path / "a", tmp_path / "b").attrs["routing"]
+    assert rep["n_router_calls"] == 0 and rep["n_flips"] == 0
+    assert [u["boundary"] for u in rep["not_judged"]] == expected
+    text = flip_lines(rep)
+    assert text[0] == "routing: no expert set changed (0 router calls); 2 not judged"
+    assert [s.split(": ")[1] for s in text[1:]] == expected
