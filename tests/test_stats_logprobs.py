@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from dmlib.errors import DmlibError
-from dmlib.stats import logprob_sides
 from dmlib.stats.logprobs import compare_logprobs, logprob_ladder, logprob_verdict
 
 # -- the oracle -------------------------------------------------------------------------
@@ -468,45 +467,6 @@ def test_every_layout_and_format_gives_the_same_figures(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    ("line", "message"),
-    [
-        ("not json", "line 1: not JSON"),
-        ("[1, 2]", "expected a JSON object"),
-        ('{"tokens": [1]}', "no 'logprobs' list"),
-        ('{"logprobs": [-1.0], "tokens": [1.5]}', "'tokens' must hold integers"),
-        ('{"logprobs": ["x"]}', "'logprobs' must hold numbers"),
-        ('{"logprobs": [-1.0], "top_ids": [[1, 2], [3]]}', "lists of integers, all of one length"),
-        ('{"logprobs": [-1.0], "other": 1}', "unknown key"),
-    ],
-)
-def test_jsonl_bad_lines(tmp_path: Path, line: str, message: str) -> None:
-    p = tmp_path / "x.jsonl"
-    p.write_text(line + "\n")
-    with pytest.raises(DmlibError, match=message) as info:
-        compare_logprobs(p, p)
-    assert str(p) in str(info.value)
-
-
-def test_jsonl_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    p = tmp_path / "x.jsonl"
-    p.write_text("".join(json.dumps({"logprobs": [-1.0, -2.0, -3.0]}) + "\n" for _ in range(3)))
-    monkeypatch.setattr(logprob_sides, "JSONL_MAX_LINES", 2)
-    with pytest.raises(DmlibError, match="more than 2 sequences"):
-        compare_logprobs(p, p)
-    monkeypatch.setattr(logprob_sides, "JSONL_MAX_LINES", 10)
-    monkeypatch.setattr(logprob_sides, "JSONL_MAX_TOKENS", 2)
-    with pytest.raises(DmlibError, match="at most 2 entries"):
-        compare_logprobs(p, p)
-    monkeypatch.setattr(logprob_sides, "JSONL_MAX_TOKENS", 10)
-    monkeypatch.setattr(logprob_sides, "JSONL_MAX_LINE_BYTES", 20)
-    with pytest.raises(DmlibError, match="line 1 is longer than"):
-        compare_logprobs(p, p)
-    monkeypatch.setattr(logprob_sides, "jsonl_max_bytes", lambda: 10)
-    with pytest.raises(DmlibError, match="over the"):
-        compare_logprobs(p, p)
-
-
 def test_bad_layouts_name_the_problem(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
@@ -558,15 +518,6 @@ def test_ladder_rows_per_run_and_step() -> None:
     assert list(df["is_control"]) == [False, False, True, True]
     with pytest.raises(DmlibError, match="control run 'x'"):
         logprob_ladder(runs, control="x")
-
-
-def test_jsonl_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
-    import os
-
-    fifo = tmp_path / "x.jsonl"
-    os.mkfifo(fifo)
-    with pytest.raises(DmlibError, match="not a regular file"):
-        compare_logprobs(fifo, fifo)
 
 
 def test_empty_sequences_between_others() -> None:

@@ -17,7 +17,8 @@ name is taken as ``logprobs``.
 
 *JSONL*: one sequence per line, ``{"logprobs": [...], "tokens": [...]}`` with the same
 optional keys (``top_logprobs`` / ``top_ids`` / ``logits`` as lists of lists); a first line
-``{"metadata": {...}}`` is the file's metadata. It is read into the ragged layout.
+``{"metadata": {...}}`` is the file's metadata. Read by :mod:`dmlib.io.jsonl_logprobs`
+(its bounds are there) into the ragged layout.
 
 Metadata (safetensors ``__metadata__``, a torch file's scalars, the JSONL metadata line)
 holds what the identity gate compares: :data:`IDENTITY_KEYS`.
@@ -28,29 +29,23 @@ mask's ones, in order), the same in every layout.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dmlib._limits import human, limit_hint, max_decompressed
 from dmlib.errors import DmlibError
+from dmlib.io.jsonl_logprobs import is_jsonl, read_jsonl
 from dmlib.sources import opened
-from dmlib.tensor import ArrayTensorSet, TensorSet
+from dmlib.tensor import TensorSet
 
 __all__ = [
     "IDENTITY_KEYS",
-    "JSONL_MAX_LINES",
-    "JSONL_MAX_LINE_BYTES",
-    "JSONL_MAX_TOKENS",
     "KINDS",
     "LogprobSide",
-    "jsonl_max_bytes",
     "read_jsonl",
     "read_mask",
     "read_side",
@@ -79,19 +74,6 @@ IDENTITY_KEYS = (
     "min_p",
     "repetition_penalty",
 )
-
-#: JSONL bounds: lines (sequences) per file, bytes and tokens per line; the file's size is
-#: bounded by :func:`jsonl_max_bytes` (parsed JSON takes several times its text).
-JSONL_MAX_LINES = 1 << 22
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-JSONL_MAX_LINE_BYTES = 1 << 28
-JSONL_MAX_TOKENS = 1 << 22
-
-
-def jsonl_max_bytes() -> int:
-    """The largest JSONL file read: 1/8 of :func:`dmlib._limits.max_decompressed` (a
-    float in a parsed list takes about 32 bytes for its 8 to 20 characters of text)."""
-    return max_decompressed() // 8
 
 
 @dataclass
@@ -145,7 +127,7 @@ def read_side(source: Any, label: str, *, mask: Any = None) -> LogprobSide:
         isinstance(source, Sequence) and not isinstance(source, (str, bytes))
     ):
         source = _from_arrays(source)
-    if isinstance(source, (str, os.PathLike)) and _is_jsonl(source):
+    if is_jsonl(source):
         source = read_jsonl(source)
     where = label
     with opened(source) as ts:
@@ -160,12 +142,6 @@ def _from_arrays(values: Any) -> dict[str, np.ndarray]:
     if isinstance(values, np.ndarray) and values.ndim in (1, 2):
         return {"logprobs": values if values.ndim == 2 else values[None, :]}
     return {f"logprobs.{i}": np.asarray(v) for i, v in enumerate(values)}
-
-
-def _is_jsonl(path: Any) -> bool:
-    """JSONL is told by its suffix alone (a first byte ``{`` could open a safetensors
-    header length just as well)."""
-    return os.fspath(path).lower().endswith(JSONL_SUFFIXES)
 
 
 # -- tensor sets -------------------------------------------------------------------------
@@ -398,120 +374,3 @@ def _apply_mask(side: LogprobSide, masks: list[np.ndarray]) -> LogprobSide:
     own_masks = side.raw_mask
     raw = given if own_masks is None else [o & m for o, m in zip(own_masks, given, strict=True)]
     return LogprobSide(side.label, arrays, side.metadata, raw)
-
-
-# -- JSONL -------------------------------------------------------------------------------
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> ArrayTensorSet:
-    """A JSONL file of one sequence per line as a ragged :class:`ArrayTensorSet`.
-
-    Bounded before parsing: the file's size (:func:`jsonl_max_bytes`), then lines
-    (:data:`JSONL_MAX_LINES`) and tokens per line (:data:`JSONL_MAX_TOKENS`).
-    """
-    p = os.fspath(path)
-    try:
-        st = os.stat(p)
-    except OSError as err:
-        raise DmlibError(f"cannot read: {err.strerror or err}", path=p) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise DmlibError("is not a regular file (a JSONL file was expected)", path=p)
-    size = st.st_size
-    if size > jsonl_max_bytes():
-        raise DmlibError(
-            f"JSONL file of {human(size)} is over the {human(jsonl_max_bytes())} read "
-            f"({limit_hint()})",
-            path=p,
-        )
-    arrays: dict[str, np.ndarray] = {}
-    meta: dict[str, str] = {}
-    n = 0
-    with open(p, "rb") as f:  # a regular file: opening it cannot block
-        for lineno, line in enumerate(iter(lambda: f.readline(JSONL_MAX_LINE_BYTES + 1), b""), 1):
-            if len(line) > JSONL_MAX_LINE_BYTES:
-                raise DmlibError(
-                    f"line {lineno} is longer than {human(JSONL_MAX_LINE_BYTES)}", path=p
-                )
-            if not line.strip():
-                continue
-            obj = _json_line(line, lineno, p)
-            if n == 0 and not arrays and set(obj) == {"metadata"}:
-                meta = _jsonl_metadata(obj["metadata"], lineno, p)
-                continue
-            if n >= JSONL_MAX_LINES:
-                raise DmlibError(f"more than {JSONL_MAX_LINES} sequences", path=p)
-            for kind, arr in _jsonl_sequence(obj, lineno, p).items():
-                arrays[f"{kind}.{n}"] = arr
-            n += 1
-    if n == 0:
-        raise DmlibError("no sequence in the file (one JSON object per line expected)", path=p)
-    return ArrayTensorSet(arrays, path=p, format="jsonl", metadata=meta)
-
-
-def _json_line(line: bytes, lineno: int, path: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError) as err:
-        raise DmlibError(f"line {lineno}: not JSON ({str(err)[:80]})", path=path) from None
-    if not isinstance(obj, dict):
-        raise DmlibError(
-            f"line {lineno}: expected a JSON object, got {type(obj).__name__}", path=path
-        )
-    return obj
-
-
-def _jsonl_metadata(meta: Any, lineno: int, path: str) -> dict[str, str]:
-    if not isinstance(meta, dict) or not all(
-        isinstance(v, (str, int, float, bool)) for v in meta.values()
-    ):
-        raise DmlibError(f"line {lineno}: 'metadata' must map names to plain values", path=path)
-    return {str(k): str(v) for k, v in meta.items()}
-
-
-_JSONL_KINDS = {  # key: (dimensions, number kinds numpy may infer)
-    "logprobs": (1, "fi"),
-    "tokens": (1, "i"),
-    "positions": (1, "i"),
-    "mask": (1, "ib"),
-    "top_logprobs": (2, "fi"),
-    "top_ids": (2, "i"),
-    "logits": (2, "fi"),
-}
-
-
-def _jsonl_sequence(obj: dict[str, Any], lineno: int, path: str) -> dict[str, np.ndarray]:
-    if "logprobs" not in obj:
-        raise DmlibError(f"line {lineno}: no 'logprobs' list", path=path)
-    unknown = sorted(set(obj) - set(_JSONL_KINDS))
-    if unknown:
-        raise DmlibError(
-            f"line {lineno}: unknown key(s) {unknown[:4]}; known: {sorted(_JSONL_KINDS)}",
-            path=path,
-        )
-    out: dict[str, np.ndarray] = {}
-    for kind, value in obj.items():
-        ndim, kinds = _JSONL_KINDS[kind]
-        if not isinstance(value, list) or len(value) > JSONL_MAX_TOKENS:
-            raise DmlibError(
-                f"line {lineno}: {kind!r} must be a list of at most {JSONL_MAX_TOKENS} entries",
-                path=path,
-            )
-        arr = _jsonl_array(value)
-        empty = arr is not None and arr.size == 0 and arr.ndim == 1
-        if arr is None or not (empty or (arr.ndim == ndim and arr.dtype.kind in kinds)):
-            what = "integers" if kinds == "i" else "numbers"
-            what = what if ndim == 1 else f"lists of {what}, all of one length"
-            raise DmlibError(f"line {lineno}: {kind!r} must hold {what}", path=path)
-        if empty and ndim == 2:
-            arr = arr.reshape(0, 0)
-        out[kind] = arr.astype(np.float64 if "f" in kinds else np.int64)
-    return out
-
-
-def _jsonl_array(value: list[Any]) -> np.ndarray | None:
-    """The list as numpy infers it (bools stay bools, ints ints), None when ragged or mixed."""
-    try:
-        arr = np.array(value)
-    except (ValueError, TypeError, OverflowError):
-        return None
-    return None if arr.dtype == object else arr
