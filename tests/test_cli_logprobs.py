@@ -171,3 +171,32 @@ def test_metadata_from_the_files_reaches_the_terminal_escaped(tmp_path: Path, ca
     rc, out, _ = run(["logprobs", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], capsys)
     assert rc == 5 and "\x1b" not in out and "\\x1b[2J" in out
     assert out.startswith("NOT COMPARABLE: metadata 'weights_hash' differs")
+
+
+@pytest.mark.parametrize("given", [None, "2"])
+def test_numpy_is_imported_with_one_blas_thread_unless_the_user_set_one(
+    given: str | None,
+) -> None:
+    """Counted by threadpoolctl in a fresh process (numpy not yet imported there); the
+    variable is gone again afterwards, and a count the user set is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from dmlib.cli.logprobs import _numpy_without_blas_threads\n"
+        "_numpy_without_blas_threads()\n"
+        "import numpy, threadpoolctl\n"
+        "blas = [i['num_threads'] for i in threadpoolctl.threadpool_info()\n"
+        "        if i['user_api'] == 'blas']\n"
+        "print(blas[0], os.environ.get('OPENBLAS_NUM_THREADS'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == (["1", "None"] if given is None else [given, given])

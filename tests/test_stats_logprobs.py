@@ -773,3 +773,102 @@ def test_the_compiled_topk_checks_every_length_it_is_given() -> None:
         topk(la, ia, la, ia, outs[0][:4], outs[1], outs[2], 5, 4, 4, 4, 4, 8, 8)
     with pytest.raises((BufferError, TypeError, ValueError)):
         topk(la[:, ::2], ia[:, ::2], la, ia, *outs, 5, 2, 4, 4, 4, 8, 8)
+
+
+def _topk_sides(seed: int, s: int, t: int, k: int) -> tuple[dict, dict]:
+    """Two padded sides with top-k lists: B's log-probs moved on some tokens and some of
+    its ids replaced."""
+    rng = np.random.default_rng(seed)
+    a, b, tok = pair(seed=seed, s=s, t=t)
+    ia = np.stack([rng.permutation(3 * k)[:k] for _ in range(s * t)]).reshape(s, t, k)
+    ib = ia.copy()
+    ib[..., -2:] = rng.integers(0, 3 * k, (s, t, 2))
+    la = np.log(rng.dirichlet(np.ones(2 * k), (s, t))[..., :k]).astype(np.float32)
+    lb = (la + rng.normal(0, 0.05, la.shape)).astype(np.float32)
+    side_a = {"logprobs": a, "tokens": tok, "top_logprobs": la, "top_ids": ia.astype(np.int32)}
+    side_b = {"logprobs": b, "tokens": tok, "top_logprobs": lb, "top_ids": ib.astype(np.int32)}
+    return side_a, side_b
+
+
+def test_blocks_on_threads_give_the_figures_of_one_block(
+    monkeypatch: pytest.MonkeyPatch, topk_engine: str
+) -> None:
+    from dmlib.stats import logprobs as lp_mod
+
+    sa, sb = _topk_sides(50, s=23, t=11, k=5)
+    one = compare_logprobs(sa, sb)
+    monkeypatch.setattr(lp_mod, "BLOCK_TOKENS", 13)  # 20 blocks of 1 or 2 sequences
+    for threads in (1, 4):
+        monkeypatch.setattr(lp_mod, "BLOCK_THREADS", threads)
+        many = compare_logprobs(sa, sb)
+        assert many.drop(columns="role").equals(one.drop(columns="role")), threads
+        v, w = logprob_verdict(many), logprob_verdict(one)
+        assert v.worst == w.worst
+        for key, val in w.figures.items():
+            assert v.figures[key] == pytest.approx(val, rel=1e-13, abs=1e-300), (threads, key)
+    # the oracles: the sampled tokens' figures, and the top-k ones from plain dicts
+    x, y = sa["logprobs"].reshape(-1), sb["logprobs"].reshape(-1)
+    for key, val in oracle([x], [y]).items():
+        assert v.figures[key] == pytest.approx(val, rel=1e-9), key
+    per_token = dict_topk(
+        sa["top_logprobs"].reshape(-1, 5),
+        sa["top_ids"].reshape(-1, 5),
+        sb["top_logprobs"].reshape(-1, 5),
+        sb["top_ids"].reshape(-1, 5),
+    )
+    for col, key in enumerate(("kl_topk_ab", "kl_topk_ba", "topk_overlap")):
+        assert v.figures[key] == pytest.approx(per_token[:, col].mean(), rel=1e-12), key
+
+
+def test_a_block_refused_on_a_thread_is_refused_as_on_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dmlib.stats import logprobs as lp_mod
+
+    sa, sb = _topk_sides(51, s=9, t=4, k=3)
+    sb["top_ids"][6, 2, 1] = -5  # in the fourth block of 2 sequences
+    monkeypatch.setattr(lp_mod, "BLOCK_TOKENS", 8)
+    for threads in (1, 3):
+        monkeypatch.setattr(lp_mod, "BLOCK_THREADS", threads)
+        with pytest.raises(DmlibError, match="top_ids of B hold ids outside 0 .. 2\\*\\*46"):
+            compare_logprobs(sa, sb)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bad", "refused"),
+    [
+        (np.int32, -1, True),
+        (np.int64, -1, True),
+        (np.int64, 1 << 46, True),
+        (np.int64, (1 << 46) - 1, False),
+        (np.uint64, 1 << 46, True),
+        (np.uint32, (1 << 32) - 1, False),
+        (np.int16, -3, True),
+    ],
+)
+def test_ids_outside_the_range_are_refused_by_kind(dtype: type, bad: int, refused: bool) -> None:
+    sa, sb = _topk_sides(52, s=2, t=3, k=3)
+    for side in (sa, sb):
+        side["top_ids"] = side["top_ids"].astype(dtype)
+    sa["top_ids"][1, 2, 0] = bad
+    if refused:
+        with pytest.raises(DmlibError, match="top_ids of A hold ids outside"):
+            compare_logprobs(sa, sb)
+    else:
+        v = logprob_verdict(compare_logprobs(sa, sb))
+        assert v.figures["topk_overlap"] < 1  # the id is A's alone at that token
+
+
+def test_on_threads_keeps_order_and_raises_the_first_failure() -> None:
+    from dmlib.stats.logprob_figures import on_threads
+
+    def square(i: int) -> int:
+        if i in (5, 9):
+            raise ValueError(f"item {i}")
+        return i * i
+
+    assert on_threads(square, list(range(5)), 3) == [0, 1, 4, 9, 16]
+    assert on_threads(square, [], 3) == []
+    for workers in (1, 4):
+        with pytest.raises(ValueError, match="item 5"):
+            on_threads(square, list(range(12)), workers)

@@ -21,11 +21,13 @@ the others (and ``n_diff`` counts those of them whose values differ).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,7 +35,17 @@ from dmlib.errors import DmlibError
 from dmlib.kernels.stream import compiled_topk
 from dmlib.kernels.ulp import ulp_distance
 
-__all__ = ["LN2", "Segments", "Sums", "block_sums", "combine", "full_kl", "per_sequence", "topk_kl"]
+__all__ = [
+    "LN2",
+    "Segments",
+    "Sums",
+    "block_sums",
+    "combine",
+    "full_kl",
+    "on_threads",
+    "per_sequence",
+    "topk_kl",
+]
 
 LN2 = math.log(2.0)
 
@@ -47,6 +59,40 @@ _SHIFTS_UP_TO = 64
 USE_COMPILED = True
 
 _SUMS = ("k1", "k2", "k3", "chi2", "abs_dp", "abs_d", "over")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def on_threads(fn: Callable[[_T], _R], items: Sequence[_T], workers: int) -> list[_R]:
+    """``[fn(item) for item in items]``, the items taken in turn by ``workers`` threads
+    (the calling one among them); an item that raises raises here, the first in order.
+
+    Plain threads: ``concurrent.futures`` imports ``logging`` and ``queue``, some 4 ms of
+    every command's start-up on this machine."""
+    out: list[Any] = [None] * len(items)
+    errors: list[BaseException | None] = [None] * len(items)
+    turn = itertools.count()  # next() on a count is atomic under the interpreter lock
+
+    def work() -> None:
+        while (i := next(turn)) < len(items):
+            try:
+                out[i] = fn(items[i])
+            except BaseException as err:  # noqa: BLE001 - re-raised below, in item order
+                errors[i] = err
+
+    threads = [threading.Thread(target=work) for _ in range(min(workers, len(items)) - 1)]
+    for t in threads:
+        t.start()
+    try:
+        work()
+    finally:
+        for t in threads:
+            t.join()
+    for err in errors:
+        if err is not None:
+            raise err
+    return out
 
 
 @dataclass
@@ -263,7 +309,13 @@ def _matches(ia: np.ndarray, ib: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 
 
 def topk_kl(
-    la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray, rows: int | None = None
+    la: np.ndarray,
+    ia: np.ndarray,
+    lb: np.ndarray,
+    ib: np.ndarray,
+    rows: int | None = None,
+    *,
+    threads: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Per token, from top-k log-probs with their ids: ``topk_overlap`` (ids both lists
     hold / the shorter list's length) and ``kl_topk_ab`` / ``kl_topk_ba``: the KL of the
@@ -274,7 +326,8 @@ def topk_kl(
     By the compiled pass (``_fused.topk``: one pass per token) where it is built, else in
     numpy; both worked through ``rows`` tokens at a time (numpy: in buffers made once per
     thread; fresh temporaries of a block each time would fault in new pages), on threads
-    where there are several blocks (both release the interpreter lock).
+    where there are several blocks (both release the interpreter lock): at most ``threads``
+    (None: the machine's cores, up to 8).
     """
     _check_topk_shapes(la, ia, lb, ib)
     n = la.shape[0]
@@ -290,7 +343,7 @@ def topk_kl(
         cap = (1 << 22) // max(1, ka * ka) if shifts else (1 << 20) // max(1, ka + kb)
         rows = max(1, min(rows or 1 << 13, cap))
     starts = list(range(0, n, rows))
-    workers = max(1, min(len(starts), os.cpu_count() or 1, 8))
+    workers = max(1, min(len(starts), os.cpu_count() or 1, 8, threads or 8))
 
     def run(mine: list[int]) -> None:
         if compiled is not None:
@@ -304,12 +357,7 @@ def topk_kl(
             for key, v in _topk_sums(la[s:e], mask, y, k, work).items():
                 out[key][s:e] = v
 
-    parts = [starts[w::workers] for w in range(workers)]
-    if workers == 1:
-        run(parts[0])
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(run, parts))
+    on_threads(run, [starts[w::workers] for w in range(workers)], workers)
     return out
 
 

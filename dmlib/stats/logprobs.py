@@ -37,6 +37,7 @@ the worst positions, the control's figures beside), also :func:`logprob_verdict`
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,7 @@ LADDER_SHOWN = (
 
 BLOCK_TOKENS = 1 << 18  # counted tokens per block of sequences (bounds the temporaries)
 BLOCK_BYTES = 1 << 26  # where whole distributions are given: their bytes per block
+BLOCK_THREADS = 8  # blocks computed at once (at most the machine's cores)
 
 
 @dataclass(frozen=True, eq=False)
@@ -390,24 +392,34 @@ def _pair_rows(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The per-sequence rows and the overall figures of one pair that passed the gate."""
     lengths = sa.lengths
-    blocks: list[figs.Sums] = []
-    rows: list[dict[str, Any]] = []
     limit = BLOCK_TOKENS
-    if distributions and sa.has("logits") and sb.has("logits") and sa.n_seq:
+    logits = distributions and sa.has("logits") and sb.has("logits") and sa.n_seq > 0
+    if logits:
         # a block's logits are gathered from its sequences: about 64 MiB of float32 at once
         limit = max(1, (BLOCK_BYTES // 4) // max(1, sa.arrays["logits"][0].shape[-1]))
-    for s0, s1 in _blocks(lengths, limit):
-        n = lengths[s0:s1]
+    spans = _blocks(lengths, limit)
+    # whole logits take the block's memory bound once: one block at a time there
+    workers = max(1, min(len(spans), 1 if logits else BLOCK_THREADS, os.cpu_count() or 1))
+
+    def one(span: tuple[int, int]) -> figs.Sums:
+        s0, s1 = span
         s = figs.block_sums(
             sa.flat("logprobs", s0, s1),
             sb.flat("logprobs", s0, s1),
-            n,
+            lengths[s0:s1],
             first_seq=s0,
             n_worst=n_worst,
         )
         if distributions:
-            _distributions(sa, sb, s, (s0, s1), top_k)
-        blocks.append(s)
+            # the top-k pass on threads of its own only where the blocks are not
+            _distributions(sa, sb, s, span, top_k, threads=None if workers == 1 else 1)
+        return s
+
+    # a block's sampled-token figures and top-k pass on one thread (numpy's loops and the
+    # compiled pass release the interpreter lock): two blocks' reading and passes overlap
+    blocks = figs.on_threads(one, spans, workers)
+    rows: list[dict[str, Any]] = []
+    for (s0, s1), s in zip(spans, blocks, strict=True):
         cols = {k: (None if v is None else v.tolist()) for k, v in figs.per_sequence(s).items()}
         for i in range(s1 - s0):
             rows.append(
@@ -427,9 +439,16 @@ def _pair_rows(
 
 
 def _distributions(
-    sa: LogprobSide, sb: LogprobSide, s: figs.Sums, span: tuple[int, int], top_k: int
+    sa: LogprobSide,
+    sb: LogprobSide,
+    s: figs.Sums,
+    span: tuple[int, int],
+    top_k: int,
+    *,
+    threads: int | None = None,
 ) -> None:
-    """Add the whole-distribution figures of one block to its sums, where given."""
+    """Add the whole-distribution figures of one block to its sums, where given (the top-k
+    pass on at most ``threads`` threads; None: the machine's cores)."""
     s0, s1 = span
     if sa.has("logits") and sb.has("logits"):
         za, zb = sa.flat("logits", s0, s1), sb.flat("logits", s0, s1)
@@ -441,7 +460,11 @@ def _distributions(
         ia, ib = sa.flat("top_ids", s0, s1), sb.flat("top_ids", s0, s1)
         _check_ids(ia, ib)
         per_token = figs.topk_kl(
-            sa.flat("top_logprobs", s0, s1), ia, sb.flat("top_logprobs", s0, s1), ib
+            sa.flat("top_logprobs", s0, s1),
+            ia,
+            sb.flat("top_logprobs", s0, s1),
+            ib,
+            threads=threads,
         )
         maxed = ()
     else:
@@ -457,7 +480,9 @@ def _distributions(
 
 def _check_ids(ia: np.ndarray, ib: np.ndarray) -> None:
     for side, ids in (("A", ia), ("B", ib)):
-        if ids.size and (ids.min() < 0 or ids.max() >= 1 << 46):
+        # a pass over the ids each: unsigned ids are not negative, 32-bit ones below 2**46
+        low = ids.size and ids.dtype.kind != "u" and ids.min() < 0
+        if low or (ids.size and ids.dtype.itemsize > 4 and ids.max() >= 1 << 46):
             raise DmlibError(f"top_ids of {side} hold ids outside 0 .. 2**46")
         if ids.shape[1] >= 1 << 16:
             raise DmlibError(f"top_ids of {side} list {ids.shape[1]} ids per token (at most 65535)")
