@@ -237,8 +237,10 @@ def test_a_planted_flip_is_named_with_its_margins(tmp_path, family, dt):
         got = values(c, c.boundary(f"{router}:router.margin"))
         np.testing.assert_array_equal(got, v)
         assert "routers_unread" not in c.coverage  # a scalar shared_expert_gate is no router
+    kind = "float-softmax" if family == "mixtral" else "softmax"  # read from each forward
+    assert f["scores"] == kind
     line = f"position {T}: experts {sa[ROW]} -> {sb[ROW]}"
-    assert any(line in s for s in flip_lines(rep))
+    assert any(line in s and s.endswith(f" on {kind}") for s in flip_lines(rep))
 
 
 @pytest.mark.parametrize(("family", "dt"), CASES)
@@ -343,3 +345,39 @@ def test_a_router_without_ids_is_listed_not_judged(tmp_path):
     text = flip_lines(rep)
     assert text[0] == "routing: no expert set changed (0 router calls); 2 not judged"
     assert [s.split(": ")[1] for s in text[1:]] == expected
+
+
+def test_a_router_of_a_class_not_in_the_table_says_its_margins_are_on_logits(tmp_path):
+    """AFMoE's router (not in SCORES) ranks by sigmoid plus a bias its caller passes: its ids
+    are recorded as the router returned them, its margins on the logits, and the capture and
+    the report's text say so; the ``Linear`` named ``gate`` inside it (its logits, no ids)
+    is not listed as an unread router, its router being read."""
+    torch.manual_seed(0)
+    cfg = transformers.AfmoeConfig(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=K, num_shared_experts=1,
+        global_attn_every_n_layers=2, sliding_window=16,
+    )  # fmt: skip
+    model = transformers.AfmoeForCausalLM(cfg).eval()
+    router = "model.layers.1.mlp.router"
+    assert type(model.get_submodule(f"{router}.gate")).__name__ == "Linear"
+    seen = []
+    h = model.get_submodule(router).register_forward_hook(
+        lambda m, a, out: seen.append((out[0].clone(), out[2].clone()))
+    )
+    rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
+    try:
+        with torch.no_grad(), capture(model, tmp_path / "a", row_map=rows):
+            model(input_ids=torch.randint(1, VOCAB, (2, N)), use_cache=False)
+    finally:
+        h.remove()
+    (logits, idx), c = seen[0], open_capture(tmp_path / "a")
+    assert "routers_unread" not in c.coverage
+    kind = "logits (AfmoeTokenChoiceRouter not in SCORES)"
+    assert c.coverage["router_scores"] == {router: kind}
+    np.testing.assert_array_equal(values(c, c.boundary(f"{router}:router.indices")), idx)
+    chosen = logits.gather(1, idx).min(dim=1).values
+    other = logits.scatter(1, idx, float("-inf")).max(dim=1).values
+    margin = values(c, c.boundary(f"{router}:router.margin"))
+    np.testing.assert_array_equal(margin, torch.stack([chosen, other], 1).numpy())

@@ -101,7 +101,8 @@ def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any
     not read in either).
 
     ``{"n_router_calls", "n_flips", "flips": [{request, router, boundary, step, position,
-    experts_a, experts_b, left, joined, margin_a, margin_ulp_a, margin_b, margin_ulp_b}],
+    experts_a, experts_b, left, joined, margin_a, margin_ulp_a, margin_b, margin_ulp_b,
+    scores}],
     "per_router": {router: flips}, "not_judged": [{boundary, reason}]}``, flips in
     execution order; a router either capture could not read is among ``not_judged``.
     """
@@ -113,6 +114,8 @@ def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any
     if not calls and not not_judged:
         return None
     flips: list[dict[str, Any]] = []
+    kinds = a.coverage.get("router_scores")
+    kinds = kinds if isinstance(kinds, dict) else {}
     for x in calls:
         if x.name not in b:
             not_judged.append({"boundary": x.name, "reason": "absent from the second capture"})
@@ -130,7 +133,7 @@ def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any
             for f in _flips(got_a[0], got_b[0], None if ma is None else ma[0],
                             None if mb is None else mb[0], got_a[1]):  # fmt: skip
                 flips.append({"request": r, "router": x.module, "boundary": x.name,
-                              "step": x.step, **f})  # fmt: skip
+                              "step": x.step, **f, "scores": kinds.get(x.module)})  # fmt: skip
     per: dict[str, int] = {}
     for f in flips:
         per[f["router"]] = per.get(f["router"], 0) + 1
@@ -186,6 +189,7 @@ def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
         lines.append(escape(
             f"  {f['boundary']} request {f['request']!r} position {f['position']}: experts "
             f"{f['experts_a']} -> {f['experts_b']}; margin k-th minus next: A {ma}, B {mb}"
+            + (f" on {f['scores']}" if f.get("scores") else "")
         ))  # fmt: skip
     if len(report["flips"]) > limit:
         lines.append(f"  and {len(report['flips']) - limit} more")

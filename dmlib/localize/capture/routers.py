@@ -18,6 +18,8 @@ was in each run:
                                 the highest among the others (``(tokens, 2)``, float32):
                                 the k-th and the (k+1)-th score where the choice is the top k
 
+and what those scores are, per router, in ``coverage.router_scores`` (:func:`score_kind`).
+
 The scores are those the router ranks by (:data:`SCORES`, each row read from the class's
 ``forward`` in transformers 5.25; every one ranks by a score computed before its top-k,
 the weights' renormalisation after it changes no choice): the softmax in float32 of the
@@ -103,6 +105,8 @@ def _hook(rec: Recorder, name: str, inner: bool = False) -> Callable[..., None]:
         with quiet(), torch.no_grad():
             call = calls[0]
             calls[0] += 1
+            if call == 0:
+                rec.coverage.setdefault("router_scores", {})[name] = score_kind(mod)
             logits, indices = found
             scores = choice_scores(mod, logits)
             margin = _margins(scores, indices)
@@ -151,6 +155,14 @@ def _note_unread(rec: Recorder, name: str, why: str) -> None:
         items.append({"module": name, "reason": why})
 
 
+def score_kind(mod: Any) -> str:
+    """What the router's margins are computed on: its :data:`SCORES` kind, or, for a class
+    not in the table, ``"logits (<class> not in SCORES)"``: a ranking by its logits, assumed
+    (a router adding a bias after its logits, such as AFMoE's, ranks by something else)."""
+    cls = type(mod).__name__
+    return SCORES.get(cls) or f"logits ({cls} not in SCORES)"
+
+
 def choice_scores(mod: Any, logits: Any) -> Any:
     """The scores the router ranks experts by (:data:`SCORES`), in float32."""
     how = SCORES.get(type(mod).__name__)
@@ -182,4 +194,6 @@ def _record(rec: Recorder, module: str, call: int, slot: str, t: Any) -> None:
     rec.coverage.setdefault("routers", {})[name] = t.detach().cpu().tolist()
 
 
-__all__ = ["SCORES", "choice_scores", "install", "router_outputs", "routers", "unread_reason"]
+__all__ = [
+    "SCORES", "choice_scores", "install", "router_outputs", "routers", "score_kind", "unread_reason",
+]  # fmt: skip
