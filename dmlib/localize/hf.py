@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -166,7 +166,10 @@ def capture_generate(
         raise CaptureError("capture_generate needs a nested row map (one list per batch row)")
     kw = dict(generate_kwargs)
     kw.setdefault("return_dict_in_generate", False)
-    with capture(model, path, options, row_map=rows, **capture_kwargs) as rec:
+    with (
+        capture(model, path, options, row_map=rows, **capture_kwargs) as rec,
+        _Stops(model, rec) as stops,
+    ):
         out = model.generate(**kw)
         seqs = out if hasattr(out, "shape") else out.sequences
         seq = _array(seqs, "generate() output")
@@ -178,34 +181,125 @@ def capture_generate(
         }
         rec.metadata["generate"] = {"prompt_positions": prompt, "tokens": tokens,
                                     "passes": rec.step + 1}  # fmt: skip
-        rec.metadata["pass_rows"] = _pass_rows(rows, seq, rec.step + 1, *_ends(model, kw))
+        ends = _ends(model, kw)
+        done = stops.done(len(rows), rec.step + 1) if stops.observed else None
+        if done is None and not ends[2]:  # no observation: the end-of-sequence ids alone
+            done = _eos_done(seq, len(rows[0]), rec.step + 1, ends[0])
+        rec.metadata["pass_rows"] = _pass_rows(rows, seq, rec.step + 1, done, ends[1])
     return out
 
 
-def _ends(model: Any, kw: dict[str, Any]) -> tuple[set[int], int]:
-    """The token ids that finish a sequence in this ``generate()`` call, and its beams."""
+#: generate() arguments under which a decode pass computes several positions of a row
+#: (assisted / speculative decoding): capture_generate names no decode row then
+_SEVERAL = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+#: generate() arguments that end a sequence other than by an end-of-sequence id
+_STOPS = ("stop_strings", "stopping_criteria", "max_time")
+
+
+def _ends(model: Any, kw: dict[str, Any]) -> tuple[set[int], int, bool]:
+    """The token ids that finish a sequence in this ``generate()`` call, its beams (or
+    sequences per pass, where a pass computes several positions of a row: not the prompt
+    batch's rows), and whether anything else may end a sequence (stop strings, criteria)."""
     cfg = kw.get("generation_config") or getattr(model, "generation_config", None)
     eos: Any = kw.get("eos_token_id", getattr(cfg, "eos_token_id", None))
     beams = int(kw.get("num_beams") or getattr(cfg, "num_beams", 1) or 1)
+    if any(kw.get(k) is not None for k in _SEVERAL):
+        beams = max(beams, 2)  # (the one-position-per-pass rule does not hold)
     if eos is not None and hasattr(eos, "tolist"):
         eos = eos.tolist()
     ids = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
-    return {int(e) for e in ids}, beams
+    other = any(kw.get(k) for k in _STOPS) or bool(getattr(cfg, "stop_strings", None))
+    return {int(e) for e in ids}, beams, other
+
+
+def _eos_done(seq: np.ndarray, prompt: int, passes: int, eos: set[int]) -> list[int]:
+    """Per row: the first pass feeding a token after its end-of-sequence token."""
+    done = []
+    for b in range(len(seq)):
+        gen = [int(t) for t in seq[b, prompt:]]
+        end = next((i for i, t in enumerate(gen) if t in eos), None)
+        done.append(passes if end is None else end + 2)
+    return done
+
+
+class _Stops:
+    """Which batch rows ``generate()``'s own stopping criteria ended, and after which pass.
+
+    Every instance in the model whose class builds generate()'s criteria
+    (``_get_stopping_criteria``: transformers' models, the one a PEFT wrapper runs) hands
+    back its list wrapped, so that each call (after the pass that chose a token) is seen
+    with the pass's number and the rows it found done: EOS ids, ``max_length``, stop
+    strings and any custom criterion alike, as generate() itself decides. ``observed``:
+    whether generate() built its criteria through one of them (else nothing is known)."""
+
+    def __init__(self, model: Any, rec: Any) -> None:
+        self.rec, self.seen, self.observed = rec, cast(list[tuple[int, list[bool]]], []), False
+        self.mods = [m for m in _modules(model) if hasattr(type(m), "_get_stopping_criteria")]
+        self.saved: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> _Stops:
+        for m in self.mods:
+            self.saved.append((m, m.__dict__.get("_get_stopping_criteria")))
+            m._get_stopping_criteria = self._wrap(m._get_stopping_criteria)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m, old in reversed(self.saved):
+            if old is None:
+                del m._get_stopping_criteria
+            else:
+                m._get_stopping_criteria = old
+
+    def _wrap(self, build: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            criteria = build(*args, **kwargs)
+            self.observed = True
+            seen, rec = self.seen, self.rec
+
+            class Observed(type(criteria)):  # type: ignore[misc]
+                def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+                    done = super().__call__(input_ids, scores, **kw)
+                    seen.append((rec.step, [bool(x) for x in done.tolist()]))
+                    return done
+
+            return Observed(criteria)
+
+        return wrapped
+
+    def done(self, rows: int, passes: int) -> list[int] | None:
+        """Per batch row: the first pass feeding a token after its sequence ended (the
+        pass after the one whose chosen token a criterion ended it on), ``passes`` where
+        none did; None where a call saw another number of rows."""
+        out = [passes] * rows
+        for step, flags in self.seen:
+            if len(flags) != rows:
+                return None
+            for b, hit in enumerate(flags):
+                if hit and out[b] == passes:
+                    out[b] = step + 2
+        return out
+
+
+def _modules(model: Any) -> list[Any]:
+    """``model`` and its submodules (``modules()`` where it has one)."""
+    return list(model.modules()) if hasattr(model, "modules") else [model]
 
 
 def _pass_rows(
-    rows: RowEntries, seq: np.ndarray, passes: int, eos: set[int], beams: int = 1
+    rows: RowEntries, seq: np.ndarray, passes: int, done: list[int] | None, beams: int = 1
 ) -> dict[str, list[list[Any] | None]]:
     """``pass_rows`` of a ``generate()`` run: per pass, [request, position] or None per batch
     row. The prefill's entry is the row's last prompt column (what a one-column tensor of
     it holds); decode pass ``s`` feeds the token chosen by pass ``s - 1``, so the request
     filling row ``b`` alone, with ``P_b`` prompt positions (padding not counted), computes
     position ``P_b + s - 1``. A row is None where several requests or none fill it, and
-    after its sequence finished: once the token fed follows an end-of-sequence token
-    (``generate()`` still computes such rows, on padding). Where the decode batch is not
-    the prompt's rows (beam search, several sequences per prompt) no decode row is named,
-    so those positions are listed as not captured rather than paired by guess."""
-    prompt = len(rows[0])
+    after its sequence ended: from pass ``done[b]`` on, the first feeding a token after
+    the one generate()'s stopping criteria ended it on (``generate()`` still computes such
+    rows). Where the decode batch is not the prompt's rows (beam search, several sequences
+    per prompt, several positions per pass) or where the ends are not known (``done``
+    None) no decode row is named, so those positions are listed as not captured rather
+    than paired by guess."""
     owners = _row_owners(rows)
     table: dict[str, list[list[Any] | None]] = {
         "0": [
@@ -213,13 +307,8 @@ def _pass_rows(
             for r, o in zip(rows, owners, strict=True)
         ]
     }
-    if len(seq) != len(rows) or beams > 1:  # the decode batch is not the prompt batch's rows
+    if len(seq) != len(rows) or beams > 1 or done is None:  # not the prompt batch's rows
         return {**table, **{str(s): [None] * len(seq) for s in range(1, passes)}}
-    done = []  # per row: the first pass feeding a token after the end of its sequence
-    for b in range(len(rows)):
-        gen = [int(t) for t in seq[b, prompt:]] if b < len(seq) else []
-        end = next((i for i, t in enumerate(gen) if t in eos), None)
-        done.append(passes if end is None else end + 2)
     for s in range(1, passes):
         table[str(s)] = [
             [o, 1 + max(e[1] for e in r if e is not None) + s - 1]
