@@ -107,6 +107,7 @@ def _step_hook(rec: Recorder) -> Callable[..., None]:
     def hook(mod: Any, args: Any) -> None:
         rec.step = calls[0]
         calls[0] += 1
+        rec.pass_outputs.clear()  # (a pass's outputs, looked for by its pass hook)
 
     return hook
 
@@ -146,12 +147,15 @@ def _pass_hook(rec: Recorder) -> Callable[..., None]:
 
 def _recorded(rec: Recorder) -> set[tuple[int, Any]]:
     """(id, version) of the live tensors a hooked module output in this pass (a model's
-    logits are often its head's output itself: captured, though the root was not hooked)."""
+    logits are often its head's output itself: captured, though the root was not hooked).
+
+    Only this pass's outputs are walked (``rec.pass_outputs``, emptied as each pass
+    begins), so a pass costs the same however many passes came before it."""
     out = set()
-    for key, (ref, entry) in rec._seen.items():
+    for ref, version in rec.pass_outputs:
         t = ref()
-        if t is not None and entry["kind"] == "output" and entry.get("step", 0) == rec.step:
-            out.add((id(t), key[1]))
+        if t is not None:
+            out.add((id(t), version))
     return out
 
 

@@ -18,11 +18,13 @@ from typing import Any, cast
 import numpy as np
 
 from dmlib.errors import CaptureError
+from dmlib.hashing import CHECKSUM
 from dmlib.localize.capture import treehash
 from dmlib.localize.capture.broadcast import position_dims, record_broadcast
 from dmlib.localize.capture.columns import record_columns, wants_columns
 from dmlib.localize.capture.digests import (
     TREE_TAGS,
+    _device_checksums,
     _leaf_hasher,
     _tree_args,
     digest_hex,
@@ -60,6 +62,17 @@ INLINE_BYTES = 1 << 20  # host tensors up to this size are hashed in the hook, u
 # 200-500 us copied, measured), so the copy costs more than the hashing it hands over
 INLINE_BYTES_XXH3 = sys.maxsize
 _LAYOUT_HITS: dict[tuple[Any, ...], bool] = {}  # (patterns, module, slot) -> layout input?
+
+
+class _RowSets:
+    """The two things :func:`_device_checksums` reads of a row map: its length (rows) and
+    ``requests`` (request -> its rows in order), for a KV cache's own rows."""
+
+    def __init__(self, entries: list[Any], requests: dict[str, list[int]]) -> None:
+        self.entries, self.requests = entries, requests
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class Recorder(HostDigests):
@@ -126,6 +139,9 @@ class Recorder(HostDigests):
         # same version holds the same bytes
         self._seen: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
         self._same: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (entry, its first)
+        # (a weak reference, version) of each tensor first recorded as an output in this
+        # forward pass (emptied as each pass begins: hooks.py's pass hook reads it)
+        self.pass_outputs: list[tuple[Any, int]] = []
         self._plan: list[tuple[str, np.ndarray, tuple[int, int] | None]] | None = None
         self._spans: dict[str, tuple[int, int]] | None = None
         # (request, first row, rows) of the requests on consecutive rows; the others
@@ -207,13 +223,7 @@ class Recorder(HostDigests):
             same = first[1]
             entry = dict(same, name=name, module=module, call=call, slot=slot)
         else:
-            arr = treehash.contiguous(_host_view(t))
-            # (batch, positions, heads, head_dim): one row per (batch row, position)
-            flat = treehash.contiguous(arr.transpose(0, 2, 1, 3)).reshape(len(rows[0]), -1)
-            requests = self._row_set_digests(flat, rows[1])
-            entry = new_entry(module, call, "input", slot, arr.dtype.name, arr.shape, self.scheme,
-                              {"cache": True})  # fmt: skip
-            entry["digest"], entry["requests"] = digest_hex(arr, self.scheme), requests
+            entry = self._cache_entry(module, call, slot, t, rows)
             if key is not None:
                 self._seen[key] = (weakref.ref(t), entry)
         entry.pop("step", None)
@@ -221,6 +231,38 @@ class Recorder(HostDigests):
             entry["step"] = self.step
         self.boundaries.append(entry)
         return name
+
+    def _cache_entry(
+        self,
+        module: str,
+        call: int,
+        slot: str,
+        t: Any,
+        rows: tuple[list[Any], dict[str, list[int]]],
+    ) -> dict[str, Any]:
+        """A KV-cache tensor's entry and its digests, whole and per request by ``rows``:
+        where it lives (``cksum4-v1``, as :meth:`_digest` hashes a device tensor), else on
+        the host."""
+        if self.device_hash and (not t.is_cpu or self._device_path_on_cpu):
+            try:  # (batch, positions, heads, head_dim) rows, as on the host
+                whole, _, requests = _device_checksums(t, None, (0, 2), False,
+                                                       cast(RowMap, _RowSets(*rows)),
+                                                       self.block_rows)  # fmt: skip
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                pass  # the host hashes it instead
+            else:
+                entry = new_entry(module, call, "input", slot, _np_dtype(t.dtype).name,
+                                  tuple(t.shape), CHECKSUM, {"cache": True})  # fmt: skip
+                entry["digest"], entry["requests"] = whole, requests
+                return entry
+        arr = treehash.contiguous(_host_view(t))
+        # (batch, positions, heads, head_dim): one row per (batch row, position)
+        flat = treehash.contiguous(arr.transpose(0, 2, 1, 3)).reshape(len(rows[0]), -1)
+        requests = self._row_set_digests(flat, rows[1])
+        entry = new_entry(module, call, "input", slot, arr.dtype.name, arr.shape, self.scheme,
+                          {"cache": True})  # fmt: skip
+        entry["digest"], entry["requests"] = digest_hex(arr, self.scheme), requests
+        return entry
 
     def _cache_rows(self, shape: tuple[int, ...]) -> tuple[list[Any], dict[str, list[int]]] | None:
         """(entry per flattened (batch, position) row, request -> its rows in order), once
@@ -403,7 +445,10 @@ class Recorder(HostDigests):
                 entry["dump"] = first[1]["dump"]
             return True
         if key is not None:
-            self._seen[key] = (weakref.ref(original), entry)
+            ref = weakref.ref(original)
+            self._seen[key] = (ref, entry)
+            if entry["kind"] == "output":  # (the pass hook's check: this pass's outputs only)
+                self.pass_outputs.append((ref, key[1]))
         return False
 
     @staticmethod

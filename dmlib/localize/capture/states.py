@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dmlib.localize.capture.digests import digest_hex
-from dmlib.localize.capture.format import ENTRY_KEYS, OPTIONAL_KEYS, boundary_name, new_entry
-from dmlib.localize.capture.tensors import _filled, _np_dtype, _to_numpy, is_cache
+from dmlib.localize.capture.format import ENTRY_KEYS, OPTIONAL_KEYS
+from dmlib.localize.capture.tensors import _filled, is_cache
 
 try:
     import torch
@@ -115,8 +114,12 @@ def record_states(rec: Recorder, output: Any) -> int:
         else:
             rec.record_cache(rec.root, rec.step, slot, t, rolled=how == "rolled")
             # the same digests, as what this pass leaves behind (the recorder keeps its own
-            # entry to share with a later module that receives this cache)
-            rec.boundaries[-1] = _as_state(rec.boundaries[-1])
+            # entry to share with a later module that receives this cache); digests still
+            # to come (a worker's, or shared) are copied into the state's when they are
+            first = rec.boundaries[-1]
+            rec.boundaries[-1] = _as_state(first)
+            if first["digest"] is None:
+                rec._same.append((rec.boundaries[-1], first))
         n += 1
     if not n:
         rec.note_unseen(f"{rec.root} output {name}",
@@ -133,20 +136,24 @@ def _as_state(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record_batch_state(rec: Recorder, slot: str, t: Any) -> None:
-    """One state with a row per sequence: whole, and per index of its first axis."""
-    t = t.detach()
-    arr = _to_numpy(t)
-    label = _np_dtype(t.dtype).name
-    entry = new_entry(rec.root, rec.step, "output", slot, label, tuple(arr.shape), rec.scheme,
-                      {"state": True}, rec.step)  # fmt: skip
-    entry["digest"] = digest_hex(arr, rec.scheme)
-    if rec.row_map is not None and arr.ndim >= 1:
-        entry["leading"] = [digest_hex(x, rec.scheme) for x in arr]
-    name = boundary_name(rec.root, rec.step, "output", slot)
+    """One state with a row per sequence: whole, and per index of its first axis.
+
+    Hashed as the recorder hashes a module's output read whole (:meth:`Recorder._digest`):
+    where it lives (a device checksum), in one compiled call, or on a worker for a large
+    tensor; a state tensor recorded before at the same version (unchanged since: a layer
+    this pass did not write, or a module's output the cache holds) shares its digests."""
+    original, t = t, (t.detach() if t.requires_grad else t)
+    entry = rec._entry(rec.root, rec.step, "output", slot, t.dtype, tuple(t.shape),
+                       {"state": True})  # fmt: skip
+    if rec.row_map is not None and t.dim() >= 1:
+        entry["leading"] = []  # one digest per index of axis 0: filled with the others
     rec.boundaries.append(entry)
-    if rec._wants_dump(name):
+    wants_dump = rec._wants_dump(entry["name"])
+    if rec._share(entry, original, (None, None, entry["leading"] is not None), wants_dump):
+        return
+    if wants_dump:
         entry["dump"] = rec._dump_plan(len(rec.boundaries) - 1, False)
-        rec._write_dump(entry["dump"], arr, None)
+    rec._digest(entry, t, None, None)
 
 
 __all__ = ["CACHE_OUTPUTS", "find_cache", "record_states", "state_tensors"]
