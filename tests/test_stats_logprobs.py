@@ -654,18 +654,27 @@ def dict_topk(la: np.ndarray, ia: np.ndarray, lb: np.ndarray, ib: np.ndarray) ->
     return np.array(rows)
 
 
-@pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4), (70, 70)])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_topk_matching_against_plain_dicts(ka: int, kb: int, dtype: type, topk_engine: str) -> None:
+@pytest.mark.parametrize("ka, kb", [(6, 6), (20, 20), (6, 4), (17, 33), (64, 64), (70, 70)])
+@pytest.mark.parametrize(
+    ("dtype", "id_dtype"),
+    [(np.float32, np.int64), (np.float64, np.int64), (np.float32, np.int32)],
+)
+def test_topk_matching_against_plain_dicts(
+    ka: int, kb: int, dtype: type, id_dtype: type, topk_engine: str
+) -> None:
     from dmlib.stats.logprob_figures import compiled_topk, topk_kl
 
     rng = np.random.default_rng(ka * 100 + kb)
     n = 3000
     # ids from a small pool (the other list lacks some), distinct in most lists and one
     # repeated in about a third; ids equal in their low 16 bits (7, 7 + 2**16, 7 + 2**40)
-    # are different ids
-    extra = [7, 7 + (1 << 16), 7 + (1 << 40), 2**46 - 1, 70_000, 3]
-    pool = np.array(extra + [100 + i for i in range(max(ka, kb))])
+    # are different ids; int32 lists (the compiled pass compares them as stored) hold
+    # 0 (what a lane past a list's end would read as) and the largest int32
+    if id_dtype == np.int32:
+        extra = [7, 7 + (1 << 16), 0, 2**31 - 1, 70_000, 3]
+    else:
+        extra = [7, 7 + (1 << 16), 7 + (1 << 40), 2**46 - 1, 70_000, 3]
+    pool = np.array(extra + [100 + i for i in range(max(ka, kb))], dtype=id_dtype)
 
     def lists(k: int) -> np.ndarray:
         ids = np.stack([rng.permutation(pool)[:k] for _ in range(n)])

@@ -345,19 +345,6 @@ TOPK_CLONES static void topk_exp(const double *v, double *e, Py_ssize_t m) {
         if (!(v[i] >= -708.0 && v[i] <= 709.0)) e[i] = exp(v[i]);
 }
 
-/* The terms of m pairs (v: x, y, ...; e: exp x, exp y, ...) into e in place, one loop
- * without branches: exp x, exp y, exp(x) (x - y) (0 where exp x is not > 0), exp(y)
- * (y - x) (0 where exp y is not > 0); e holds 4 m values, v 2 m. */
-TOPK_CLONES static void topk_terms(const double *v, double *e, Py_ssize_t m) {
-    for (Py_ssize_t j = m - 1; j >= 0; j--) { /* backwards: e[2j..] is read before written */
-        double x = v[2 * j], y = v[2 * j + 1], pa = e[2 * j], pb = e[2 * j + 1], d = x - y;
-        e[4 * j] = pa;
-        e[4 * j + 1] = pb;
-        e[4 * j + 2] = pa > 0.0 ? pa * d : 0.0;
-        e[4 * j + 3] = pb > 0.0 ? -(pb * d) : 0.0;
-    }
-}
-
 /* The tokens of one block: their matched pairs (A's first entry x, B's first entry y of
  * each id both hold, in A's order) into v (x, y, x, y, ...), their count into cnt. */
 static void topk_match(const char *la, const char *ia, const char *lb, const char *ib,
@@ -442,6 +429,48 @@ __attribute__((target("avx512f"))) static void topk_match_512(
         cnt[t - t0] = c;
     }
 }
+
+/* topk_match_512 for int32 ids in both lists: 16-wide comparisons on the ids as stored
+ * (masked loads: lanes past a list's end are neither read nor matched), no 64-bit copy
+ * of the lists; the same pairs. */
+static inline __mmask16 topk_lanes(Py_ssize_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)(((uint32_t)1 << left) - 1);
+}
+
+__attribute__((target("avx512f"))) static void topk_match_512_i32(
+    const char *la, const char *ia, const char *lb, const char *ib, Py_ssize_t t0, Py_ssize_t t1,
+    Py_ssize_t ka, Py_ssize_t kb, int fa, int fb, double *v, int32_t *cnt) {
+    __m512i va[4], vb[4];
+    int na = (int)((ka + 15) / 16), nb = (int)((kb + 15) / 16);
+    Py_ssize_t m = 0;
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        const char *ta = ia + t * ka * 4, *tb = ib + t * kb * 4;
+        for (int q = 0; q < na; q++)
+            va[q] = _mm512_maskz_loadu_epi32(topk_lanes(ka - 16 * q), ta + 64 * q);
+        for (int q = 0; q < nb; q++)
+            vb[q] = _mm512_maskz_loadu_epi32(topk_lanes(kb - 16 * q), tb + 64 * q);
+        const char *xa = la + t * ka * fa, *xb = lb + t * kb * fb;
+        int32_t c = 0;
+        for (Py_ssize_t i = 0; i < ka; i++) {
+            int32_t id;
+            memcpy(&id, ta + 4 * i, 4);
+            __m512i x = _mm512_set1_epi32(id);
+            uint64_t mb = 0, ma = 0;
+            for (int q = 0; q < nb; q++)
+                mb |= (uint64_t)_mm512_mask_cmpeq_epi32_mask(topk_lanes(kb - 16 * q), vb[q], x)
+                      << (16 * q);
+            if (!mb) continue;
+            for (int q = 0; q < (int)((i + 15) / 16); q++)
+                ma |= (uint64_t)_mm512_cmpeq_epi32_mask(va[q], x) << (16 * q);
+            if (ma & (((uint64_t)1 << i) - 1)) continue; /* not A's first entry of the id */
+            v[2 * m] = load_f(xa, i, fa);
+            v[2 * m + 1] = load_f(xb, __builtin_ctzll(mb), fb);
+            m++;
+            c++;
+        }
+        cnt[t - t0] = c;
+    }
+}
 #endif
 
 static void topk_run(const char *la, const char *ia, const char *lb, const char *ib, double *o_ab,
@@ -453,23 +482,30 @@ static void topk_run(const char *la, const char *ia, const char *lb, const char 
     for (Py_ssize_t t0 = 0; t0 < n; t0 += block) {
         Py_ssize_t t1 = t0 + block < n ? t0 + block : n, m = 0;
 #ifdef TOPK_AVX512
-        if (ka <= 64 && kb <= 64 && !table_only && __builtin_cpu_supports("avx512f"))
-            topk_match_512(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, v, cnt);
-        else
+        if (ka <= 64 && kb <= 64 && !table_only && __builtin_cpu_supports("avx512f")) {
+            if (wa == 4 && wb == 4)
+                topk_match_512_i32(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, v, cnt);
+            else
+                topk_match_512(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, v, cnt);
+        } else
 #endif
             topk_match(la, ia, lb, ib, t0, t1, ka, kb, fa, fb, wa, wb, table, mask, v, cnt);
         for (Py_ssize_t t = t0; t < t1; t++) m += cnt[t - t0];
         topk_exp(v, ev, 2 * m);
-        topk_terms(v, ev, m);
-        const double *pe = ev;
+        /* the terms summed as they are made (the sums' four chains of additions take the
+         * time; the products and tests beside them cost nothing more): exp x, exp y,
+         * exp(x) (x - y) (0 where exp x is not > 0), exp(y) (y - x) (0 where exp y is not
+         * > 0), in the pairs' order */
+        const double *pv = v, *pe = ev;
         for (Py_ssize_t t = t0; t < t1; t++) {
             double ab = 0.0, ba = 0.0, sa = 0.0, sb = 0.0;
             int32_t c = cnt[t - t0];
-            for (int32_t j = 0; j < c; j++, pe += 4) {
-                sa += pe[0];
-                sb += pe[1];
-                ab += pe[2];
-                ba += pe[3];
+            for (int32_t j = 0; j < c; j++, pv += 2, pe += 2) {
+                double pa = pe[0], pb = pe[1], d = pv[0] - pv[1];
+                sa += pa;
+                sb += pb;
+                ab += pa > 0.0 ? pa * d : 0.0;
+                ba += pb > 0.0 ? -(pb * d) : 0.0;
             }
             double ra = topk_rest(sa), rb = topk_rest(sb);
             o_ab[t] = ab + topk_bucket(ra, rb);
@@ -503,7 +539,7 @@ static PyObject *py_topk(PyObject *self, PyObject *args) {
         size_t pairs = (size_t)block * (size_t)ka;     /* at most ka pairs per token */
         topk_slot *table = PyMem_RawMalloc(size * sizeof(topk_slot));
         double *v = PyMem_RawMalloc(2 * pairs * sizeof(double));
-        double *ev = PyMem_RawMalloc(4 * pairs * sizeof(double));
+        double *ev = PyMem_RawMalloc(2 * pairs * sizeof(double));
         int32_t *cnt = PyMem_RawMalloc((size_t)block * sizeof(int32_t));
         if (table == NULL || v == NULL || ev == NULL || cnt == NULL) {
             PyErr_NoMemory();
