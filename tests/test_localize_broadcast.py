@@ -141,3 +141,32 @@ def test_position_ids_of_shape_1_by_L_judged_by_position(tmp_path):
     assert dict(zip(moved["boundary"], moved["identical"], strict=True))[f"{POS}:input0"] == True  # noqa: E712
     a = compare_captures(tmp_path / "batch", tmp_path / "moved", request="a")
     assert dict(zip(a["boundary"], a["identical"], strict=True))[f"{POS}:input0"] == False  # noqa: E712
+
+
+def test_broadcast_rows_checksummed_where_they_live(tmp_path, monkeypatch):
+    """With the device's checksums (taken here on CPU tensors, ``cksum4-v1``) on both sides,
+    cos is judged by position as on the host: identical alone against the batch, +1 ULP at
+    a column the probe does not occupy still identical for it, at its position 2 found."""
+    from dmlib.localize.capture import recorder
+
+    init = recorder.Recorder.__init__
+
+    def on_device_path(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._device_path_on_cpu = True  # the device path, as a GPU tensor takes it
+
+    monkeypatch.setattr(recorder.Recorder, "__init__", on_device_path)
+    m = _model()
+    _alone(m, tmp_path / "alone")
+    _batch(m, tmp_path / "batch")
+    _batch(m, tmp_path / "late", plant=4)
+    _batch(m, tmp_path / "hit", plant=2)
+    b = dmlib.open_capture(tmp_path / "batch").boundary(ROT)
+    assert b.broadcast and b.hash == "cksum4-v1" and b.requests["p"].n_rows == 3
+    for side, same in (("batch", True), ("late", True), ("hit", False)):
+        df = compare_captures(tmp_path / "alone", tmp_path / side, request="p")
+        got = dict(zip(df["boundary"], df["identical"], strict=True))
+        assert got[ROT] == same, side
+        assert got["model.layers.0:input.position_embeddings.0"] == same, side
+        if side == "batch":
+            assert got[f"{ROT}:output1"] == True  # noqa: E712

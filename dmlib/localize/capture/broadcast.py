@@ -15,9 +15,10 @@ dumps (a broadcast boundary is hashed, never dumped).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from dmlib.localize.capture.digests import digest_hex
+from dmlib.hashing import CHECKSUM
+from dmlib.localize.capture.digests import _device_checksums, digest_hex
 from dmlib.localize.capture.tensors import _to_numpy
 
 
@@ -38,19 +39,43 @@ def position_dims(rec: Any, shape: tuple[int, ...]) -> int | None:
 
 
 def record_broadcast(rec: Any, module: str, call: int, kind: str, slot: str, t: Any, k: int) -> str:
-    """Hash ``t`` whole and, per request, the rows of the positions it occupies."""
+    """Hash ``t`` whole and, per request, the rows of the positions it occupies.
+
+    On the recorder's path: the digests of a tensor recorded so before at the same
+    version are shared (a rotary embedding's cos and sin reach every layer), and a
+    device tensor is checksummed where it lives (``cksum4-v1``) where ``device_hash``
+    allows; else the host hashes a copy."""
     n = rec.layout[1]
-    t = t.detach() if t.requires_grad else t
-    arr = _to_numpy(t)
-    flat = arr.reshape(n, -1)
-    columns = {r: [int(i) % n for i in idx] for r, idx in rec.row_map.requests.items()}
+    original, t = t, (t.detach() if t.requires_grad else t)
     entry = rec._entry(module, call, kind, slot, t.dtype, tuple(t.shape), None)
-    entry["digest"] = digest_hex(arr, rec.scheme)
-    entry["requests"] = rec._row_set_digests(flat, columns)
     entry["row_dims"] = k
     entry["broadcast"] = True
     rec.boundaries.append(entry)
+    if rec._share(entry, original, ("broadcast", k), False):
+        return str(entry["name"])
+    columns = {r: [int(i) % n for i in idx] for r, idx in rec.row_map.requests.items()}
+    if rec.device_hash and (not t.is_cpu or rec._device_path_on_cpu):
+        try:  # (checksums do not depend on how the bytes are cut into rows)
+            whole, _, requests = _device_checksums(t.reshape(n, -1), 1, None, False,
+                                                   cast(Any, _Columns(columns)),
+                                                   rec.block_rows)  # fmt: skip
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            pass  # the host hashes it instead
+        else:
+            entry["hash"], entry["digest"], entry["requests"] = CHECKSUM, whole, requests
+            return str(entry["name"])
+    arr = _to_numpy(t)
+    entry["digest"] = digest_hex(arr, rec.scheme)
+    entry["requests"] = rec._row_set_digests(arr.reshape(n, -1), columns)
     return str(entry["name"])
+
+
+class _Columns:
+    """What :func:`_device_checksums` reads of a row map for rows read by index of axis 0:
+    ``requests``, each request's rows (here the columns it occupies) in order."""
+
+    def __init__(self, requests: dict[str, list[int]]) -> None:
+        self.requests = requests
 
 
 __all__ = ["position_dims", "record_broadcast"]
