@@ -30,8 +30,9 @@ references (a pickle's memo) or long keys repeated at every level:
 - :func:`max_name_chars_total`: the characters of all flattened names together, 1/64 of
   memory;
 - :data:`MAX_JSON_KEYS`: the most keys of one JSON object (:func:`json_pairs_hook`);
-- :data:`MAX_NESTING`: how deep a TOML document's arrays and tables may nest
-  (:func:`nesting_depth`).
+- :data:`MAX_NESTING`: how deep a document's containers may nest: a TOML file's arrays
+  and tables, a JSON file's lists and objects, a msgpack file's maps and arrays
+  (:func:`nesting_depth`; :func:`dmlib.safepaths.bounded_json`).
 
 :class:`Flattening` applies the name and count limits while a reader joins keys.
 """
@@ -53,6 +54,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_NESTING",
     "MAX_RATIO",
+    "MAX_TEXT_BYTES",
     "MAX_TREE_NODE",
     "Flattening",
     "allowed_output",
@@ -90,7 +92,10 @@ MAX_NAME_CHARS = 4096
 #: Trainer log entry holds tens.
 MAX_JSON_KEYS = 100_000
 
-#: How deep a TOML document (a study, a mapping file) may nest arrays and tables.
+#: How deep one document may nest its containers: a TOML file's arrays and tables (a study,
+#: a mapping file), a JSON file's lists and objects (a capture manifest, Orbax and zarr
+#: metadata, a Trainer state, a config), a flax msgpack file's maps and arrays. One limit
+#: for all (a capture manifest dmlib writes nests at most 6).
 MAX_NESTING = 64
 
 #: The most bits of an integer a file may hold as a plain value (a step, an RNG word):

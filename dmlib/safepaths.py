@@ -5,9 +5,16 @@ may come from someone else. :func:`inside` resolves a relative path against the 
 that names it, symlinks included (``os.path.realpath``), and refuses one that is
 absolute or ends up outside the folder; :func:`regular_file` refuses what is not a plain
 file (a FIFO would block a hash forever, ``/proc`` files change while read);
-:func:`bounded_json` reads JSON nested no deeper than a limit. A reader of a folder format
-opens each file through :func:`confined_file` (inside the folder, symlinks resolved, a
-regular file) and reads it with :func:`read_regular` (never waits on a FIFO).
+:func:`bounded_json` reads JSON nested no deeper than :data:`dmlib._limits.MAX_NESTING`. A
+reader of a folder format opens each file through :func:`confined_file` (inside the folder,
+symlinks resolved, a regular file).
+
+:func:`read_regular` is the one reader of a file an input names, whole or a byte range:
+the Orbax and OCDBT readers' chunks and metadata, a Trainer or ``save_pretrained`` folder's
+JSON (:func:`dmlib.io._folderfiles.read_member`, after its own confinement check) and a
+mapping file (:func:`dmlib.mapping.spec.load_mapping`) all go through it: never through a
+final symlink, never waiting on a FIFO, a size limit checked before reading where one is
+given, a file changing size while read refused.
 """
 
 from __future__ import annotations
@@ -18,11 +25,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from dmlib._limits import nesting_depth
+from dmlib._limits import MAX_NESTING, human, nesting_depth
 from dmlib.errors import DmlibError
 
 __all__ = [
-    "MAX_JSON_DEPTH",
     "bounded_json",
     "confined_file",
     "contained",
@@ -30,9 +36,6 @@ __all__ = [
     "read_regular",
     "regular_file",
 ]
-
-#: Deepest nesting of lists and objects a manifest may hold (dmlib writes at most 6).
-MAX_JSON_DEPTH = 64
 
 
 def contained(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
@@ -171,46 +174,76 @@ def read_regular(
     offset: int = 0,
     length: int | None = None,
     *,
-    what: str,
-    where: str,
+    what: str = "",
+    where: str | os.PathLike[str],
     error: type[DmlibError] = DmlibError,
+    limit: int | None = None,
+    kind: str = "a file",
 ) -> bytes:
-    """``length`` bytes (None: to the end) at ``offset`` of the regular file ``real``.
+    """``length`` bytes at ``offset`` of the regular file ``real`` (None: the rest of it).
 
-    Opened without following a final symlink and without blocking (a FIFO or device put
-    in its place after :func:`confined_file` looked is refused, not waited on).
+    The one reader of a file named by an input: ``real`` is a path already resolved (and,
+    for a folder format, checked to lie inside the folder: :func:`confined_file`). It is
+    opened without following a final symlink and without blocking, then checked with
+    ``fstat``, so a FIFO or device put in its place after the caller looked is refused,
+    never waited on or read. With ``limit``, a file larger than ``limit`` bytes is refused
+    before a byte is read (``kind`` names what may take that much: ``"a mapping file"``).
+    Read to its end, a file whose size changes while it is read is refused, never returned
+    cut short or grown. Each refusal is one ``error`` for ``where``, its text prefixed
+    with ``what`` (the member's name where ``where`` is its folder).
     """
+    pre = f"{what} " if what else ""
     try:
         fd = os.open(real, _READ_FLAGS)
+    except FileNotFoundError:
+        raise error(f"{pre}not found", path=where) from None
     except OSError as err:
-        raise error(f"{what} cannot be read ({err.strerror})", path=where) from None
+        raise error(f"{pre}cannot be read ({err.strerror or err})", path=where) from None
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise error(f"{pre}is a directory, not {kind}; not read", path=where)
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{what} is not a regular file; not read", path=where)
-        want = st.st_size - offset if length is None else length
-        parts, got = [], 0
-        while got < want:
-            chunk = os.pread(fd, min(want - got, 1 << 30), offset + got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            raise error(
+                f"{pre}is not a regular file (a device, FIFO or socket); not read", path=where
+            )
+        if limit is not None and st.st_size > limit:
+            raise error(
+                f"{pre}is {human(st.st_size)}, more than the {human(limit)} {kind} may take",
+                path=where,
+            )
+        want = max(st.st_size - offset, 0) if length is None else length
+        data = _pread_all(fd, offset, want)
+        if length is None and (len(data) != want or os.pread(fd, 1, offset + want)):
+            raise error(f"{pre}changed while reading (its size is not the one opened)", path=where)
+        return data
     finally:
         os.close(fd)
+
+
+def _pread_all(fd: int, offset: int, want: int) -> bytes:
+    """Up to ``want`` bytes at ``offset`` (fewer where the file ends first)."""
+    parts, got = [], 0
+    while got < want:
+        chunk = os.pread(fd, min(want - got, 1 << 30), offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def bounded_json(
     text: str,
     *,
     where: str | os.PathLike[str],
-    limit: int = MAX_JSON_DEPTH,
+    limit: int = MAX_NESTING,
     error: type[DmlibError] = DmlibError,
 ) -> Any:
     """``json.loads(text)``, refusing invalid JSON and nesting deeper than ``limit``.
 
-    The message names ``where`` (the file) and says what was wrong.
+    The message names ``where`` (the file) and says what was wrong. The default limit is
+    the one every reader's nesting has (a capture manifest dmlib writes nests at most 6).
     """
     try:
         obj = json.loads(text)

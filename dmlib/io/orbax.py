@@ -182,7 +182,7 @@ def _rel(path: str, top: str) -> str:
 
 def _json(path: str, folder: str, top: str) -> Any:
     """The JSON file ``path`` (inside ``top``, a regular file, nested at most
-    :data:`dmlib.safepaths.MAX_JSON_DEPTH` deep), or None when it is not there."""
+    :data:`dmlib._limits.MAX_NESTING` deep), or None when it is not there."""
     found = confined_file(
         os.path.realpath(top), path, what=_rel(path, top), where=top, error=FormatError
     )

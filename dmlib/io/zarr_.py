@@ -15,7 +15,7 @@ value. Work is bounded by this machine (:mod:`dmlib._limits`), never by what the
 declares: an array larger than one piece may take is refused when read, a chunk inflates
 at most to its own size and no more than its stored size allows, and a nonzero fill value
 covers at most what a stored byte may inflate to. Metadata JSON nested deeper than
-:data:`dmlib.safepaths.MAX_JSON_DEPTH` levels is refused. Supported codecs: v2 compressor zstd,
+:data:`dmlib._limits.MAX_NESTING` levels is refused. Supported codecs: v2 compressor zstd,
 zlib, gzip or none (no filters); v3 ``bytes``, ``zstd``, ``gzip``, ``crc32c``,
 ``sharding_indexed``. Others are refused by name.
 """

@@ -152,27 +152,13 @@ _TOO_DEEP = (
 
 def _read_text(path: str) -> bytes:
     """A mapping file's bytes: a regular file (a FIFO is not waited on, a device not read)
-    of at most :data:`dmlib._limits.MAX_TEXT_BYTES`."""
-    import stat
-
+    of at most :data:`dmlib._limits.MAX_TEXT_BYTES`, read by the one reader of files an
+    input names (:func:`dmlib.safepaths.read_regular`); the messages name ``path``."""
     from dmlib.safepaths import read_regular
 
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        raise DmlibError("mapping file not found", path=path) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise DmlibError("is a directory, not a mapping file", path=path)
-    if not stat.S_ISREG(st.st_mode):
-        raise DmlibError("is not a regular file (a device, FIFO or socket); not read", path=path)
-    if st.st_size > _limits.MAX_TEXT_BYTES:
-        raise DmlibError(
-            f"is {_limits.human(st.st_size)}, more than the "
-            f"{_limits.human(_limits.MAX_TEXT_BYTES)} a mapping file may take",
-            path=path,
-        )
-    return read_regular(real, what="the mapping file", where=path)
+    return read_regular(
+        os.path.realpath(path), where=path, limit=_limits.MAX_TEXT_BYTES, kind="a mapping file"
+    )
 
 
 def load_mapping(source: Any) -> Mapping:
