@@ -152,3 +152,33 @@ def test_mapping_api_scalar_stays_scalar():
     df = dmlib.compare(a, b)
     assert list(df.loc[df["name"] == "count", "shape"].iloc[0]) == []
     assert list(df.loc[df["name"] == "w", "shape"].iloc[0]) == [3]
+
+
+def _nested_maps(levels: int) -> dict:
+    """``levels`` maps one inside the next under the key a, the innermost holding w, a
+    float32 array (a leaf, not a level)."""
+    node: dict = {"w": _ext(np.array([1.0, 2.0], "<f4"))}
+    for _ in range(levels - 1):
+        node = {"a": node}
+    return node
+
+
+def test_nesting_is_bounded_by_the_one_nesting_limit(tmp_path, monkeypatch):
+    """64 maps deep is read (its tensor named by 63 'a's and 'w'), 65 refused naming the
+    file: the limit is _limits.MAX_NESTING, the one every reader's nesting has."""
+    from dmlib import _limits
+
+    assert _limits.MAX_NESTING == 64
+    ok = tmp_path / "deep64.msgpack"
+    ok.write_bytes(msgpack.packb(_nested_maps(64)))
+    with dmlib.open_tensors(ok) as ts:
+        assert list(ts) == [".".join(["a"] * 63 + ["w"])]
+        assert ts[".".join(["a"] * 63 + ["w"])].load().tolist() == [1.0, 2.0]
+    bad = tmp_path / "deep65.msgpack"
+    bad.write_bytes(msgpack.packb(_nested_maps(65)))
+    with pytest.raises(DmlibError, match="nested deeper than 64") as info:
+        dmlib.open_tensors(bad)
+    assert str(info.value).startswith(str(bad))
+    monkeypatch.setattr(_limits, "MAX_NESTING", 63)  # the reader reads the shared constant
+    with pytest.raises(DmlibError, match="nested deeper than 63"):
+        dmlib.open_tensors(ok)

@@ -33,7 +33,6 @@ __all__ = ["can_open", "open_flax_msgpack"]
 _MAPS = (b"\xde", b"\xdf") + tuple(bytes([b]) for b in range(0x80, 0x90))
 # ext 1 or 3 whose payload is a 3-element array: flax's encoding of an array
 _ARRAY_EXT = re.compile(rb"(?:\xc7.|\xc8..|\xc9....|[\xd4-\xd8])[\x01\x03]\x93", re.DOTALL)
-_MAX_DEPTH = 64
 
 
 class _Ext:
@@ -48,7 +47,15 @@ class _Counted:
     """msgpack hooks counting the maps and arrays decoded and their items, refusing past
     what one file may flatten to (:func:`dmlib._limits.max_entries` entries and
     :func:`dmlib._limits.max_containers` containers) while msgpack is still decoding: a
-    small file of empty arrays would otherwise be tens of times its size in memory first."""
+    small file of empty arrays would otherwise be tens of times its size in memory first.
+
+    Not :class:`dmlib._limits.Flattening`, which bounds the walk over the finished tree
+    (named leaves, the characters of their names, containers): this counts while msgpack is
+    still building that tree, where no name exists yet and a child is not yet known to be a
+    leaf or a container, so it bounds children of either kind (entries plus containers)
+    and containers. The walk then counts the same maps and arrays again against
+    :func:`dmlib._limits.max_containers`; one counter shared by both would count each
+    container twice and halve the limit."""
 
     __slots__ = ("path", "items", "containers", "bounds")
 
@@ -173,8 +180,8 @@ def _flatten(
     ``budget`` (a name longer than a few KB is refused before it is made); two entries
     that flatten to one name are refused, never one hiding the other."""
     where = prefix or "root"
-    if depth > _MAX_DEPTH:
-        raise FormatError(f"{shown(where)}: nested deeper than {_MAX_DEPTH}", path=path)
+    if depth > _limits.MAX_NESTING:
+        raise FormatError(f"{shown(where)}: nested deeper than {_limits.MAX_NESTING}", path=path)
     if isinstance(node, _Ext):
         if node.code not in (1, 2, 3):
             raise UnsupportedError(
