@@ -102,7 +102,7 @@ def _run(model: Any, ids: Any, plant: Any = None) -> tuple[Any, dict[str, tuple[
 
 
 class _Nothing(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
@@ -200,7 +200,7 @@ class _Plant(TorchFunctionMode):
             mod.register_forward_hook(lambda *_: setattr(self, "hidden", None)),
         ]
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.hidden is None or len(args) < 2:
@@ -220,7 +220,7 @@ class _Plant(TorchFunctionMode):
         assert len(hits) == 1
         return hits[0]
 
-    def _bump(self, out: Any, index: tuple[int, ...]) -> Any:
+    def _bump(self, out: Any, index: tuple[Any, ...]) -> Any:
         out = out.clone()
         out[index] = torch.nextafter(out[index], torch.tensor(float("inf"), dtype=out.dtype))
         self.done += 1
@@ -291,6 +291,22 @@ def test_same_keys_under_every_implementation(family: str, dtype: str) -> None:
             model.get_submodule(name)(hidden, index, weights)
         assert rec.not_judged == {}, impl
         assert set(rec.rows) == want, impl
+    # the whole model under each implementation: each module's keys are its own routing's
+    # (seen by plain hooks), and the first experts module, whose input no experts
+    # computation precedes, has the same keys under all three
+    first = {}
+    for impl in IMPLS:
+        model.set_experts_implementation(impl)
+        rec, seen = _run(model, torch.cat([OTHER, PROBE]))
+        assert set(rec.rows) == {
+            (n, 0, int(e), t, s)
+            for n, (_, ix, _) in seen.items()
+            for t in range(24)
+            for e in ix[t]
+            for s in STAGES
+        }
+        first[impl] = {key for key in rec.rows if key[0] == name}
+    assert first["eager"] == first["grouped_mm"] == first["batched_mm"] == want
 
 
 class _Seen(TorchFunctionMode):
@@ -300,7 +316,7 @@ class _Seen(TorchFunctionMode):
         super().__init__()
         self.names: list[str] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(str(getattr(func, "__name__", func)))
         return func(*args, **(kwargs or {}))
 
@@ -391,7 +407,7 @@ def _ties_reversed(flat: Any) -> Any:
 class _UnstableSort(TorchFunctionMode):
     """torch.sort of a 1-D integer tensor answered with :func:`_ties_reversed`."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (torch.sort, torch.Tensor.sort) and args[0].dim() == 1:
             with torch._C.DisableTorchFunction():
