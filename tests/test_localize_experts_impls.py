@@ -438,3 +438,28 @@ def test_grouped_mm_rows_follow_the_permutation_the_sort_returned(dtype: str) ->
             want[(n, 0, e, p // 2, STAGES[0])] = _digest(gu[i])
             want[(n, 0, e, p // 2, STAGES[1])] = _digest(dn[i])
     assert rec.rows == want
+
+
+class _LyingSort(TorchFunctionMode):
+    """torch.sort of a 1-D integer tensor answered with the right values but the identity
+    permutation: transformers then groups rows by the values while gathering by the
+    permutation, so no row's expert can be told from the sort."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.sort, torch.Tensor.sort) and args[0].dim() == 1:
+            with torch._C.DisableTorchFunction():
+                if not args[0].is_floating_point():
+                    return type(out)((out.values, torch.arange(args[0].numel())))
+        return out
+
+
+def test_grouped_mm_rows_whose_groups_disagree_with_the_sort_not_judged() -> None:
+    model = _model("qwen3_moe", "float32")
+    model.set_experts_implementation("grouped_mm")
+    rec, seen = _run(model, PROBE, _LyingSort())
+    flat = seen[sorted(seen)[0]][1].reshape(-1)
+    assert not torch.equal(flat, flat.sort().values)  # the identity does not sort it
+    assert rec.rows == {}
+    assert sorted(rec.not_judged) == sorted(seen)
+    assert all("groups do not hold the experts" in r for r in rec.not_judged.values())
