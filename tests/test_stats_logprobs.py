@@ -881,3 +881,32 @@ def test_on_threads_keeps_order_and_raises_the_first_failure() -> None:
     for workers in (1, 4):
         with pytest.raises(ValueError, match="item 5"):
             on_threads(square, list(range(12)), workers)
+
+
+@pytest.mark.parametrize("n_worst", [1, 3, 5, 8])
+@pytest.mark.parametrize("n_seq", [2, 3])
+def test_worst_positions_are_the_largest_first_tokens_among_ties(
+    n_worst: int, n_seq: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a plain sort of every token by (-|dlogprob|, sequence, position): fewer
+    sequences than worst positions asked for, several worst ones in one sequence, ties at
+    the cut (the first tokens win), and identical tokens never listed."""
+    from dmlib.stats import logprobs as lp_mod
+
+    x = [np.full(6, -1.0), np.full(4, -1.0), np.full(3, -1.0)][:n_seq]
+    y = [
+        np.array([-1.0, -1.5, -1.25, -2.0, -1.25, -1.0]),  # |d| 0, .5, .25, 1, .25, 0
+        np.array([-1.25, -1.0, -1.25, -1.5]),  # .25, 0, .25, .5
+        np.array([-1.0, -1.0, -1.0]),
+    ][:n_seq]
+    want = sorted(
+        (-abs(float(b - a)), s, p)
+        for s, (xa, yb) in enumerate(zip(x, y, strict=True))
+        for p, (a, b) in enumerate(zip(xa, yb, strict=True))
+        if a != b
+    )[:n_worst]
+    for block in (1 << 18, 4, 1):  # one block; several; one sequence per block
+        monkeypatch.setattr(lp_mod, "BLOCK_TOKENS", block)
+        v = logprob_verdict(compare_logprobs(x, y, n_worst=n_worst))
+        got = [(-w["abs_dlogprob"], w["sequence"], w["position"]) for w in v.worst]
+        assert got == want, block

@@ -142,6 +142,13 @@ class Segments:
     def spread(self, per_seq: np.ndarray) -> np.ndarray:
         return np.repeat(per_seq, self.lengths)
 
+    def count(self, mask: np.ndarray) -> np.ndarray:
+        """The true entries of each segment (float64, as :meth:`sum` of the mask as 0/1
+        gives them): by where the true entries fall, no float copy of the mask."""
+        where = np.flatnonzero(mask)
+        edges = np.searchsorted(where, np.append(self.starts, len(mask)))
+        return np.diff(edges).astype(np.float64)
+
 
 def block_sums(
     ra: np.ndarray, rb: np.ndarray, lengths: np.ndarray, *, first_seq: int, n_worst: int
@@ -166,14 +173,15 @@ def block_sums(
         "chi2": seg.sum(r1 * r1),
         "abs_dp": seg.sum(dp if every else np.where(fin, dp, 0.0)),
         "abs_d": seg.sum(ad),
-        "over": seg.sum((ad > LN2).astype(np.float64)),
+        "over": seg.count(ad > LN2),
     }
-    nf = lengths.astype(np.float64) if every else seg.sum(fin.astype(np.float64))
+    nf = lengths.astype(np.float64) if every else seg.count(fin)
     moments = _moments(x, y, None if every else fin, seg, nf)
     # |d| for ranking: a non-finite pair that differs ranks first (inf), an equal one last
     rank = ad if every else np.where(fin, ad, np.where(diff, np.inf, -1.0))
     max_abs = seg.max(ad if every else np.where(fin, ad, -np.inf), -np.inf)
-    worst = _argmax_pos(rank, seg)
+    best = seg.max(rank, -np.inf)
+    worst = _argmax_pos(rank, seg, best)
     ulp = None
     if ra.dtype == rb.dtype:
         u = ulp_distance(ra, rb) if every else np.where(fin, ulp_distance(ra, rb), 0)
@@ -181,7 +189,7 @@ def block_sums(
     return Sums(
         n=lengths.astype(np.int64),
         n_finite=nf.astype(np.int64),
-        n_diff=seg.sum(diff.astype(np.float64)).astype(np.int64),
+        n_diff=seg.count(diff).astype(np.int64),
         n_nonfinite=(lengths - nf).astype(np.int64),
         sums=sums,
         max_abs=max_abs,
@@ -192,7 +200,7 @@ def block_sums(
         m2y=moments["m2y"],
         cxy=moments["cxy"],
         max_ulp=ulp,
-        top=_top(rank, seg, first_seq, x, y, n_worst),
+        top=_top(rank, seg, best, first_seq, x, y, n_worst),
     )
 
 
@@ -228,9 +236,9 @@ def _moments(
     }
 
 
-def _argmax_pos(rank: np.ndarray, seg: Segments) -> np.ndarray:
-    """Position (within its sequence) of the first largest ``rank``; -1 for none."""
-    best = seg.max(rank, -np.inf)
+def _argmax_pos(rank: np.ndarray, seg: Segments, best: np.ndarray) -> np.ndarray:
+    """Position (within its sequence) of the first largest ``rank`` (``best``: each
+    sequence's largest); -1 for none."""
     out = np.full(len(seg.lengths), -1, dtype=np.int64)
     if not len(seg.first):
         return out
@@ -241,18 +249,36 @@ def _argmax_pos(rank: np.ndarray, seg: Segments) -> np.ndarray:
 
 
 def _top(
-    rank: np.ndarray, seg: Segments, first_seq: int, x: np.ndarray, y: np.ndarray, n: int
+    rank: np.ndarray,
+    seg: Segments,
+    best: np.ndarray,
+    first_seq: int,
+    x: np.ndarray,
+    y: np.ndarray,
+    n: int,
 ) -> list[tuple[float, int, int, float, float]]:
-    """The ``n`` largest ``rank`` (> 0): (rank, sequence, position, x, y)."""
+    """The ``n`` largest ``rank`` (> 0): (rank, sequence, position, x, y); among equal
+    ranks at the cut, the first tokens.
+
+    Where the block has ``n`` sequences or more, only tokens ranked at least the
+    ``n``-th largest of the sequences' largest ranks (``best``) are looked at: ``n``
+    sequences each hold a token ranked that high, so the ``n`` largest of the block are
+    among them (no selection over every token)."""
     if n <= 0 or not len(rank):
         return []
     k = min(n, len(rank))
-    idx = np.argpartition(-rank, k - 1)[:k]
+    peaks = best[seg.nz]
+    floor = np.partition(peaks, len(peaks) - k)[len(peaks) - k] if len(peaks) >= k else 0.0
+    idx = np.flatnonzero((rank >= floor) & (rank > 0))
+    if len(idx) > k:
+        v = rank[idx]
+        cut = -np.partition(-v, k - 1)[k - 1]
+        above = idx[v > cut]
+        idx = np.concatenate([above, idx[v == cut][: k - len(above)]])
     seq = np.searchsorted(seg.starts, idx, side="right") - 1
     return [
         (float(rank[i]), int(s) + first_seq, int(i - seg.starts[s]), float(x[i]), float(y[i]))
         for i, s in zip(idx, seq, strict=True)
-        if rank[i] > 0
     ]
 
 
