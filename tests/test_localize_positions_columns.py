@@ -207,3 +207,19 @@ def test_blocks_of_many_positions_keep_no_column_digests(tmp_path):
         assert pd.isna(q.loc[f"{Q}#{s}", "identical"])
         assert "block_rows=1" in q.loc[f"{Q}#{s}", "note"]
     assert df.attrs["status"] != "identical"
+
+
+@pytest.mark.parametrize("bad", [[], {"hash": "xxh3-128-tree-v1"}, {"hash": "x", "rows": [3]}])
+def test_a_malformed_columns_entry_is_refused_naming_the_manifest(tmp_path, bad):
+    from dmlib.errors import CaptureError
+
+    model = _model()
+    _sampler(model, tmp_path / "s")
+    path = tmp_path / "s" / "manifest.json"
+    man = json.loads(path.read_text())
+    entry = next(e for e in man["boundaries"] if "columns" in e)
+    entry["columns"] = bad
+    path.write_text(json.dumps(man))
+    with pytest.raises(CaptureError, match="manifest.json") as err:
+        dmlib.open_capture(tmp_path / "s")
+    assert "is malformed" in str(err.value)  # one line: the boundary and the manifest
