@@ -36,7 +36,7 @@ def test_the_kinds_table_has_one_row_per_kind_and_the_reserved_kinds():
     recorded = {k.name for k in KINDS if k.recorded}
     assert recorded == {"layout", "cache", "op-input", "op-output", "module-input",
                         "module-output", "state", "router", "grad_output", "grad_input",
-                        "param_grad", "recorded"}  # fmt: skip
+                        "param_grad", "recorded", "expert"}  # fmt: skip
     assert not [k.name for k in KINDS if not k.recorded]
     for k in KINDS:  # every row states its identity and its row rule
         assert k.identity and k.rows and k.entry_kind in ("input", "output")
@@ -54,6 +54,7 @@ def test_the_kinds_table_has_one_row_per_kind_and_the_reserved_kinds():
         ({"kind": "input", "op": "m/aten.mm#0", "param": "m.weight"}, "op-input"),
         ({"kind": "output", "op": "m/aten.mm#0"}, "op-output"),
         ({"kind": "output", "router": True}, "router"),
+        ({"kind": "output", "expert": {"index": 0, "stage": "down_proj", "rows": {}}}, "expert"),
         ({"kind": "input", "grad": True}, "grad_input"),
         ({"kind": "output", "layout": False}, "module-output"),  # a false marker marks nothing
     ],

@@ -147,7 +147,7 @@ def _capture_frame(status, repeat=None, negative=True, **extra):
         "negative_control": {"passed": negative, "checks": []},
         "valid": None if repeat is None else bool(repeat["held"] and negative is not False),
         "not_captured": [], "identical_up_to": None, "routing": None,
-        "first_divergent_position": None, "backward": None,
+        "first_divergent_position": None, "backward": None, "experts": None,
     })  # fmt: skip
     df.attrs.update(extra)
     return df

@@ -50,6 +50,7 @@ from dmlib.localize.culprits import (
     capture_verdict,
     unjudged_line,
 )
+from dmlib.localize.expertjudge import concerns, expert_summary, judge_expert, within_experts
 from dmlib.localize.gradients import backward_roles, backward_summary, split_backward
 from dmlib.localize.opalign import LAYOUT_BOUND_NOTE, Alignment, align, layout_bound
 from dmlib.localize.positions import across_passes, compare_positions
@@ -252,6 +253,8 @@ def _compare_one(
     offsets: dict[str, int],
 ) -> tuple[Any, list[int], str | None]:
     """(identical or None, differing global block ids, note)."""
+    if ba.expert is not None:  # one expert's rows: per (request, position) routed to it
+        return judge_expert(a, b, ba, bb, requests, offsets)
     if bb is None:
         return None, [], "not judged: absent from the second capture"
     if not same_scheme(ba, bb):
@@ -362,7 +365,9 @@ def compare_captures(
     rows = [
         _boundary_row(a, b, ba, requests, offsets, alignment, patterns, aliases.get(ba.name))
         for ba in a.boundaries
+        if concerns(ba, b, requests)  # (an expert hit by other requests only: not theirs)
     ]
+    within_experts(a, rows)  # an experts module's activation: judged per expert instead
     fwd, bwd = split_backward(a, rows)  # the backward judged in its own order
     _roles(fwd, a.root)
     recorded_roles(a, fwd)
@@ -374,6 +379,7 @@ def compare_captures(
     df.attrs.update(_summary(a, b, requests, index, fwd, paired, patterns))
     df.attrs["steps"] = _steps(fwd)
     df.attrs["routing"] = routing
+    df.attrs["experts"] = expert_summary(a, b, fwd, requests)
     df.attrs["backward"] = backward_summary(bwd, df.attrs, b)
     df.attrs.update(_op_summary(rows, alignment))
     df.attrs["repeat_control"] = _repeats(a, b, repeat)
@@ -498,7 +504,7 @@ def _boundary_row(
     row = {"boundary": ba.name, "module": ba.module, "call": ba.call, "kind": ba.kind, "identical": same,
            "diff_blocks": sorted(diff), "note": note, "_layout": layout, "_slot": ba.slot,
            "_step": ba.step, "_op": ba.category.marker == "op", "_state": ba.state,
-           "_router": ba.router}  # fmt: skip
+           "_router": ba.router, "_expert": ba.expert is not None}  # fmt: skip
     row.update(st or NO_STATS)
     if st is None and same is True:
         # identical hashes imply zero differences even without dumped tensors

@@ -22,6 +22,7 @@ from dmlib.localize.capture.format import (
     is_layout_slot,
 )
 from dmlib.localize.capture.reader import Capture
+from dmlib.localize.expertjudge import absent_reason, concerns, expert_lines, expert_role, up_name
 from dmlib.localize.gradients import backward_lines
 from dmlib.localize.opalign import Alignment
 from dmlib.localize.routing import flip_lines
@@ -82,6 +83,7 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
             "_state",
             "_carries",
             "_router",
+            "_expert",
         ],
         errors="ignore",
     )
@@ -132,10 +134,11 @@ def _summary(
     absent = [
         x for x in b.boundaries
         if x.name not in a and x.name not in paired  # an aligned op's partner is judged
+        and concerns(x, a, requests)  # (an expert hit by other requests only: not theirs)
     ]  # fmt: skip
     layout += [x.name for x in absent if _is_layout(x, layout_inputs)]
     unjudged += [
-        {"boundary": x.name, "reason": "absent from the first capture"}
+        {"boundary": x.name, "reason": absent_reason(x)}
         for x in absent
         if not _is_layout(x, layout_inputs)
     ]
@@ -275,6 +278,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
     states: dict[int, list[dict[str, Any]]] = {}  # pass -> its differing states
     step_diff: set[int] = set()  # passes where something not a state differs
     inputs, firsts = _calls(rows)
+    names = {r["boundary"]: r for r in rows}
     seen_diff: set[int] = set()
     seen_any = False
     candidates: list[dict[str, Any]] = []
@@ -291,6 +295,10 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             # the chosen experts: a discrete event, the expert set of some token changed
             # (the routing report says which); the margins follow the router's scores
             r["role"] = "flip" if r["_slot"] == "router.indices" else "carrier"
+        elif r.get("_expert"):
+            if _expert_role(r, inputs, names):
+                base = set()
+                candidates.append(r)
         elif r["_state"]:
             states.setdefault(r["_step"], []).append(r)
             if _state_role(r, states, r["_step"] in step_diff):
@@ -344,8 +352,27 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
     # a module whose inputs are clean but that contains a recorded culprit only encloses it
     for r in candidates:
         inner = (r["module"] + ".", r["module"] + "/")
-        if any(o is not r and o["module"].startswith(inner) for o in candidates):
+        if any(o is not r and o["module"].startswith(inner) for o in candidates) or any(
+            o.get("_expert")
+            and not r.get("_expert")
+            and (o["module"], o["call"]) == (r["module"], r["call"])
+            for o in candidates
+        ):  # (an expert's rows inside its experts module's call)
             r["role"] = "encloses-culprit"
+
+
+def _expert_role(
+    r: dict[str, Any],
+    inputs: dict[tuple[str, int], list[dict[str, Any]]],
+    names: dict[str, dict[str, Any]],
+) -> bool:
+    """Set a differing expert row's role, judged against the experts module's inputs of
+    the call and, for down_proj, the same expert's gate_up_proj rows; True: the culprit."""
+    up = names.get(up_name(r["boundary"])) if r["_slot"].endswith(".down_proj") else None
+    r["role"], note = expert_role(r, inputs.get((r["module"], r["call"]), []), up)
+    if note and r["role"] != "carrier":
+        _add_note(r, note)
+    return bool(r["role"] == "culprit")
 
 
 def _unjudged_inputs(
@@ -398,6 +425,7 @@ class CaptureVerdict(Verdict):
     # a full-sequence capture against prefill + decode passes: the first divergence's pass
     first_divergent_position: dict[str, Any] | None = None
     backward: dict[str, Any] | None = None  # the backward's own summary (gradients.py)
+    experts: dict[str, Any] | None = None  # the expert rows (expertjudge.expert_summary)
 
     @classmethod
     def of(cls, df: pd.DataFrame) -> CaptureVerdict:
@@ -501,6 +529,7 @@ class CaptureVerdict(Verdict):
                 + (f" and {len(lay) - 4} more" if len(lay) > 4 else "")
             )
         lines += flip_lines(self.routing)
+        lines += expert_lines(self.experts)
         if self.stats_missing:
             lines.append(
                 f"statistics: '-' at {len(self.stats_missing)} differing boundaries: they were "

@@ -18,6 +18,7 @@ from dmlib.report.notebook import (
     compare_study_captures,
     finding,
     md_code,
+    md_text,
     record,
     save_figure,
     say,
@@ -31,6 +32,7 @@ __all__ = [
     "captures",
     "conclude",
     "culprit",
+    "expert_rows",
     "op_level",
     "routing",
 ]
@@ -207,6 +209,37 @@ def routing(cb: Captures) -> pd.DataFrame | None:
     say(*(f"{md_code(k)}: {r['n_flips']} tokens changed experts" for k, r in reports.items()
           if r is not None))  # fmt: skip
     return pd.DataFrame(rows).reindex(columns=ROUTING_COLUMNS)
+
+
+EXPERT_COLUMNS = [
+    "comparison", "module", "step", "expert", "stage", "request", "position", "role", "boundary",
+]  # fmt: skip
+
+
+def expert_rows(cb: Captures) -> pd.DataFrame | None:
+    """The expert rows that differ (``attrs["experts"]`` of each comparison: one row per
+    (expert, stage, request, position) whose digests differ, in execution order): records
+    how many per comparison, says the first, returns the table (skipped where no capture
+    recorded expert rows)."""
+    if cb.empty:
+        return None
+    reports = {k: df.attrs.get("experts") for k, df in cb.results.items()}
+    if all(r is None for r in reports.values()):
+        skip("no expert rows were recorded in these captures (dmlib.capture(..., experts=True) "
+             "on a mixture-of-experts model records them)")  # fmt: skip
+        return None
+    record("expert_rows_differ", {k: (r or {}).get("n_rows_differ") for k, r in reports.items()})
+    rows = [
+        {"comparison": k, **d} for k, r in reports.items() if r is not None for d in r["differ"]
+    ]
+    if not rows:
+        say("No expert row differs in any comparison (rows routed to an expert in one run only "
+            "are routing flips, listed above).")  # fmt: skip
+        return None
+    say(*(f"{md_code(k)}: {r['n_rows_differ']} expert rows differ; the first: "
+          f"{md_text(r['first_divergent']['text'])}"
+          for k, r in reports.items() if r is not None and r["first_divergent"]))  # fmt: skip
+    return pd.DataFrame(rows).reindex(columns=EXPERT_COLUMNS)
 
 
 def conclude(cb: Captures) -> None:

@@ -56,6 +56,7 @@ def capture(
     hash: str = UNSET,
     backward: bool = UNSET,
     grad_seed: int | None = UNSET,
+    experts: bool = UNSET,
 ) -> Iterator[Recorder]:
     """Capture module boundaries of the forward passes run inside the ``with`` block.
 
@@ -135,6 +136,16 @@ def capture(
         (``out.backward(randn)``, the draws continuing over micro-batches; written in the
         manifest): a uniform gradient (``out.sum().backward()``) hides a backward whose
         atomic adds vary in order. None: ones.
+    experts
+        Also record each expert's rows of every experts module (transformers' 3-D
+        ``gate_up_proj`` / ``down_proj`` modules) as boundaries of kind ``expert``,
+        ``module:expert<e>.<stage>#call``: one SHA-256 digest per token routed to expert
+        ``e``, per request by position (:mod:`.expertrows`), judged per (expert, request,
+        position) by a comparison; the experts modules are hooked too. A module that
+        cannot be judged so (an ``experts_implementation`` whose kernels are not read row by
+        row, such as ``deepgemm``) is written into the capture as not judged, with the
+        reason. Off by default: every torch call
+        of the forward then passes a Python mode (cost: benchmarks/README.md).
 
     KV caches (a transformers ``Cache`` or tuples of past keys and values under
     ``past_key_values`` and kin) entering a hooked module are hashed per layer (keys,
@@ -149,7 +160,7 @@ def capture(
                     dump=dump, dump_requests=dump_requests, metadata=metadata, overwrite=overwrite,
                     hash_threads=hash_threads, device_hash=device_hash, ops=ops,
                     op_modules=op_modules, layout_inputs=layout_inputs, hash=hash,
-                    backward=backward, grad_seed=grad_seed)  # fmt: skip
+                    backward=backward, grad_seed=grad_seed, experts=experts)  # fmt: skip
     named = dict(model.named_modules())  # walked once
     rec = _new_recorder(model, path, opts, named)
     rec.write_manifest(complete=False, durable=False)  # marks a capture in progress
@@ -161,9 +172,22 @@ def capture(
         tracker = OpRecorder(rec, model, _select(model, chosen, named))
     from dmlib.localize.capture.record import active
 
-    with _hooked(model, opts.modules, rec, tracker, named), active(rec):
+    with (
+        _experts(rec, model, named),
+        _hooked(model, opts.modules, rec, tracker, named),
+        active(rec),
+    ):
         yield rec
     _conclude(rec, path)
+
+
+def _experts(rec: Recorder, model: Any, named: dict[str, Any]) -> Any:
+    """With ``experts=True``, each expert's rows recorded (:mod:`.expertrows`)."""
+    if not rec.options.experts:
+        return contextlib.nullcontext()
+    from dmlib.localize.capture.expertrows import recording
+
+    return recording(rec, model, named)
 
 
 def _options(path: Path, options: CaptureOptions | None, **settings: Any) -> CaptureOptions:

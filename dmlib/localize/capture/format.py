@@ -121,8 +121,8 @@ ENTRY_KEYS = (
 #: its kind's marker keys (:data:`KINDS`), the decode step (from 1), the row axes, the
 #: repeated KV heads, a later pass's per-column digests (``columns``: columns.py).
 OPTIONAL_KEYS = (
-    "layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded", "op",
-    "param", "step", "row_axes", "kv_repeat", "broadcast", "columns",
+    "layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded", "expert",
+    "op", "param", "step", "row_axes", "kv_repeat", "broadcast", "columns",
 )  # fmt: skip
 
 
@@ -238,6 +238,12 @@ KINDS: tuple[BoundaryKind, ...] = (
     BoundaryKind("recorded", "output", "recorded", "<name>#call: a value handed to "
                  "dmlib.record(name, tensor) outside any module", "per request where its "
                  "leading dims fit the row map, else whole: record.py"),
+    BoundaryKind("expert", "output", "expert", "module:expert<e>.<stage>#call: the rows one "
+                 "expert of an experts module computed in a call (stage gate_up_proj or "
+                 "down_proj), one SHA-256 digest per routed token: expertrows.py",
+                 "per request by position: the tokens routed to expert e, each through the row "
+                 "map (a decode step: the batch row the request fills alone); kept in the "
+                 "entry's expert.rows, never dumped"),
     # a module boundary: an entry with no marker
     BoundaryKind("module-input", "input", None, "module:input<i>#call, "
                  "module:input.<keyword>#call", _BY_ROWS),
@@ -312,6 +318,9 @@ class Boundary:
     broadcast: bool = False
     # (g, request -> digests) where axis 1 (heads) holds each head copied g times in a row
     kv_repeat: tuple[int, dict[str, RequestHash]] | None = None
+    # one expert's rows (KINDS' "expert"): {"index": e, "stage": str, "rows": {request:
+    # {position: sha256 hex}}}, the positions those routed to expert e in this call
+    expert: dict[str, Any] | None = None
     op: str | None = None  # an op boundary: the op's id (``module/aten.addmm#0``)
     param: str | None = None  # an op's input that is a parameter or buffer: its name
     # (scheme, per batch row: its columns along axis 1 as a request's rows, one block per
@@ -392,6 +401,13 @@ def _optional_head(b: Boundary) -> dict[str, Any]:
     for key in ("layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded"):
         if getattr(b, key):
             extra[key] = True
+    if b.expert is not None:
+        rows = b.expert["rows"]
+        extra["expert"] = {
+            "index": b.expert["index"],
+            "stage": b.expert["stage"],
+            "rows": {r: [[p, d] for p, d in v.items()] for r, v in rows.items()},
+        }
     if b.op is not None:
         extra["op"] = b.op
         if b.param is not None:
@@ -417,6 +433,26 @@ def _columns(d: Any) -> tuple[str, list[RequestHash]] | None:
     rows = [RequestHash(str(v["digest"]), int(v["n_rows"]), [str(b) for b in v["blocks"]])
             for v in d["rows"]]  # fmt: skip
     return str(d["hash"]), rows
+
+
+def _expert(v: Any) -> dict[str, Any] | None:
+    """An ``expert`` entry read back: ``{"index", "stage", "rows": {request: {position:
+    digest}}}`` (ValueError / TypeError / KeyError on anything else: the reader's
+    CaptureError). The manifest keeps each request's rows as ``[position, digest]`` pairs."""
+    if v is None:
+        return None
+    index, stage = v["index"], v["stage"]
+    if type(index) is not int or index < 0 or not isinstance(stage, str):
+        raise ValueError(f"expert index {index!r} / stage {stage!r}")
+    rows: dict[str, dict[int, str]] = {}
+    for r, pairs in v["rows"].items():
+        got: dict[int, str] = {}
+        for p, dg in pairs:
+            if type(p) is not int or p < 0 or p in got or not isinstance(dg, str):
+                raise ValueError(f"expert row {p!r} of request {r!r}")
+            got[p] = dg
+        rows[str(r)] = got
+    return {"index": index, "stage": stage, "rows": rows}
 
 
 def _axes(v: Any, ndim: int) -> tuple[int, int] | None:
@@ -474,6 +510,7 @@ def _boundary(i: int, d: dict[str, Any], path: Path, version: int) -> Boundary:
             recorded=bool(d.get("recorded", False)),
             broadcast=bool(d.get("broadcast", False)),
             kv_repeat=_kv_repeat(d.get("kv_repeat"), key),
+            expert=_expert(d.get("expert")),
             op=None if d.get("op") is None else str(d["op"]),
             param=None if d.get("param") is None else str(d["param"]),
             columns=_columns(d.get("columns")),

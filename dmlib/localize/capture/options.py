@@ -68,6 +68,9 @@ class CaptureOptions:
     backward: bool = False
     # Recorder.backward(out): a random upstream gradient from this seed (None: ones)
     grad_seed: int | None = None
+    # each expert's rows per routed token (kind "expert": expertrows.py); off by default:
+    # a TorchFunctionMode sees every torch call of the forward (cost: benchmarks/README.md)
+    experts: bool = False
 
     def __post_init__(self) -> None:
         n = self.block_rows
@@ -92,7 +95,7 @@ class CaptureOptions:
         if g is not None and (isinstance(g, bool) or not hasattr(g, "__index__") or g < 0):
             raise CaptureError(f"grad_seed={g!r}; expected None or an integer >= 0")
         put(self, "grad_seed", None if g is None else int(g))
-        for key in ("overwrite", "device_hash", "ops", "backward"):
+        for key in ("overwrite", "device_hash", "ops", "backward", "experts"):
             put(self, key, bool(getattr(self, key)))
 
     @property
