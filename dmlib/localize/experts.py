@@ -18,13 +18,14 @@ token a row belongs to is read from what the module ran, never assumed, under ea
   weight (the expert is read from the slice's storage offset); row ``r`` is the ``r``-th
   pair of that mask in row-major order, a function of ``top_k_index`` alone.
 - ``grouped_mm``: the flattened ``(token, slot)`` pairs are ordered by
-  ``torch.sort(top_k_index.reshape(-1))``, which is not stable, so the permutation the
-  sort returned is recorded as it runs (``torch.sort`` / ``argsort`` of that tensor
-  inside the module's call), and row ``i`` of each grouped matmul (``torch._grouped_mm``,
-  which ``F.grouped_mm`` calls and which is what runs on CPU with torch >= 2.10, or
-  transformers' own ``grouped_mm_fallback`` op) is pair ``perm[i]``: token
-  ``perm[i] // k``, expert ``top_k_index.reshape(-1)[perm[i]]``. Checked before any row
-  is kept: the matmul's groups (its ``offs``) hold exactly those experts in that order,
+  ``torch.sort(top_k_index.reshape(-1))``, which is not stable (on CPU, torch 2.13, it
+  returned equal expert ids out of pair order in every tiny model tried), so the
+  permutation the sort returned is recorded as it runs (``torch.sort`` / ``argsort`` of
+  that tensor inside the module's call), and row ``i`` of each grouped matmul
+  (``torch._grouped_mm``, which ``F.grouped_mm`` calls and which runs on CPU here, or
+  transformers' own ``grouped_mm_fallback`` op where neither can be used) is pair
+  ``perm[i]``: token ``perm[i] // k``, expert ``top_k_index.reshape(-1)[perm[i]]``.
+  Checked before any row is kept: the matmul's groups (its ``offs``) hold exactly those experts in that order,
   and the first matmul's input rows equal ``hidden_states[perm // k]``; the gate between
   the two keeps the row order and the second matmul must have the same groups.
 - ``batched_mm``: ``gate_up_proj[expert_ids]`` / ``down_proj[expert_ids]`` gathered with
@@ -47,8 +48,7 @@ A shared expert (Qwen3-Next's ``shared_expert``, DeepSeek-style ``shared_experts
 ordinary MLP of 2-D ``nn.Linear`` layers that sees every token: it is not an experts
 module here, and is judged per token by the capture's module boundaries like any MLP.
 Experts classes without a ``gate_up_proj`` (transformers' ``has_gate=False``, an
-``up_proj`` alone) are not found. This record is kept in memory; it is not written into a
-capture folder.
+``up_proj`` alone) are not found. The record itself is kept in memory.
 """
 
 from __future__ import annotations
