@@ -16,9 +16,14 @@ every position. Rows, interleaved and best of ``--repeat`` (peak RSS and CPU sec
    careful user reaches for the three figures alone.
 
 Ratios: dmlib / script (time and peak memory); target: time <= 1, memory <= 1 against
-row 2.
+row 2. With ``--base DIR`` (a checkout of other code, e.g. ``git worktree add /tmp/base
+HEAD~3``, its compiled module built there), rows 1 run once more from ``DIR`` in every
+round (``python -m dmlib`` there imports that checkout's dmlib), interleaved with the
+others. The load average (``os.getloadavg``) is recorded before and after every round:
+the machine may be shared.
 
-    python -m benchmarks.bench_logprobs [--seqs 1000] [--tokens 1000] [--top 20] [--repeat 3] [--quick]
+    python -m benchmarks.bench_logprobs [--seqs 1000] [--tokens 1000] [--top 20] [--repeat 3]
+        [--base DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -100,11 +105,17 @@ def write_pair(a: Path, b: Path, seqs: int, tokens: int, top: int) -> None:
     )
 
 
-def interleaved(cmds: dict[str, list[str]], repeat: int) -> dict[str, dict]:
+def interleaved(
+    cmds: dict[str, tuple[list[str], Path]], repeat: int, loads: list[list[float]]
+) -> dict[str, dict]:
+    """Every command once per round, in order (each from its folder), ``repeat`` rounds;
+    the 1-minute load average before and after each round appended to ``loads``."""
     runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cmds}
     for _ in range(repeat):
-        for k, cmd in cmds.items():
-            runs[k].append(run_cpu(cmd, cwd=ROOT))
+        before = os.getloadavg()[0]
+        for k, (cmd, cwd) in cmds.items():
+            runs[k].append(run_cpu(cmd, cwd=cwd))
+        loads.append([round(before, 2), round(os.getloadavg()[0], 2)])
     return {
         k: {
             "best_seconds": min(s for s, _, _ in v),
@@ -125,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny files: a smoke test")
+    p.add_argument("--base", type=Path, help="a checkout whose dmlib runs beside this one's")
     args = p.parse_args(argv)
     import compileall
 
-    compileall.compile_dir(str(ROOT / "dmlib"), quiet=1)
+    for root in (ROOT, *([args.base] if args.base else [])):
+        compileall.compile_dir(str(root / "dmlib"), quiet=1)
     seqs, tokens = (50, 100) if args.quick else (args.seqs, args.tokens)
     repeat = 1 if args.quick else args.repeat
     WORK.mkdir(parents=True, exist_ok=True)
@@ -140,15 +153,21 @@ def main(argv: list[str] | None = None) -> int:
                 while f.read(1 << 24):
                     pass
         py = sys.executable
+        full = [py, "-m", "dmlib", "logprobs", str(a), str(b)]
         cmds = {
-            "dmlib logprobs": [py, "-m", "dmlib", "logprobs", str(a), str(b)],
-            "dmlib logprobs --sampled-only": [
-                *[py, "-m", "dmlib", "logprobs", str(a), str(b), "--sampled-only"]
-            ],
-            "numpy script (load_file)": [py, "-c", SCRIPT, str(a), str(b)],
-            "numpy script (logprobs only)": [py, "-c", SCRIPT_LOGPROBS_ONLY, str(a), str(b)],
+            "dmlib logprobs": (full, ROOT),
+            "dmlib logprobs --sampled-only": ([*full, "--sampled-only"], ROOT),
         }
-        rows = interleaved(cmds, repeat)
+        if args.base:
+            cmds["base: dmlib logprobs"] = (full, args.base)
+            cmds["base: dmlib logprobs --sampled-only"] = ([*full, "--sampled-only"], args.base)
+        cmds["numpy script (load_file)"] = ([py, "-c", SCRIPT, str(a), str(b)], ROOT)
+        cmds["numpy script (logprobs only)"] = (
+            [py, "-c", SCRIPT_LOGPROBS_ONLY, str(a), str(b)],
+            ROOT,
+        )
+        loads: list[list[float]] = []
+        rows = interleaved(cmds, repeat, loads)
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
     base = rows["numpy script (load_file)"]
@@ -167,12 +186,20 @@ def main(argv: list[str] | None = None) -> int:
         "sampled_only_time_ratio": dm_sampled["best_seconds"] / base["best_seconds"],
         "sampled_only_cpu_ratio": dm_sampled["best_cpu_seconds"] / base["best_cpu_seconds"],
         "sampled_only_memory_ratio": dm_sampled["peak_rss_mib"] / base["peak_rss_mib"],
+        "load_average_per_round": loads,
     }
+    for r in rows.values():
+        r["vs_script"] = [
+            round(r["best_seconds"] / base["best_seconds"], 3),
+            round(r["best_cpu_seconds"] / base["best_cpu_seconds"], 3),
+            round(r["peak_rss_mib"] / base["peak_rss_mib"], 3),
+        ]
     for k, r in rows.items():
         print(
-            f"{k:30s} {r['best_seconds']:7.3f} s  {r['best_cpu_seconds']:7.3f} s CPU  "
-            f"{r['peak_rss_mib']:8.1f} MiB  runs {r['runs_seconds']}"
+            f"{k:36s} {r['best_seconds']:7.3f} s  {r['best_cpu_seconds']:7.3f} s CPU  "
+            f"{r['peak_rss_mib']:8.1f} MiB  vs script {r['vs_script']}  runs {r['runs_seconds']}"
         )
+    print(f"load average before / after each round: {loads}")
     print(
         f"dmlib / numpy script: time {result['time_ratio']:.2f}x, CPU {result['cpu_ratio']:.2f}x, "
         f"peak memory {result['memory_ratio']:.2f}x (target: <= 1, <= 1)"
