@@ -235,3 +235,22 @@ def test_state_digests_are_the_bytes_xxh3(tmp_path):
         assert list(b.leading) == [xxhash.xxh3_128_hexdigest(r.tobytes()) for r in t]
         checked += 1
     assert checked == NEW * 6  # 3 linear-attention layers x (conv, recurrent) x 12 passes
+
+
+def test_a_long_generation_keeps_a_bounded_number_of_cache_row_plans(tmp_path):
+    """The rows of a KV cache of each length are worked out once per length; a long
+    generate() meets a new length every pass, and what the capture keeps of them stays a
+    few plans (not one per pass: batch x steps^2 / 2 rows by the end)."""
+    model = llama()
+    ids, mask = prompt()
+    gen = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 48, "min_new_tokens": 48,
+           "do_sample": False}  # fmt: skip
+    with torch.no_grad(), capture(model, tmp_path / "c", row_map=[[("p", j) for j in range(8)]],
+                                  modules=default_modules(model)) as rec:  # fmt: skip
+        model.generate(**gen)
+        kept = [p for p in [*rec.row_map._memo.values(), *rec._cache_plans.values()] if p]
+    lengths = sorted(len(p[0]) for p in kept)
+    # the last pass (47: the 48th token is not fed back) leaves 8 + 47 positions, 1 row
+    assert lengths and max(lengths) == 8 + 47
+    assert len(rec._cache_plans) <= 4
+    assert sum(lengths) <= 36 * 55  # at most 32 + 4 plans, each of at most 55 rows

@@ -53,6 +53,7 @@ MAX_PENDING_BYTES = 512 << 20  # tensor copies waiting to be hashed, at most
 
 
 _MEMO_PLANS = 32  # KV-cache row plans kept with a row map between captures, at most
+_RECENT_PLANS = 4  # ... and beyond those, the latest plans a capture keeps
 
 
 _UNSET: Any = object()
@@ -270,12 +271,19 @@ class Recorder(HostDigests):
         key = ("cache", shape, self.row_map.batch if self.row_map else None, self.layout)
         # kept with the row map (what a shape's rows are follows from it, the batch and the
         # layout), a few dozen at most: a long generate() makes one per decode step, kept
-        # only for this capture
+        # only for this capture, and only the last few (a pass meets two or three shapes:
+        # each plan holds a row per (batch row, position), so keeping every step's would
+        # hold batch x steps^2 / 2 entries by the end of a long generation)
         memo = {} if self.row_map is None else self.row_map._memo
         plan = memo.get(key, self._cache_plans.get(key, _UNSET))
         if plan is _UNSET:
             plan = self._cache_rows_of(shape)
-            (memo if len(memo) < _MEMO_PLANS else self._cache_plans)[key] = plan
+            if len(memo) < _MEMO_PLANS:
+                memo[key] = plan
+            else:
+                if len(self._cache_plans) >= _RECENT_PLANS:
+                    self._cache_plans.pop(next(iter(self._cache_plans)))  # the oldest
+                self._cache_plans[key] = plan
         return cast("tuple[list[Any], dict[str, list[int]]] | None", plan)
 
     def _cache_rows_of(
