@@ -25,9 +25,10 @@ token a row belongs to is read from what the module ran, never assumed, under ea
   (``torch._grouped_mm``, which ``F.grouped_mm`` calls and which runs on CPU here, or
   transformers' own ``grouped_mm_fallback`` op where neither can be used) is pair
   ``perm[i]``: token ``perm[i] // k``, expert ``top_k_index.reshape(-1)[perm[i]]``.
-  Checked before any row is kept: the matmul's groups (its ``offs``) hold exactly those experts in that order,
-  and the first matmul's input rows equal ``hidden_states[perm // k]``; the gate between
-  the two keeps the row order and the second matmul must have the same groups.
+  Checked before any row is kept: the matmul's groups (its ``offs``) hold exactly those
+  experts in that order, and the first matmul's input rows equal
+  ``hidden_states[perm // k]``; the gate between the two keeps the row order and the
+  second matmul must have the same groups.
 - ``batched_mm``: ``gate_up_proj[expert_ids]`` / ``down_proj[expert_ids]`` gathered with
   ``expert_ids = top_k_index.reshape(-1)`` (recorded as they are indexed), then one
   ``torch.bmm`` over all ``T*k`` pairs in flattened order: row ``s`` is token ``s // k``,
