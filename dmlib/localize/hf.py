@@ -271,14 +271,14 @@ class _Stops:
         """Per batch row: the first pass feeding a token after its sequence ended (the
         pass after the one whose chosen token a criterion ended it on), ``passes`` where
         none did; None where a call saw another number of rows."""
-        out = [passes] * rows
+        ended: list[int | None] = [None] * rows  # the pass whose token ended the row
         for step, flags in self.seen:
             if len(flags) != rows:
                 return None
             for b, hit in enumerate(flags):
-                if hit and out[b] == passes:
-                    out[b] = step + 2
-        return out
+                if hit and ended[b] is None:
+                    ended[b] = step
+        return [passes if e is None else e + 2 for e in ended]
 
 
 def _modules(model: Any) -> list[Any]:
