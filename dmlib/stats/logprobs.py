@@ -472,10 +472,11 @@ def _distributions(
     seg = figs.Segments(s.n)
     for k, v in per_token.items():
         ok = ~np.isnan(v)
-        s.extra[k] = seg.sum(np.where(ok, v, 0.0))
-        s.extra_n[k] = seg.sum(ok.astype(np.float64))
+        every = bool(ok.all())  # the common case: no masked copies
+        s.extra[k] = seg.sum(v if every else np.where(ok, v, 0.0))
+        s.extra_n[k] = seg.count(ok)
         if k in maxed:
-            s.extra_max[k] = seg.max(np.where(ok, v, -np.inf), -np.inf)
+            s.extra_max[k] = seg.max(v if every else np.where(ok, v, -np.inf), -np.inf)
 
 
 def _check_ids(ia: np.ndarray, ib: np.ndarray) -> None:
