@@ -267,12 +267,14 @@ def test_a_margin_that_shrinks_without_a_flip_is_no_flip(tmp_path, family, dt):
     assert flip_lines(rep)[0].startswith("routing: no expert set changed")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_next"])
-def test_the_flipped_token_stands_out_downstream(tmp_path, family):
-    """The MoE block's output after the planted flip, request "second" alone: the positions
-    whose rows differ are those numpy finds in the dumped rows, the flipped token has the
-    largest difference, and the block's note names the flip."""
-    model = model_of(family, torch.float32)
+@pytest.mark.parametrize(("family", "dt"), [("mixtral", "f32"), ("mixtral", "bf16"),
+                                             ("qwen3_next", "f32")])  # fmt: skip
+def test_the_flipped_token_stands_out_downstream(tmp_path, family, dt):
+    """The MoE block's output after the planted flip, request "second": the flipped token has
+    the largest difference (numpy on the dumped rows), the flip's effect gives it and the
+    largest elsewhere as numpy does, the positions whose rows differ (diff_positions, the
+    request alone) are numpy's, and the block's note names the flip."""
+    model = model_of(family, DTYPES[dt])
     run(model, family, tmp_path / "a", steps=-4, dump=["*mlp"])
     run(model, family, tmp_path / "b", steps=+4, dump=["*mlp"])
     block = f"model.layers.{FAMILIES[family][1]}.mlp"
@@ -281,6 +283,16 @@ def test_the_flipped_token_stands_out_downstream(tmp_path, family):
     xb = np.asarray(b.tensor(block, "second"), dtype=np.float64).reshape(N, -1)
     per_pos = np.abs(xa - xb).max(axis=1)
     assert int(np.argmax(per_pos)) == T and per_pos[T] > 0  # the planted flip's expert swap
+    full = compare_captures(a, b)
+    (f,) = full.attrs["routing"]["flips"]
+    others = np.delete(per_pos, T)
+    top = int(np.argmax(per_pos * (np.arange(N) != T)))  # the largest elsewhere, if any
+    assert f["effect"] == {
+        "boundary": block, "at_flip": per_pos[T], "elsewhere": others.max(),
+        "elsewhere_position": top if others.max() > 0 else None,
+    }  # fmt: skip
+    line = next(s for s in flip_lines(full.attrs["routing"]) if f"position {T}:" in s)
+    assert f"at {block} max |diff| {per_pos[T]:.3g} here, {others.max():.3g} at most" in line
     df = compare_captures(a, b, request="second").set_index("boundary")
     assert df.loc[block, "diff_positions"] == np.nonzero(per_pos)[0].tolist()
     assert f"expert flip at {block}.gate:router.indices" in df.loc[block, "note"]

@@ -102,7 +102,7 @@ def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any
 
     ``{"n_router_calls", "n_flips", "flips": [{request, router, boundary, step, position,
     experts_a, experts_b, left, joined, margin_a, margin_ulp_a, margin_b, margin_ulp_b,
-    scores}],
+    scores, effect}],
     "per_router": {router: flips}, "not_judged": [{boundary, reason}]}``, flips in
     execution order; a router either capture could not read is among ``not_judged``.
     """
@@ -134,11 +134,69 @@ def routing_report(a: Capture, b: Capture, requests: list[str]) -> dict[str, Any
                             None if mb is None else mb[0], got_a[1]):  # fmt: skip
                 flips.append({"request": r, "router": x.module, "boundary": x.name,
                               "step": x.step, **f, "scores": kinds.get(x.module)})  # fmt: skip
+    _effects(a, b, flips)
     per: dict[str, int] = {}
     for f in flips:
         per[f["router"]] = per.get(f["router"], 0) + 1
     return {"n_router_calls": len(calls), "n_flips": len(flips), "flips": flips,
             "per_router": per, "not_judged": not_judged}  # fmt: skip
+
+
+def _block_output(c: Capture, f: dict[str, Any], outs: dict[Any, Boundary]) -> Boundary | None:
+    """The output of the module that called the flip's router (its name less the last
+    part: the MoE block), in the same pass and call, row-mapped; None where there is none.
+    ``outs``: (module, pass, call) -> each module's ``output0`` boundary."""
+    x = outs.get((f["router"].rpartition(".")[0], f["step"], c.boundary(f["boundary"]).call))
+    return x if x is not None and x.row_mapped else None
+
+
+def _effects(a: Capture, b: Capture, flips: list[dict[str, Any]]) -> None:
+    """Set each flip's ``effect`` (in place): what the flips of one router call did to the
+    MoE block's output, per position of their request: the largest absolute difference at
+    the flipped position and the largest at any position no flip of that call touched (the
+    flipped token standing out), where both captures dumped the block's rows; else None.
+    ``{boundary, at_flip, elsewhere, elsewhere_position}`` (bit-identical rows count 0, NaN
+    against a number inf; the position None where every other position's rows are
+    bit-identical). The block's rows are read once per router call and request."""
+    outs = {(x.module, x.step, x.call): x for x in a.boundaries
+            if x.kind == "output" and x.slot == "output0"}  # fmt: skip
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for f in flips:
+        groups.setdefault((f["boundary"], f["request"]), []).append(f)
+    for (_, r), group in groups.items():
+        xa = _block_output(a, group[0], outs)
+        per = None
+        if xa is not None and xa.name in b and r in xa.requests:
+            xb = b.boundary(xa.name)
+            if a.dumped(xa, r) and b.dumped(xb, r):
+                ta, tb = np.asarray(a.tensor(xa, r)), np.asarray(b.tensor(xb, r))
+                per = _per_position(ta, tb) if ta.shape == tb.shape and ta.ndim else None
+        hit = {f["position"] for f in group}
+        for f in group:
+            if per is None or xa is None or f["position"] >= per.shape[0]:
+                f["effect"] = None
+                continue
+            rest = [p for p in range(per.shape[0]) if p not in hit]
+            top = max(rest, key=lambda p: per[p]) if rest else None
+            top = None if top is None or per[top] == 0 else top
+            f["effect"] = {"boundary": xa.name, "at_flip": float(per[f["position"]]),
+                           "elsewhere": 0.0 if top is None else float(per[top]),
+                           "elsewhere_position": top}  # fmt: skip
+
+
+def _per_position(ta: np.ndarray, tb: np.ndarray) -> np.ndarray | None:
+    """Per row, the largest absolute difference (float64) of two arrays of one shape and
+    dtype: 0 where the bits are equal, inf where a NaN meets anything else (None: an
+    element size with no unsigned integer view)."""
+    if ta.dtype != tb.dtype or ta.dtype.itemsize not in (1, 2, 4, 8):
+        return None
+    ua, ub = ta.reshape(ta.shape[0], -1), tb.reshape(tb.shape[0], -1)
+    bits = np.dtype(f"u{ta.dtype.itemsize}")
+    same = np.ascontiguousarray(ua).view(bits) == np.ascontiguousarray(ub).view(bits)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(ua.astype(np.float64) - ub.astype(np.float64))
+    d = np.where(same, 0.0, np.where(np.isnan(d), np.inf, d))
+    return d.max(axis=1) if d.shape[1] else np.zeros(d.shape[0])
 
 
 def flip_notes(rows: list[dict[str, Any]], report: dict[str, Any] | None) -> None:
@@ -168,6 +226,14 @@ def _margin_text(f: dict[str, Any], side: str) -> str:
     return f"{f[f'margin_{side}']:.3g} ({f[f'margin_ulp_{side}']} ULP)"
 
 
+def _effect_text(e: dict[str, Any] | None) -> str:
+    if not e:
+        return ""
+    where = "" if e["elsewhere_position"] is None else f" (position {e['elsewhere_position']})"
+    return (f"; at {e['boundary']} max |diff| {e['at_flip']:.3g} here, "
+            f"{e['elsewhere']:.3g} at most elsewhere{where}")  # fmt: skip
+
+
 def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
     """The routing report as a few lines of text (none where no router was recorded)."""
     if report is None:
@@ -189,7 +255,7 @@ def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
         lines.append(escape(
             f"  {f['boundary']} request {f['request']!r} position {f['position']}: experts "
             f"{f['experts_a']} -> {f['experts_b']}; margin k-th minus next: A {ma}, B {mb}"
-            + (f" on {f['scores']}" if f.get("scores") else "")
+            + (f" on {f['scores']}" if f.get("scores") else "") + _effect_text(f.get("effect"))
         ))  # fmt: skip
     if len(report["flips"]) > limit:
         lines.append(f"  and {len(report['flips']) - limit} more")
