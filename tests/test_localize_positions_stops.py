@@ -129,7 +129,9 @@ def test_a_stop_string_ends_one_row_from_the_right_pass(tmp_path):
     assert out[:, 5:].tolist()[1] == gen_b  # B ran all its passes, its tokens unchanged
     assert out[0, 5 : 5 + k + 1].tolist() == gen_a[: k + 1]  # A up to the stop
     assert len(outs) == NEW
-    assert open_capture(tmp_path / "s").metadata["pass_rows"] == _expected(k)
+    meta = open_capture(tmp_path / "s").metadata
+    assert meta["pass_rows"] == _expected(k)
+    assert meta["generate"]["lengths"] == {"A": k + 1, "B": NEW}  # A's tokens 0..k
     # the trainer: each final sequence (A up to its stop) in a right-padded batch, no cache
     len_a, len_b = 5 + k + 1, 3 + NEW
     ids = torch.zeros((2, len_b), dtype=torch.long)
@@ -191,7 +193,9 @@ def test_a_custom_stopping_criterion(tmp_path, n):
     crit = transformers.StoppingCriteriaList([_EndRowAfter(0, n, 5)])
     out, _ = _generate(model, tmp_path / "s", None, stopping_criteria=crit)
     assert out.shape[1] == 5 + NEW  # B went on to max_new_tokens
-    assert open_capture(tmp_path / "s").metadata["pass_rows"] == _expected(n - 1)
+    meta = open_capture(tmp_path / "s").metadata
+    assert meta["pass_rows"] == _expected(n - 1)
+    assert meta["generate"]["lengths"] == {"A": n, "B": NEW}
 
 
 def test_the_criteria_are_restored_after_the_capture(tmp_path):
@@ -204,4 +208,6 @@ def test_the_criteria_are_restored_after_the_capture(tmp_path):
     assert type(model)._get_stopping_criteria is before
     assert all("_get_stopping_criteria" not in m.__dict__ for m in model.modules())
     # without any stop but max_new_tokens, both rows are named in every pass
-    assert open_capture(tmp_path / "s").metadata["pass_rows"] == _expected(NEW)
+    meta = open_capture(tmp_path / "s").metadata
+    assert meta["pass_rows"] == _expected(NEW)
+    assert meta["generate"]["lengths"] == {"A": NEW, "B": NEW}  # max_new_tokens ended both

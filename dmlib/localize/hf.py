@@ -148,7 +148,12 @@ def capture_generate(
     ``row_map`` is the nested row map of the prompt batch (one list per batch row, as
     :func:`row_map_from_attention_mask` gives). Every forward pass is captured (its
     boundaries carry ``step``); the manifest's metadata gains ``generate``: the prompt
-    length and, per request filling a batch row alone, the token ids it generated.
+    length and, per request filling a batch row alone, the token ids it generated and
+    (``lengths``, where generate()'s stopping criteria were seen) how many of them its
+    sequence holds: up to the token generate() ended it on (a stop string, an
+    end-of-sequence id, a criterion of one's own; the tokens after it are padding or what
+    generate() went on computing for the row). ``pass_rows`` names each pass's batch
+    rows (:func:`_pass_rows`).
     ``options`` and ``capture_kwargs``: the capture's settings, as :func:`dmlib.capture`
     takes them (a :class:`~dmlib.localize.capture.options.CaptureOptions`, keywords).
     ``backward=True`` is refused: ``generate()`` runs without gradients (there is no
@@ -181,11 +186,18 @@ def capture_generate(
         }
         rec.metadata["generate"] = {"prompt_positions": prompt, "tokens": tokens,
                                     "passes": rec.step + 1}  # fmt: skip
-        ends = _ends(model, kw)
-        done = stops.done(len(rows), rec.step + 1) if stops.observed else None
+        ends, passes = _ends(model, kw), rec.step + 1
+        ended = stops.ended(len(rows)) if stops.observed else None
+        done = None if ended is None else [passes if e is None else e + 2 for e in ended]
         if done is None and not ends[2]:  # no observation: the end-of-sequence ids alone
-            done = _eos_done(seq, len(rows[0]), rec.step + 1, ends[0])
-        rec.metadata["pass_rows"] = _pass_rows(rows, seq, rec.step + 1, done, ends[1])
+            done = _eos_done(seq, len(rows[0]), passes, ends[0])
+        if ended is not None and len(seq) == len(rows) and ends[1] == 1:
+            rec.metadata["generate"]["lengths"] = {
+                str(o): len(tokens[str(o)]) if e is None else min(e + 1, len(tokens[str(o)]))
+                for o, e in zip(_row_owners(rows), ended, strict=True)
+                if o is not None
+            }
+        rec.metadata["pass_rows"] = _pass_rows(rows, seq, passes, done, ends[1])
     return out
 
 
@@ -267,18 +279,17 @@ class _Stops:
 
         return wrapped
 
-    def done(self, rows: int, passes: int) -> list[int] | None:
-        """Per batch row: the first pass feeding a token after its sequence ended (the
-        pass after the one whose chosen token a criterion ended it on), ``passes`` where
-        none did; None where a call saw another number of rows."""
-        ended: list[int | None] = [None] * rows  # the pass whose token ended the row
+    def ended(self, rows: int) -> list[int | None] | None:
+        """Per batch row: the pass whose chosen token a criterion ended its sequence on
+        (None where none did); None where a call saw another number of rows."""
+        ended: list[int | None] = [None] * rows
         for step, flags in self.seen:
             if len(flags) != rows:
                 return None
             for b, hit in enumerate(flags):
                 if hit and ended[b] is None:
                     ended[b] = step
-        return [passes if e is None else e + 2 for e in ended]
+        return ended
 
 
 def _modules(model: Any) -> list[Any]:
