@@ -11,8 +11,11 @@ manifest written included):
 - ``capture``: the default modules, hashes only: module boundaries, the states of the
   cache after the pass (kind ``state``) and the routers' decisions (kind ``router``,
   their two tensors dumped per call).
+- ``experts``: the same with ``experts=True``: each expert's gate_up_proj / down_proj
+  rows per routed token (kind ``expert``; the experts modules hooked too), every torch
+  call of the forward passing experts.py's TorchFunctionMode.
 
-Target: ``capture <= 2x`` plain (medians).
+Target: ``capture <= 2x`` plain (medians); ``experts`` has none yet (its ratio reported).
 
     python -m benchmarks.bench_capture_hybrid [--n 15]
 """
@@ -61,8 +64,8 @@ def main() -> None:
     model, batch = build()
     rows = [[(b, j) for j in range(24)] for b in range(3)]
     work = Path(tempfile.mkdtemp())
-    times: dict[str, list[float]] = {"plain": [], "capture": []}
-    n_states = n_routers = 0
+    times: dict[str, list[float]] = {"plain": [], "capture": [], "experts": []}
+    n_states = n_routers = n_experts = 0
     with torch.no_grad():
         model(**batch)  # warm-up: the torch fallback's first call
         for i in range(args.n + 1):
@@ -74,13 +77,20 @@ def main() -> None:
             with dmlib.capture(model, path, row_map=rows):
                 model(**batch)
             cap = time.perf_counter() - t0
-            if i:  # the first capture imports the capture's rooms
-                times["plain"].append(plain)
-                times["capture"].append(cap)
             c = dmlib.open_capture(path)
             n_states = sum(b.state for b in c)
             n_routers = sum(b.router for b in c)
             shutil.rmtree(path)
+            t0 = time.perf_counter()
+            with dmlib.capture(model, path, row_map=rows, experts=True):
+                model(**batch)
+            exp = time.perf_counter() - t0
+            n_experts = sum(b.expert is not None for b in dmlib.open_capture(path))
+            shutil.rmtree(path)
+            if i:  # the first capture imports the capture's rooms
+                times["plain"].append(plain)
+                times["capture"].append(cap)
+                times["experts"].append(exp)
     shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
@@ -88,6 +98,8 @@ def main() -> None:
         "n": args.n, "plain_ms": med["plain"] * 1e3, "capture_ms": med["capture"] * 1e3,
         "ratio": med["capture"] / med["plain"], "best_ratio": best["capture"] / best["plain"],
         "state_boundaries": n_states, "router_boundaries": n_routers,
+        "experts_ms": med["experts"] * 1e3, "experts_ratio": med["experts"] / med["plain"],
+        "experts_best_ratio": best["experts"] / best["plain"], "expert_boundaries": n_experts,
     }  # fmt: skip
     print(json.dumps(out, indent=1))
     if args.out is not None:

@@ -316,3 +316,28 @@ def test_a_decode_step_row_is_the_position_after_the_prompt(tmp_path):
             for (m, c, e, s, t), d in oracle.rows.items()}  # fmt: skip
     assert {k[1] for k in want} == {0, 1, 2}
     assert recorded(tmp_path / "g") == want
+
+
+def test_the_report_section_lists_the_differing_expert_rows(tmp_path):
+    """The capture notebook's expert cell (report.sections_captures.expert_rows): the
+    planted row, one row of the table, and the count recorded."""
+    from pathlib import Path
+
+    from dmlib import report
+    from dmlib.report import sections_captures as sections
+
+    model = _model()
+    base = alone(model, tmp_path / "a")
+    e = min(k[2] for k in base.rows if k[0] == LAYER1 and k[4] == 3)
+    alone(model, tmp_path / "b", plant=(LAYER1, e, "down_proj", 3))
+    report.configure(figure_dir=tmp_path / "stage" / "figures", notebook="experts_test")
+    try:
+        df = compare_captures(tmp_path / "a", tmp_path / "b")
+        table = sections.expert_rows(sections.Captures(study=None, results={"a vs b": df}))
+        assert table is not None
+        got = table[["module", "expert", "stage", "request", "position", "role"]]
+        assert got.values.tolist() == [[LAYER1, e, "down_proj", "probe", 3, "culprit"]]
+        n = report.load_numbers(report.numbers_path())
+        assert n["expert_rows_differ"] == {"a vs b": 1}
+    finally:
+        report.configure(figure_dir=Path("reports") / "figures", notebook="notebook")

@@ -349,7 +349,12 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             seen_diff |= diff
             if not r["_state"]:
                 step_diff.add(r["_step"])
-    # a module whose inputs are clean but that contains a recorded culprit only encloses it
+    _enclosing(candidates)
+
+
+def _enclosing(candidates: list[dict[str, Any]]) -> None:
+    """A module whose inputs are clean but that contains a recorded culprit (a submodule's,
+    or an expert's rows of its own call) only encloses it (in place)."""
     for r in candidates:
         inner = (r["module"] + ".", r["module"] + "/")
         if any(o is not r and o["module"].startswith(inner) for o in candidates) or any(
@@ -357,7 +362,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             and not r.get("_expert")
             and (o["module"], o["call"]) == (r["module"], r["call"])
             for o in candidates
-        ):  # (an expert's rows inside its experts module's call)
+        ):
             r["role"] = "encloses-culprit"
 
 
