@@ -327,19 +327,32 @@ def test_a_group_limited_deepseek_v2_router_records_its_margins(tmp_path):
     np.testing.assert_array_equal(got_ids, idx.numpy())
 
 
-def test_a_router_without_ids_is_listed_not_judged(tmp_path):
-    """Llama 4's router returns (the chosen scores scattered over all experts, the logits):
-    no ids to read. Every such router (found here by a plain walk of the modules) is listed
-    in the capture's coverage and as not judged in the routing report and its text."""
+def _llama4():
+    return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **SMALL, intermediate_size=16, intermediate_size_mlp=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=1,
+    ))  # fmt: skip
+
+
+def _dbrx():
+    # clip_qkv set: transformers 5.25's DBRX attention calls clamp with it, None fails
+    return transformers.DbrxForCausalLM(transformers.DbrxConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "cls"), [(_llama4, "Llama4Router"), (_dbrx, "DbrxRouter")])
+def test_a_router_without_ids_is_listed_not_judged(tmp_path, make, cls):
+    """Llama 4's router returns (the chosen scores scattered over all experts, the logits),
+    DBRX's its logits alone (its caller chooses): no ids to read. Every such router (found
+    here by a plain walk of the modules) is listed in the capture's coverage and as not
+    judged in the routing report and its text."""
     torch.manual_seed(0)
-    cfg = transformers.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64,
-        interleave_moe_layer_step=1,
-    )  # fmt: skip
-    model = transformers.Llama4ForCausalLM(cfg).eval()
-    expected = [n for n, m in model.named_modules() if type(m).__name__ == "Llama4Router"]
+    model = make().eval()
+    expected = [n for n, m in model.named_modules() if type(m).__name__ == cls]
     assert len(expected) == 2
     rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
     ids = torch.randint(1, VOCAB, (2, N), generator=torch.Generator().manual_seed(7))
@@ -349,7 +362,7 @@ def test_a_router_without_ids_is_listed_not_judged(tmp_path):
     c = open_capture(tmp_path / "a")
     listed = c.coverage["routers_unread"]
     assert [u["module"] for u in listed] == expected
-    assert all("Llama4Router returned" in u["reason"] for u in listed)
+    assert all(f"{cls} returned" in u["reason"] for u in listed)
     assert not any(x.router for x in c.boundaries)
     rep = compare_captures(tmp_path / "a", tmp_path / "b").attrs["routing"]
     assert rep["n_router_calls"] == 0 and rep["n_flips"] == 0
