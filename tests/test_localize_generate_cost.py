@@ -254,3 +254,28 @@ def test_a_long_generation_keeps_a_bounded_number_of_cache_row_plans(tmp_path):
     assert lengths and max(lengths) == 8 + 47
     assert len(rec._cache_plans) <= 4
     assert sum(lengths) <= 36 * 55  # at most 32 + 4 plans, each of at most 55 rows
+
+
+def test_the_rows_of_a_longer_cache_by_hand(tmp_path):
+    """A cache of 5 positions after a prompt of 3 in a batch of 2: row 0 is request a
+    (left-padded by one), row 1 holds b and c packed. By hand: a's prompt rows 1, 2 and its
+    generated rows 3, 4 (row 0 is a's alone); b's rows 5, 6 and c's 7 (row 1 is shared, so
+    nothing generated is theirs). The same from the general loop the fast path stands in for."""
+    from dmlib.localize.capture.recorder import Recorder
+    from dmlib.localize.capture.rowmap import RowMap
+
+    nested = [[None, ("a", 0), ("a", 1)], [("b", 0), ("b", 1), ("c", 0)]]
+    rec = Recorder(tmp_path / "c", row_map=RowMap(nested))
+    rows, requests = rec._cache_rows_of((2, 1, 5, 4))
+    assert len(rows) == 10
+    assert requests == {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7]}
+    assert list(requests) == ["a", "b", "c"]  # the manifest's order: first appearance
+    slow = Recorder(tmp_path / "d", row_map=RowMap(nested))
+    slow._decode_layouts[(2, 3)] = None  # the general loop
+    assert slow._cache_rows_of((2, 1, 5, 4))[1] == requests
+    # a request filling two rows alone: generated positions in both, left to the general loop
+    two = [[("a", 0), ("a", 1)], [("a", 2), ("a", 3)]]
+    rec2 = Recorder(tmp_path / "e", row_map=RowMap(two))
+    assert rec2._decode_layout(2, 2) is None
+    rows, requests = rec2._cache_rows_of((2, 1, 3, 4))
+    assert requests == {"a": [0, 1, 3, 4, 2, 5]}  # positions 0-3, then 4 (row 0), 4 (row 1)

@@ -152,6 +152,8 @@ class Recorder(HostDigests):
         self._row_plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # KV-cache shape -> its rows per request (the row map and layout are fixed once set)
         self._cache_plans: dict[tuple[Any, ...], Any] = {}
+        # (batch, prompt positions) -> the prompt's layout for a longer cache's rows
+        self._decode_layouts: dict[tuple[int, int], Any] = {}
         # what the capture saw of the forward passes as a whole: whether the model itself
         # was hooked, its forward's parameter names (to pair positional and keyword inputs),
         # and what it produced that was not captured ({"what", "reason"}): a comparison is
@@ -298,6 +300,10 @@ class Recorder(HostDigests):
         seq = len(rm) // batch
         if shape[2] == seq:  # the prompt's positions only: the row map's own rows
             return list(rm.entries), {rid: idx.tolist() for rid, idx in rm.requests.items()}
+        if shape[2] > seq:
+            plan = self._decode_rows(shape[2], batch, seq)
+            if plan is not None:
+                return plan
         entries: list[Any] = []
         for r in range(batch):
             row = rm.entries[r * seq : (r + 1) * seq]
@@ -314,6 +320,55 @@ class Recorder(HostDigests):
             if e is not None:
                 mine.setdefault(e[0], []).append((e[1], i))
         return entries, {rid: [i for _, i in sorted(v)] for rid, v in mine.items()}
+
+    def _decode_rows(
+        self, length: int, batch: int, seq: int
+    ) -> tuple[Any, dict[str, list[int]]] | None:
+        """:meth:`_cache_rows_of` of a cache of ``length > seq`` positions per batch row, in
+        work that grows with the prompt only (the generated rows of a request are a range):
+        each request's prompt rows in position order, then, in the batch row it fills
+        alone, every position after the prompt. The rows stand as a ``range`` (only their
+        count is read). None where the prompt's layout is not that simple (a request
+        filling several batch rows alone, or positions not 0, 1, ... without repeats)."""
+        key = (batch, seq)
+        if key not in self._decode_layouts:
+            self._decode_layouts[key] = self._decode_layout(batch, seq)
+        layout = self._decode_layouts[key]
+        if layout is None:
+            return None
+        requests: dict[str, list[int]] = {}
+        for rid, (prompt, row) in layout.items():
+            idx = [r * length + j for r, j in prompt]
+            if row is not None:
+                idx += range(row * length + seq, (row + 1) * length)
+            requests[rid] = idx
+        return range(batch * length), requests
+
+    def _decode_layout(
+        self, batch: int, seq: int
+    ) -> dict[str, tuple[list[Any], int | None]] | None:
+        """Per request, in order of first appearance: its prompt's (batch row, column) in
+        position order, and the batch row it fills alone (or None); None: not simple."""
+        rm = cast(RowMap, self.row_map)
+        cells: dict[str, list[tuple[int, int, int]]] = {}
+        owned: dict[str, int] = {}
+        for r in range(batch):
+            row = rm.entries[r * seq : (r + 1) * seq]
+            for j, e in enumerate(row):
+                if e is not None:
+                    cells.setdefault(e[0], []).append((e[1], r, j))
+            owners = {e[0] for e in row if e is not None}
+            if len(owners) == 1:
+                (owner,) = owners
+                if owner in owned:
+                    return None  # generated positions in two rows: not in position order
+                owned[owner] = r
+        out: dict[str, tuple[list[Any], int | None]] = {}
+        for rid, v in cells.items():
+            if sorted(p for p, _, _ in v) != list(range(len(v))):
+                return None
+            out[rid] = ([(r, j) for _, r, j in sorted(v)], owned.get(rid))
+        return out
 
     def _wants_dump(self, name: str) -> bool:
         return bool(self.dump) and any(fnmatch.fnmatchcase(name, p) for p in self.dump)
