@@ -1,21 +1,24 @@
 """The routing report on the MoE families beside Qwen3-MoE: Mixtral, OLMoE, Qwen2-MoE,
-Qwen3-Next (its sparse MoE blocks between Gated DeltaNet layers, on the torch fallback) and
-DeepSeek-V2, tiny random-init models from transformers' own config classes, float32 and
-bfloat16.
+Qwen3-Next (its sparse MoE blocks between Gated DeltaNet layers, on the torch fallback),
+DeepSeek-V2 and DeepSeek-V3 (one group, a correction bias of its own), tiny random-init
+models from transformers' own config classes, float32 and bfloat16.
 
 A near-tie is planted, never left to this CPU. While the router runs, the output of its own
 ``F.linear`` (its logits) is rewritten for one token of the second request: the logit of
 the expert ranked (k+1)-th is put a few steps from the k-th's, below in run A, and in run B
 above it (a flip) or less far below (the margin shrinks, no flip). A step is ``2**-23`` of a
 float32 logit (a relative change of that size in its softmax score) or one bfloat16 ULP of a
-bfloat16 logit. The router's own ``forward`` then computes its scores, top-k and weights.
+bfloat16 logit; for DeepSeek-V3 the logit is set so that its sigmoid plus bias lands a few
+``2**-23`` from the k-th's. The router's own ``forward`` then computes its scores, top-k
+and weights.
 
 The oracle, written here from each router's ``forward`` in transformers: the scores it ranks
 by recomputed from the planted logits (softmax in float32; Mixtral upcasts before its
-softmax; DeepSeek-V2's logits are float32 whatever the model's dtype), ``torch.topk`` by
-hand, and the margin as the k-th minus the (k+1)-th score, absolute and in float32 ULP
-(numpy's bit patterns, and ``numpy.nextafter`` steps for the float32 near-ties). The ids the
-router returned (a plain forward hook) must equal the oracle's, so the oracle is the model's.
+softmax; DeepSeek-V2's and V3's logits are float32 whatever the model's dtype; V3 adds its
+bias to the sigmoid), ``torch.topk`` by hand, and the margin as the k-th minus the
+(k+1)-th score, absolute and in float32 ULP (numpy's bit patterns, and ``numpy.nextafter``
+steps for the float32 near-ties). The ids the router returned (a plain forward hook) must
+equal the oracle's, so the oracle is the model's.
 """
 
 from __future__ import annotations
@@ -81,6 +84,21 @@ def _deepseek_v2(topk_method="greedy"):
     ))  # fmt: skip
 
 
+def _deepseek_v3():
+    # one group (no group limit), and a correction bias of its own, so that the ranking by
+    # sigmoid + bias is not the logits' (the bias starts at zero)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=K, n_group=1,
+        topk_group=1, n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8,
+    ))  # fmt: skip
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(3)) * 0.02)
+    return model
+
+
 def _softmax_f32(logits):  # Qwen2-MoE, Qwen3-Next, OLMoE: softmax(logits, dtype=torch.float)
     return torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
 
@@ -94,6 +112,11 @@ def _v2_softmax(logits):  # DeepSeek-V2: float32 logits, logits.softmax(dtype=to
     return logits.softmax(dim=-1, dtype=torch.float32)
 
 
+def _v3_scores(logits, bias):  # DeepSeek-V3: float32 logits, sigmoid() + correction bias
+    assert logits.dtype == torch.float32
+    return logits.sigmoid() + bias
+
+
 # family -> (model, the layer whose router is planted, its router class, its scores by hand)
 FAMILIES = {
     "mixtral": (_mixtral, 1, "MixtralTopKRouter", _upcast_softmax),
@@ -101,6 +124,7 @@ FAMILIES = {
     "qwen2_moe": (_qwen2_moe, 1, "Qwen2MoeTopKRouter", _softmax_f32),
     "qwen3_next": (_qwen3_next, 2, "Qwen3NextTopKRouter", _softmax_f32),
     "deepseek_v2": (_deepseek_v2, 1, "DeepseekV2TopkRouter", _v2_softmax),
+    "deepseek_v3": (_deepseek_v3, 1, "DeepseekV3TopkRouter", _v3_scores),
 }
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -148,6 +172,11 @@ class Plant:
         self.active = False  # the router's one F.linear: its logits
         y = y.clone()
         row = y[ROW]
+        bias = getattr(self.router, "e_score_correction_bias", None)
+        if bias is not None:  # DeepSeek-V3 ranks by sigmoid + bias: its score moved
+            self._move_score(row, bias.double())
+            self.logits.append(y.detach().clone())
+            return y
         order = torch.argsort(row.float(), descending=True, stable=True)
         kth, nxt = int(order[K - 1]), int(order[K])
         if row.dtype == torch.float32:
@@ -162,6 +191,15 @@ class Plant:
             row[nxt] = v
         self.logits.append(y.detach().clone())
         return y
+
+    def _move_score(self, row, bias):
+        """The (k+1)-th expert's logit set so that its sigmoid + bias is the k-th's plus
+        ``steps * 2**-23`` (in float64, then rounded to the float32 logit)."""
+        score = row.double().sigmoid() + bias
+        order = torch.argsort(score, descending=True, stable=True)
+        kth, nxt = int(order[K - 1]), int(order[K])
+        p = score[kth] + self.steps * 2.0**-23 - bias[nxt]
+        row[nxt] = torch.log(p / (1 - p)).to(row.dtype)
 
 
 def run(model, family, path, steps, dump=()):
@@ -181,7 +219,9 @@ def run(model, family, path, steps, dump=()):
 def by_hand(family, plant):
     """(top-k id sets per flat row, (k-th, (k+1)-th) float32 scores per row) by torch.topk on
     the router's scores recomputed from the planted logits; the router's own ids agree."""
-    scores = FAMILIES[family][3](plant.logits[0])
+    how, logits = FAMILIES[family][3], plant.logits[0]
+    bias = getattr(plant.router, "e_score_correction_bias", None)
+    scores = how(logits) if bias is None else how(logits, bias)
     vals, idx = torch.topk(scores, K + 1, dim=-1)
     sets = [sorted(int(e) for e in r) for r in idx[:, :K]]
     assert sets == [sorted(int(e) for e in r) for r in plant.ids[0]]  # as the model chose
@@ -237,7 +277,8 @@ def test_a_planted_flip_is_named_with_its_margins(tmp_path, family, dt):
         got = values(c, c.boundary(f"{router}:router.margin"))
         np.testing.assert_array_equal(got, v)
         assert "routers_unread" not in c.coverage  # a scalar shared_expert_gate is no router
-    kind = "float-softmax" if family == "mixtral" else "softmax"  # read from each forward
+    # read from each forward
+    kind = {"mixtral": "float-softmax", "deepseek_v3": "sigmoid+bias"}.get(family, "softmax")
     assert f["scores"] == kind
     line = f"position {T}: experts {sa[ROW]} -> {sb[ROW]}"
     assert any(line in s and s.endswith(f" on {kind}") for s in flip_lines(rep))
