@@ -182,12 +182,11 @@ def test_a_planted_ulp_in_one_expert_row_is_the_first_divergence_and_the_culprit
     row = df.set_index("boundary").loc[LAYER1]  # the experts module's own output
     if row["identical"] is not pd.NA and not row["identical"]:
         assert role[LAYER1] == "encloses-culprit"
-    # the activation inside the experts module: its calls pair the n-th expert hit of
-    # each run, so it is left to the expert rows (not judged, never a carrier or culprit)
+    # the activation inside the experts module: one layout, the same experts hit by the
+    # same tokens, so its n-th call is the same expert's in both and it is judged
     inside = df[df["boundary"].str.startswith(f"{LAYER1}.act_fn")]
-    assert len(inside) and inside["identical"].isna().all()
-    assert (inside["role"] == "unjudged").all()
-    assert inside["note"].str.contains("judged per expert").all()
+    assert len(inside) and inside["identical"].notna().all()
+    assert (inside["role"] != "culprit").all()
     # every expert row before the planted one (layer 0 whole) identical
     assert all(d["module"] == LAYER1 for d in ex["differ"])
     assert df.attrs["status"] == "different"
@@ -234,6 +233,12 @@ def test_alone_against_packed_every_expert_row_judged_as_the_oracle_does(tmp_pat
                 else None if any(k not in pb for k in mine) else True)  # fmt: skip
         have = by_name.loc[name, "identical"]
         assert (None if have is pd.NA else bool(have)) is want, name
+    # the activation inside the experts modules: its n-th call is the n-th expert hit, whose
+    # tokens the packed run does not share, so it is left to the expert rows
+    inside = df[df["boundary"].str.contains(r"mlp\.experts\.act_fn")]
+    assert len(inside) and inside["identical"].isna().all()
+    assert (inside["role"] == "unjudged").all()
+    assert inside["note"].str.contains("judged by that module's expert").all()
     # a capture judged per expert is never "identical" with a routing flip in it
     if one_run:
         assert df.attrs["status"] != "identical"
@@ -290,7 +295,7 @@ def test_a_hostile_expert_entry_is_one_clear_error(tmp_path, capsys, change, whe
         with pytest.raises(CaptureError, match="malformed"):
             dmlib.open_capture(tmp_path / "b")
     else:
-        with pytest.raises(CaptureError, match="position 99; the request has 12"):
+        with pytest.raises(CaptureError, match="position 99; the request has 12 positions"):
             compare_captures(tmp_path / "a", tmp_path / "b")
     assert main(["localize", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

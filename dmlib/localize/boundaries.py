@@ -346,7 +346,9 @@ def compare_captures(
         judged and matches, or the model's own outputs (hooked with ``modules`` including
         ``""``) were judged and match; "inconclusive": nothing judged differs but some
         boundary could not be judged), ``unjudged`` (``[{boundary, reason}]``) and
-        ``outputs_match``.
+        ``outputs_match``; ``experts`` (where A recorded expert rows: the rows that differ
+        per (expert, stage, request, position), the first of them and the culprit ones,
+        :func:`~dmlib.localize.expertjudge.expert_summary`).
 
     A boundary is judged per request: rows per position through the row map; rows per
     sequence (first axis = batch) through the batch row the request fills alone;
@@ -367,7 +369,7 @@ def compare_captures(
         for ba in a.boundaries
         if concerns(ba, b, requests)  # (an expert hit by other requests only: not theirs)
     ]
-    within_experts(a, rows)  # an experts module's activation: judged per expert instead
+    within_experts(a, b, rows)  # an experts module's activation: judged per expert instead
     fwd, bwd = split_backward(a, rows)  # the backward judged in its own order
     _roles(fwd, a.root)
     recorded_roles(a, fwd)

@@ -296,7 +296,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             # (the routing report says which); the margins follow the router's scores
             r["role"] = "flip" if r["_slot"] == "router.indices" else "carrier"
         elif r.get("_expert"):
-            if _expert_role(r, inputs, names):
+            if _expert_role(r, inputs, names, states):
                 base = set()
                 candidates.append(r)
         elif r["_state"]:
@@ -370,13 +370,18 @@ def _expert_role(
     r: dict[str, Any],
     inputs: dict[tuple[str, int], list[dict[str, Any]]],
     names: dict[str, dict[str, Any]],
+    states: dict[int, list[dict[str, Any]]],
 ) -> bool:
     """Set a differing expert row's role, judged against the experts module's inputs of
-    the call and, for down_proj, the same expert's gate_up_proj rows; True: the culprit."""
+    the call and, for down_proj, the same expert's gate_up_proj rows, and, as any output
+    whose inputs match, against a state the pass before left (a decode step); True: the
+    culprit."""
     up = names.get(up_name(r["boundary"])) if r["_slot"].endswith(".down_proj") else None
     r["role"], note = expert_role(r, inputs.get((r["module"], r["call"]), []), up)
-    if note and r["role"] != "carrier":
-        _add_note(r, note)
+    if r["role"] == "culprit" and (got := _consumed(r, states)):
+        r["role"], note, r["_carries"] = got
+    if note and (r["role"] != "carrier" or r.get("_carries")):
+        _add_note(r, str(note))
     return bool(r["role"] == "culprit")
 
 

@@ -46,16 +46,17 @@ def describe(x: Boundary, request: str, position: int) -> str:
 
 def _rows(c: Capture, x: Boundary | None, r: str) -> dict[int, str]:
     """Request ``r``'s rows of an expert boundary, each position checked against the
-    request's length in the capture's row map."""
+    request's length in the capture's row map (pass ``s`` of a multi-pass capture: its
+    prompt and the ``s`` tokens after it)."""
     if x is None or x.expert is None:
         return {}
     rows = x.expert["rows"].get(r, {})
-    n = c.requests.get(r, 0)
+    n = c.requests.get(r, 0) + x.step
     bad = [p for p in rows if p >= n]
     if bad:
         raise CaptureError(
             f"boundary {x.name!r} holds a row of request {r!r} at position {bad[0]}; the "
-            f"request has {n} positions",
+            f"request has {n} positions up to pass {x.step}",
             path=c.path,
         )
     return rows
@@ -127,17 +128,32 @@ def judge_expert(
 
 INSIDE = (
     "not judged: inside an experts module whose rows are judged per expert: its n-th call "
-    "runs on the n-th expert hit's gathered tokens, which two runs need not share (judged "
-    "by that module's expert<e>.gate_up_proj / down_proj rows instead)"
+    "runs on the n-th expert hit's gathered tokens, which the two runs do not share (other "
+    "experts hit, other tokens routed, another layout); judged by that module's "
+    "expert<e>.gate_up_proj / down_proj rows instead"
 )
 
 
-def within_experts(a: Capture, rows: list[dict[str, Any]]) -> None:
+def _hits(c: Capture, module: str) -> list[tuple[Any, ...]]:
+    """Each expert boundary of ``module``: (name, shape, request -> positions), in order."""
+    return [
+        (x.name, x.shape, {r: sorted(v) for r, v in x.expert["rows"].items()})
+        for x in c.boundaries
+        if x.expert is not None and x.module == module
+    ]
+
+
+def within_experts(a: Capture, b: Capture, rows: list[dict[str, Any]]) -> None:
     """Mark not judged (in place) the boundaries of modules inside an experts module whose
     expert rows A recorded (the eager implementation's activation, called once per expert
-    hit): pairing its calls by number pairs different experts' tokens wherever the experts
-    hit differ."""
-    inner = tuple(f"{x.module}." for x in a.boundaries if x.expert is not None)
+    hit), unless both captures place the requests on the same rows and hit the same
+    experts with the same tokens in the same order: only then does its n-th call hold the
+    same expert's rows of the same tokens in both."""
+    same_rows = (
+        a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
+    )
+    mods = {x.module for x in a.boundaries if x.expert is not None}
+    inner = tuple(f"{m}." for m in mods if not (same_rows and _hits(a, m) == _hits(b, m)))
     if not inner:
         return
     for r in rows:
