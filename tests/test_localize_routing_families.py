@@ -135,12 +135,12 @@ def model_of(family, dtype):
 
 
 class Plant:
-    """Rewrites the logits the router's own ``F.linear`` returns, at flat row ``ROW`` only:
+    """Rewrites the logits the router's own ``F.linear`` returns, at flat row ``row`` only:
     the (k+1)-th ranked expert's logit set ``steps`` steps from the k-th's (negative:
     below). Keeps the logits and the ids the router returned, per router call."""
 
-    def __init__(self, router, steps: int) -> None:
-        self.router, self.steps, self.active = router, steps, False
+    def __init__(self, router, steps: int, row: int = ROW) -> None:
+        self.router, self.steps, self.active, self.row = router, steps, False, row
         self.logits: list = []
         self.ids: list = []
 
@@ -171,7 +171,7 @@ class Plant:
             return y
         self.active = False  # the router's one F.linear: its logits
         y = y.clone()
-        row = y[ROW]
+        row = y[self.row]
         bias = getattr(self.router, "e_score_correction_bias", None)
         if bias is not None:  # DeepSeek-V3 ranks by sigmoid + bias: its score moved
             self._move_score(row, bias.double())
@@ -202,16 +202,19 @@ class Plant:
         row[nxt] = torch.log(p / (1 - p)).to(row.dtype)
 
 
-def run(model, family, path, steps, dump=()):
+def run(model, family, path, steps, dump=(), pad=0, row=ROW):
+    """One capture of the two requests, the first left-padded by ``pad`` positions."""
     ids = torch.randint(1, VOCAB, (2, N), generator=torch.Generator().manual_seed(7))
-    rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
+    mask = torch.ones(2, N, dtype=torch.long)
+    mask[0, :pad] = 0
+    rows = row_map_from_attention_mask(mask, REQUESTS)
     layer = FAMILIES[family][1]
-    with Plant(model.model.layers[layer].mlp.gate, steps) as plant:
+    with Plant(model.model.layers[layer].mlp.gate, steps, row) as plant:
         with (
             torch.no_grad(),
             capture(model, path, row_map=rows, modules=["", "model.*", "lm_head"], dump=dump),
         ):
-            model(input_ids=ids, use_cache=False)
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
     assert len(plant.logits) == 1  # the planted router ran once
     return plant
 
@@ -338,6 +341,24 @@ def test_the_flipped_token_stands_out_downstream(tmp_path, family, dt):
     assert df.loc[block, "diff_positions"] == np.nonzero(per_pos)[0].tolist()
     assert f"expert flip at {block}.gate:router.indices" in df.loc[block, "note"]
     assert "position 5" in df.loc[block, "note"] and "'second'" in df.loc[block, "note"]
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_a_flip_in_a_left_padded_request_is_at_its_own_position(tmp_path, family):
+    """The first request left-padded by 3: a flip planted at its flat row 3 + 2 is reported
+    at request "first", position 2 (the padding counted out), and nothing else flips."""
+    pad, pos = 3, 2
+    model = model_of(family, torch.float32)
+    pa = run(model, family, tmp_path / "a", steps=-4, pad=pad, row=pad + pos)
+    pb = run(model, family, tmp_path / "b", steps=+4, pad=pad, row=pad + pos)
+    (sa, va), (sb, vb) = by_hand(family, pa), by_hand(family, pb)
+    assert [i for i in range(2 * N) if sa[i] != sb[i]] == [pad + pos]
+    rep = compare_captures(tmp_path / "a", tmp_path / "b").attrs["routing"]
+    (f,) = rep["flips"]
+    assert (f["request"], f["position"]) == ("first", pos)
+    assert (f["experts_a"], f["experts_b"]) == (sa[pad + pos], sb[pad + pos])
+    assert f["margin_a"] == float(va[pad + pos, 0]) - float(va[pad + pos, 1])
+    assert f["margin_b"] == float(vb[pad + pos, 0]) - float(vb[pad + pos, 1])
 
 
 def test_a_group_limited_deepseek_v2_router_records_its_margins(tmp_path):
