@@ -346,3 +346,19 @@ def test_the_report_section_lists_the_differing_expert_rows(tmp_path):
         assert n["expert_rows_differ"] == {"a vs b": 1}
     finally:
         report.configure(figure_dir=Path("reports") / "figures", notebook="notebook")
+
+
+def test_every_expert_entry_reads_back_to_itself(tmp_path):
+    """The writer's expert entries through Boundary.from_entry and to_entry: the same JSON
+    text (the kind's row of format.KINDS, its marker key in OPTIONAL_KEYS)."""
+    from dmlib.localize.capture.format import Boundary
+
+    oracle = alone(_model(), tmp_path / "a")
+    entries = json.loads((tmp_path / "a" / "manifest.json").read_text())["boundaries"]
+    mine = [(i, d) for i, d in enumerate(entries) if "expert" in d]
+    # one entry per (module, expert, stage) the oracle saw run
+    assert len(mine) == len({(m, e, st) for m, _, e, st, _ in oracle.rows})
+    for i, d in mine:
+        b = Boundary.from_entry(i, d, tmp_path / "a", 4)
+        assert b.category.name == "expert"
+        assert json.dumps(b.to_entry()) == json.dumps(d), d["name"]
