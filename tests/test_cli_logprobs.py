@@ -200,3 +200,19 @@ def test_numpy_is_imported_with_one_blas_thread_unless_the_user_set_one(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == (["1", "None"] if given is None else [given, given])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_garbage_collector_is_left_as_it_was(
+    enabled: bool, files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        rc, out, _ = run(["logprobs", str(files["a"]), str(files["b"])], capsys)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert rc == 1 and out.startswith("DIFFERS")
