@@ -23,12 +23,15 @@ equal the oracle's, so the oracle is the model's.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dmlib.cli import main  # noqa: E402
 from dmlib.localize.boundaries import compare_captures  # noqa: E402
 from dmlib.localize.capture import capture, open_capture  # noqa: E402
 from dmlib.localize.hf import row_map_from_attention_mask  # noqa: E402
@@ -313,7 +316,7 @@ def test_a_margin_that_shrinks_without_a_flip_is_no_flip(tmp_path, family, dt):
 
 @pytest.mark.parametrize(("family", "dt"), [("mixtral", "f32"), ("mixtral", "bf16"),
                                              ("qwen3_next", "f32")])  # fmt: skip
-def test_the_flipped_token_stands_out_downstream(tmp_path, family, dt):
+def test_the_flipped_token_stands_out_downstream(tmp_path, capsys, family, dt):
     """The MoE block's output after the planted flip, request "second": the flipped token has
     the largest difference (numpy on the dumped rows), the flip's effect gives it and the
     largest elsewhere as numpy does, the positions whose rows differ (diff_positions, the
@@ -337,6 +340,10 @@ def test_the_flipped_token_stands_out_downstream(tmp_path, family, dt):
     }  # fmt: skip
     line = next(s for s in flip_lines(full.attrs["routing"]) if f"position {T}:" in s)
     assert f"at {block} max |diff| {per_pos[T]:.3g} here, {others.max():.3g} at most" in line
+    # the same flip in `dmlib localize --json`
+    assert main(["localize", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    (g,) = json.loads(capsys.readouterr().out)["attrs"]["routing"]["flips"]
+    assert g == f
     df = compare_captures(a, b, request="second").set_index("boundary")
     assert df.loc[block, "diff_positions"] == np.nonzero(per_pos)[0].tolist()
     assert f"expert flip at {block}.gate:router.indices" in df.loc[block, "note"]
