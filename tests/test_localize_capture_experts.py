@@ -362,3 +362,23 @@ def test_every_expert_entry_reads_back_to_itself(tmp_path):
         b = Boundary.from_entry(i, d, tmp_path / "a", 4)
         assert b.category.name == "expert"
         assert json.dumps(b.to_entry()) == json.dumps(d), d["name"]
+
+
+def test_expert_rows_against_a_capture_without_them_are_not_judged(tmp_path):
+    """One capture with experts=True, the other without: the expert boundaries are not
+    judged (the other side recorded none), never called routing flips, and the comparison
+    is not identical about them, whichever side has them."""
+    model = _model()
+    alone(model, tmp_path / "a")
+    ids = torch.tensor([PROBE])
+    with (
+        torch.no_grad(),
+        dmlib.capture(model, tmp_path / "b", row_map=[("probe", i) for i in range(12)]),
+    ):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for x, y in (("a", "b"), ("b", "a")):
+        df = compare_captures(tmp_path / x, tmp_path / y)
+        reasons = [u["reason"] for u in df.attrs["unjudged"] if ":expert" in u["boundary"]]
+        assert reasons and all("recorded no expert rows" in r for r in reasons)
+        assert df.attrs["status"] != "identical"
+    assert compare_captures(tmp_path / "a", tmp_path / "b").attrs["experts"]["n_rows_one_run"] == 0

@@ -138,7 +138,7 @@ def _summary(
     ]  # fmt: skip
     layout += [x.name for x in absent if _is_layout(x, layout_inputs)]
     unjudged += [
-        {"boundary": x.name, "reason": absent_reason(x)}
+        {"boundary": x.name, "reason": absent_reason(x, a)}
         for x in absent
         if not _is_layout(x, layout_inputs)
     ]

@@ -12,6 +12,7 @@ comparison (a packed run's experts hit only by the other requests).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from dmlib.errors import CaptureError
@@ -21,6 +22,26 @@ from dmlib.localize.controls import NO_STATS
 from dmlib.textsafe import escape
 
 UP = "gate_up_proj"
+
+_CALLS: weakref.WeakKeyDictionary[Capture, set[tuple[str, int]]] = weakref.WeakKeyDictionary()
+
+
+def recorded_calls(c: Capture) -> set[tuple[str, int]]:
+    """(module, call) of every experts module call whose expert rows ``c`` recorded."""
+    got = _CALLS.get(c)
+    if got is None:
+        got = _CALLS[c] = {(x.module, x.call) for x in c.boundaries if x.expert is not None}
+    return got
+
+
+def _unrecorded(x: Boundary, other: Capture, side: str) -> str | None:
+    """Why ``x``'s rows cannot meet ``other``'s: it recorded no expert rows of that call."""
+    if (x.module, x.call) in recorded_calls(other):
+        return None
+    return (
+        f"not judged: the capture {side} recorded no expert rows of {x.module} call {x.call} "
+        "(capture it with experts=True; a module not judged is listed under not_captured)"
+    )
 
 
 def concerns(x: Boundary, other: Capture, requests: list[str]) -> bool:
@@ -96,6 +117,9 @@ def judge_expert(
     """(identical or None, differing global block ids, note) of expert boundary ``ba``."""
     if bb is not None and (bb.expert is None or bb.hash != ba.hash):
         return None, [], f"not judged: {bb.name!r} in B is not an expert boundary of {ba.hash}"
+    why = _unrecorded(ba, b, "B") if bb is None else None
+    if why is not None:
+        return None, [], why
     if not requests:
         if bb is not None and bb.shape == ba.shape and bb.digest == ba.digest:
             return True, [], "compared whole (no row map; the same rows in the same order)"
@@ -162,9 +186,13 @@ def within_experts(a: Capture, b: Capture, rows: list[dict[str, Any]]) -> None:
             r.pop("diff_positions", None)
 
 
-def absent_reason(x: Boundary) -> str:
-    """Why a boundary of B absent from A is not judged (an expert's: a routing flip)."""
+def absent_reason(x: Boundary, a: Capture) -> str:
+    """Why a boundary of B absent from A is not judged (an expert's: a routing flip, where
+    A recorded that call's expert rows)."""
     if x.expert is not None:
+        why = _unrecorded(x, a, "A")
+        if why is not None:
+            return why.removeprefix("not judged: ")
         return (
             f"routing flip: expert {x.expert['index']} of {x.module} holds rows of the "
             "compared requests in B only"
@@ -210,6 +238,8 @@ def expert_summary(
     for row in mine:
         x = a.boundary(row["boundary"])
         y = b.boundary(x.name) if x.name in b else None
+        if y is None and _unrecorded(x, b, "B") is not None:
+            continue  # B recorded no expert rows of that call: nothing paired, no flip
         got = pair_rows(a, b, x, y, requests) if requests else None
         if got is None:
             continue
@@ -220,7 +250,7 @@ def expert_summary(
         if row["role"] == "culprit":
             culprits += found
     for y in b.boundaries:  # experts the requests' tokens were routed to in B only
-        if y.expert is not None and y.name not in a:
+        if y.expert is not None and y.name not in a and _unrecorded(y, a, "A") is None:
             n_flip += sum(len(y.expert["rows"].get(r, {})) for r in requests)
     return {
         "n_boundaries": len(mine),
