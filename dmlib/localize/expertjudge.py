@@ -158,13 +158,15 @@ INSIDE = (
 )
 
 
-def _hits(c: Capture, module: str) -> list[tuple[Any, ...]]:
-    """Each expert boundary of ``module``: (name, shape, request -> positions), in order."""
-    return [
-        (x.name, x.shape, {r: sorted(v) for r, v in x.expert["rows"].items()})
-        for x in c.boundaries
-        if x.expert is not None and x.module == module
-    ]
+def _hits(c: Capture) -> dict[str, list[tuple[Any, ...]]]:
+    """Per experts module, each expert boundary: (name, shape, request -> positions), in
+    order."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for x in c.boundaries:
+        if x.expert is not None:
+            rows = {r: sorted(v) for r, v in x.expert["rows"].items()}
+            out.setdefault(x.module, []).append((x.name, x.shape, rows))
+    return out
 
 
 def within_experts(a: Capture, b: Capture, rows: list[dict[str, Any]]) -> None:
@@ -176,8 +178,9 @@ def within_experts(a: Capture, b: Capture, rows: list[dict[str, Any]]) -> None:
     same_rows = (
         a.row_map is not None and b.row_map is not None and a.row_map.entries == b.row_map.entries
     )
-    mods = {x.module for x in a.boundaries if x.expert is not None}
-    inner = tuple(f"{m}." for m in mods if not (same_rows and _hits(a, m) == _hits(b, m)))
+    ha = _hits(a)
+    hb = _hits(b) if same_rows and ha else {}
+    inner = tuple(f"{m}." for m, h in ha.items() if not (same_rows and h == hb.get(m)))
     if not inner:
         return
     for r in rows:
