@@ -179,6 +179,7 @@ def read_regular(
     error: type[DmlibError] = DmlibError,
     limit: int | None = None,
     kind: str = "a file",
+    hint: str = "",
 ) -> bytes:
     """``length`` bytes at ``offset`` of the regular file ``real`` (None: the rest of it).
 
@@ -187,7 +188,8 @@ def read_regular(
     opened without following a final symlink and without blocking, then checked with
     ``fstat``, so a FIFO or device put in its place after the caller looked is refused,
     never waited on or read. With ``limit``, a file larger than ``limit`` bytes is refused
-    before a byte is read (``kind`` names what may take that much: ``"a mapping file"``).
+    before a byte is read (``kind`` names what may take that much: ``"a mapping file"``;
+    ``hint``, where given, follows: how to lift the limit for a file the user trusts).
     Read to its end, a file whose size changes while it is read is refused, never returned
     cut short or grown. Each refusal is one ``error`` for ``where``, its text prefixed
     with ``what`` (the member's name where ``where`` is its folder).
@@ -208,10 +210,8 @@ def read_regular(
                 f"{pre}is not a regular file (a device, FIFO or socket); not read", path=where
             )
         if limit is not None and st.st_size > limit:
-            raise error(
-                f"{pre}is {human(st.st_size)}, more than the {human(limit)} {kind} may take",
-                path=where,
-            )
+            text = f"{pre}is {_sizes(st.st_size, limit)} {kind} may take"
+            raise error(f"{text}; {hint}" if hint else text, path=where)
         want = max(st.st_size - offset, 0) if length is None else length
         data = _pread_all(fd, offset, want)
         if length is None and (len(data) != want or os.pread(fd, 1, offset + want)):
@@ -219,6 +219,14 @@ def read_regular(
         return data
     finally:
         os.close(fd)
+
+
+def _sizes(size: int, limit: int) -> str:
+    """``4.9 KiB, more than the 4.0 KiB``: in bytes where the short figures would read alike."""
+    big, top = human(size), human(limit)
+    if big == top:
+        big, top = f"{size:,} bytes", f"{limit:,} bytes"
+    return f"{big}, more than the {top}"
 
 
 def _pread_all(fd: int, offset: int, want: int) -> bytes:

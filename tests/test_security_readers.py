@@ -122,7 +122,9 @@ def test_read_member_refuses_an_oversized_file_naming_it(
     monkeypatch.setattr(_limits, "MAX_TEXT_BYTES", 4098)
     assert len(read_member(str(tmp_path), "trainer_state.json")) == 4098  # at the limit: read
     monkeypatch.setattr(_limits, "MAX_TEXT_BYTES", 4097)
-    with pytest.raises(FormatError, match="is 4.0 KiB, more than the 4.0 KiB") as info:
+    with pytest.raises(
+        FormatError, match="is 4,098 bytes, more than the 4,097 bytes a JSON file of a checkpoint"
+    ) as info:
         read_member(str(tmp_path), "trainer_state.json")
     assert str(info.value).startswith(str(tmp_path / "trainer_state.json") + ": ")
 

@@ -25,6 +25,7 @@ import numpy as np
 from dmlib import _limits
 from dmlib.errors import FormatError, MissingDependencyError, UnsupportedError
 from dmlib.io._checks import shape_problem, short_repr
+from dmlib.safepaths import read_regular
 from dmlib.tensor import ArrayTensorSet, TensorSet
 from dmlib.textsafe import shown
 
@@ -242,18 +243,11 @@ def open_flax_msgpack(path: str | os.PathLike[str]) -> TensorSet:
         raise MissingDependencyError(
             "reading flax msgpack files needs msgpack: pip install 'dmlib[formats]'", path=path
         ) from None
-    size = os.path.getsize(path)
-    if size > _limits.max_decompressed():  # decoded whole: refuse, do not exhaust memory
-        raise FormatError(
-            f"refused: a {_limits.human(size)} msgpack file is decoded whole in memory, more "
-            f"than the {_limits.human(_limits.max_decompressed())} one file may take on this "
-            f"machine; {_limits.limit_hint()}",
-            path=path,
-        )
-    with open(path, "rb") as f:
-        data = f.read(size + 1)
-    if len(data) != size:
-        raise FormatError("changed while reading (its size is not the one opened)", path=path)
+    # decoded whole: a file larger than one piece may take is refused before it is read
+    data = read_regular(
+        os.path.realpath(path), where=path, error=FormatError, limit=_limits.max_decompressed(),
+        kind="a msgpack file", hint=f"it is decoded whole in memory: {_limits.limit_hint()}",
+    )  # fmt: skip
     try:
         counted = _Counted(path)
         tree = msgpack.unpackb(
