@@ -197,29 +197,3 @@ def test_a_file_over_what_one_piece_may_take_is_refused_naming_it(tmp_path, monk
     with pytest.raises(DmlibError, match="decoded whole in memory.*DMLIB_MAX_DECOMPRESSED") as e:
         dmlib.open_tensors(path)
     assert str(e.value).startswith(f"{path}: is {size:,} bytes, more than the {size - 1:,} bytes")
-
-
-def test_the_reader_itself_does_not_wait_on_a_fifo(tmp_path):
-    """open_flax_msgpack called directly on a FIFO (format detection, which refuses it
-    first, bypassed) refuses it at once: run in a subprocess, which a reader waiting for
-    a writer would never end."""
-    import os
-    import subprocess
-    import sys
-
-    fifo = tmp_path / "state.msgpack"
-    os.mkfifo(fifo)
-    script = (
-        "import sys\nfrom dmlib.errors import DmlibError\n"
-        "from dmlib.io.flax_msgpack import open_flax_msgpack\n"
-        "try:\n    open_flax_msgpack(sys.argv[1])\n"
-        "except DmlibError as err:\n    print('REFUSED', err)\n"
-    )
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", script, str(fifo)],
-            capture_output=True, text=True, timeout=30, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        pytest.fail("open_flax_msgpack waited on a FIFO for 30 s")
-    assert r.stdout.startswith(f"REFUSED {fifo}: is not a regular file"), r.stdout + r.stderr

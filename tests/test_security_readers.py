@@ -1,10 +1,11 @@
 """The one reader of files an input names (``safepaths.read_regular``) keeps each caller's
 guarantee: a Trainer or ``save_pretrained`` folder's member (``_folderfiles.read_member``:
 inside the folder), a mapping file (``mapping.spec.load_mapping``), a folder format's file
-found by ``safepaths.confined_file`` (the Orbax and OCDBT readers). For each: a FIFO is
-refused without being waited on (in a subprocess under a timeout: a reader that waits
-never returns), a file over its size limit is refused naming it, and a symbolic link out
-of the folder is refused where the caller has a folder."""
+found by ``safepaths.confined_file`` (the Orbax and OCDBT readers), a flax msgpack file
+(``io.flax_msgpack.open_flax_msgpack``). For each: a FIFO is refused without being waited
+on (in a subprocess under a timeout: a reader that waits never returns), a file over its
+size limit is refused naming it, and a symbolic link out of the folder is refused where
+the caller has a folder."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ CALLS = {
         "read_member(os.path.dirname(p), os.path.basename(p))"
     ),
     "load_mapping": "from dmlib.mapping.spec import load_mapping\nload_mapping(p)",
+    # called directly: format detection, which refuses a FIFO first, bypassed
+    "open_flax_msgpack": "from dmlib.io.flax_msgpack import open_flax_msgpack\nopen_flax_msgpack(p)",
     "confined_file+read_regular": (
         "from dmlib.safepaths import confined_file, read_regular\n"
         "top = os.path.realpath(os.path.dirname(p))\n"
@@ -68,6 +71,8 @@ def test_a_fifo_is_refused_without_waiting(tmp_path: Path, caller: str) -> None:
     r, seconds = _run(CALLS[caller], fifo)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("REFUSED") and "not a regular file" in r.stdout, r.stdout
+    # named: by its path, or (a folder format's member) by its name in the folder
+    assert str(fifo) in r.stdout or "chunk is not" in r.stdout, r.stdout
     assert seconds < 30
 
 
