@@ -187,6 +187,10 @@ def test_a_planted_ulp_in_one_expert_row_is_the_first_divergence_and_the_culprit
     inside = df[df["boundary"].str.startswith(f"{LAYER1}.act_fn")]
     assert len(inside) and inside["identical"].notna().all()
     assert (inside["role"] != "culprit").all()
+    if stage == "gate_up_proj":  # the same expert's down_proj row carries the plant on
+        down = df.set_index("boundary").loc[f"{LAYER1}:expert{e}.down_proj"]
+        if down["identical"] is not pd.NA and not down["identical"]:
+            assert role[f"{LAYER1}:expert{e}.down_proj"] == "carrier"
     # every expert row before the planted one (layer 0 whole) identical
     assert all(d["module"] == LAYER1 for d in ex["differ"])
     assert df.attrs["status"] == "different"
