@@ -2,21 +2,30 @@
 each expert, mapped back to tokens through the routing it was called with.
 
 A transformers experts module (``Qwen3MoeExperts``, ``MixtralExperts``, ``OlmoeExperts``,
-``Qwen3NextExperts`` and the other classes decorated with ``use_experts_implementation``)
-holds 3-D ``gate_up_proj`` / ``down_proj`` weights, one slice per expert, and is called as
+``Qwen3NextExperts``, ``DeepseekV3Experts``, ``JambaExperts``, ``GptOssExperts``,
+``NemotronHExperts`` and the other classes decorated with ``use_experts_implementation``)
+holds 3-D per-expert weights, one slice per expert, and is called as
 ``experts(hidden_states (T, d), top_k_index (T, k), top_k_weights (T, k))``: its inputs
-carry the routing. :func:`record_expert_rows` hooks these modules and, through a
-``TorchFunctionMode``, keeps one SHA-256 digest per row of each expert's two matmuls
-(``STAGES``: the ``gate_up_proj`` output before the gate, the ``down_proj`` output before
-the routing weight), keyed ``(module, call, expert, token, stage)`` with ``token`` the
-index into the module's ``hidden_states`` rows (batch x positions, flattened). Which
-token a row belongs to is read from what the module ran, never assumed, under each
+carry the routing. The layouts the decorator knows are all read: gated (``STAGES``: a
+``gate_up_proj`` whose output is split into gate and up, concatenated or, GPT-OSS,
+interleaved) or not (``UNGATED_STAGES``, ``has_gate=False``: an ``up_proj`` followed by the
+activation alone, Nemotron-H), stored ``(E, out, in)`` or transposed ``(E, in, out)``
+(``is_transposed``: GPT-OSS, Aria, Ergo), with or without biases. :func:`record_expert_rows`
+hooks these modules and, through a ``TorchFunctionMode``, keeps one SHA-256 digest per
+row of each expert's two matmuls (the first stage's output before its bias and the gate or
+activation, the ``down_proj`` output before its bias, any post-expert norm and the routing
+weight), keyed ``(module, call, expert, token, stage)`` with ``token`` the index into the
+module's ``hidden_states`` rows (batch x positions, flattened). Which token a row belongs
+to is read from what the module ran, never assumed, under each
 ``config._experts_implementation``:
 
 - ``eager``: per expert ``e`` hit, ``torch.where`` over the ``(k, T)`` mask of
-  ``top_k_index == e`` gathers the tokens, then ``F.linear`` on a slice of the 3-D
-  weight (the expert is read from the slice's storage offset); row ``r`` is the ``r``-th
-  pair of that mask in row-major order, a function of ``top_k_index`` alone.
+  ``top_k_index == e`` gathers the tokens, then ``F.linear(x, w[e])`` or, transposed,
+  ``x @ w[e]`` on a slice of the 3-D weight (the expert is read from the slice's storage
+  offset); row ``r`` is the ``r``-th pair of that mask in row-major order, a function of
+  ``top_k_index`` alone; checked: the first stage's input rows equal ``hidden_states`` of
+  those tokens (a forward that gathers in another order, such as Ergo's per-route rows
+  with ``k > 1``, fails it and is not judged).
 - ``grouped_mm``: the flattened ``(token, slot)`` pairs are ordered by
   ``torch.sort(top_k_index.reshape(-1))``, which is not stable (on CPU, torch 2.13, it
   returned equal expert ids out of pair order in every tiny model tried), so the
@@ -45,11 +54,13 @@ implementation (``deepgemm``, ``sonicmoe``: their kernels are not read row by ro
 whose observed run fails a check above (the rows are then not mapped to tokens), a
 token routed twice to one expert, and an ``(e, t)`` pair routed in one run only (listed
 apart by the comparison: a routing flip, reported by :mod:`dmlib.localize.routing`).
-A shared expert (Qwen3-Next's ``shared_expert``, DeepSeek-style ``shared_experts``) is an
-ordinary MLP of 2-D ``nn.Linear`` layers that sees every token: it is not an experts
-module here, and is judged per token by the capture's module boundaries like any MLP.
-Experts classes without a ``gate_up_proj`` (transformers' ``has_gate=False``, an
-``up_proj`` alone) are not found. The record itself is kept in memory.
+An eager forward whose matmul runs on a copy of the expert's weight slice
+(``w[e].float()`` of a bfloat16 module: OpenAI's privacy filter) shows no matmul on a slice
+of the weights and is not judged, said so. A shared expert (Qwen3-Next's
+``shared_expert``, DeepSeek-style ``shared_experts``) is an ordinary MLP of 2-D
+``nn.Linear`` layers that sees every token: it is not an experts module here, and is
+judged per token by the capture's module boundaries like any MLP. The record itself is
+kept in memory.
 """
 
 from __future__ import annotations
@@ -70,8 +81,17 @@ except ImportError:  # pragma: no cover - the record needs torch
     torch = None  # type: ignore[assignment]
     TorchFunctionMode = object  # type: ignore[assignment,misc]
 
-#: the 3-D per-expert weights of a transformers experts module, in the order they run
+#: the 3-D per-expert weights of a gated experts module (``has_gate=True``), in the order
+#: they run: the row of ``gate_up_proj`` is taken before the gate, that of ``down_proj``
+#: before the routing weight (and, with biases, each before its bias)
 STAGES = ("gate_up_proj", "down_proj")
+
+#: those of an experts module without a gate (``has_gate=False``: ``up_proj``, the
+#: activation alone, then ``down_proj``), in the order they run
+UNGATED_STAGES = ("up_proj", "down_proj")
+
+#: every stage name a row can have
+ALL_STAGES = ("gate_up_proj", "up_proj", "down_proj")
 
 #: the experts implementations whose rows are mapped to tokens
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
@@ -94,14 +114,21 @@ class ExpertRows:
     not_judged: dict[str, str] = field(default_factory=dict)
 
 
-def experts_modules(model: Any) -> list[tuple[str, Any]]:
-    """The modules holding 3-D ``gate_up_proj`` and ``down_proj`` weights, one slice per expert."""
-    found = []
-    for name, mod in model.named_modules():
-        ws = [getattr(mod, s, None) for s in STAGES]
+def stages_of(mod: Any) -> tuple[str, str] | None:
+    """The stages an experts module runs (:data:`STAGES` where it holds a 3-D
+    ``gate_up_proj``, else :data:`UNGATED_STAGES` where it holds a 3-D ``up_proj``), or
+    None where it is no experts module (no 3-D ``down_proj`` beside them)."""
+    for stages in (STAGES, UNGATED_STAGES):
+        ws = [getattr(mod, s, None) for s in stages]
         if all(torch.is_tensor(w) and w.dim() == 3 for w in ws):
-            found.append((name, mod))
-    return found
+            return stages
+    return None
+
+
+def experts_modules(model: Any) -> list[tuple[str, Any]]:
+    """The modules holding 3-D ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` weights,
+    one slice per expert."""
+    return [(name, mod) for name, mod in model.named_modules() if stages_of(mod) is not None]
 
 
 def gathered_tokens(top_k_index: Any, expert: int) -> list[int]:
@@ -116,12 +143,19 @@ class _Active:
 
     def __init__(self, name: str, mod: Any, call: int, impl: str, hidden: Any, index: Any):
         self.name, self.mod, self.call, self.impl = name, mod, call, impl
+        self.order: tuple[str, ...] = stages_of(mod) or STAGES  # the stages it runs, in order
         self.hidden, self.index = hidden, index
         self.kept = 0
         self.stages: list[str] = []  # grouped / batched: the stages recorded, in order
         self.perm: Any = None  # grouped_mm: the permutation the sort returned
         self.offs: Any = None  # grouped_mm: the first matmul's group ends
         self.gathers: dict[int, tuple[str, Any, Any]] = {}  # batched_mm: id -> (stage, w, ids)
+
+
+#: eager's per-expert matmuls: ``F.linear(x, w[e])`` (weights stored (E, out, in)) and
+#: ``x @ w[e]`` (stored transposed, (E, in, out): GPT-OSS, Aria, Ergo)
+def _eager_ops() -> set[Any]:
+    return {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
 def _matmul_ops() -> tuple[set[Any], set[Any], set[Any]]:
@@ -144,6 +178,7 @@ class _Mode(TorchFunctionMode):
         self.out = out
         self.active: list[_Active] = []
         self.sorts, self.grouped, self.gathers = _matmul_ops()
+        self.eager = _eager_ops()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -152,8 +187,8 @@ class _Mode(TorchFunctionMode):
         if a is None or a.name in self.out.not_judged or not args:
             return result
         with torch._C.DisableTorchFunction():
-            if a.impl == "eager" and func is torch.nn.functional.linear and len(args) >= 2:
-                self._keep_eager(a, args[1], result)
+            if a.impl == "eager" and func in self.eager and len(args) >= 2:
+                self._keep_eager(a, args[0], args[1], result)
             elif a.impl == "grouped_mm" and func in self.sorts:
                 self._sorted(a, args[0], result)
             elif a.impl == "grouped_mm" and func in self.grouped and len(args) >= 2:
@@ -175,23 +210,36 @@ class _Mode(TorchFunctionMode):
         a.kept += 1
         a.stages.append(stage)
 
-    def _keep_eager(self, a: _Active, weight: Any, result: Any) -> None:
-        for stage in STAGES:
+    def _keep_eager(self, a: _Active, x: Any, weight: Any, result: Any) -> None:
+        """A matmul of one expert's slice of a stage weight (``F.linear(x, w[e])`` or
+        ``x @ w[e]``): its rows are the tokens of :func:`gathered_tokens`, checked for the
+        first stage against ``hidden_states`` of those tokens."""
+        if not torch.is_tensor(weight) or weight.dim() != 2 or not torch.is_tensor(x):
+            return
+        for stage in a.order:
             whole = getattr(a.mod, stage)
             if (
-                weight.dim() != 2
-                or weight.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+                weight.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+                or tuple(weight.shape) != tuple(whole.shape[1:])
+                or tuple(weight.stride()) != tuple(whole.stride()[1:])
             ):
                 continue
             e, rest = divmod(weight.storage_offset() - whole.storage_offset(), whole.stride(0))
             if rest or not 0 <= e < whole.shape[0]:
                 continue
             tokens = gathered_tokens(a.index, e)
-            if len(tokens) != result.shape[0]:
-                self.out.not_judged[a.name] = (
-                    f"expert {e}: {result.shape[0]} rows computed for {len(tokens)} routed tokens"
+            if len(tokens) != result.shape[0] or x.dim() != 2 or x.shape[0] != len(tokens):
+                return self._fail(
+                    a,
+                    f"expert {e}: {result.shape[0]} rows computed for {len(tokens)} routed tokens",
                 )
-                return
+            if stage == a.order[0] and not _rows_equal(x, a.hidden[tokens]):
+                return self._fail(
+                    a,
+                    f"expert {e}'s {stage} input rows are not hidden_states of its routed "
+                    "tokens in torch.where order over the (k, T) routing mask, so its rows "
+                    "map to no token",
+                )
             self._keep(a, stage, result, [(r, e, t) for r, t in enumerate(tokens)])
             return
 
@@ -203,7 +251,7 @@ class _Mode(TorchFunctionMode):
     def _keep_grouped(self, a: _Active, args: Any, kwargs: Any, result: Any) -> None:
         x, w = args[0], args[1]
         offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-        stage = _stage_of(a.mod, w)
+        stage = _stage_of(a, w)
         if stage is None:
             return
         if a.perm is None:
@@ -215,12 +263,12 @@ class _Mode(TorchFunctionMode):
         why, keys = _grouped_rows(a, x, offs, stage)
         if why:
             return self._fail(a, f"{stage} grouped matmul: {why}")
-        if stage == STAGES[0]:
+        if stage == a.order[0]:
             a.offs = offs.detach().clone()
         self._keep(a, stage, result, keys)
 
     def _gathered(self, a: _Active, w: Any, ids: Any, result: Any) -> None:
-        for stage in STAGES:
+        for stage in a.order:
             if w is getattr(a.mod, stage) and torch.is_tensor(ids) and ids.dim() == 1:
                 a.gathers[id(result)] = (stage, result, ids.detach().clone())
 
@@ -243,7 +291,7 @@ class _Mode(TorchFunctionMode):
                     "top_k_index.reshape(-1), so its rows map to no token",
                 )
             x = args[1 - i].reshape(flat.numel(), -1)
-            if stage == STAGES[0] and not _rows_equal(x, a.hidden.repeat_interleave(k, dim=0)):
+            if stage == a.order[0] and not _rows_equal(x, a.hidden.repeat_interleave(k, dim=0)):
                 return self._fail(
                     a,
                     f"{stage} bmm input rows are not hidden_states "
@@ -254,12 +302,12 @@ class _Mode(TorchFunctionMode):
             return
 
 
-def _stage_of(mod: Any, w: Any) -> str | None:
+def _stage_of(a: _Active, w: Any) -> str | None:
     """The stage whose 3-D weight ``w`` is (itself or its last two axes swapped)."""
     if not torch.is_tensor(w) or w.dim() != 3:
         return None
-    for stage in STAGES:
-        whole = getattr(mod, stage)
+    for stage in a.order:
+        whole = getattr(a.mod, stage)
         same = (
             w.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
             and w.storage_offset() == whole.storage_offset()
@@ -285,15 +333,15 @@ def _grouped_rows(a: _Active, x: Any, offs: Any, stage: str) -> tuple[str, Any]:
     n = int(offs[-1]) if offs.numel() else 0
     if perm.shape != flat.shape or x.shape[0] != flat.numel() or n > x.shape[0]:
         return f"{x.shape[0]} rows for {flat.numel()} routed pairs", []
-    if stage != STAGES[0] and (a.offs is None or not torch.equal(offs, a.offs)):
-        return f"its groups are not those of the {STAGES[0]} matmul", []
+    if stage != a.order[0] and (a.offs is None or not torch.equal(offs, a.offs)):
+        return f"its groups are not those of the {a.order[0]} matmul", []
     rows = torch.arange(n, device=offs.device)
     group = torch.searchsorted(offs.to(rows.dtype), rows, right=True)
     experts = flat[perm[:n]]
     if not torch.equal(group.to(experts.device), experts.to(torch.long)):
         return "its groups do not hold the experts of the sorted pairs in that order", []
     tokens = perm[:n] // k
-    if stage == STAGES[0] and not _rows_equal(x[:n], a.hidden[tokens]):
+    if stage == a.order[0] and not _rows_equal(x[:n], a.hidden[tokens]):
         return "its input rows are not hidden_states[perm // k]", []
     return "", list(zip(range(n), experts.tolist(), tokens.tolist(), strict=True))
 
@@ -323,15 +371,15 @@ def _post(mode: _Mode) -> Any:
         a = mode.active.pop()
         if a.name in mode.out.not_judged or a.index is None:
             return
-        if not bool((a.index < a.mod.gate_up_proj.shape[0]).any()):
+        if not bool((a.index < getattr(a.mod, a.order[0]).shape[0]).any()):
             return  # no pair routed to an expert of this module: nothing to judge
         if a.impl == "eager" and a.kept == 0:
             mode.out.not_judged[a.name] = (
-                "no per-expert F.linear on a slice of its weights was seen"
+                "no per-expert F.linear or matmul on a slice of its weights was seen"
             )
-        elif a.impl != "eager" and a.stages != list(STAGES):
+        elif a.impl != "eager" and a.stages != list(a.order):
             seen = ", ".join(a.stages) or "none"
-            mode._fail(a, f"stages recorded: {seen}; expected {', '.join(STAGES)} once each")
+            mode._fail(a, f"stages recorded: {seen}; expected {', '.join(a.order)} once each")
 
     return hook
 
