@@ -142,8 +142,9 @@ class Plant:
     the (k+1)-th ranked expert's logit set ``steps`` steps from the k-th's (negative:
     below). Keeps the logits and the ids the router returned, per router call."""
 
-    def __init__(self, router, steps: int, row: int = ROW) -> None:
+    def __init__(self, router, steps: int, row: int = ROW, call: int | None = None) -> None:
         self.router, self.steps, self.active, self.row = router, steps, False, row
+        self.call, self.calls = call, 0  # the router call planted (None: every call)
         self.logits: list = []
         self.ids: list = []
 
@@ -162,11 +163,13 @@ class Plant:
             h.remove()
 
     def _pre(self, mod, args):
-        self.active = True
+        self.active = self.call is None or self.calls == self.call
+        self.calls += 1
 
     def _post(self, mod, args, out):
         self.active = False
-        self.ids.append(out[2].clone())
+        if self.call is None or self.calls - 1 == self.call:
+            self.ids.append(out[2].clone())
 
     def _linear(self, x, w, b=None):
         y = self.linear(x, w, b)
@@ -366,6 +369,35 @@ def test_a_flip_in_a_left_padded_request_is_at_its_own_position(tmp_path, family
     assert (f["experts_a"], f["experts_b"]) == (sa[pad + pos], sb[pad + pos])
     assert f["margin_a"] == float(va[pad + pos, 0]) - float(va[pad + pos, 1])
     assert f["margin_b"] == float(vb[pad + pos, 0]) - float(vb[pad + pos, 1])
+
+
+def test_a_flip_at_a_decode_step_is_at_the_position_fed(tmp_path):
+    """generate() on tiny Mixtral (float32), two prompts of N tokens, 3 new tokens: the
+    near-tie planted in layer 1's router at the last pass (decode step 2, batch row 1 =
+    request "second") is the one flip reported, at step 2 and position N + 1 (the token that
+    pass fed), with the oracle's experts and margins."""
+    from dmlib.localize.hf import capture_generate
+
+    model = model_of("mixtral", torch.float32)
+    ids = torch.randint(1, VOCAB, (2, N), generator=torch.Generator().manual_seed(7))
+    rows = row_map_from_attention_mask(torch.ones(2, N), REQUESTS)
+    gen = dict(input_ids=ids, attention_mask=torch.ones(2, N, dtype=torch.long),  # noqa: C408
+               max_new_tokens=3, do_sample=False, pad_token_id=0)  # fmt: skip
+    plants = {}
+    for side, steps in (("a", -4), ("b", +4)):
+        with Plant(model.model.layers[1].mlp.gate, steps, row=1, call=2) as plants[side]:
+            with torch.no_grad():
+                capture_generate(model, tmp_path / side, row_map=rows, generate_kwargs=gen)
+        assert plants[side].calls == 3 and len(plants[side].logits) == 1
+    (sa, va), (sb, vb) = by_hand("mixtral", plants["a"]), by_hand("mixtral", plants["b"])
+    assert [i for i in range(2) if sa[i] != sb[i]] == [1]  # the planted row alone
+    rep = compare_captures(tmp_path / "a", tmp_path / "b").attrs["routing"]
+    assert rep["n_router_calls"] == 2 * 3
+    (f,) = rep["flips"]
+    assert (f["request"], f["step"], f["position"]) == ("second", 2, N + 1)
+    assert (f["experts_a"], f["experts_b"]) == (sa[1], sb[1])
+    assert f["margin_a"] == float(va[1, 0]) - float(va[1, 1])
+    assert f["margin_b"] == float(vb[1, 0]) - float(vb[1, 1])
 
 
 def test_a_group_limited_deepseek_v2_router_records_its_margins(tmp_path):
