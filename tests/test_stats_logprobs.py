@@ -910,3 +910,16 @@ def test_worst_positions_are_the_largest_first_tokens_among_ties(
         v = logprob_verdict(compare_logprobs(x, y, n_worst=n_worst))
         got = [(-w["abs_dlogprob"], w["sequence"], w["position"]) for w in v.worst]
         assert got == want, block
+
+
+def test_finite_pairs_whose_difference_overflows_count_as_finite() -> None:
+    """Finiteness is of the two log-probs, not of their difference: -1e308 against 1e308
+    overflows d to inf, yet both are finite (n_nonfinite 0, by hand); a NaN pair is not."""
+    x = [np.array([-1e308, -1.0, -2.0])]
+    y = [np.array([1e308, -1.0, -2.5])]
+    with np.errstate(over="ignore", invalid="ignore"):  # exp and inf - inf in the figures
+        v = logprob_verdict(compare_logprobs(x, y))
+    assert (v.n_tokens, v.n_diff, v.n_nonfinite) == (3, 2, 0)
+    v = logprob_verdict(compare_logprobs(x, [np.array([np.nan, -1.0, -2.5])]))
+    assert (v.n_tokens, v.n_diff, v.n_nonfinite) == (3, 2, 1)
+    assert v.figures["max_abs_dlogprob"] == 0.5 and v.worst[0]["position"] == 0

@@ -158,11 +158,19 @@ def block_sums(
     x = ra.astype(np.float64)
     y = rb.astype(np.float64)
     seg = Segments(lengths)
-    fin = np.isfinite(x) & np.isfinite(y)
-    every = bool(fin.all())  # the common case: no mask needed below
-    diff = _differs(ra, rb, x, y)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite pairs: masked out below
-        d = y - x if every else np.where(fin, y - x, 0.0)
+        d = y - x
+    # the common case, every pair finite (then no mask is needed below), told by one pass
+    # over d: a non-finite x or y makes d non-finite; only where d is not finite (that, or
+    # an overflow) are x and y tested
+    fin = np.ones(0, dtype=bool)
+    every = bool(np.isfinite(d).all())
+    if not every:
+        fin = np.isfinite(x) & np.isfinite(y)
+        every = bool(fin.all())
+        d = d if every else np.where(fin, d, 0.0)
+    diff = _differs(ra, rb, x, y)
+    with np.errstate(invalid="ignore", over="ignore"):
         r1 = np.expm1(d)
         dp = np.abs(np.exp(y) - np.exp(x))
     ad = np.abs(d)
@@ -180,7 +188,7 @@ def block_sums(
     # |d| for ranking: a non-finite pair that differs ranks first (inf), an equal one last
     rank = ad if every else np.where(fin, ad, np.where(diff, np.inf, -1.0))
     max_abs = seg.max(ad if every else np.where(fin, ad, -np.inf), -np.inf)
-    best = seg.max(rank, -np.inf)
+    best = max_abs if every else seg.max(rank, -np.inf)  # every: rank is |d|
     worst = _argmax_pos(rank, seg, best)
     ulp = None
     if ra.dtype == rb.dtype:
