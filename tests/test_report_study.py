@@ -685,3 +685,29 @@ def test_recorded_patch_test_is_quoted_with_its_machine(op_capture_report, tmp_p
     (tmp_path / "f.json").write_text("{not json")
     with pytest.raises(DmlibError, match="op findings unreadable"):
         op_level(study.captures)
+
+
+def test_a_study_file_that_is_a_fifo_or_oversized_is_refused_not_waited_on(tmp_path):
+    """study.toml as a FIFO: one error naming it, at once (run in a subprocess with a
+    timeout: before, load_study blocked in read_text until a writer came); a file one byte
+    over the text limit refused before it is read, naming it."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "study.toml")
+    code = (
+        "import sys\nfrom dmlib.report.study import load_study\nfrom dmlib.errors import DmlibError\n"
+        f"try:\n    load_study({str(fifo)!r})\nexcept DmlibError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert "study.toml" in out.stdout and "not a regular file" in out.stdout, out
+    from dmlib import _limits
+
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "study.toml").write_bytes(b"#" * (_limits.MAX_TEXT_BYTES + 1))
+    with pytest.raises(DmlibError, match="study.toml.*more than"):
+        load_study(big)
+    with pytest.raises(DmlibError, match="study file not found"):
+        load_study(tmp_path / "none.toml")

@@ -89,6 +89,7 @@ from typing import Any
 
 from dmlib import _limits
 from dmlib.errors import DmlibError
+from dmlib.safepaths import read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -345,9 +346,11 @@ def load_study(path: str | os.PathLike[str]) -> Study:
     if path.is_dir():
         path = path / STUDY_FILE
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DmlibError("study file not found", path=path) from None
+        # one bounded read of a regular file: a FIFO or device named study.toml is refused,
+        # never waited on (the path's own symlinks are the user's: resolved first)
+        raw = read_regular(os.path.realpath(path), what="study file", where=path,
+                           limit=_limits.MAX_TEXT_BYTES, kind="a study file")  # fmt: skip
+        data = tomllib.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError) as err:
         raise DmlibError(f"cannot read the study file: {err}", path=path) from None
     except tomllib.TOMLDecodeError as err:
