@@ -1,5 +1,6 @@
 """The routing report on the MoE families beside Qwen3-MoE: Mixtral, OLMoE, Qwen2-MoE,
-Qwen3-Next (its sparse MoE blocks between Gated DeltaNet layers, on the torch fallback),
+Qwen3-Next and Qwen3.5-MoE's text model (their sparse MoE blocks between Gated DeltaNet
+layers, on the torch fallback),
 DeepSeek-V2 and DeepSeek-V3 (one group, a correction bias of its own), tiny random-init
 models from transformers' own config classes, float32 and bfloat16.
 
@@ -77,6 +78,18 @@ def _qwen3_next():
     ))  # fmt: skip
 
 
+def _qwen3_5_moe():
+    # the text model of Qwen3.5-MoE: Qwen3-Next's layout (3 Gated DeltaNet layers, then
+    # full attention), its own router class
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=K,
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ))  # fmt: skip
+
+
 def _deepseek_v2(topk_method="greedy"):
     return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
         **SMALL, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -102,7 +115,7 @@ def _deepseek_v3():
     return model
 
 
-def _softmax_f32(logits):  # Qwen2-MoE, Qwen3-Next, OLMoE: softmax(logits, dtype=torch.float)
+def _softmax_f32(logits):  # Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE: softmax(dtype=float)
     return torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
 
 
@@ -126,6 +139,7 @@ FAMILIES = {
     "olmoe": (_olmoe, 1, "OlmoeTopKRouter", _softmax_f32),
     "qwen2_moe": (_qwen2_moe, 1, "Qwen2MoeTopKRouter", _softmax_f32),
     "qwen3_next": (_qwen3_next, 2, "Qwen3NextTopKRouter", _softmax_f32),
+    "qwen3_5_moe": (_qwen3_5_moe, 2, "Qwen3_5MoeTopKRouter", _softmax_f32),
     "deepseek_v2": (_deepseek_v2, 1, "DeepseekV2TopkRouter", _v2_softmax),
     "deepseek_v3": (_deepseek_v3, 1, "DeepseekV3TopkRouter", _v3_scores),
 }
