@@ -14,11 +14,14 @@ exactly ``--steps`` new tokens (no end-of-sequence token). Variants, timed alter
 - ``capture_root``: the same with the model itself hooked too (``""`` added to the
   modules).
 
-Per variant: the whole call's wall time, its time per pass (``per_pass_ms``: wall over
-the passes, 1 + steps), and the time per pass late in the generation against early
-(``late_over_early``: the median gap between consecutive passes' starts, measured by a
-forward pre-hook on the model, over the last quarter of the passes against the second
-quarter; 1.0 when a pass costs the same however many came before).
+Per variant: the whole call's CPU seconds (``time.process_time``: every thread of the
+process; torch runs on one) and wall seconds, its CPU time per pass (``per_pass_ms``:
+over the passes, 1 + steps), and the time per pass late in the generation against early
+(``late_over_early``: the median CPU time of the main thread (``time.thread_time``)
+between consecutive passes' starts, measured by a forward pre-hook on the model, over the
+last quarter of the passes against the second quarter; 1.0 when a pass costs the same
+however many came before). CPU time, not wall time: on a shared machine the wall time of
+one run moves by 2-4x with the others' load, its CPU time much less.
 
     python -m benchmarks.bench_capture_generate [--steps 16 64 256] [--n 3] [--models llama qwen3next]
 
@@ -71,7 +74,7 @@ class PassClock:
         self.handle = model.register_forward_pre_hook(self.hook)
 
     def hook(self, mod: Any, args: Any) -> None:
-        self.starts.append(time.perf_counter())
+        self.starts.append(time.thread_time())
 
     def late_over_early(self) -> float:
         gaps = [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
@@ -106,23 +109,26 @@ def run_variants(model: Any, steps: int, n: int, work: Path) -> dict[str, dict[s
 
     variants = {"plain": plain, "capture": cap(), "capture_root": cap(modules=with_root)}
     times: dict[str, list[float]] = {k: [] for k in variants}
+    walls: dict[str, list[float]] = {k: [] for k in variants}
     ratios: dict[str, list[float]] = {k: [] for k in variants}
     with torch.no_grad():
         plain()  # warm-up
         for _ in range(n):
             for k, fn in variants.items():
                 clock = PassClock(model)
-                t0 = time.perf_counter()
+                t0, w0 = time.process_time(), time.perf_counter()
                 try:
                     fn()
                 finally:
                     clock.handle.remove()
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(time.process_time() - t0)
+                walls[k].append(time.perf_counter() - w0)
                 ratios[k].append(clock.late_over_early())
     out = {}
     for k in variants:
         med = statistics.median(times[k])
-        out[k] = {"median_s": med, "per_pass_ms": med / (steps + 1) * 1e3,
+        out[k] = {"cpu_s": med, "wall_s": statistics.median(walls[k]),
+                  "per_pass_ms": med / (steps + 1) * 1e3,
                   "late_over_early": statistics.median(ratios[k]),
                   "over_plain": med / statistics.median(times["plain"])}  # fmt: skip
     return out
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_variants(model, steps, args.n, work)
                 report["models"][name][str(steps)] = r
                 line = ", ".join(
-                    f"{k} {v['median_s']:.2f} s ({v['per_pass_ms']:.1f} ms/pass, "
+                    f"{k} {v['cpu_s']:.2f} CPU s ({v['per_pass_ms']:.1f} ms/pass, "
                     f"{v['over_plain']:.2f}x, late/early {v['late_over_early']:.2f})"
                     for k, v in r.items()
                 )
