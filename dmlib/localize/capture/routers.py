@@ -27,8 +27,8 @@ logits for the softmax routers, sigmoid plus the correction bias for DeepSeek-V3
 DeepSeek-V2, the softmax of logits it computes in float32 whatever the model's dtype. A
 group-limited router (DeepSeek-V3; DeepSeek-V2 with ``topk_method="group_limited_greedy"``)
 may pass over a higher score in a group it left out: the margin is then taken against the
-best expert not chosen, and is negative where the limit decided. A router of another
-class is ranked by its logits themselves.
+best expert not chosen, and is negative where the limit decided. For a router of another
+class the margins are taken on its logits, an assumption its :func:`score_kind` says.
 
 A candidate whose output holds no such pair but does hold scores for several experts
 (``(tokens, E)`` floats, E >= 2: DBRX's router returns its logits and leaves the choice to
@@ -58,12 +58,15 @@ if TYPE_CHECKING:
 #: (Mixtral upcasts first; the same numbers where the softmax kernel computes in float32
 #: either way, kept apart so that a device where they differ is followed exactly),
 #: "sigmoid+bias" ``sigmoid(logits) + e_score_correction_bias``. Tested on tiny models of
-#: each family: tests/test_localize_routing_families.py (and test_localize_routing.py).
+#: each family: tests/test_localize_routing_families.py (and test_localize_routing.py);
+#: Jamba's (a softmax in float32 of its logits) and Nemotron-H's (float32 logits, sigmoid
+#: plus bias, group-limited as DeepSeek-V3's): tests/test_localize_hybrid_moe.py.
 SCORES: dict[str, str] = {
     "Qwen3MoeTopKRouter": "softmax", "Qwen3NextTopKRouter": "softmax",
     "Qwen3_5MoeTopKRouter": "softmax", "MixtralTopKRouter": "float-softmax",
     "OlmoeTopKRouter": "softmax", "Qwen2MoeTopKRouter": "softmax",
     "DeepseekV3TopkRouter": "sigmoid+bias", "DeepseekV2TopkRouter": "softmax",
+    "JambaTopKRouter": "softmax", "NemotronHTopkRouter": "sigmoid+bias",
 }  # fmt: skip
 
 NAMES = ("gate", "router")  # a module whose name ends so is a router candidate
