@@ -279,3 +279,62 @@ def test_the_rows_of_a_longer_cache_by_hand(tmp_path):
     assert rec2._decode_layout(2, 2) is None
     rows, requests = rec2._cache_rows_of((2, 1, 3, 4))
     assert requests == {"a": [0, 1, 3, 4, 2, 5]}  # positions 0-3, then 4 (row 0), 4 (row 1)
+
+
+class _Layer:
+    def __init__(self) -> None:
+        self.recurrent = torch.zeros(2, 4)
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.layers = [_Layer()]
+
+
+class _Toy(torch.nn.Module):
+    """A model whose cache holds one state, written in place on even passes only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.cache = _Cache()
+
+    def forward(self, x, step):
+        if step % 2 == 0:
+            self.cache.layers[0].recurrent.add_(0.5)
+        return {"logits": self.lin(x), "past_key_values": self.cache}
+
+
+def test_a_state_unchanged_since_its_last_pass_shares_its_digests(tmp_path, monkeypatch):
+    """A state tensor recorded at the same version is not hashed again (its digests
+    shared); one written in place since (a new version) is: hashed on passes 0 and 2, shared
+    on 1 and 3, and every pass's digests equal xxhash's of the bytes copied by hand."""
+    from dmlib.localize.capture.recorder import Recorder
+
+    hashed: list[int] = []
+    digest = Recorder._digest
+
+    def counted(self, entry, t, k, axes):
+        if entry.get("state"):
+            hashed.append(self.step)
+        return digest(self, entry, t, k, axes)
+
+    monkeypatch.setattr(Recorder, "_digest", counted)
+    model = _Toy().eval()
+    copies = []
+    h = model.register_forward_hook(
+        lambda mod, args, out: copies.append(out["past_key_values"].layers[0].recurrent.clone())
+    )
+    try:
+        with torch.no_grad(), capture(model, tmp_path / "c", row_map=[[("a", 0)], [("b", 0)]]):
+            for step in range(4):
+                model(torch.ones(2, 1, 4), step)
+    finally:
+        h.remove()
+    assert hashed == [0, 2]
+    states = [b for b in open_capture(tmp_path / "c") if b.state]
+    assert len(states) == 4
+    for b, x in zip(states, copies, strict=True):
+        assert b.digest == xxhash.xxh3_128_hexdigest(x.numpy().tobytes())
+        assert list(b.leading) == [xxhash.xxh3_128_hexdigest(r.tobytes()) for r in x.numpy()]
+    assert states[0].digest == states[1].digest != states[2].digest == states[3].digest
