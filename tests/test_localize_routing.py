@@ -202,6 +202,13 @@ def test_the_report_section_lists_the_flips(tmp_path):
         table = sections.routing(sections.Captures(study=None, results={"a vs b": df}))
         assert list(table["position"]) == [T]
         assert (table["experts_a"].iloc[0], table["experts_b"].iloc[0]) == (sa[T], sb[T])
+        # the flip's effect in columns: the MoE block's largest |difference| at the flipped
+        # position and at any other, by numpy on the dumped rows
+        xa = np.asarray(open_capture(tmp_path / "a").tensor("model.layers.1.mlp", "probe"))
+        xb = np.asarray(open_capture(tmp_path / "b").tensor("model.layers.1.mlp", "probe"))
+        per = np.abs(xa.astype(np.float64) - xb.astype(np.float64)).reshape(N, -1).max(axis=1)
+        assert table["diff_at_flip"].iloc[0] == per[T] > 0
+        assert table["diff_elsewhere"].iloc[0] == np.delete(per, T).max()
         n = report.load_numbers(report.numbers_path())
         assert n["routing_flips"] == {"a vs b": 1}
     finally:

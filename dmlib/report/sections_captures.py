@@ -187,8 +187,19 @@ def op_level(cb: Captures) -> pd.DataFrame | None:
 
 ROUTING_COLUMNS = [
     "comparison", "request", "router", "step", "position", "experts_a", "experts_b",
-    "margin_a", "margin_ulp_a", "margin_b", "margin_ulp_b",
+    "margin_a", "margin_ulp_a", "margin_b", "margin_ulp_b", "scores",
+    "diff_at_flip", "diff_elsewhere", "elsewhere_position",
 ]  # fmt: skip
+
+
+def _flip_row(comparison: str, f: dict[str, Any]) -> dict[str, Any]:
+    """One flip as a table row: its effect (the MoE block's largest |difference| at the
+    flipped position against the largest elsewhere, where both captures dumped it) spread
+    into columns, so the flipped token standing out is read off the table."""
+    e = f.get("effect") or {}
+    return {"comparison": comparison, **f, "diff_at_flip": e.get("at_flip"),
+            "diff_elsewhere": e.get("elsewhere"),
+            "elsewhere_position": e.get("elsewhere_position")}  # fmt: skip
 
 
 def routing(cb: Captures) -> pd.DataFrame | None:
@@ -202,7 +213,7 @@ def routing(cb: Captures) -> pd.DataFrame | None:
         skip("no MoE router was recorded in these captures (a dense model): no routing report")
         return None
     record("routing_flips", {k: (r or {}).get("n_flips") for k, r in reports.items()})
-    rows = [{"comparison": k, **f} for k, r in reports.items() if r is not None for f in r["flips"]]
+    rows = [_flip_row(k, f) for k, r in reports.items() if r is not None for f in r["flips"]]
     if not rows:
         say("No token's set of experts changed in any comparison.")
         return None
