@@ -147,8 +147,14 @@ def capture_generate(
 
     ``row_map`` is the nested row map of the prompt batch (one list per batch row, as
     :func:`row_map_from_attention_mask` gives). Every forward pass is captured (its
-    boundaries carry ``step``); the manifest's metadata gains ``generate``: the prompt
-    length and, per request filling a batch row alone, the token ids it generated and
+    boundaries carry ``step``): a pass is a forward of the module ``generate()`` runs,
+    which for a wrapper is not the wrapper's own (a PEFT model's ``generate()`` runs its
+    base model's forward, ``base_model.model``; a ``torch.compile`` wrapper's, the
+    original module's); where ``generate()`` made more tokens per row than the passes
+    seen (its forward ran in a module that is neither the model nor a submodule with a
+    ``generate`` method), :class:`CaptureError` is raised and the capture is left
+    incomplete rather than numbered wrong. The manifest's metadata gains ``generate``: the
+    prompt length and, per request filling a batch row alone, the token ids it generated and
     (``lengths``, where generate()'s stopping criteria were seen) how many of them its
     sequence holds: up to the token generate() ended it on (a stop string, an
     end-of-sequence id, a criterion of one's own; the tokens after it are padding or what
@@ -187,6 +193,7 @@ def capture_generate(
         rec.metadata["generate"] = {"prompt_positions": prompt, "tokens": tokens,
                                     "passes": rec.step + 1}  # fmt: skip
         ends, passes = _ends(model, kw), rec.step + 1
+        _check_passes(seq, prompt, passes, ends[1] == 1 and len(seq) == len(rows), path)
         ended = stops.ended(len(rows)) if stops.observed else None
         done = None if ended is None else [passes if e is None else e + 2 for e in ended]
         if done is None and not ends[2]:  # no observation: the end-of-sequence ids alone
@@ -199,6 +206,20 @@ def capture_generate(
             }
         rec.metadata["pass_rows"] = _pass_rows(rows, seq, passes, done, ends[1])
     return out
+
+
+def _check_passes(seq: np.ndarray, prompt: int, passes: int, one_per_pass: bool, path: Any) -> None:
+    """Raise where ``generate()`` chose more tokens per row than the capture counted passes
+    (one token per pass: not beam search, assisted decoding or several sequences per
+    prompt): its forward ran in a module whose calls were not numbered."""
+    made = seq.shape[1] - prompt
+    if one_per_pass and made > passes:
+        raise CaptureError(
+            f"generate() chose {made} tokens per row but the capture saw {passes} forward "
+            "pass(es) of the model: its forward ran in a module that is neither the model "
+            "nor a submodule with a generate() method; capture that module instead",
+            path=path,
+        )
 
 
 #: generate() arguments under which a decode pass computes several positions of a row

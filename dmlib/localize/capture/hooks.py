@@ -1,5 +1,6 @@
 """The hooks a capture installs: one pre- and one post-forward hook per selected module, and
-one on the model that numbers its forward passes (decode steps).
+those on the model (and on each submodule ``generate()`` may run) that number its forward
+passes (decode steps).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def _hooked(
     """Hooks installed for the block's duration; an exception marks the capture interrupted."""
     handles: list[Any] = []
     try:
-        handles.append(model.register_forward_pre_hook(_step_hook(rec), prepend=True))
+        passes = _Passes(rec, model, named)
+        handles += passes.begin_hooks()  # first: a pass's number is set before it records
         rec.coverage["root_hooked"] = False
-        handles += _install_hooks(model, modules, rec, named)
+        handles += _install_hooks(model, modules, rec, named, passes.hooked)
         rec.coverage["arg_names"] = {rec.root: _arg_names(model)}
         from dmlib.localize.capture import routers
 
@@ -51,8 +53,8 @@ def _hooked(
             from dmlib.localize.capture import backward
 
             handles += backward.install(model, modules, rec, named)
-        # after the root's own hook: what the pass produced and left behind
-        handles.append(model.register_forward_hook(_pass_hook(rec), with_kwargs=True))
+        # after the modules' own hooks: what the pass produced and left behind
+        handles += passes.end_hooks()
         if tracker is None:
             yield
         else:
@@ -90,26 +92,65 @@ def _install_hooks(
     modules: str | Iterable[str] | None,
     rec: Recorder,
     named: dict[str, Any] | None = None,
+    hooked: set[str] | None = None,
 ) -> Iterator[Any]:
-    """Register a pre- and a post-forward hook on every selected module; yields the handles."""
+    """Register a pre- and a post-forward hook on every selected module; yields the handles
+    (their names added to ``hooked``)."""
     for name, mod in _select(model, modules, named):
         label = name or rec.root
+        if hooked is not None:
+            hooked.add(name)
         if not name:
             rec.coverage["root_hooked"] = True
         yield mod.register_forward_pre_hook(_pre_hook(rec, label), with_kwargs=True)
         yield mod.register_forward_hook(_post_hook(rec, label), with_kwargs=True)
 
 
-def _step_hook(rec: Recorder) -> Callable[..., None]:
-    """Numbers the model's forward passes: the n-th (from 0) sets ``rec.step = n``."""
-    calls = [0]
+class _Passes:
+    """Numbers the model's forward passes (``rec.step``) and ends each with the pass hook.
 
-    def hook(mod: Any, args: Any) -> None:
-        rec.step = calls[0]
-        calls[0] += 1
-        rec.pass_outputs.clear()  # (a pass's outputs, looked for by its pass hook)
+    A pass is a forward of the outermost *pass module* running: the model itself, or a
+    submodule whose class has a ``generate`` method. ``generate()`` runs the forward of
+    the module it is a method of, which need not be the model handed to the capture: a
+    PEFT model's ``generate()`` calls its base model's (``base_model.model``, through the
+    LoRA wrapper), never its own forward; a vision-language model's may call its language
+    model's. A pass module running inside another's forward (the base model inside the
+    PEFT model's plain forward) is part of that pass, so a plain forward counts once."""
 
-    return hook
+    def __init__(self, rec: Recorder, model: Any, named: dict[str, Any] | None) -> None:
+        named = dict(model.named_modules()) if named is None else named
+        self.rec, self.count = rec, 0
+        self.running: list[int] = []  # the pass modules whose forward is running, outermost first
+        self.modules = [("", model)] + [
+            (n, m) for n, m in named.items() if n and callable(getattr(type(m), "generate", None))
+        ]
+        self.hooked: set[str] = set()  # the selected modules' names (_install_hooks)
+
+    def begin_hooks(self) -> list[Any]:
+        return [m.register_forward_pre_hook(self._begin, prepend=True) for _, m in self.modules]
+
+    def end_hooks(self) -> list[Any]:
+        # always_call: a forward that raises still leaves the running stack
+        return [m.register_forward_hook(self._end(n), always_call=True) for n, m in self.modules]
+
+    def _begin(self, mod: Any, args: Any) -> None:
+        if not self.running:
+            self.rec.step = self.count
+            self.count += 1
+            self.rec.pass_outputs.clear()  # (a pass's outputs, looked for by its pass hook)
+        self.running.append(id(mod))
+
+    def _end(self, name: str) -> Callable[..., None]:
+        end_pass = _pass_hook(self.rec, name, name in self.hooked)
+
+        def hook(mod: Any, args: Any, output: Any) -> None:
+            if not self.running or self.running[-1] != id(mod):
+                return  # its pre-hook never ran (an earlier pre-hook raised)
+            self.running.pop()
+            if not self.running and output is not None:
+                end_pass(output)
+
+        return hook
 
 
 def _arg_names(model: Any) -> list[str]:
@@ -126,20 +167,27 @@ def _arg_names(model: Any) -> list[str]:
 NOT_HOOKED = 'the model itself was not hooked (modules did not include ""): not captured'
 
 
-def _pass_hook(rec: Recorder) -> Callable[..., None]:
-    """After each forward pass of the model: the outputs a capture without the root did
-    not see are listed, and the states its cache holds recorded (:mod:`.states`)."""
+def _pass_hook(rec: Recorder, name: str = "", hooked: bool = False) -> Callable[[Any], None]:
+    """After each forward pass of pass module ``name`` (``""``: the model itself): the
+    outputs a capture that did not hook it did not see are listed, and the states its
+    cache holds recorded (:mod:`.states`)."""
     from dmlib.localize.capture.states import record_states
     from dmlib.localize.ops import quiet
 
-    def hook(mod: Any, args: Any, kwargs: Any, output: Any) -> None:
+    label = name or rec.root
+    reason = NOT_HOOKED if not name else (
+        f"the module whose forward made the pass ({name}) was not hooked (modules did not "
+        f"include {name!r}): not captured"
+    )  # fmt: skip
+
+    def hook(output: Any) -> None:
         with quiet():
-            if not rec.coverage["root_hooked"]:
+            if not hooked:
                 seq = output if isinstance(output, (tuple, list)) else (output,)
                 seen = _recorded(rec)
                 for slot, t in _tensors(seq, "output"):
                     if (id(t), getattr(t, "_version", None)) not in seen:
-                        rec.note_unseen(f"{rec.root}:{slot}", NOT_HOOKED)
+                        rec.note_unseen(f"{label}:{slot}", reason)
             record_states(rec, output)
 
     return hook
