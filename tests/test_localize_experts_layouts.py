@@ -197,13 +197,15 @@ def oracle(mod: Any, hidden: Any, index: Any, impl: str) -> dict[tuple[int, int,
     return rows
 
 
-class PlantDown(TorchFunctionMode):
-    """+1 ULP in one element of (expert, TOKEN)'s down_proj row of experts module ``name``,
-    the row found from what the module runs (module docstring); ``planted`` is the key."""
+class PlantRow(TorchFunctionMode):
+    """+1 ULP in the largest element of (expert, TOKEN)'s ``stage`` row of experts module
+    ``name`` (its first call), the row found from what the module runs (module docstring:
+    batched_mm's first or second ``bmm`` by the stage); ``planted`` is the key."""
 
-    def __init__(self, model: Any, name: str) -> None:
+    def __init__(self, model: Any, name: str, stage: str = "down_proj") -> None:
         super().__init__()
         self.mod = dict(model.named_modules())[name]
+        self.stage, self.nth = stage, 2 if stage == "down_proj" else 1
         self.name, self.inside, self.perm, self.bmms = name, False, None, 0
         self.index: Any = None
         self.planted: tuple[Any, ...] | None = None
@@ -226,17 +228,17 @@ class PlantDown(TorchFunctionMode):
         impl = self.mod.config._experts_implementation
         k, flat = self.index.shape[1], self.index.reshape(-1)
         e = int(self.index[TOKEN, 0])
-        down = self.mod.down_proj
+        weight = getattr(self.mod, self.stage)
         if func is torch.sort and torch.equal(args[0], flat):
             self.perm = out.indices
         elif func is torch.bmm:
             self.bmms += 1
-            if self.bmms == 2:  # batched_mm's down_proj: the flattened (token, slot) pairs
+            if self.bmms == self.nth:  # batched_mm: the flattened (token, slot) pairs
                 self._bump(out.reshape(out.shape[0], -1)[TOKEN * k], e)
-        elif impl == "grouped_mm" and len(args) > 1 and self._is(args[1], down):
+        elif impl == "grouped_mm" and len(args) > 1 and self._is(args[1], weight):
             row = (self.perm == TOKEN * k).nonzero().item()
             self._bump(out[row], e)
-        elif impl == "eager" and len(args) > 1 and self._is(args[1], down, expert=e):
+        elif impl == "eager" and len(args) > 1 and self._is(args[1], weight, expert=e):
             _, tok = torch.where((self.index == e).T)
             self._bump(out[tok.tolist().index(TOKEN)], e)
         return out
@@ -259,8 +261,10 @@ class PlantDown(TorchFunctionMode):
     def _bump(self, row: Any, e: int) -> None:
         with torch._C.DisableTorchFunction():
             bits = {2: torch.int16, 4: torch.int32}[row.element_size()]
-            row.reshape(-1)[:1].view(bits).add_(1)
-        self.planted = (self.name, 0, e, TOKEN, "down_proj")
+            flat = row.reshape(-1)
+            i = int(flat.argmax())
+            flat[i : i + 1].view(bits).add_(1)
+        self.planted = (self.name, 0, e, TOKEN, self.stage)
 
 
 CASES = [(f, i, d) for f in FAMILIES for i in IMPLS for d in DTYPES]
@@ -285,7 +289,7 @@ def test_rows_equal_the_recomputation_in_the_implementations_order(family, impl,
 def test_one_ulp_planted_in_one_down_proj_row_is_that_key(family, impl, dtype):
     model = model_for(family, dtype, impl)
     last = experts_modules(model)[-1][0]
-    plant = PlantDown(model, last)
+    plant = PlantRow(model, last)
     try:
         a, _ = run(model)
         b, _ = run(model, plant)

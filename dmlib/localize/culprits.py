@@ -376,7 +376,7 @@ def _expert_role(
     the call and, for down_proj, the same expert's gate_up_proj rows, and, as any output
     whose inputs match, against a state the pass before left (a decode step); True: the
     culprit."""
-    up = names.get(up_name(r["boundary"])) if r["_slot"].endswith(".down_proj") else None
+    up = names.get(up_name(r["boundary"], names)) if r["_slot"].endswith(".down_proj") else None
     r["role"], note = expert_role(r, inputs.get((r["module"], r["call"]), []), up)
     if r["role"] == "culprit" and (got := _consumed(r, states)):
         r["role"], note, r["_carries"] = got
