@@ -366,3 +366,19 @@ def test_a_plain_forward_and_backward_of_the_peft_model(tmp_path):
     assert {b.step for b in c.boundaries} == {0}
     grads = [b for b in c.boundaries if b.module == LORA_B and b.slot.startswith("grad_output")]
     assert len(grads) == len(calls) == 1
+
+
+def test_what_generate_ran_and_no_module_captured_is_listed(tmp_path):
+    """The model itself hooked ("") but generate() never runs its forward: the outputs of
+    the forward it ran (the base model's) are listed as not captured where no hooked
+    module returned them, and not where lm_head did (the logits are its output)."""
+    model = _peft()
+    _generate(model, tmp_path / "a", modules=["", "*.layers.?"])
+    a = dmlib.open_capture(tmp_path / "a")
+    assert a.coverage["root_hooked"] is True
+    assert not [b for b in a.boundaries if b.module == a.root and not b.state]  # never ran
+    unseen = {u["what"]: u["reason"] for u in a.not_captured}
+    assert list(unseen) == ["base_model.model:output0.logits"]
+    assert "modules did not include 'base_model.model'" in unseen["base_model.model:output0.logits"]
+    _generate(model, tmp_path / "b", modules=["*.layers.?", "*lm_head"])
+    assert dmlib.open_capture(tmp_path / "b").not_captured == []
