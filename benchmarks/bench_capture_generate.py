@@ -51,7 +51,7 @@ def build(name: str) -> Any:
     torch.manual_seed(0)
     if name == "llama":
         cfg = transformers.LlamaConfig(
-            vocab_size=256, max_position_embeddings=512, hidden_size=64, intermediate_size=128,
+            vocab_size=256, max_position_embeddings=2048, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         )  # fmt: skip
         return transformers.LlamaForCausalLM(cfg).eval()
@@ -61,7 +61,7 @@ def build(name: str) -> Any:
         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
     )  # fmt: skip
     return transformers.Qwen3NextForCausalLM(cfg).eval()
 
