@@ -34,8 +34,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import dmlib  # noqa: E402
-from dmlib.localize.boundaries import compare_captures  # noqa: E402
+from dmlib.cli._common import EXIT_INCONCLUSIVE, exit_code  # noqa: E402
+from dmlib.localize.boundaries import CaptureVerdict, compare_captures  # noqa: E402
 from dmlib.localize.capture import open_capture  # noqa: E402
+from dmlib.localize.capture.hooks import NOT_HOOKED  # noqa: E402
 from dmlib.localize.hf import capture_generate, row_map_from_attention_mask  # noqa: E402
 from dmlib.localize.routing import values  # noqa: E402
 from tests.test_localize_experts_layouts import PlantRow, config  # noqa: E402
@@ -362,3 +364,49 @@ def test_one_ulp_in_a_first_stage_expert_row_is_the_culprit_and_its_down_proj_a_
     assert df.attrs["status"] == "different"
     c = open_capture(tmp_path / "a")
     assert not any("expert rows" in k for k in c.not_captured)  # every experts module read
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_what_the_default_capture_did_not_see_is_listed_and_never_identical(tmp_path, family):
+    """bfloat16, the default modules (the model itself not hooked): Nemotron-H returns
+    ``lm_head(...).float()``, a tensor no hooked module output, so its logits are listed as
+    not captured and two runs of the same forward are inconclusive, not identical; Jamba
+    returns lm_head's own output, captured there. Oracle: a plain forward hook on lm_head,
+    its output against the model's logits by identity. Every router is read (none listed
+    unread) and every cache tensor of a hand walk is a state boundary."""
+    model = _model(family, "bf16")
+    ids = probe_ids()
+    rows = row_map_from_attention_mask(torch.ones_like(ids), ["probe"])
+    head: list[Any] = []
+    h = model.lm_head.register_forward_hook(lambda m, a, out: head.append(out))
+    try:
+        for side in ("a", "b"):
+            with torch.no_grad(), dmlib.capture(model, tmp_path / side, row_map=rows):
+                out = model(input_ids=ids)
+    finally:
+        h.remove()
+    seen_by_head = out.logits is head[-1]
+    assert seen_by_head is (family == "jamba")  # Nemotron-H: a float32 copy
+    walked = set()
+    for i, layer in enumerate(out.past_key_values.layers):
+        for part in ("conv_states", "recurrent_states"):
+            walked |= {f"layers.{i}.{part}.{j}" for j in getattr(layer, part, None) or {}}
+        for part in ("keys", "values"):
+            if torch.is_tensor(getattr(layer, part, None)):
+                walked.add(f"layers.{i}.{part}")
+    c = open_capture(tmp_path / "a")
+    assert {x.name.split(":state.", 1)[1] for x in c if x.state} == walked
+    assert "routers_unread" not in c.coverage
+    assert set(c.coverage["router_scores"]) == {
+        n
+        for n, m in model.named_modules()
+        if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))
+    }
+    unseen = {u["what"]: u["reason"] for u in c.not_captured}
+    v = CaptureVerdict.of(compare_captures(tmp_path / "a", tmp_path / "b"))
+    if seen_by_head:
+        assert unseen == {} and v.status == "identical" and exit_code(v) == 0
+    else:
+        assert unseen == {"(model):output0.logits": NOT_HOOKED}
+        assert v.status == "inconclusive" and exit_code(v) == EXIT_INCONCLUSIVE
+        assert "(model):output0.logits" in str(v)
