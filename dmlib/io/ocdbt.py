@@ -362,9 +362,11 @@ class OcdbtStore:
         found = confined_file(self._real_top, mpath, what=rel, where=self.top, error=FormatError)
         if found is None:
             raise FormatError(f"no {MANIFEST} (not an OCDBT database)", path=self.root)
-        if found[1] > _MAX_MANIFEST:
-            raise FormatError(f"{MANIFEST} is larger than {_MAX_MANIFEST} bytes", path=self.root)
-        data = read_regular(found[0], what=MANIFEST, where=self.root, error=FormatError)
+        # bounded on the file opened (fstat), not on confined_file's earlier look
+        data = read_regular(
+            found[0], what=MANIFEST, where=self.root, error=FormatError, limit=_MAX_MANIFEST,
+            kind="a manifest",
+        )  # fmt: skip
         body, comp = self._unframe(data, MANIFEST_MAGIC, MANIFEST, _MAX_MANIFEST)
         cur = _Cursor(body, MANIFEST, self.root)
         uuid = cur.take(16).hex()

@@ -189,9 +189,12 @@ def _json(path: str, folder: str, top: str) -> Any:
     if found is None:
         return None
     name = os.path.basename(path)
-    if found[1] > _MAX_JSON:
-        raise FormatError(f"{name} is larger than {_MAX_JSON} bytes", path=folder)
-    raw = read_regular(found[0], what=name, where=folder, error=FormatError)
+    # the bound checked on the file opened (fstat), not on confined_file's earlier look:
+    # a larger file renamed over it in between is refused all the same
+    raw = read_regular(
+        found[0], what=name, where=folder, error=FormatError, limit=_MAX_JSON,
+        kind="a JSON metadata file",
+    )  # fmt: skip
     try:
         return bounded_json(raw.decode(), where=folder, error=FormatError)
     except UnicodeDecodeError as err:
@@ -263,11 +266,15 @@ class _DirStore:
         found = self._found(key)
         return None if found is None else found[1]
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The file's bytes (None: not there); with ``limit``, a larger file is refused."""
         found = self._found(key)
         if found is None:
             return None
-        return read_regular(found[0], what=key, where=self.root, error=FormatError)
+        return read_regular(
+            found[0], what=key, where=self.root, error=FormatError, limit=limit,
+            kind="an array's metadata file",
+        )  # fmt: skip
 
     def keys_under(self, leaf: str) -> list[str]:
         base = os.path.join(self.root, *leaf.split("/"))
@@ -288,7 +295,9 @@ class _KvStore:
         self.db = open_store(root, top)
         self._sorted = sorted(self.db.keys)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The value (None: no such key). ``limit`` is met once :meth:`size` was: a value
+        is read as the length its reference in the tree declares, never more."""
         return self.db.get(key)
 
     def size(self, key: str) -> int | None:
@@ -317,7 +326,7 @@ def _array_meta(store: Any, name: str, folder: str) -> Any:
                 f"leaf {name!r}: {fname} of {size} bytes, more than {_MAX_ARRAY_JSON}",
                 path=folder,
             )
-        raw = None if size is None else store.get(f"{name}/{fname}")
+        raw = None if size is None else store.get(f"{name}/{fname}", limit=_MAX_ARRAY_JSON)
         if raw is not None:
             return parse_metadata(name, raw, fmt, folder)
     raise FormatError(f"leaf {name!r}: no .zarray or zarr.json stored for it", path=folder)

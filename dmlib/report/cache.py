@@ -212,23 +212,18 @@ def _json_default(value: Any) -> Any:
 def _read(path: Path, key: str, secret: bytes) -> dict[str, Any] | None:
     """The cached entry at ``path`` when dmlib signed it for ``key`` with ``secret``, else
     None (absent, not a regular file, unsigned, signed for another key or by another
-    secret, damaged): the signature is checked before a byte of the entry is parsed."""
+    secret, damaged, larger than :func:`dmlib._limits.max_decompressed`, changing while
+    read): the signature is checked before a byte of the entry is parsed."""
     from dmlib import _limits
+    from dmlib.safepaths import read_regular
 
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _limits.max_decompressed():
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 24):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    head, _, body = b"".join(chunks).partition(b"\n")
+    try:  # not through a final link, no FIFO waited on, bounded, not changed while read
+        raw = read_regular(
+            os.fspath(path), where=path, limit=_limits.max_decompressed(), kind="a cache entry"
+        )
+    except DmlibError:
+        return None  # absent, not a regular file, too large: computed again
+    head, _, body = raw.partition(b"\n")
     fmt, _, mac = head.decode("ascii", "replace").partition(" ")
     if fmt != CACHE_FORMAT or not hmac.compare_digest(mac, _signature(secret, key, body)):
         return None  # not written by dmlib for these inputs: never trusted
