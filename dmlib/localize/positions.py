@@ -35,6 +35,15 @@ from dmlib.errors import CaptureError
 from dmlib.localize.capture.format import Boundary, request_key, same_scheme
 from dmlib.localize.capture.reader import Capture
 from dmlib.localize.culprits import _frame, _is_layout, _roles, _steps, _summary
+from dmlib.localize.expertjudge import (
+    across_note,
+    across_pairs,
+    across_summary,
+    flip_note,
+    inside_across,
+    mark,
+    recorded_calls,
+)
 
 Row = tuple[str | None, np.ndarray | None]  # (digest, values) of one position's row
 PER_POSITION = "capture it with block_rows=1 (one digest per position), or dump it in both"
@@ -128,6 +137,7 @@ class _Plan:
         self.n_passes = 1 + max(x.step for x in passes.boundaries)
         self.table = pass_rows(passes)
         self.memo: dict[Any, Any] = {}  # the full capture's rows, read once per boundary
+        self.experts: tuple[dict[str, Any], dict[str, Any]] = ({}, {})  # expertjudge.across_pairs
         rm = passes.row_map
         self.row: dict[str, tuple[int | None, str]] = {}
         self.last: dict[str, bool] = {}  # the row's last column holds the prompt's last position
@@ -158,6 +168,20 @@ class _Plan:
         if step == 0 and b is not None and not self.last[r]:
             return [], "one column per batch row, not the prompt's last position"
         return ([] if b is None else [(b, 0, 1, self.prompt[r] - 1 + step)]), why
+
+    def computed(self) -> dict[tuple[str, int], int]:
+        """(request, position) -> the pass that computed it, for the positions the
+        full-sequence capture holds: the prompt's in the prefill, each later one in the
+        pass whose cells name it."""
+        out: dict[tuple[str, int], int] = {}
+        for r in self.requests:
+            for p in range(min(self.prompt[r], self.length[r])):
+                out[(r, p)] = 0
+            for s in range(1, self.n_passes):
+                for cell in self.cells(r, s)[0]:
+                    if cell[3] < self.length[r]:
+                        out.setdefault((r, cell[3]), s)
+        return out
 
     def uncovered(self, r: str) -> list[int]:
         """Positions of ``r`` in the full-sequence capture no pass computed."""
@@ -327,7 +351,8 @@ def _row(x: Boundary, same: bool | None, note: str, layout: bool) -> dict[str, A
     return {"boundary": x.name, "module": x.module, "call": x.call, "kind": x.kind,
             "identical": same, "diff_blocks": [], "note": note, "_layout": layout,
             "_slot": x.slot, "_step": x.step, "_op": x.category.marker == "op",
-            "_state": x.state, "_router": x.router, **NO_STATS, "_stats": False}  # fmt: skip
+            "_state": x.state, "_router": x.router, "_expert": x.expert is not None,
+            **NO_STATS, "_stats": False}  # fmt: skip
 
 
 def _paired_row(
@@ -369,8 +394,12 @@ def position_rows(
     used: set[str] = set()
     side = f"the prefill + decode capture {passes.path.name}"
     rows = []
+    plan.experts = across_pairs(full, passes, requests, plan.computed())
     for key, s in _slots(passes, steps=True).items():
         t = mine.get((*key[:3], 0, key[4]))
+        if s.expert is not None:  # one expert's rows: by position, as the pass computed them
+            _expert_row(s, plan, rows, used)
+            continue
         if is_layout(s) or (t is not None and is_layout(t)):
             rows.append(_row(s, None, "layout input: follows the batch layout (not judged)", True))
         elif s.cache and not s.state:
@@ -384,10 +413,45 @@ def position_rows(
         if t is not None:
             used.add(t.name)
     for t in full.boundaries:
-        if t.name not in used:
+        if t.expert is not None:
+            _expert_left(full, passes, t, plan, rows, used)
+        elif t.name not in used:
             why = f"not judged: no pass of {passes.path.name} recorded it"
             rows.append(_row(t, None, why, is_layout(t)))
+    mark(rows, inside_across(full, passes))  # an experts module's activation: never paired
     return rows, plan
+
+
+def _expert_row(s: Boundary, plan: _Plan, rows: list[dict[str, Any]], used: set[str]) -> None:
+    """The row of sampler expert boundary ``s`` (none where it holds no compared row)."""
+    got = plan.experts[0][s.name]
+    if got.get("t"):
+        used.add(got["t"])
+    if "why" not in got and not (got["differ"] or got["same"] or got["only_a"] or got["only_b"]):
+        return  # rows of other requests, or of positions the full capture does not hold
+    same, diff, note = across_note(s, got)
+    row = _row(s, same, note, False)
+    if same is True:
+        row.update(n_diff=0, n_diff_rows=0, max_abs=0.0, rel_fro=0.0, max_ulp=0)
+    if len(plan.requests) == 1 and diff:
+        row["diff_positions"] = sorted(diff)
+    rows.append(row)
+
+
+def _expert_left(
+    full: Capture, passes: Capture, t: Boundary, plan: _Plan, rows: list[dict[str, Any]],
+    used: set[str],
+) -> None:  # fmt: skip
+    """A trainer expert boundary no sampler boundary was paired with: a routing flip where
+    the passes computing its positions routed them elsewhere, not judged where the
+    prefill + decode capture recorded no expert rows of its module."""
+    left = plan.experts[1].get(t.name)
+    if left:
+        rows.append(_row(t, None, flip_note(t, left), False))
+    elif t.name not in used and t.module not in {m for m, _ in recorded_calls(passes)}:
+        if any(t.expert and t.expert["rows"].get(r) for r in plan.requests):
+            why = f"not judged: the prefill + decode capture {passes.path.name} recorded no "
+            rows.append(_row(t, None, why + f"expert rows of {t.module} (experts=True)", False))
 
 
 def uncovered(full: Capture, plan: _Plan, side: str) -> list[dict[str, str]]:
@@ -438,5 +502,6 @@ def compare_positions(a: Capture, b: Capture, request: Any, patterns: tuple[str,
     at["first_divergent_position"] = first_position(rows)
     at["steps"] = _steps(rows)
     at["routing"] = None
+    at["experts"] = across_summary(passes, rows, *plan.experts)
     at.update({"first_divergent_op": None, "culprit_op": None, "op_alignment": None})
     return df

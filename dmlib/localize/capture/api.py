@@ -170,9 +170,11 @@ def capture(
 
         chosen = opts.modules if opts.op_modules is None else opts.op_modules
         tracker = OpRecorder(rec, model, _select(model, chosen, named))
+    from dmlib.localize.capture.expertrows import routing_record
     from dmlib.localize.capture.record import active
 
     with (
+        routing_record(rec, model),  # coverage.experts_modules, in every capture
         _experts(rec, model, named),
         _hooked(model, opts.modules, rec, tracker, named),
         active(rec),

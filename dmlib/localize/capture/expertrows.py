@@ -23,11 +23,23 @@ token count fits neither the row map nor its batch.
 The experts modules themselves are hooked as any selected module is (their inputs, the
 hidden rows and the routing, are what an expert row is judged against), unless the
 capture's ``modules`` chose them already.
+
+Every capture, with or without ``experts=True``, writes which modules are experts modules
+(``localize/experts.py``'s detection, at the capture's start) into the manifest's
+``coverage.experts_modules``: ``{module: {"calls": n, "routing": sha256 hex or null}}``,
+the digest over every call's ``top_k_index`` (its dtype, shape and bytes, in call order;
+null where a call's routing was not a tensor). A module called inside an experts module
+(the eager implementation's activation, its n-th call the n-th expert hit) is judged by a
+comparison only where both captures' calls provably line up (:mod:`dmlib.localize.expertjudge`):
+one layout and, per call, the same expert rows' tokens or, without expert rows, the same
+routing digest. Cost: one ``top_k_index`` (tokens x k integers) copied to the host and
+hashed per experts module call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +81,71 @@ def recording(rec: Recorder, model: Any, named: dict[str, Any]) -> Iterator[None
                 handles.append(mod.register_forward_hook(_post_hook(rec, label), with_kwargs=True))
         try:
             yield
+            sink.reattribute(rec.metadata.get(PASS_ROWS))
         finally:
             for h in handles:
                 h.remove()
+
+
+#: the metadata key naming each pass's batch rows (``localize/positions.py``'s, written by
+#: ``capture_generate`` at the end of its block, or given by the caller)
+PASS_ROWS = "pass_rows"
+
+
+#: the manifest's coverage key naming the experts modules (and each one's routing digest)
+EXPERTS_MODULES = "experts_modules"
+
+
+@contextlib.contextmanager
+def routing_record(rec: Recorder, model: Any) -> Iterator[None]:
+    """Write ``coverage.experts_modules`` (every capture): the experts modules and, per
+    module, its calls' count and the SHA-256 of their ``top_k_index`` in call order."""
+    from dmlib.localize.experts import experts_modules
+
+    mods = experts_modules(model)
+    seen: dict[str, dict[str, Any]] = {}
+    rec.coverage[EXPERTS_MODULES] = seen
+    if not mods:
+        yield
+        return
+    hashes: dict[str, Any] = {}
+    handles = []
+    for name, mod in mods:
+        label = name or rec.root
+        seen[label] = {"calls": 0, "routing": None}
+        hashes[label] = hashlib.sha256()
+        handles.append(mod.register_forward_pre_hook(_routing_hook(seen[label], hashes, label),
+                                                     with_kwargs=True))  # fmt: skip
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for label, got in seen.items():
+            h = hashes[label]
+            got["routing"] = None if h is None or not got["calls"] else h.hexdigest()
+
+
+def _routing_hook(got: dict[str, Any], hashes: dict[str, Any], label: str) -> Callable[..., None]:
+    def hook(mod: Any, args: Any, kwargs: Any) -> None:
+        got["calls"] += 1
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        h = hashes[label]
+        if h is None:
+            return
+        if not hasattr(index, "detach") or not hasattr(index, "shape"):
+            hashes[label] = None  # a routing not read: the calls cannot be shown to line up
+            return
+        import torch
+
+        from dmlib.localize.ops import quiet
+
+        with quiet(), torch._C.DisableTorchFunction():
+            arr = index.detach().cpu().contiguous().numpy()
+        h.update(f"{arr.dtype.str}{list(arr.shape)};".encode("ascii"))
+        h.update(arr.tobytes())
+
+    return hook
 
 
 class _Rows(dict):
@@ -87,6 +161,8 @@ class _Rows(dict):
         self.n_tokens: dict[str, int] = {}  # module -> tokens of its current call
         self.mods: dict[str, Any] = {}
         self.noted: set[str] = set()
+        # a decode pass's entries: (entry, pass, tokens, digests), for pass_rows to attribute
+        self.decode: list[tuple[dict[str, Any], int, list[int], list[str]]] = []
 
     def __setitem__(self, key: Any, digest: str) -> None:
         name, call, e, token, stage = key
@@ -150,9 +226,30 @@ class _Rows(dict):
         entry = new_entry(name, call, "output", f"expert{e}.{stage}",
                           _np_dtype(weight.dtype).name, (len(tokens), int(weight.shape[1])),
                           SHA256, extra, self.rec.step)  # fmt: skip
+        if self.rec.step > 0:
+            self.decode.append((entry, self.rec.step, tokens, digests))
         joined = np.frombuffer("".join(digests).encode("ascii"), dtype=np.uint8)
         entry["digest"] = digest_hex(joined, SHA256)
         return entry
+
+    def reattribute(self, table: Any) -> None:
+        """A decode pass's rows attributed by ``pass_rows`` where it names that pass: batch
+        row ``b``'s token to the ``[request, position]`` the table gives it, none where it
+        gives None (a row after its request's end, which ``generate()`` still computes)
+        or several columns; the row map's rule (the position after the prompt and the
+        passes before) stays for the passes it does not name."""
+        if not isinstance(table, dict):
+            return
+        for entry, step, tokens, digests in self.decode:
+            cells = table.get(str(step))
+            if not isinstance(cells, list):
+                continue
+            rows: dict[str, list[list[Any]]] = {}
+            for t, dg in zip(tokens, digests, strict=True):
+                cell = cells[t] if 0 <= t < len(cells) else None
+                if isinstance(cell, (list, tuple)) and len(cell) == 2 and isinstance(cell[1], int):
+                    rows.setdefault(str(cell[0]), []).append([int(cell[1]), dg])
+            entry["expert"]["rows"] = {r: sorted(v) for r, v in rows.items()}
 
 
 def _positions(rec: Recorder, n: int) -> Callable[[int], tuple[str, int] | None] | str:
@@ -178,4 +275,4 @@ def _positions(rec: Recorder, n: int) -> Callable[[int], tuple[str, int] | None]
     )
 
 
-__all__ = ["recording"]
+__all__ = ["EXPERTS_MODULES", "recording", "routing_record"]
