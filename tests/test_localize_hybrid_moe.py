@@ -89,12 +89,18 @@ def one_ulp(t: Any) -> None:
     t.reshape(-1)[3:4].view(bits).add_(1)
 
 
+def doubled(t: Any) -> None:
+    """A planted difference big enough to reach the next pass's outputs."""
+    t.mul_(2.0)
+
+
 class CacheWalk:
     """A plain forward hook on the model: after pass 0 (the prefill), optionally plants
-    +1 ULP in layer 0's recurrent state of batch row ``row``, then keeps the oracle's copy
-    of every state, walked by hand (not by dmlib's walk)."""
+    a difference in layer 0's recurrent state of batch row ``row`` (``plant``: True for
+    :func:`one_ulp`, or a function of that row), then keeps the oracle's copy of every
+    state, walked by hand (not by dmlib's walk)."""
 
-    def __init__(self, model: Any, row: int, plant: bool = False) -> None:
+    def __init__(self, model: Any, row: int, plant: Any = False) -> None:
         self.row, self.plant, self.calls, self.after_prefill = row, plant, 0, {}
         self.handle = model.register_forward_hook(self.hook, with_kwargs=True)
 
@@ -102,7 +108,8 @@ class CacheWalk:
         cache = out.past_key_values
         if self.calls == 0:
             if self.plant:
-                one_ulp(cache.layers[0].recurrent_states[0][self.row])
+                how = one_ulp if self.plant is True else self.plant
+                how(cache.layers[0].recurrent_states[0][self.row])
             for i, layer in enumerate(cache.layers):
                 for part in ("conv_states", "recurrent_states"):
                     if isinstance(getattr(layer, part, None), dict):
@@ -114,7 +121,7 @@ class CacheWalk:
         self.calls += 1
 
 
-def generate(model: Any, path: Any, padded: bool, plant: bool = False, **kw: Any) -> Any:
+def generate(model: Any, path: Any, padded: bool, plant: Any = False, **kw: Any) -> Any:
     """A capture of generate() (2 new tokens); the oracle's walk, the probe's row and padding."""
     gen, ids, row, pad = batch_kwargs(padded)
     rows = row_map_from_attention_mask(gen["attention_mask"], ids)
@@ -184,6 +191,24 @@ def test_alone_against_a_left_padded_batch_states_match_the_hand_walk(tmp_path, 
     assert None not in states.values()  # the probe fills its batch row alone: all judged
     assert {k for k, v in states.items() if v is False} == expected
     assert df.attrs["status"] == "different"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "dt"), CASES)
+def test_a_decode_step_is_judged_with_the_mamba_state_it_consumed(tmp_path, family, dt):
+    """Layer 0's state doubled after the prefill: decode step 1 differs, and its first
+    divergent boundary is the consumed state's carrier (state_consumed), no culprit in
+    that pass."""
+    model = _model(family, dt)
+    a = generate(model, tmp_path / "a", padded=False)
+    b = generate(model, tmp_path / "b", padded=False, plant=doubled)
+    assert oracle_differs(a, b) == {STATE0}
+    df = compare_captures(tmp_path / "a", tmp_path / "b")
+    step1 = df.attrs["steps"][1]
+    assert step1["first_divergent_boundary"] is not None
+    assert step1["state_consumed"] == f"(model):state.{STATE0}"
+    assert df.set_index("boundary").loc[step1["first_divergent_boundary"], "role"] == "carrier"
+    assert step1["culprit"] is None
 
 
 # family -> (the first MoE layer's router, its scores by hand from its logits, SCORES kind)
