@@ -18,6 +18,7 @@ def test_every_committed_file_matches_its_manifest_hash():
         "packed_ops",
         "logprob_drift",
         "lora_steps",
+        "moe_packed",
     }
     listed = set()
     for ds in doc["datasets"].values():

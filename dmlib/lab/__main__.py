@@ -26,6 +26,7 @@ DATASETS = {
     "packed_ops": "dmlib.lab.packed_ops",
     "logprob_drift": "dmlib.lab.logprob_drift",
     "lora_steps": "dmlib.lab.lora_steps",
+    "moe_packed": "dmlib.lab.moe_packed",
 }
 
 

@@ -25,6 +25,7 @@ FOLDER = {
     "packed_ops": "packed",
     "logprob_drift": "logprob_drift",
     "lora_steps": "lora_steps",
+    "moe_packed": "moe_packed",
 }
 _HEAD = "# The lab's {what} as a study (format: dmlib.report.study; README).\n"
 
@@ -61,6 +62,11 @@ def made_on(dataset: str, env: dict[str, Any]) -> str:
         return (
             f"{cpu}, torch {libs.get('torch')}, transformers {libs.get('transformers')}, peft "
             f"{libs.get('peft')}, 1 thread, float32 (data/MANIFEST.json; {_isa(env)})"
+        )
+    if dataset == "moe_packed":
+        return (
+            f"{cpu}, torch {libs.get('torch')}, transformers {libs.get('transformers')}, 1 "
+            f"thread, bfloat16 (data/MANIFEST.json; {_isa(env)})"
         )
     raise KeyError(dataset)
 
@@ -211,5 +217,30 @@ def _lora_steps_lines(env: dict[str, Any], folder: Path) -> list[str]:
     ]
 
 
+def _moe_packed_lines(env: dict[str, Any], folder: Path) -> list[str]:
+    """The hybrid MoE captures' study: the bfloat16 captures (float32's are in index.json)."""
+    names = [k for k in ("alone", "packed") if (folder / "bf16" / k).is_dir()]
+    return [
+        _HEAD.format(what="hybrid MoE packed-vs-alone captures").rstrip("\n"),
+        'title = "A tiny hybrid MoE (Qwen3-Next) request captured alone and packed, bfloat16: '
+        'states, routing flips, expert rows"',
+        f"made_on = {_q(made_on('moe_packed', env))}",
+        "",
+        "[captures]",
+        'request = "probe"',
+        'reference = "alone"',
+        *(['negative = "bf16/different"'] if (folder / "bf16" / "different").is_dir() else []),
+        *_table("captures.folders", {k: f"bf16/{k}" for k in names}),
+        *_table(
+            "captures.repeats",
+            {"alone": "bf16/alone_repeat"} if (folder / "bf16" / "alone_repeat").is_dir() else {},
+        ),
+    ]
+
+
 # datasets whose study is written by a helper of its own (study_text looks here first)
-_OWN_LINES = {"logprob_drift": _logprob_drift_lines, "lora_steps": _lora_steps_lines}
+_OWN_LINES = {
+    "logprob_drift": _logprob_drift_lines,
+    "lora_steps": _lora_steps_lines,
+    "moe_packed": _moe_packed_lines,
+}

@@ -1,0 +1,99 @@
+"""The lab's ``moe_packed`` dataset: its committed findings are what the captures show.
+
+``index.json`` and the README are written by the generator from its own captures; here the
+committed captures are compared again with :func:`dmlib.compare_captures` and the result
+must be the committed findings, boundary counts, flips, expert rows and states alike. The
+flips' experts are checked against the router values the captures hold, read with plain
+JSON and numpy (top-k ids per token of the probe's rows), not through the routing report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dmlib.lab import moe_packed
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+DS = DATA / moe_packed.DATASET
+
+
+def _index():
+    return json.loads((DS / "index.json").read_text())
+
+
+def test_committed_findings_are_computed_from_the_committed_captures():
+    index = _index()
+    assert index["dtypes"] == ["bf16", "f32"]
+    for dtype, per in index["findings"]["dtypes"].items():
+        layouts = list(index["captures"][dtype])
+        for name, committed in per.items():
+            assert moe_packed.compared(DS / dtype, name, layouts) == committed, (dtype, name)
+
+
+def test_the_dataset_is_small_and_every_file_is_in_the_manifest():
+    doc = json.loads((DATA / "MANIFEST.json").read_text())["datasets"][moe_packed.DATASET]
+    on_disk = {
+        str(p.relative_to(DATA))
+        for p in DS.rglob("*")
+        if p.is_file() and p.name not in ("README.md", "study.toml")
+    }
+    assert on_disk == set(doc["files"])
+    assert sum(p.stat().st_size for p in DS.rglob("*") if p.is_file()) < 2_000_000
+
+
+def _router_ids(folder: Path, router: str) -> np.ndarray:
+    """The probe's top-k expert ids at ``router`` (prefill), from the manifest by hand:
+    the router values the capture kept, rows taken through the row map's probe entries."""
+    doc = json.loads((folder / "manifest.json").read_text())
+    vals = np.asarray(doc["coverage"]["routers"][f"{router}:router.indices"])
+    rows = doc["row_map"]  # one entry per physical row: [request, position] or null
+    probe = [i for i, e in enumerate(rows) if e is not None and e[0] == moe_packed.REQUEST]
+    return np.sort(vals.reshape(len(rows), -1)[probe], axis=1)
+
+
+def test_each_committed_flip_is_a_change_of_the_captured_top_k():
+    index = _index()
+    for dtype, per in index["findings"]["dtypes"].items():
+        for name, f in per.items():
+            routers = {x["router"] for x in f["flips"]}
+            for router in routers:
+                a = _router_ids(DS / dtype / "alone", router)
+                b = _router_ids(DS / dtype / name, router)
+                changed = [int(p) for p in np.flatnonzero((a != b).any(axis=1))]
+                listed = [x for x in f["flips"] if x["router"] == router]
+                assert changed == [x["position"] for x in listed]
+                for x in listed:
+                    assert a[x["position"]].tolist() == x["experts_a"]
+                    assert b[x["position"]].tolist() == x["experts_b"]
+
+
+def test_the_readme_quotes_the_findings():
+    index = _index()
+    text = (DS / "README.md").read_text()
+    assert text == moe_packed.readme(index, small=False)
+    assert index["findings"]["machine"] in text
+
+
+@pytest.mark.slow
+def test_small_generation_writes_findings_from_its_captures(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from dmlib.lab.__main__ import main
+    from dmlib.report.study import load_study
+
+    assert main([moe_packed.DATASET, "--out", str(tmp_path), "--small"]) == 0
+    ds = tmp_path / moe_packed.DATASET
+    index = json.loads((ds / "index.json").read_text())
+    assert index["dtypes"] == ["bf16"]
+    layouts = list(index["captures"]["bf16"])
+    got = moe_packed.compared(ds / "bf16", "packed", layouts)
+    assert index["findings"]["dtypes"]["bf16"]["packed"] == got
+    assert got["repeat_held"] is True and got["negative_passed"] is True
+    assert got["states"] == 8  # conv + recurrent of 2 linear layers, keys + values of 2
+    study = load_study(ds / "study.toml")
+    assert study.captures.reference == "alone"
+    assert set(study.captures.folders) == {"alone", "packed"}
