@@ -353,6 +353,32 @@ def _privacy_filter() -> tuple[Any, Any]:
     return mod.OpenAIPrivacyFilterExperts, cfg
 
 
+def _aria() -> tuple[Any, Any]:
+    from transformers.models.aria.modeling_aria import AriaExperts
+
+    cfg = transformers.AriaTextConfig(
+        hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+        moe_num_experts=4, moe_topk=2,
+    )  # fmt: skip
+    return AriaExperts, cfg
+
+
+def _muse_spark() -> tuple[Any, Any]:
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+    cfg = transformers.MuseSparkTextConfig(
+        hidden_size=16, num_attention_heads=2, num_key_value_heads=1, moe_hidden_size=16,
+        moe_intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return MuseSparkExperts, cfg
+
+
+MAKERS = {
+    "ergo": _ergo,
+    "privacy_filter": _privacy_filter,
+    "aria": _aria,
+    "muse_spark": _muse_spark,
+}
 EAGER_ROWS = "eager: expert 0's up_proj input rows are not hidden_states of its routed tokens"
 NO_SLICE = "no per-expert F.linear or matmul on a slice of its weights was seen"
 # (module, dtype, implementation) -> why not judged (None: judged, rows equal the oracle's)
@@ -369,12 +395,15 @@ ALONE = {
     ("privacy_filter", "bfloat16", "eager"): NO_SLICE,
     ("privacy_filter", "bfloat16", "grouped_mm"): None,
     ("privacy_filter", "bfloat16", "batched_mm"): None,
+    # Aria (gated, transposed, x @ w[e] in eager) and MuseSpark (a norm after each
+    # expert's down_proj: its rows are taken before it), read everywhere
+    **{(m, d, i): None for m in ("aria", "muse_spark") for d in DTYPES for i in IMPLS},
 }
 
 
 @pytest.mark.parametrize(("which", "dtype", "impl"), list(ALONE))
 def test_other_layouts_are_read_or_listed_not_judged_with_the_reason(which, dtype, impl):
-    cls, cfg = {"ergo": _ergo, "privacy_filter": _privacy_filter}[which]()
+    cls, cfg = MAKERS[which]()
     cfg._experts_implementation = impl
     model = _alone(cls, cfg, getattr(torch, dtype))
     g = torch.Generator().manual_seed(1)
