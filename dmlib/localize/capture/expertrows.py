@@ -2,7 +2,8 @@
 (:data:`~dmlib.localize.capture.format.KINDS`), with ``capture(..., experts=True)``.
 
 :func:`dmlib.localize.experts.record_expert_rows` keeps one SHA-256 digest per row of
-each expert's ``gate_up_proj`` and ``down_proj`` computation, keyed by the token (the
+each expert's ``gate_up_proj`` (``up_proj`` in an experts module without a gate) and
+``down_proj`` computation, keyed by the token (the
 index into the experts module's flattened ``hidden_states``); here those rows become one
 boundary per (module, call, expert, stage), ``module:expert<e>.<stage>#call``, placed in
 the manifest where its first row was computed (under the eager implementation, before the
