@@ -194,7 +194,6 @@ def pd_na():
     return pd.NA
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-checksums"])
 @pytest.mark.parametrize("planted", sorted(PLANTS))
 def test_a_late_plant_in_a_state_is_seen_after_every_pass(tmp_path, planted, device_path):
