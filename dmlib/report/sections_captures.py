@@ -147,7 +147,8 @@ def block_heatmap(cb: Captures) -> Any:
 
 def culprit(cb: Captures) -> pd.DataFrame | None:
     """Records the first comparison's verdict and the finding (:func:`prose.captures`);
-    returns its culprit, entry and enclosing boundaries and those with element statistics."""
+    returns its culprit, entry and enclosing boundaries, the differing ones with element
+    statistics, and the states the forward left in its cache."""
     if cb.empty:
         return None
     main, a = cb.main, cb.main.attrs
@@ -163,8 +164,13 @@ def culprit(cb: Captures) -> pd.DataFrame | None:
     text, lines = prose.captures(cb.results)
     finding(text)
     cb.lines += lines
-    shown = main["role"].isin(["culprit", "entry", "encloses-culprit"]) | main["rel_fro"].notna()
-    return main.loc[shown, CULPRIT_COLUMNS]
+    # the states the forward left in its cache are listed whether or not they differ: an
+    # identical output with a differing state is what the next pass would consume
+    state = main["boundary"].str.contains(":state.", regex=False)
+    # element statistics of the boundaries that differ (a hash-identical one reads 0 there)
+    sized = main["rel_fro"].notna() & (main["identical"] == False)  # noqa: E712
+    shown = main["role"].isin(["culprit", "entry", "encloses-culprit"]) | sized
+    return main.loc[shown | state, CULPRIT_COLUMNS]
 
 
 def op_level(cb: Captures) -> pd.DataFrame | None:
@@ -217,9 +223,21 @@ def routing(cb: Captures) -> pd.DataFrame | None:
     if not rows:
         say("No token's set of experts changed in any comparison.")
         return None
-    say(*(f"{md_code(k)}: {r['n_flips']} tokens changed experts" for k, r in reports.items()
+    say(*(f"{md_code(k)}: {_tokens(r['n_flips'])} changed experts" for k, r in reports.items()
           if r is not None))  # fmt: skip
     return pd.DataFrame(rows).reindex(columns=ROUTING_COLUMNS)
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" + ("" if n == 1 else "s")
+
+
+def _per_module(differ: list[dict[str, Any]]) -> str:
+    """How many differing expert rows each experts module has, in execution order."""
+    counts: dict[str, int] = {}
+    for d in differ:
+        counts[d["module"]] = counts.get(d["module"], 0) + 1
+    return ", ".join(f"{md_code(m)} {n}" for m, n in counts.items())
 
 
 EXPERT_COLUMNS = [
@@ -247,8 +265,8 @@ def expert_rows(cb: Captures) -> pd.DataFrame | None:
         say("No expert row differs in any comparison (rows routed to an expert in one run only "
             "are routing flips, listed above).")  # fmt: skip
         return None
-    say(*(f"{md_code(k)}: {r['n_rows_differ']} expert rows differ; the first: "
-          f"{md_text(r['first_divergent']['text'])}"
+    say(*(f"{md_code(k)}: {r['n_rows_differ']} expert rows differ ({_per_module(r['differ'])}); "
+          f"the first: {md_text(r['first_divergent']['text'])}"
           for k, r in reports.items() if r is not None and r["first_divergent"]))  # fmt: skip
     return pd.DataFrame(rows).reindex(columns=EXPERT_COLUMNS)
 
