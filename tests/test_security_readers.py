@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -243,19 +244,17 @@ def _ocdbt_copy(tmp_path: Path) -> Path:
     return db
 
 
-def _swapped_after_the_look(
-    mp: pytest.MonkeyPatch, module: object, name: str, content: bytes
-) -> None:
+def _swapped_after_the_look(mp: pytest.MonkeyPatch, module: Any, name: str, content: bytes) -> None:
     """``module.confined_file`` looks at the file, then a file holding ``content`` is renamed
     over the one called ``name`` before the caller reads it (what another process may do)."""
-    real = module.confined_file  # type: ignore[attr-defined]
+    real = module.confined_file
 
-    def look_then_swap(top: str, path: object, **kw: object) -> object:
+    def look_then_swap(top: str, path: str | os.PathLike[str], **kw: Any) -> Any:
         found = real(top, path, **kw)
-        if found is not None and os.path.basename(os.fspath(path)) == name:  # type: ignore[arg-type]
-            big = Path(os.fspath(path)).with_name(".swap")  # type: ignore[arg-type]
+        if found is not None and os.path.basename(path) == name:
+            big = Path(path).with_name(".swap")
             big.write_bytes(content)
-            os.replace(big, os.fspath(path))  # type: ignore[arg-type]
+            os.replace(big, path)
         return found
 
     mp.setattr(module, "confined_file", look_then_swap)

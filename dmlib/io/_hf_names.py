@@ -126,18 +126,16 @@ def _architecture(folder: str, n_params: int) -> tuple[Order | None, str]:
     the optimizer holds parameters (``n_params``): each layer has at least one, and building
     a config's model takes time and memory in proportion to its layers (2,000 layers: 24 s
     on the meta device), so a file cannot make dmlib build a model of a million layers."""
-    from dmlib import _limits
     from dmlib.errors import DmlibError
-    from dmlib.io._folderfiles import read_member
+    from dmlib.io._folderfiles import json_member
 
-    # a regular file inside the folder, of bounded size and keys (a FIFO is not waited on)
-    hook = _limits.json_pairs_hook(os.path.join(folder, "config.json"), "config")
+    # a regular file inside the folder, of bounded size, keys and nesting (a FIFO is not
+    # waited on)
     try:
-        text = read_member(folder, "config.json").decode("utf-8")
-        config = json.loads(text, object_pairs_hook=hook)
-        archs = config.get("architectures")
-    except (DmlibError, ValueError, AttributeError, RecursionError):
+        config, text = json_member(folder, "config.json", "config")
+    except DmlibError:
         return None, "there is no readable config.json naming the architecture"
+    archs = config.get("architectures") if isinstance(config, dict) else None
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         return None, "config.json does not name one architecture"
     layers = _declared_layers(config)

@@ -129,21 +129,13 @@ def _config(path: str, fname: str) -> dict[str, Any]:
     Read as the Trainer folder's JSON is (:func:`dmlib.io._folderfiles.read_member`): a
     regular file inside the folder (a symlink leading out, a FIFO or a device refused,
     never waited on), of bounded size, keys per object and nesting."""
-    from dmlib import _limits
-    from dmlib.io._folderfiles import read_member
+    from dmlib.io._folderfiles import json_member
 
-    fpath = os.path.join(path, fname)
-    try:
-        text = read_member(path, fname).decode("utf-8")
-        value = json.loads(text, object_pairs_hook=_limits.json_pairs_hook(fpath, "config"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"corrupt JSON ({err})", path=fpath) from None
-    except RecursionError:
-        raise FormatError("nests too deeply to be a config", path=fpath) from None
-    if _limits.nesting_depth(value) > _limits.MAX_NESTING:
-        raise FormatError(f"nests deeper than {_limits.MAX_NESTING} levels", path=fpath)
+    value, _ = json_member(path, fname, "config")
     if not isinstance(value, dict):
-        raise FormatError(f"a JSON {type(value).__name__}, not an object", path=fpath)
+        raise FormatError(
+            f"a JSON {type(value).__name__}, not an object", path=os.path.join(path, fname)
+        )
     return value
 
 

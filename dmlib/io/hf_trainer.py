@@ -26,7 +26,6 @@ folder is then not complete (:func:`dmlib.summarize`). ``metadata["components"]`
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
@@ -34,8 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dmlib.errors import FormatError, UnsupportedError
+from dmlib.io._folderfiles import json_member
 from dmlib.io._folderfiles import member as _member
-from dmlib.io._folderfiles import read_member
 from dmlib.safepaths import contained
 from dmlib.tensor import ArrayTensorSet, Tensor, TensorSet
 
@@ -294,17 +293,7 @@ def _trainer_state(folder: str) -> TensorSet:
     from dmlib import _limits
 
     fpath = os.path.join(folder, TRAINER_STATE)
-    try:
-        text = read_member(folder, TRAINER_STATE).decode("utf-8")
-        state = json.loads(text, object_pairs_hook=_limits.json_pairs_hook(fpath, "trainer state"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"corrupt trainer state ({err})", path=fpath) from None
-    except RecursionError:
-        state = None  # refused just below
-    if state is None or _limits.nesting_depth(state) > _limits.MAX_NESTING:
-        raise FormatError(
-            f"trainer state nests too deeply (more than {_limits.MAX_NESTING} levels)", path=fpath
-        )
+    state, _ = json_member(folder, TRAINER_STATE, "trainer state")
     if not isinstance(state, dict):
         raise FormatError(
             f"trainer state is a JSON {type(state).__name__}, not an object", path=fpath
