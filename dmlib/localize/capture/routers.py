@@ -57,16 +57,18 @@ if TYPE_CHECKING:
 #: "softmax" ``softmax(logits, dtype=float32)``, "float-softmax" ``softmax(logits.float())``
 #: (Mixtral upcasts first; the same numbers where the softmax kernel computes in float32
 #: either way, kept apart so that a device where they differ is followed exactly),
-#: "sigmoid+bias" ``sigmoid(logits) + e_score_correction_bias``. Tested on tiny models of
+#: "sigmoid+bias" ``sigmoid(logits) + e_score_correction_bias``, "logits" the logits
+#: themselves (GPT-OSS takes its top-k of them, its softmax after). Tested on tiny models of
 #: each family: tests/test_localize_routing_families.py (and test_localize_routing.py);
-#: Jamba's (a softmax in float32 of its logits) and Nemotron-H's (float32 logits, sigmoid
-#: plus bias, group-limited as DeepSeek-V3's): tests/test_localize_hybrid_moe.py.
+#: Jamba's (a softmax in float32 of its logits), Nemotron-H's (float32 logits, sigmoid
+#: plus bias, group-limited as DeepSeek-V3's) and GPT-OSS's: tests/test_localize_hybrid_moe.py.
 SCORES: dict[str, str] = {
     "Qwen3MoeTopKRouter": "softmax", "Qwen3NextTopKRouter": "softmax",
     "Qwen3_5MoeTopKRouter": "softmax", "MixtralTopKRouter": "float-softmax",
     "OlmoeTopKRouter": "softmax", "Qwen2MoeTopKRouter": "softmax",
     "DeepseekV3TopkRouter": "sigmoid+bias", "DeepseekV2TopkRouter": "softmax",
     "JambaTopKRouter": "softmax", "NemotronHTopkRouter": "sigmoid+bias",
+    "GptOssTopKRouter": "logits",
 }  # fmt: skip
 
 NAMES = ("gate", "router")  # a module whose name ends so is a router candidate
