@@ -97,3 +97,46 @@ def test_small_generation_writes_findings_from_its_captures(tmp_path):
     study = load_study(ds / "study.toml")
     assert study.captures.reference == "alone"
     assert set(study.captures.folders) == {"alone", "packed"}
+
+
+def test_the_committed_study_is_what_the_lab_writes_from_the_manifest():
+    from dmlib.lab.studies import study_text
+
+    env = json.loads((DATA / "MANIFEST.json").read_text())["datasets"][moe_packed.DATASET]
+    text = study_text(moe_packed.DATASET, env["environment"], DS)
+    assert (DS / "study.toml").read_text() == text
+    assert 'negative = "bf16/different"' in text and 'alone = "bf16/alone_repeat"' in text
+
+
+@pytest.mark.slow
+def test_the_capture_notebook_reports_the_committed_findings(tmp_path, monkeypatch):
+    """`dmlib report` on the study, with no torch importable (as `make report` runs): the
+    notebook runs and records the flips, expert rows and first divergence index.json has,
+    and its culprit table lists every state boundary."""
+    import os
+
+    from dmlib.report import load_numbers
+    from dmlib.report.build import build_report
+    from dmlib.report.study import load_study
+
+    blocker = tmp_path / "no_torch"
+    (blocker / "torch").mkdir(parents=True)
+    (blocker / "torch" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    out = tmp_path / "report"
+    study = load_study(DS / "study.toml")
+    (res,) = build_report(study, out, only=["capture_boundaries"], jobs=1, timeout=300)
+    assert res.ok, f"failed in cell {res.failed_cell}: {res.error}"
+    n = load_numbers(out / "numbers" / "capture_boundaries.json")
+    found = _index()["findings"]["dtypes"]["bf16"]["packed"]
+    assert n["first_divergent_boundary"] == found["first_divergent_boundary"]
+    assert n["culprit"] == found["culprit"]
+    assert n["routing_flips"]["alone vs packed"] == len(found["flips"])
+    assert n["expert_rows_differ"]["alone vs packed"] == found["expert_rows_differ"]
+    page = (out / "capture_boundaries.html").read_text()
+    states = [b for b in json.loads((DS / "bf16" / "alone" / "manifest.json").read_text())
+              ["boundaries"] if ":state." in b["name"] or b["name"].startswith("state.")]  # fmt: skip
+    assert len(states) == found["states"]
+    for s in found["states_differing"]:
+        assert s.split(":", 1)[1] in page
