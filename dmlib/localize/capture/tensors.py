@@ -184,7 +184,10 @@ def _inputs(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any, bool 
 
 
 def default_modules(model: torch.nn.Module, named: dict[str, Any] | None = None) -> list[str]:
-    """Leaf modules plus top-level blocks: the root's children and ModuleList/Sequential items.
+    """Leaf modules plus top-level blocks: the root's children and ModuleList/Sequential items,
+    and every module wrapping a ``base_layer`` (an adapter layer: PEFT's LoRA ``Linear`` adds
+    ``scaling * B(A(x))`` to its base layer's output in its own forward, outside every leaf,
+    so without it a difference entering at that sum is first seen a block later).
 
     ``named``: ``dict(model.named_modules())``, where the caller has it already.
     """
@@ -196,7 +199,9 @@ def default_modules(model: torch.nn.Module, named: dict[str, Any] | None = None)
         if name == "" or isinstance(m, lists):
             continue
         parent = name.rpartition(".")[0]
-        if next(m.children(), None) is None or "." not in name or parent in containers:
+        leaf = next(m.children(), None) is None
+        adapter = isinstance(getattr(m, "_modules", {}).get("base_layer"), torch.nn.Module)
+        if leaf or adapter or "." not in name or parent in containers:
             names.append(name)
     return names
 
