@@ -158,7 +158,6 @@ def dmlib_states(df: Any) -> dict[str, bool | None]:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("family", "dt"), CASES)
 def test_one_ulp_in_a_mamba_state_is_the_first_divergence(tmp_path, family, dt):
     model = _model(family, dt)
@@ -177,7 +176,6 @@ def test_one_ulp_in_a_mamba_state_is_the_first_divergence(tmp_path, family, dt):
     assert df.attrs["status"] == "different"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("family", "dt"), CASES)
 def test_alone_against_a_left_padded_batch_states_match_the_hand_walk(tmp_path, family, dt):
     model = _model(family, dt)
@@ -193,7 +191,6 @@ def test_alone_against_a_left_padded_batch_states_match_the_hand_walk(tmp_path, 
     assert df.attrs["status"] == "different"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("family", "dt"), CASES)
 def test_a_decode_step_is_judged_with_the_mamba_state_it_consumed(tmp_path, family, dt):
     """Layer 0's state doubled after the prefill: decode step 1 differs, and its first
