@@ -9,6 +9,7 @@ JSON and numpy (top-k ids per token of the probe's rows), not through the routin
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -140,3 +141,7 @@ def test_the_capture_notebook_reports_the_committed_findings(tmp_path, monkeypat
     assert len(states) == found["states"]
     for s in found["states_differing"]:
         assert s.split(":", 1)[1] in page
+    if found["flips"]:  # the routing cell says the first flip in words (html-escaped arrow)
+        f = found["flips"][0]
+        words = f"position {f['position']}, experts {f['experts_a']} → {f['experts_b']}"
+        assert words in html.unescape(page)

@@ -191,10 +191,12 @@ def op_level(cb: Captures) -> pd.DataFrame | None:
     return ops.table
 
 
+# what a reader needs first (which token, which experts, how near the tie, what it did)
+# comes first: a wide table runs off the page on its right
 ROUTING_COLUMNS = [
-    "comparison", "request", "router", "step", "position", "experts_a", "experts_b",
-    "margin_a", "margin_ulp_a", "margin_b", "margin_ulp_b", "scores",
-    "diff_at_flip", "diff_elsewhere", "elsewhere_position",
+    "comparison", "router", "position", "experts_a", "experts_b", "margin_a", "margin_ulp_a",
+    "margin_b", "margin_ulp_b", "diff_at_flip", "diff_elsewhere", "elsewhere_position",
+    "request", "step", "scores",
 ]  # fmt: skip
 
 
@@ -223,13 +225,31 @@ def routing(cb: Captures) -> pd.DataFrame | None:
     if not rows:
         say("No token's set of experts changed in any comparison.")
         return None
-    say(*(f"{md_code(k)}: {_tokens(r['n_flips'])} changed experts" for k, r in reports.items()
-          if r is not None))  # fmt: skip
+    say(*(f"{md_code(k)}: {_tokens(r['n_flips'])} changed experts{_first_flip(r['flips'])}"
+          for k, r in reports.items() if r is not None))  # fmt: skip
     return pd.DataFrame(rows).reindex(columns=ROUTING_COLUMNS)
 
 
 def _tokens(n: int) -> str:
     return f"{n} token" + ("" if n == 1 else "s")
+
+
+def _first_flip(flips: list[dict[str, Any]]) -> str:
+    """The first flip in words (which token, which experts, how near the tie, its effect),
+    so that it reads without the table's right-hand columns; "" where there is none."""
+    if not flips:
+        return ""
+    f = flips[0]
+    text = (f"; the first: {md_code(f['router'])} position {f['position']}, experts "
+            f"{f['experts_a']} → {f['experts_b']}")  # fmt: skip
+    if "margin_a" in f and "margin_b" in f:
+        text += (f", margin {f['margin_a']:.3g} ({f['margin_ulp_a']} ULP) against "
+                 f"{f['margin_b']:.3g} ({f['margin_ulp_b']} ULP)")  # fmt: skip
+    e = f.get("effect")
+    if e:
+        text += (f"; the MoE block's output differs by {e['at_flip']:.3g} at that token, "
+                 f"{e['elsewhere']:.3g} at most elsewhere")  # fmt: skip
+    return text
 
 
 def _per_module(differ: list[dict[str, Any]]) -> str:
@@ -240,8 +260,9 @@ def _per_module(differ: list[dict[str, Any]]) -> str:
     return ", ".join(f"{md_code(m)} {n}" for m, n in counts.items())
 
 
+# (each row's boundary is module:expert<e>.<stage>, the columns before it: not repeated)
 EXPERT_COLUMNS = [
-    "comparison", "module", "step", "expert", "stage", "request", "position", "role", "boundary",
+    "comparison", "module", "expert", "stage", "request", "position", "role", "step",
 ]  # fmt: skip
 
 
