@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import dmlib  # noqa: E402
+from dmlib.cli import main  # noqa: E402
 from dmlib.errors import CaptureError  # noqa: E402
 from dmlib.localize.boundaries import compare_captures  # noqa: E402
 from tests.test_localize_capture_experts import OTHER, PROBE, _model, recorded  # noqa: E402
@@ -242,7 +243,7 @@ def test_captures_without_the_coverage_key(tmp_path):
     assert old["note"].str.contains("need not share").sum() == 0
 
 
-def test_a_malformed_coverage_key_is_one_clear_error(tmp_path):
+def test_a_malformed_coverage_key_is_one_clear_error(tmp_path, capsys):
     model = _model()
     alone(model, tmp_path / "a")
     alone(model, tmp_path / "b")
@@ -252,6 +253,9 @@ def test_a_malformed_coverage_key_is_one_clear_error(tmp_path):
     mf.write_text(json.dumps(m))
     with pytest.raises(CaptureError, match="experts_modules' is malformed"):
         compare_captures(tmp_path / "a", tmp_path / "b")
+    assert main(["localize", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "experts_modules" in err[0]
 
 
 # -- 2. trainer (full forward) against sampler (prefill + decode) ------------------------

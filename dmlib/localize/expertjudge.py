@@ -345,8 +345,8 @@ def across_pairs(
     for (key, _), t in fk.items():
         for r in requests:
             for p in _rows(full, t, r):
-                st = where.get((r, p))
-                if st is not None and (key[0], st, key[1]) in calls and (key, st) not in pk:
+                at = where.get((r, p))
+                if at is not None and (key[0], at, key[1]) in calls and (key, at) not in pk:
                     left.setdefault(t.name, []).append((r, p))
     return out, left
 
@@ -518,7 +518,8 @@ def expert_lines(summary: dict[str, Any] | None, limit: int = 4) -> list[str]:
 
 
 __all__ = [
-    "absent_reason", "across_note", "across_pairs", "across_summary", "concerns", "describe", "expert_lines", "expert_role", "expert_summary",
-    "experts_modules", "flip_note", "inside_across", "inside_reasons", "judge_expert", "mark", "pair_rows", "up_name",
+    "absent_reason", "across_note", "across_pairs", "across_summary", "concerns", "describe",
+    "expert_lines", "expert_role", "expert_summary", "experts_modules", "flip_note",
+    "inside_across", "inside_reasons", "judge_expert", "mark", "pair_rows", "up_name",
     "within_experts",
 ]  # fmt: skip

@@ -393,7 +393,7 @@ def position_rows(
     mine = _slots(full, steps=False)
     used: set[str] = set()
     side = f"the prefill + decode capture {passes.path.name}"
-    rows = []
+    rows: list[dict[str, Any]] = []
     plan.experts = across_pairs(full, passes, requests, plan.computed())
     for key, s in _slots(passes, steps=True).items():
         t = mine.get((*key[:3], 0, key[4]))
