@@ -23,7 +23,8 @@ tokens change experts depend on the machine's floating point, so nothing here st
 :func:`generate` computes ``findings`` in ``index.json`` from the captures it just wrote
 (:func:`dmlib.compare_captures`) and names the machine beside them. The MoE blocks'
 outputs (``model.layers.*.mlp``) are dumped for the probe's rows, which is what a flip's
-``effect`` (its token's difference against the others') is computed from.
+``effect`` (its token's difference against the others') is computed from, and so are the
+probe's conv and recurrent states (their size where they differ).
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ MODULES = [
     "model.norm",
     "lm_head",
 ]  # fmt: skip
-DUMP = ["model.layers.*.mlp"]  # the MoE blocks' outputs: each flip's effect is read there
+# the MoE blocks' outputs (each flip's effect is read there) and the states the forward
+# leaves (a state that differs gets its size; the attention layers' keys and values are
+# read per position and not dumped)
+DUMP = ["model.layers.*.mlp", "(model):state.*"]
 COMPARED = ("packed",)
 DESCRIPTION = (
     "A tiny random-init hybrid mixture-of-experts model (Qwen3-Next: Gated DeltaNet linear "
@@ -95,7 +99,7 @@ DESCRIPTION = (
     "left-padded batch of four, plus other tokens (bfloat16, the negative control), with "
     "dmlib.capture(..., experts=True): module boundaries, router choices and margins, expert "
     f"rows and the cache's states (block hashes of {BLOCK_ROWS} positions; the MoE blocks' "
-    "outputs dumped for the probe). Where the layouts diverge and which tokens change "
+    "outputs and the linear layers' states dumped for the probe). Where the layouts diverge and which tokens change "
     "experts are measured per machine: see 'findings'."
 )
 
@@ -165,6 +169,20 @@ def _flip(f: dict[str, Any]) -> dict[str, Any]:
     return {k: f.get(k) for k in keep}
 
 
+def _sizes(rows: Any) -> dict[str, dict[str, Any]]:
+    """boundary -> {n_diff, max_abs, max_ulp} of the differing rows that were dumped in both
+    captures (a state hashed only has no size)."""
+    import pandas as pd
+
+    out = {}
+    for _, r in rows.iterrows():
+        if pd.isna(r["n_diff"]):
+            continue
+        out[r["boundary"]] = {"n_diff": int(r["n_diff"]), "max_abs": float(r["max_abs"]),
+                              "max_ulp": int(r["max_ulp"])}  # fmt: skip
+    return out
+
+
 def compared(ds: Path, name: str, layouts: list[str]) -> dict[str, Any]:
     """What ``alone`` against ``name`` under ``ds`` shows (:func:`dmlib.compare_captures`)."""
     from dmlib import compare_captures
@@ -188,6 +206,7 @@ def compared(ds: Path, name: str, layouts: list[str]) -> dict[str, Any]:
         "boundaries": len(df),
         "states": int(states.sum()),
         "states_differing": sorted(df.loc[states & differ, "boundary"].tolist()),
+        "state_sizes": _sizes(df[states & differ]),
         "router_calls": routing.get("n_router_calls"),
         "flips": [_flip(f) for f in routing.get("flips", [])],
         "expert_rows_differ": experts.get("n_rows_differ"),
@@ -311,6 +330,14 @@ def _flip_text(f: dict[str, Any]) -> str:
     return text
 
 
+def _state_text(name: str, size: dict[str, Any] | None) -> str:
+    text = f"`{name.split(':', 1)[1]}`"
+    if size:
+        text += (f": {size['n_diff']} element(s), max |a-b| {_fmt(size['max_abs'])}, "
+                 f"{size['max_ulp']} ULP")  # fmt: skip
+    return text
+
+
 def _finding_lines(dtype: str, name: str, f: dict[str, Any]) -> list[str]:
     head = f"- **{dtype}, alone vs {name}**: {f['status']}"
     if f["first_divergent_boundary"] is not None:
@@ -319,9 +346,9 @@ def _finding_lines(dtype: str, name: str, f: dict[str, Any]) -> list[str]:
                  "boundaries differ")  # fmt: skip
     lines = [head + f" (repeat control held: {f['repeat_held']}; negative control passed: "
              f"{f['negative_passed']})."]  # fmt: skip
-    states = ", ".join(f"`{s.split(':', 1)[1]}`" for s in f["states_differing"]) or "none"
+    states = ", ".join(_state_text(s, f["state_sizes"].get(s)) for s in f["states_differing"])
     lines.append(f"  - states the forward leaves in its cache: {len(f['states_differing'])} "
-                 f"of {f['states']} differ ({states}).")  # fmt: skip
+                 f"of {f['states']} differ ({states or 'none'}).")  # fmt: skip
     lines.append(f"  - routing: {len(f['flips'])} token(s) changed experts over "
                  f"{f['router_calls']} router calls" + (":" if f["flips"] else "."))  # fmt: skip
     lines += [f"    - {_flip_text(x)}" for x in f["flips"]]
