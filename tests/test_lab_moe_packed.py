@@ -116,6 +116,7 @@ def test_the_capture_notebook_reports_the_committed_findings(tmp_path, monkeypat
     and its culprit table lists every state boundary."""
     import os
 
+    from dmlib import open_capture
     from dmlib.report import load_numbers
     from dmlib.report.build import build_report
     from dmlib.report.study import load_study
@@ -141,6 +142,20 @@ def test_the_capture_notebook_reports_the_committed_findings(tmp_path, monkeypat
     assert len(states) == found["states"]
     for s in found["states_differing"]:
         assert s.split(":", 1)[1] in page
+    # each dumped state that differs: its largest |a-b| by numpy on the dumped rows, as the
+    # generator recorded it and as the culprit table shows it (three digits, not 0.0)
+    ca, cb = (open_capture(DS / "bf16" / k) for k in ("alone", "packed"))
+    row = json.loads((DS / "bf16" / "packed" / "manifest.json").read_text())["metadata"][
+        "probe_row"
+    ]
+    assert found["state_sizes"]
+    for name, size in found["state_sizes"].items():
+        # a state is one row per sequence, dumped whole: the probe's batch row of each
+        xa = np.asarray(ca.tensor(name), dtype=np.float64)[0]
+        xb = np.asarray(cb.tensor(name), dtype=np.float64)[row]
+        d = np.abs(xa - xb)
+        assert (size["max_abs"], size["n_diff"]) == (d.max(), int((xa != xb).sum()))
+        assert f"{d.max():.3g}" in page
     if found["flips"]:  # the routing cell says the first flip in words (html-escaped arrow)
         f = found["flips"][0]
         words = f"position {f['position']}, experts {f['experts_a']} → {f['experts_b']}"

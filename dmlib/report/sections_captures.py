@@ -170,7 +170,12 @@ def culprit(cb: Captures) -> pd.DataFrame | None:
     # element statistics of the boundaries that differ (a hash-identical one reads 0 there)
     sized = main["rel_fro"].notna() & (main["identical"] == False)  # noqa: E712
     shown = main["role"].isin(["culprit", "entry", "encloses-culprit"]) | sized
-    return main.loc[shown | state, CULPRIT_COLUMNS]
+    table = main.loc[shown | state, CULPRIT_COLUMNS].copy()
+    # three significant digits: a fixed six decimals showed a 1-ULP state difference
+    # (3.6e-15) and a 1e-7 drift as 0.0 beside identical False (the numbers are recorded)
+    for col in ("max_abs", "rel_fro"):
+        table[col] = [x if pd.isna(x) else f"{x:.3g}" for x in table[col]]
+    return table
 
 
 def op_level(cb: Captures) -> pd.DataFrame | None:
