@@ -55,16 +55,30 @@ class Rows(TorchFunctionMode):
         self.now = None
         self.last: tuple[int, tuple[int, ...]] | None = None  # the latest gate_up's (e, tokens)
         self.order: dict[tuple[str, int, int], list[int]] = {}
-        self.handles = [m.register_forward_pre_hook(self._pre(n)) for n, m in self.mods.items()]
+        # (module, call, token) -> the sha256 of its rows of the experts module's three inputs
+        self.inputs: dict[tuple[str, int, int], tuple[str, ...]] = {}
+        self.handles = [
+            m.register_forward_pre_hook(self._pre(n), with_kwargs=True)
+            for n, m in self.mods.items()
+        ]
         self.handles += [
             m.act_fn.register_forward_pre_hook(self._act(n)) for n, m in self.mods.items()
         ]
 
     def _pre(self, name):  # type: ignore[no-untyped-def]
-        def hook(mod, args):  # type: ignore[no-untyped-def]
+        def hook(mod, args, kwargs):  # type: ignore[no-untyped-def]
             call = self.calls.get(name, 0)
             self.calls[name] = call + 1
-            self.now = (name, call, args[0].detach().clone())
+            keys = ("hidden_states", "top_k_index", "top_k_weights")
+            ins = [args[i] if len(args) > i else kwargs[k] for i, k in enumerate(keys)]
+            self.now = (name, call, ins[0].detach().clone())
+            for t in range(ins[0].shape[0]):
+                self.inputs[(name, call, t)] = tuple(
+                    hashlib.sha256(
+                        x[t].contiguous().view(torch.uint8).numpy().tobytes()
+                    ).hexdigest()
+                    for x in ins
+                )
 
         return hook
 
@@ -287,9 +301,12 @@ def _by_position(rows: dict, decode: bool) -> dict:  # type: ignore[type-arg]
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_planted_ulp_in_a_decode_pass_is_found_at_its_expert_position_and_stage(tmp_path, stage):
-    model = _model()
+def test_a_planted_ulp_in_a_decode_pass_is_found_at_its_expert_position_and_stage(
+    tmp_path, stage, dtype
+):
+    model = _model(dtype=dtype)
     _, clean = _sampler(model, tmp_path / "clean")
     step, token = 2, 0  # decode pass 2: its one token, position 13
     e = min(k[2] for k in clean.rows if k[:2] == (LAYER1, step))
@@ -321,12 +338,26 @@ def test_a_planted_ulp_in_a_decode_pass_is_found_at_its_expert_position_and_stag
     # against the unplanted sampler: the plant is the one row more that differs, where the
     # unplanted row matched the trainer's on this machine (else nothing more to find)
     dc = compare_captures(tmp_path / "t", tmp_path / "clean", request="probe")
-    before = {
+    before = sorted(
         (d["module"], d["expert"], d["stage"], d["position"]) for d in dc.attrs["experts"]["differ"]
-    }
-    if ft[planted] == _by_position(clean.rows, decode=True)[planted]:
-        assert set(got) - before == {planted}
-    if differ == [planted]:  # nothing else differs on this machine: the plant is first
+    )
+    fc = _by_position(clean.rows, decode=True)
+    assert before == sorted(k for k in ft.keys() & fc.keys() if ft[k] != fc[k])
+    carried = (LAYER1, e, "down_proj", 12 + step - 1)
+    if ft[planted] == fc[planted]:  # the plant is new; at most its down_proj row carries it
+        assert planted in set(got) - set(before) <= {planted, carried}
+    # the oracle's role: the experts module's inputs of that token (hidden row, ids and
+    # weights) and, for down_proj, its gate_up_proj row match the trainer's: the culprit
+    p = 12 + step - 1
+    up = (LAYER1, e, "gate_up_proj", p)
+    if trainer.inputs[(LAYER1, 0, p)] == oracle.inputs[(LAYER1, step, token)] and (
+        stage == "gate_up_proj" or ft[up] == fs[up]
+    ):
+        assert row["role"] == "culprit"
+        assert (LAYER1, e, stage, p) in {
+            (c["module"], c["expert"], c["stage"], c["position"]) for c in ex["culprits"]
+        }
+    if set(differ) <= {planted, carried}:  # nothing else differs here: the plant is first
         assert ex["first_divergent"]["boundary"] == name
         assert df.attrs["first_divergent_position"]["positions"] == [12 + step - 1]
     # the activation inside the experts modules is never paired across the two

@@ -241,6 +241,15 @@ def _column(
     b, k, n, _ = cell
     if x.leading is None or len(x.leading) <= b:
         return None
+    if (
+        n == 1
+        and t.row_axes is None
+        and len(x.shape) == len(t.shape) >= 2
+        and tuple(x.shape[1:]) == tuple(t.row_shape)
+    ):
+        # one token per batch row, flattened onto the first axis as the full capture's rows
+        # are ((tokens, d): an experts module's or a router's input in a decode pass)
+        return x.leading[b], (c.tensor(x)[b] if c.dumped(x) else None)
     shape = x.shape[1:axis] + x.shape[axis + 1 :]
     if x.shape[axis] != n or tuple(shape) != tuple(t.row_shape):
         return None
