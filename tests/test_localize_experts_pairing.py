@@ -257,13 +257,19 @@ def test_captures_without_the_coverage_key(tmp_path):
     assert old["note"].str.contains("need not share").sum() == 0
 
 
-def test_a_malformed_coverage_key_is_one_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "bad",
+    [{LAYER0: {"calls": "one"}}, {LAYER0: {"calls": -1, "routing": None}},
+     {LAYER0: {"calls": 1, "routing": "not hex"}}, [LAYER0]],
+    ids=["calls-not-int", "calls-negative", "routing-not-sha256", "a-list"],
+)  # fmt: skip
+def test_a_malformed_coverage_key_is_one_clear_error(tmp_path, capsys, bad):
     model = _model()
     alone(model, tmp_path / "a")
     alone(model, tmp_path / "b")
     mf = tmp_path / "b" / "manifest.json"
     m = json.loads(mf.read_text())
-    m["coverage"]["experts_modules"] = {LAYER0: {"calls": "one"}}
+    m["coverage"]["experts_modules"] = bad
     mf.write_text(json.dumps(m))
     with pytest.raises(CaptureError, match="experts_modules' is malformed"):
         compare_captures(tmp_path / "a", tmp_path / "b")
@@ -400,3 +406,45 @@ def test_expert_rows_after_a_request_ends_are_not_attributed(tmp_path):
             want[(m, c, e, s, owner[t], 5 + c - 1)] = d
     assert any(c == 2 and t == 0 for (_, c, _, _, t) in oracle.rows)  # pass 2 ran A's row
     assert recorded(tmp_path / "g") == want
+
+
+def test_a_routing_flip_in_a_decode_pass_is_named_not_judged(tmp_path):
+    """The sampler's layer-1 router sends decode pass 2's token to another second expert
+    (a forward hook rewrites the ids): the rows of the old expert (trainer only) and of
+    the new one (sampler only) at position 13 are routing flips, counted, never judged."""
+    model = _model()
+    gate = model.model.layers[1].mlp.gate
+    calls = [0]
+
+    def swap(mod, args, out):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] != 3:  # pass 2
+            return None
+        logits, weights, idx = out
+        idx = idx.clone()
+        taken = set(idx[0].tolist())
+        idx[0, 1] = next(e for e in range(8) if e not in taken)
+        return logits, weights, idx
+
+    h = gate.register_forward_hook(swap)
+    try:
+        seq, oracle = _sampler(model, tmp_path / "s")
+    finally:
+        h.remove()
+    trainer = forward(model, tmp_path / "t", [seq[0, :14].tolist()],
+                      [[("probe", i) for i in range(14)]], experts=True, block_rows=1)  # fmt: skip
+    ft = _by_position(trainer.rows, decode=False)
+    fs = _by_position(oracle.rows, decode=True)
+    one_run = ft.keys() ^ fs.keys()
+    assert {k[3] for k in one_run} == {13} and len(one_run) == 4  # 2 experts x 2 stages
+    df = compare_captures(tmp_path / "t", tmp_path / "s", request="probe")
+    ex = df.attrs["experts"]
+    assert ex["n_rows_one_run"] == len(one_run)
+    assert (
+        not {(d["module"], d["expert"], d["stage"], d["position"]) for d in ex["differ"]} & one_run
+    )
+    for m, e, st, _ in fs.keys() - ft.keys():
+        row = df.set_index("boundary").loc[f"{m}:expert{e}.{st}#2"]
+        assert row["identical"] is pd.NA
+        assert "routing flip, not a numerical difference" in row["note"]
+    assert df.attrs["status"] != "identical"

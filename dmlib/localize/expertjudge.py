@@ -12,6 +12,7 @@ comparison (a packed run's experts hit only by the other requests).
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Container
 from typing import Any
@@ -22,6 +23,7 @@ from dmlib.localize.capture.reader import Capture
 from dmlib.localize.controls import NO_STATS
 from dmlib.textsafe import escape
 
+_HEX = re.compile("[0-9a-f]{64}")  # a SHA-256 hex digest
 UP = "gate_up_proj"
 UP_ONLY = "up_proj"  # the first stage of an experts module without a gate
 
@@ -179,8 +181,9 @@ def experts_modules(c: Capture) -> dict[str, dict[str, Any]] | None:
         return None
     ok = isinstance(got, dict) and all(
         isinstance(v, dict)
-        and isinstance(v.get("calls"), int)
-        and (v.get("routing") is None or isinstance(v.get("routing"), str))
+        and type(v.get("calls")) is int
+        and v["calls"] >= 0
+        and (v.get("routing") is None or _HEX.fullmatch(str(v["routing"])) is not None)
         for v in got.values()
     )
     if not ok:
