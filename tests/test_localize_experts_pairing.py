@@ -448,3 +448,23 @@ def test_a_routing_flip_in_a_decode_pass_is_named_not_judged(tmp_path):
         assert row["identical"] is pd.NA
         assert "routing flip, not a numerical difference" in row["note"]
     assert df.attrs["status"] != "identical"
+
+
+def test_without_row_maps_the_routing_digest_decides(tmp_path):
+    """Captures without a row map compare each tensor whole: one batch twice (the same
+    routing) judged; a batch and its rows in the other order (another routing digest)
+    not judged."""
+    model = _model()
+
+    def run(path, batch):  # type: ignore[no-untyped-def]
+        ids = torch.tensor(batch)
+        with torch.no_grad(), dmlib.capture(model, path):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    run(tmp_path / "a", [PROBE, OTHER])
+    run(tmp_path / "r", [PROBE, OTHER])
+    run(tmp_path / "b", [OTHER, PROBE])
+    assert _acts(compare_captures(tmp_path / "a", tmp_path / "r"))["identical"].eq(True).all()
+    swapped = _acts(compare_captures(tmp_path / "a", tmp_path / "b"))
+    assert len(swapped) and swapped["identical"].isna().all()
+    assert swapped["note"].str.contains("its routing differs between the runs").all()

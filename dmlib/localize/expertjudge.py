@@ -207,7 +207,11 @@ def _hits(c: Capture) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def _same_layout(a: Capture, b: Capture) -> bool:
-    """Both captures place the requests on the same rows, in every pass they name."""
+    """Both captures place the requests on the same rows, in every pass they name (two
+    captures without a row map: each tensor is compared whole, index by index, so their
+    calls pair as the rest does)."""
+    if a.row_map is None and b.row_map is None:
+        return a.metadata.get("pass_rows") == b.metadata.get("pass_rows")
     return (
         a.row_map is not None
         and b.row_map is not None
