@@ -127,7 +127,7 @@ def test_a_planted_near_tie_is_reported_as_one_flip(tmp_path, capsys, dtype):
     by = df.set_index("boundary")
     assert by.loc["model.layers.1.mlp.gate:router.indices", "role"] == "flip"
     v = CaptureVerdict.of(df)
-    assert "routing: 1 tokens changed experts" in str(v)
+    assert "routing: 1 token changed experts" in str(v)
     assert main(["localize", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     out = capsys.readouterr().out
     assert f"position {T}: experts {sa[T]} -> {sb[T]}" in out

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from dmlib.localize.capture.format import (
     LAYOUT_INPUTS,
     Boundary,
     is_layout_slot,
+    layer_of,
 )
 from dmlib.localize.capture.reader import Capture
 from dmlib.localize.expertjudge import absent_reason, concerns, expert_lines, expert_role, up_name
@@ -198,15 +198,11 @@ ROOT_NOTE = (
     "(hook its submodules to name where); never the culprit"
 )
 STATE_NOTE = (
-    "nothing recorded before it in this pass differs: the difference enters where this "
+    "nothing recorded in this pass that feeds it differs (its layer's boundaries, where "
+    "they were recorded; else everything before it): the difference enters where this "
     "state is written"
 )
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
-
-
-def _layer_of(name: str) -> str | None:
-    m = _LAYER.search(name)
-    return None if m is None else m.group(1)
+_layer_of = layer_of  # the layer index in a module or cache path (capture.format)
 
 
 def _consumed(
@@ -277,6 +273,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
     """
     states: dict[int, list[dict[str, Any]]] = {}  # pass -> its differing states
     step_diff: set[int] = set()  # passes where something not a state differs
+    layers = _PassLayers()  # per pass, the layers recorded and those differing
     inputs, firsts = _calls(rows)
     names = {r["boundary"]: r for r in rows}
     seen_diff: set[int] = set()
@@ -301,7 +298,7 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
                 candidates.append(r)
         elif r["_state"]:
             states.setdefault(r["_step"], []).append(r)
-            if _state_role(r, states, r["_step"] in step_diff):
+            if _state_role(r, states, layers.state_after(r, step_diff)):
                 base = set()
         elif r["kind"] == "output":
             ins = [
@@ -344,12 +341,41 @@ def _roles(rows: list[dict[str, Any]], root: str | None = None) -> None:
             r["role"] = "carrier" if seen_any else "entry"
         r["new_blocks"] = sorted(diff - base)
         r["inherited_blocks"] = sorted(diff & base)
+        layers.note(r)
         if r["identical"] is False and r["role"] != "secondary":
             seen_any = True
             seen_diff |= diff
             if not r["_state"]:
                 step_diff.add(r["_step"])
     _enclosing(candidates)
+
+
+class _PassLayers:
+    """Per pass, the layers (``layers.i`` in a module's name) with a boundary recorded and
+    those with one differing: what a state of layer i may have been fed by."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, set[str]] = {}
+        self.diff: dict[int, set[str]] = {}
+
+    def note(self, r: dict[str, Any]) -> None:
+        layer = None if r["_state"] else _layer_of(r["module"])
+        if layer is not None:
+            self.seen.setdefault(r["_step"], set()).add(layer)
+            if r["identical"] is False and r["role"] != "secondary":
+                self.diff.setdefault(r["_step"], set()).add(layer)
+
+    def state_after(self, r: dict[str, Any], step_diff: set[int]) -> bool:
+        """Whether a differing state follows a difference recorded before it in its pass.
+
+        A state of layer i (``layers.i`` in its cache path) is written by layer i from what
+        entered that layer: where layer i's boundaries were recorded in the pass, only a
+        difference among them can have brought it in (a later layer's, recorded before the
+        cache is walked at the pass's end, cannot); else anything differing in the pass."""
+        layer, step = _layer_of(r["_slot"]), r["_step"]
+        if layer is not None and layer in self.seen.get(step, ()):
+            return layer in self.diff.get(step, ())
+        return step in step_diff
 
 
 def _enclosing(candidates: list[dict[str, Any]]) -> None:

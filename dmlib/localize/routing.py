@@ -17,7 +17,7 @@ import numpy as np
 
 from dmlib.errors import CaptureError
 from dmlib.kernels.ulp import ulp_distance
-from dmlib.localize.capture.format import Boundary
+from dmlib.localize.capture.format import Boundary, layer_of
 from dmlib.localize.capture.reader import Capture
 from dmlib.textsafe import escape
 
@@ -199,6 +199,16 @@ def _per_position(ta: np.ndarray, tb: np.ndarray) -> np.ndarray | None:
     return d.max(axis=1) if d.shape[1] else np.zeros(d.shape[0])
 
 
+def _state_before(r: dict[str, Any], f: dict[str, Any]) -> bool:
+    """A state of the flip's layer or one before it (walked at the pass's end, after the
+    flip in record order, but written by the layer's mixer before its MoE block's router
+    ran): not downstream of it."""
+    if not r["_state"]:
+        return False
+    mine, flip = layer_of(r["_slot"]), layer_of(f["boundary"].split(":", 1)[0])
+    return mine is not None and flip is not None and int(mine) <= int(flip)
+
+
 def flip_notes(rows: list[dict[str, Any]], report: dict[str, Any] | None) -> None:
     """Name the expert flip in the note of every boundary that differs after it in its
     pass (in place): what a flip changes downstream is its doing, a discrete event."""
@@ -214,7 +224,12 @@ def flip_notes(rows: list[dict[str, Any]], report: dict[str, Any] | None) -> Non
             continue
         if r["boundary"] == f["boundary"]:
             seen.add(r["_step"])
-        elif r["_step"] in seen and r["identical"] is False and not r["_router"]:
+        elif (
+            r["_step"] in seen
+            and r["identical"] is False
+            and not r["_router"]
+            and not _state_before(r, f)
+        ):
             extra = (f"downstream of the expert flip at {f['boundary']} (request "
                      f"{f['request']!r}, position {f['position']})")  # fmt: skip
             r["note"] = f"{r['note']}; {extra}" if r["note"] else extra
@@ -244,7 +259,8 @@ def flip_lines(report: dict[str, Any] | None, limit: int = 8) -> list[str]:
         lines = [line + (f"; {len(skipped)} not judged" if skipped else "")]
     else:
         per = escape(", ".join(f"{k}: {v}" for k, v in report["per_router"].items()))
-        lines = [f"routing: {report['n_flips']} tokens changed experts ({per})"]
+        n = report["n_flips"]
+        lines = [f"routing: {n} token{'' if n == 1 else 's'} changed experts ({per})"]
     # the routers no choice was read from, by name (a request's rows are counted above)
     blind = [u for u in skipped if u["reason"].startswith("router not read")]
     lines += [escape(f"  not judged: {u['boundary']}: {u['reason']}") for u in blind[:limit]]

@@ -24,6 +24,7 @@ boundary is not judged (:func:`same_scheme`).
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,17 @@ OPTIONAL_KEYS = (
     "layout", "cache", "rolled", "state", "router", "grad", "param_grad", "recorded", "expert",
     "op", "param", "step", "row_axes", "kv_repeat", "broadcast", "columns",
 )  # fmt: skip
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
+
+
+def layer_of(name: str) -> str | None:
+    """The layer index a module name or a cache path names (``model.layers.3.mlp`` and
+    ``layers.3.recurrent_states.0``: ``"3"``), None where it names none: a cache's layer
+    ``i`` is the model's ``layers.i`` (transformers' ``layer_idx``)."""
+    m = _LAYER.search(name)
+    return None if m is None else m.group(1)
 
 
 def boundary_name(module: str, call: int, kind: str, slot: str) -> str:
