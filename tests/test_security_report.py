@@ -120,7 +120,9 @@ class Hostile(nn.Module):
         self.add_module(MODULES[2], nn.Linear(8, 2))
         if plant:
             with torch.no_grad():
-                getattr(self, MODULES[2]).weight[0, 0] += 1e-3
+                # in the first module: every payload-named module then differs, and the
+                # capture page lists the boundaries that differ
+                getattr(self, MODULES[0]).weight[0, 0] += 1e-3
 
     def forward(self, x):
         for m in self.children():
@@ -318,8 +320,8 @@ def test_every_hostile_string_shows_as_text(hostile):
             assert visible(s) in text[page], (page, s)
     # the code spans held: the finding quotes the capture's culprit (the planted module)
     numbers = json.loads((out / "numbers" / "capture_boundaries.json").read_text())
-    assert numbers["culprit"] == MODULES[2]
-    assert f"culprit (inputs identical, output differs): {MODULES[2]}." in text["index"]
+    assert numbers["culprit"] == MODULES[0]
+    assert f"culprit (inputs identical, output differs): {MODULES[0]}." in text["index"]
     for page in ("report", "index", "run_matrix"):  # run_matrix prints it (a stream output)
         assert visible(TITLE) in text[page], page
     for page in out.glob("*.html"):  # no control character left raw (an ANSI code as colour)
@@ -744,7 +746,8 @@ def _round_two_study(root: Path) -> Path:
         for ops in (False, True):
             model = Hostile(plant)
             where = root / "cap" / (("ops-" if ops else "") + folder)
-            with torch.no_grad(), dmlib.capture(model, where, row_map=rows, ops=ops):
+            # dumped: the capture page lists the differing boundaries with their sizes
+            with torch.no_grad(), dmlib.capture(model, where, row_map=rows, ops=ops, dump="*"):
                 model(x)
     q = json.dumps
     runs = (
@@ -818,5 +821,9 @@ def test_round_two_fields_reach_the_report_escaped(tmp_path, monkeypatch):
     assert visible(R2_TRAINER) in text["checkpoint_anatomy"]
     for m in MODULES:  # module names, in the boundaries' and the ops' names
         assert visible(m) in text["capture_boundaries"], m
-    for b in (f"{R2[1]}:router#0", f"{R2[0]}:state.h#0", f"{MODULES[2]}/aten."):
+    for b in (
+        f"{R2[1]}:router#0",
+        f"{R2[0]}:state.h#0",
+        f"{MODULES[0]}/aten.",
+    ):  # the culprit's ops
         assert visible(b) in text["capture_boundaries"], b
