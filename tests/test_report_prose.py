@@ -206,3 +206,28 @@ def test_matrix_finding_quotes_the_weights_apart_from_the_optimizer() -> None:
     assert "optimizer state: at most " + prose.fmt(moments) in rest
     plain, _ = prose.matrix(v, "at step 5", n_tensors=2, differing=[])  # no frame: as before
     assert "model weights only" not in plain and prose.fmt(moments) in plain
+
+
+def test_captures_finding_names_every_entry_point_and_counts_routing_flips_apart() -> None:
+    """The lab's moe_packed bf16 captures (committed files): two boundaries have identical
+    inputs and a differing output (the rows whose role is culprit: layer 1's attention and
+    layer 0's recurrent state), and four expert boundaries hold the flipped token in one run
+    only. The finding names both entry points and counts the four apart, not as four
+    boundaries that 'could not be judged'."""
+    from pathlib import Path
+
+    import dmlib
+    from dmlib.report import prose
+
+    data = Path(__file__).resolve().parent.parent / "data" / "moe_packed" / "bf16"
+    df = dmlib.compare_captures(data / "alone", data / "packed", request="probe")
+    culprits = df.loc[df["role"] == "culprit", "boundary"].tolist()
+    assert len(culprits) == 2
+    flipped = [b for b, n in zip(df["boundary"], df["note"], strict=True)
+               if ":expert" in b and isinstance(n, str) and n.startswith("not judged: routing flip")]  # fmt: skip
+    finding, _ = prose.captures({"alone vs packed": df})
+    for c in culprits:
+        assert f"`{c}`" in finding
+    assert len(flipped) == 4
+    assert f"{len(flipped)} expert boundaries hold a token routed" in finding
+    assert "could not be judged" not in finding

@@ -446,6 +446,10 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
     for i, (label, df) in enumerate(results.items()):
         at = df.attrs
         unjudged = at.get("unjudged", [])
+        # expert boundaries holding a token routed in one run only: the routing table's flips
+        flips = [u for u in unjudged if str(u["reason"]).startswith("routing flip")]
+        if at["first_divergent_boundary"] is not None:  # the flips are told apart there
+            unjudged = [u for u in unjudged if u not in flips]
         shown = "; ".join(f"{_c(u['boundary'])} ({_t(u['reason'])})" for u in unjudged[:4])
         label = _t(label)
         shown += f"; and {len(unjudged) - 4} more" if len(unjudged) > 4 else ""
@@ -456,8 +460,14 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
                 if at["culprit"]
                 else "; no culprit (no boundary with identical inputs and a differing output)."
             )
+            others = list(at.get("culprits") or [])[1:]
+            if others:
+                text += f" Other entry points (also culprits): {_list(others)}."
             if unjudged:
                 text += f" {len(unjudged)} boundaries could not be judged: {shown}."
+            if flips:
+                text += (f" {len(flips)} expert boundaries hold a token routed to that expert in "
+                         "one run only (routing flips, below): not judged.")  # fmt: skip
         elif at.get("status") == "identical" and not unjudged:
             text = f"{label}: identical at all {at['n_comparable']} boundaries."
         elif at.get("status") == "identical":
