@@ -240,3 +240,51 @@ def test_request_alone_against_packed_with_planted_ulp() -> None:
     assert (name, 0, expert, 4, "down_proj") in res["differ"]
     assert res["identical"] == len(common) - len(want)
     assert res["one_side"] == sorted((n, 0, e, t, s) for n, e, t, s in oa.rows.keys() ^ rb.keys())
+
+
+def test_mode_on_the_stack_only_while_an_experts_module_runs() -> None:
+    # oracle: torch's own torch-function stack depth, read by plain hooks: 1 in the
+    # activation each experts module calls inside its forward, 0 in every module outside
+    # the experts modules and after the block; a forward that raises inside an experts
+    # module leaves nothing on the stack, and the next forward is recorded in full
+    model = _model()
+    experts = dict(experts_modules(model))
+    inside = {f"{n}.act_fn" for n in experts}
+    depth: dict[str, set[int]] = {}
+    hs = [
+        m.register_forward_pre_hook(
+            lambda m, a, n=n: depth.setdefault(n, set()).add(torch._C._len_torch_function_stack())
+        )
+        for n, m in model.named_modules()  # type: ignore[attr-defined]
+        if n not in experts
+    ]
+    first = next(iter(experts))
+    boom = experts[first].act_fn.register_forward_hook(_raise)
+    try:
+        with torch.no_grad(), record_expert_rows(model) as out:
+            with pytest.raises(RuntimeError, match="planted"):
+                model(input_ids=IDS)
+            assert torch._C._len_torch_function_stack() == 0
+            boom.remove()
+            depth.clear()
+            model(input_ids=IDS)
+    finally:
+        boom.remove()
+        for h in hs:
+            h.remove()
+    assert torch._C._len_torch_function_stack() == 0
+    assert {n: depth[n] for n in inside} == {n: {1} for n in inside}
+    assert {d for n, ds in depth.items() if n not in inside for d in ds} == {0}
+    want = {
+        (n, 1 if n == first else 0, int(ix[t, k]), t, s)
+        for n, ix in _routing(model).items()
+        for t in range(12)
+        for k in range(2)
+        for s in ("gate_up_proj", "down_proj")
+    }
+    assert out.not_judged == {}
+    assert {k for k in out.rows if k[1] == (1 if k[0] == first else 0)} == want
+
+
+def _raise(*_: object) -> None:
+    raise RuntimeError("planted")

@@ -348,27 +348,50 @@ def _grouped_rows(a: _Active, x: Any, offs: Any, stage: str) -> tuple[str, Any]:
 
 @contextlib.contextmanager
 def record_expert_rows(model: Any) -> Iterator[ExpertRows]:
-    """Record the per-(expert, token) rows of every experts module run inside the block."""
+    """Record the per-(expert, token) rows of every experts module run inside the block.
+
+    The mode is on the torch-function stack only while an experts module runs (entered
+    by the outermost call's pre-hook, left by its forward hook, which also runs when the
+    forward raises): every observation it needs (the sort, the gathers, the matmuls) is
+    made inside the module's forward, and the rest of the model's torch calls do not
+    pass through it."""
     out = ExpertRows()
     mode = _Mode(out)
     calls: dict[str, int] = {}
     handles = []
     for name, mod in experts_modules(model):
         handles.append(mod.register_forward_pre_hook(_pre(mode, calls, name), with_kwargs=True))
-        handles.append(mod.register_forward_hook(_post(mode)))
+        handles.append(mod.register_forward_hook(_post(mode), always_call=True))
     try:
-        with mode:
-            yield out
+        yield out
     finally:
         for h in handles:
             h.remove()
+        if mode.active:  # a call left open (its forward hook removed or never run)
+            mode.active.clear()
+            _leave(mode)
+
+
+def _leave(mode: _Mode) -> None:
+    """Take ``mode`` off the torch-function stack, where it is (a mode pushed after it
+    and not yet popped stays, in its order)."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 def _post(mode: _Mode) -> Any:
-    def hook(*_: Any) -> None:
-        if not mode.active:
-            return
+    def hook(mod: Any, _args: Any, result: Any) -> None:
+        if not mode.active or mode.active[-1].mod is not mod:
+            return  # its pre-hook did not run for this call
         a = mode.active.pop()
+        if not mode.active:
+            _leave(mode)
         if a.name in mode.out.not_judged or a.index is None:
             return
         if not bool((a.index < getattr(a.mod, a.order[0]).shape[0]).any()):
@@ -404,6 +427,8 @@ def _pre(mode: _Mode, calls: dict[str, int], name: str) -> Any:
             hidden, index = hidden.detach(), index.detach()
         else:
             hidden = index = None
+        if not mode.active:
+            mode.__enter__()  # left by the outermost call's forward hook
         mode.active.append(_Active(name, mod, call, impl, hidden, index))
 
     return hook
