@@ -13,7 +13,7 @@ manifest written included):
   their two tensors dumped per call).
 - ``experts``: the same with ``experts=True``: each expert's gate_up_proj / down_proj
   rows per routed token (kind ``expert``; the experts modules hooked too), every torch
-  call of the forward passing experts.py's TorchFunctionMode.
+  call inside an experts module passing experts.py's TorchFunctionMode.
 
 Target: ``capture <= 2x`` plain (medians); ``experts`` has none yet (its ratio reported).
 

@@ -69,7 +69,8 @@ class CaptureOptions:
     # Recorder.backward(out): a random upstream gradient from this seed (None: ones)
     grad_seed: int | None = None
     # each expert's rows per routed token (kind "expert": expertrows.py); off by default:
-    # a TorchFunctionMode sees every torch call of the forward (cost: benchmarks/README.md)
+    # a TorchFunctionMode sees every torch call inside the experts modules, and a SHA-256
+    # per row (cost: benchmarks/README.md)
     experts: bool = False
 
     def __post_init__(self) -> None:
