@@ -30,6 +30,11 @@ UP_ONLY = "up_proj"  # the first stage of an experts module without a gate
 _CALLS: weakref.WeakKeyDictionary[Capture, set[tuple[str, int]]] = weakref.WeakKeyDictionary()
 
 
+#: how an expert boundary's reason begins where a position is routed to the expert in one
+#: run only (a routing flip: a discrete event, never a numerical difference)
+FLIP_REASON = "routing flip, not a numerical difference"
+
+
 def recorded_calls(c: Capture) -> set[tuple[str, int]]:
     """(module, call) of every experts module call whose expert rows ``c`` recorded."""
     got = _CALLS.get(c)
@@ -132,7 +137,7 @@ def judge_expert(
     flips = ""
     if got["only_a"] or got["only_b"]:
         flips = (
-            f"routing flip, not a numerical difference: routed to expert "
+            f"{FLIP_REASON}: routed to expert "
             f"{ba.expert['index'] if ba.expert else '?'} in one run only: "
             + "; ".join(
                 f"in {side} only {_where(got[key])}"
@@ -366,7 +371,7 @@ def across_note(s: Boundary, got: dict[str, Any]) -> tuple[bool | None, list[int
     sides = (("the full-sequence capture", "only_a"), ("the prefill + decode capture", "only_b"))
     flips = "; ".join(f"in {side} only {_where(got[k])}" for side, k in sides if got[k])
     if flips:
-        flips = f"routing flip, not a numerical difference: routed to expert {e} {flips}"
+        flips = f"{FLIP_REASON}: routed to expert {e} {flips}"
     if got["differ"]:
         r, p = got["differ"][0]
         n = len(got["differ"])
@@ -381,7 +386,7 @@ def flip_note(t: Boundary, pairs: list[tuple[str, int]]) -> str:
     """The note of a trainer expert boundary whose rows no pass routed to its expert."""
     e = t.expert["index"] if t.expert else "?"
     return (
-        f"not judged: routing flip, not a numerical difference: routed to expert {e} in the "
+        f"not judged: {FLIP_REASON}: routed to expert {e} in the "
         f"full-sequence capture only {_where(pairs)}"
     )
 
@@ -525,7 +530,7 @@ def expert_lines(summary: dict[str, Any] | None, limit: int = 4) -> list[str]:
 
 
 __all__ = [
-    "absent_reason", "across_note", "across_pairs", "across_summary", "concerns", "describe",
+    "FLIP_REASON", "absent_reason", "across_note", "across_pairs", "across_summary", "concerns", "describe",
     "expert_lines", "expert_role", "expert_summary", "experts_modules", "flip_note",
     "inside_across", "inside_reasons", "judge_expert", "mark", "pair_rows", "up_name",
     "within_experts",

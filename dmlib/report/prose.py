@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from dmlib.localize.expertjudge import FLIP_REASON
 from dmlib.numfmt import general
 from dmlib.numfmt import prose as fmt  # a number for prose: one formatter for every output
 from dmlib.report.htmlsafe import md_code as _c
@@ -447,7 +448,7 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
         at = df.attrs
         unjudged = at.get("unjudged", [])
         # expert boundaries holding a token routed in one run only: the routing table's flips
-        flips = [u for u in unjudged if str(u["reason"]).startswith("routing flip")]
+        flips = [u for u in unjudged if str(u["reason"]).startswith(FLIP_REASON)]
         if at["first_divergent_boundary"] is not None:  # the flips are told apart there
             unjudged = [u for u in unjudged if u not in flips]
         shown = "; ".join(f"{_c(u['boundary'])} ({_t(u['reason'])})" for u in unjudged[:4])
