@@ -90,9 +90,6 @@ STAGES = ("gate_up_proj", "down_proj")
 #: activation alone, then ``down_proj``), in the order they run
 UNGATED_STAGES = ("up_proj", "down_proj")
 
-#: every stage name a row can have
-ALL_STAGES = ("gate_up_proj", "up_proj", "down_proj")
-
 #: the experts implementations whose rows are mapped to tokens
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
