@@ -468,7 +468,7 @@ def captures(results: Mapping[str, pd.DataFrame]) -> tuple[str, list[str]]:
                 text += f" {len(unjudged)} boundaries could not be judged: {shown}."
             if flips:
                 text += (f" {len(flips)} expert boundaries hold a token routed to that expert in "
-                         "one run only (routing flips, below): not judged.")  # fmt: skip
+                         "one run only (routing flips: see the routing table): not judged.")  # fmt: skip
         elif at.get("status") == "identical" and not unjudged:
             text = f"{label}: identical at all {at['n_comparable']} boundaries."
         elif at.get("status") == "identical":
